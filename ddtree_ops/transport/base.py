@@ -1,0 +1,91 @@
+"""The Transport protocol: the one way ddtree-ops touches a host.
+
+Two implementations share it: :mod:`.ssh` (paramiko) and :mod:`.local` (subprocess/os).
+Everything above this layer sees only :class:`CommandResult` and the exception tree in
+:mod:`ddtree_ops.errors`; foreign exceptions are translated inside the implementations.
+
+Commands are argv lists (quoted with :func:`shlex.join` where a shell is unavoidable) or
+a :class:`Script`: a Python/shell program sent on stdin to an interpreter named by argv,
+so that no user value is ever pasted into shell syntax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    duration: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+@dataclass(frozen=True)
+class Script:
+    """A program fed on stdin to ``argv`` (e.g. ``["python3", "-"]`` or ``["sh", "-s", "--", arg1]``).
+
+    Values reach the program as argv entries or through ``stdin_data``; the program text
+    itself is a constant of ours.
+    """
+
+    argv: tuple[str, ...]
+    source: str
+    extra_stdin: str = ""
+
+
+Command = Sequence[str] | Script
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What a host connection offers. Implementations must be usable as context managers."""
+
+    host: str
+
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        """Run a command; raise CommandFailed if ``check`` and it exits non-zero,
+        CommandTimeout past ``timeout`` seconds."""
+        ...
+
+    def read_bytes(self, path: str) -> bytes: ...
+
+    def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write to a temp file in the same directory, fsync, then posix-rename over ``path``."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Transport": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass
+class RoundTripCounter:
+    """Counts remote round trips; tests and benchmarks read it to prove 'one command per host'."""
+
+    commands: int = 0
+    file_ops: int = 0
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.commands + self.file_ops
