@@ -1,0 +1,139 @@
+"""The `ddtree-ops` Typer app: global options, command registration, error rendering.
+
+This is the ONLY place that catches :class:`DdtreeOpsError`: it prints one line and exits
+with the error's exit code (a traceback only with ``--debug``). Each command group lives
+in its own module under ``ddtree_ops/cli/`` and registers itself in :func:`_register`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from ddtree_ops import __version__
+from ddtree_ops.errors import DdtreeOpsError, Interrupted
+
+app = typer.Typer(
+    name="ddtree-ops",
+    help="Deploy, restart, benchmark and report SGLang DDTree speculative decoding across a GPU fleet.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+@dataclass
+class AppContext:
+    """Global options, handed to every command through ``ctx.obj``."""
+
+    inventory: list[Path] = field(default_factory=list)
+    json: bool = False
+    verbose: int = 0
+    debug: bool = False
+    host_key_policy: str = "strict"
+    max_parallel: int = 8
+
+    @property
+    def console(self) -> Console:
+        return console
+
+
+def default_inventory_paths() -> list[Path]:
+    """``$DDTREE_OPS_INVENTORY`` (os.pathsep-separated), else every ``inventories/*.yaml``."""
+    env = os.environ.get("DDTREE_OPS_INVENTORY")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    return sorted(Path("inventories").glob("*.yaml"))
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        console.print(f"ddtree-ops {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    inventory: Optional[list[Path]] = typer.Option(
+        None, "-i", "--inventory", help="Inventory YAML (repeatable). Default: $DDTREE_OPS_INVENTORY or inventories/*.yaml."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
+    verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More detail (repeat for more)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    host_key_policy: str = typer.Option(
+        "strict",
+        "--host-key-policy",
+        help="strict: reject unknown host keys (default); accept-new: add unknown keys, still reject changed ones.",
+    ),
+    max_parallel: int = typer.Option(8, "--max-parallel", min=1, help="Hosts worked on at once."),
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Show the version."),
+) -> None:
+    if host_key_policy not in ("strict", "accept-new"):
+        raise typer.BadParameter("must be 'strict' or 'accept-new'", param_hint="--host-key-policy")
+    ctx.obj = AppContext(
+        inventory=list(inventory) if inventory else default_inventory_paths(),
+        json=json_output,
+        verbose=verbose,
+        debug=debug,
+        host_key_policy=host_key_policy,
+        max_parallel=max_parallel,
+    )
+
+
+def _register() -> None:
+    """Import command modules; each one adds its commands to ``app``."""
+    import importlib
+
+    for name in (
+        "hosts",
+        "doctor",
+        "deploy",
+        "selftest",
+        "service",
+        "bench",
+        "report",
+    ):
+        try:
+            importlib.import_module(f"ddtree_ops.cli.{name}")
+        except ModuleNotFoundError as exc:
+            # A command module not written yet; anything else missing is a real error.
+            if exc.name != f"ddtree_ops.cli.{name}":
+                raise
+
+
+def run() -> None:
+    """Console-script entry point."""
+    _register()
+    debug = "--debug" in sys.argv
+    try:
+        app(standalone_mode=False)
+    except DdtreeOpsError as exc:
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(Interrupted.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("[yellow]aborted[/]")
+        sys.exit(1)
+    except Exception as exc:  # click usage errors arrive here in standalone_mode=False
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
