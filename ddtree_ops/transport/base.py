@@ -89,3 +89,12 @@ class RoundTripCounter:
     @property
     def total(self) -> int:
         return self.commands + self.file_ops
+
+
+def command_text(command: Command) -> str:
+    """The command as one shell-quoted line, for logs, error messages and the SSH exec request."""
+    import shlex
+
+    if isinstance(command, Script):
+        return shlex.join(command.argv)
+    return shlex.join(list(command))

@@ -1,0 +1,158 @@
+"""LocalTransport: the Transport protocol on this machine, with subprocess and os.
+
+Used for ``ansible_connection: local`` hosts (the simulated demo fleet) and as the
+reference implementation that the SSH transport is tested against (same test
+functions, both transports). It behaves like the SSH transport wherever a caller could
+tell: a missing executable is exit code 127 rather than an exception (that is what a
+remote shell answers), ``~`` in paths means the home directory, and file operations
+raise :class:`RemoteFileError` naming the host and path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
+from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text
+
+
+class LocalTransport:
+    """Runs commands as child processes of this one; files through os."""
+
+    def __init__(self, name: str = "localhost", *, counter: RoundTripCounter | None = None) -> None:
+        self.host = name
+        self.counter = counter
+
+    def __enter__(self) -> LocalTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing is held open between calls."""
+
+    def _count(self, kind: str, what: str) -> None:
+        if self.counter is None:
+            return
+        if kind == "command":
+            self.counter.commands += 1
+        else:
+            self.counter.file_ops += 1
+        self.counter.log.append(f"{self.host} {kind}: {what}")
+
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        text = command_text(command)
+        self._count("command", text)
+        if isinstance(command, Script):
+            argv = list(command.argv)
+            stdin = command.source + command.extra_stdin
+        else:
+            argv = list(command)
+            stdin = ""
+        if not argv:
+            raise ValueError("empty command")
+        full_env = None
+        if env:
+            full_env = dict(os.environ)
+            full_env.update(env)
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                argv,
+                input=stdin.encode(),
+                capture_output=True,
+                timeout=timeout,
+                env=full_env,
+                cwd=expand_path(cwd) if cwd else None,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise CommandTimeout(
+                f"command did not finish within {timeout:g}s: {text[:200]}", host=self.host, timeout=timeout
+            ) from exc
+        except FileNotFoundError as exc:
+            # A missing cwd is also FileNotFoundError; a shell would say so and exit 1/127.
+            if cwd and not Path(expand_path(cwd)).is_dir():
+                result = CommandResult(1, "", f"cd: {cwd}: No such file or directory\n", time.monotonic() - start)
+            else:
+                result = CommandResult(127, "", f"{argv[0]}: command not found\n", time.monotonic() - start)
+        except PermissionError:
+            result = CommandResult(126, "", f"{argv[0]}: Permission denied\n", time.monotonic() - start)
+        else:
+            result = CommandResult(
+                proc.returncode,
+                proc.stdout.decode(errors="replace"),
+                proc.stderr.decode(errors="replace"),
+                time.monotonic() - start,
+            )
+        if check and result.returncode != 0:
+            raise CommandFailed(result.returncode, text, result.stderr, host=self.host)
+        return result
+
+    def read_bytes(self, path: str) -> bytes:
+        self._count("read", path)
+        try:
+            return Path(expand_path(path)).read_bytes()
+        except OSError as exc:
+            raise RemoteFileError(f"cannot read {path}: {exc.strerror or exc}", host=self.host) from exc
+
+    def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self._count("write", path)
+        target = Path(expand_path(path))
+        tmp_name: str | None = None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp_name, mode)
+            os.replace(tmp_name, target)
+            tmp_name = None
+            _fsync_dir(target.parent)
+        except OSError as exc:
+            raise RemoteFileError(f"cannot write {path}: {exc.strerror or exc}", host=self.host) from exc
+        finally:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name)
+                except OSError:
+                    pass
+
+    def exists(self, path: str) -> bool:
+        self._count("stat", path)
+        return os.path.lexists(expand_path(path))
+
+
+def expand_path(path: str) -> str:
+    """``~`` and ``~/x`` mean the home directory, as they do for a remote login shell."""
+    return os.path.expanduser(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every filesystem allows opening a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
