@@ -10,7 +10,9 @@ TORCH_PIN := torch==2.13.0
 # The real SGLang 0.5.23 wheel, downloaded once; the test fleet installs it into each host.
 WHEELS := .cache/wheels
 
-.PHONY: venv test demo clean
+DEMO_HOSTS := sim-ct200 sim-b300
+
+.PHONY: venv test demo demo-hosts clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +28,22 @@ venv: $(STAMP)
 test: $(STAMP)
 	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
-demo: $(STAMP)
+# Each local simulated host gets its own Python prefix holding the real SGLang 0.5.23
+# files (the site-packages that `deploy` patches); a .pth exposes the main venv so that
+# torch and ddtree_ops (the simulator) import there too.
+demo-hosts: $(STAMP)
+	@for h in $(DEMO_HOSTS); do \
+	  d=.cache/demo-hosts/$$h; \
+	  if [ ! -f $$d/.ready ]; then \
+	    rm -rf $$d && $(PY) -m venv --without-pip $$d && \
+	    $(PY) -m pip --python $$d/bin/python install -q --no-deps $(WHEELS)/sglang-0.5.23-*.whl && \
+	    sp=$$($$d/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	    $(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $$sp/ddtree_ops_dev.pth && \
+	    touch $$d/.ready || exit 1; \
+	  fi; \
+	done
+
+demo: demo-hosts
 	$(VENV)/bin/ddtree-ops -i inventories/local.yaml doctor all
 
 clean:
