@@ -1,0 +1,325 @@
+"""The benchmark ledger: one flat JSON object per (host, cell, repeat), one per line.
+
+The ledger is the only hand-off between ``bench`` (which appends) and ``report`` (which
+reads), and it outlives both: rows written today are read by next month's report. So:
+
+* rows are **flat** (``ttft_ms_p99``, ``workload_num_prompts``), because pandas turns a
+  flat JSON line into typed columns directly, while nested objects would need
+  ``json_normalize`` (per-row Python, far too slow for a million rows);
+* the two values that are naturally not scalars stay as they are: ``server_argv``
+  (a list of strings) and ``readiness_s`` (phase name -> seconds);
+* every row carries ``schema_version``; a reader refuses (and reports) rows of a version
+  it does not know instead of silently misreading them;
+* appending is one ``write`` of one complete line, flushed and fsynced, so a crash loses
+  at most the line being written — and a truncated last line is reported by
+  :func:`read_ledger`, never fatal, and never glued to the next appended row.
+
+The field list, units and meaning are documented in ``results/README.md``; the constants
+below are the single source of truth the README is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ddtree_ops.errors import BenchError
+
+SCHEMA_VERSION = 1
+
+Algorithm = Literal["AR", "DFLASH", "DDTREE"]
+ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
+STATUSES: tuple[str, ...] = ("ok", "failed")
+
+#: Latency distributions recorded per row, each as ``<name>_<stat>`` in milliseconds.
+LATENCY_METRICS: tuple[str, ...] = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+LATENCY_STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """One ledger line. Build it, then ``append_row(path, row)`` (or pass a plain dict).
+
+    Optional provenance (GPU, bundle, versions) is ``None`` when it could not be
+    learned; metrics are ``None`` on a row whose cell failed before measuring anything.
+    """
+
+    # identity and provenance
+    run_id: str
+    sweep: str
+    started_at: str  # ISO 8601 UTC, e.g. 2026-05-01T12:00:00Z
+    finished_at: str
+    host: str
+    gpu_name: str | None
+    gpu_arch: str | None  # e.g. "sm_120"
+    gpu_count: int | None
+    driver: str | None
+    sglang_version: str | None
+    bundle_name: str | None
+    bundle_hash: str | None
+    # server configuration
+    server_argv: list[str]
+    algorithm: str  # one of ALGORITHMS
+    budget: int | None  # DDTREE node budget; None for AR and DFLASH
+    topk: int | None  # DDTREE per-position top-k; None for AR and DFLASH
+    cuda_graph: bool
+    fallback_reason: str | None
+    readiness_s: dict[str, float]
+    # workload and sampling
+    workload_hash: str
+    workload_name: str
+    workload_num_prompts: int
+    workload_max_new_tokens: int
+    workload_ignore_eos: bool
+    workload_seed: int | None
+    temperature: float
+    top_p: float
+    top_k: int  # -1 = disabled (SGLang's convention)
+    concurrency: int
+    request_rate: float | None  # requests/s (Poisson); None = closed loop
+    repeat: int  # 0-based
+    # outcome
+    status: str  # "ok" | "failed"
+    error: str | None
+    # metrics
+    completed: int | None = None
+    failed: int | None = None
+    duration_s: float | None = None
+    output_tok_s: float | None = None
+    request_s: float | None = None
+    total_input_tokens: int | None = None
+    total_output_tokens: int | None = None
+    ttft_ms_mean: float | None = None
+    ttft_ms_median: float | None = None
+    ttft_ms_p90: float | None = None
+    ttft_ms_p99: float | None = None
+    itl_ms_mean: float | None = None
+    itl_ms_median: float | None = None
+    itl_ms_p90: float | None = None
+    itl_ms_p99: float | None = None
+    tpot_ms_mean: float | None = None
+    tpot_ms_median: float | None = None
+    tpot_ms_p90: float | None = None
+    tpot_ms_p99: float | None = None
+    e2e_ms_mean: float | None = None
+    e2e_ms_median: float | None = None
+    e2e_ms_p90: float | None = None
+    e2e_ms_p99: float | None = None
+    accept_length: float | None = None  # sum(completion tokens) / sum(verify_ct)
+    verify_ct: int | None = None
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: Every field of a row, in ledger order (schema_version first).
+FIELDS: tuple[str, ...] = ("schema_version",) + tuple(
+    f.name for f in fields(LedgerRow) if f.name != "schema_version"
+)
+#: Fields a row must carry (the metrics default to None).
+REQUIRED: tuple[str, ...] = tuple(
+    f.name for f in fields(LedgerRow) if f.default is MISSING and f.default_factory is MISSING
+)
+
+#: Columns that identify a cell's server + workload configuration (used by --resume and
+#: by the report to pool repeats). ``cuda_graph`` is deliberately absent: it is an
+#: outcome (eager fallback), not something the sweep asks for.
+KEY_FIELDS: tuple[str, ...] = (
+    "host",
+    "algorithm",
+    "budget",
+    "topk",
+    "temperature",
+    "top_p",
+    "top_k",
+    "concurrency",
+    "request_rate",
+    "workload_hash",
+    "repeat",
+)
+
+
+@dataclass(frozen=True)
+class LedgerRead:
+    """What :func:`read_ledger` found: valid rows and (1-based line number, reason) pairs."""
+
+    rows: list[dict[str, Any]]
+    bad_lines: list[tuple[int, str]]
+
+
+def validate_row(row: Mapping[str, Any]) -> str | None:
+    """Why ``row`` is not a valid current-schema ledger row, or None when it is.
+
+    Cheap structural checks only (the writer's contract), so that a typo in a field name
+    fails when the row is written, not months later when a report misses a column.
+    """
+    version = row.get("schema_version")
+    if version != SCHEMA_VERSION:
+        return f"schema_version {version!r} is not {SCHEMA_VERSION}"
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        return f"missing field(s): {', '.join(missing)}"
+    unknown = sorted(set(row) - set(FIELDS))
+    if unknown:
+        return f"unknown field(s): {', '.join(unknown)}"
+    if row["algorithm"] not in ALGORITHMS:
+        return f"algorithm {row['algorithm']!r} is not one of {', '.join(ALGORITHMS)}"
+    if row["status"] not in STATUSES:
+        return f"status {row['status']!r} is not one of {', '.join(STATUSES)}"
+    if not isinstance(row["cuda_graph"], bool):
+        return "cuda_graph must be true or false"
+    if not isinstance(row["server_argv"], list):
+        return "server_argv must be a list of strings"
+    return None
+
+
+# One lock per ledger file: hosts run in threads and share one ledger.
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(path: Path) -> threading.Lock:
+    key = os.path.abspath(path)
+    with _locks_guard:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _json_default(value: Any) -> Any:
+    # Tuples and numpy scalars reach here from callers; encode them as plain JSON.
+    if isinstance(value, (tuple, set, frozenset)):
+        return list(value)
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def encode_row(row: Mapping[str, Any] | LedgerRow) -> bytes:
+    """One ledger line (with its newline) for ``row``, validated; BenchError if invalid."""
+    data = row.to_dict() if isinstance(row, LedgerRow) else dict(row)
+    data.setdefault("schema_version", SCHEMA_VERSION)
+    for name in FIELDS:
+        if name not in REQUIRED:
+            data.setdefault(name, None)
+    problem = validate_row(data)
+    if problem:
+        raise BenchError(f"ledger row for host {data.get('host')!r}: {problem}")
+    ordered = {name: data[name] for name in FIELDS}
+    for name, value in ordered.items():
+        # NaN/inf are not JSON; a metric that could not be computed is null.
+        if isinstance(value, float) and not math.isfinite(value):
+            ordered[name] = None
+    text = json.dumps(ordered, default=_json_default, ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8") + b"\n"
+
+
+def append_row(path: Path | str, row: Mapping[str, Any] | LedgerRow) -> None:
+    """Append one row to the ledger at ``path`` (created with its parents), flushed+fsynced.
+
+    If the file ends in a partial line (a writer died mid-line), a newline is written
+    first so that the partial line stays one reportable bad line instead of corrupting
+    this row too.
+    """
+    path = Path(path)
+    line = encode_row(row)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _lock_for(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    line = b"\n" + line
+                # One write of the whole line: O_APPEND keeps concurrent appenders apart.
+                written = os.write(fd, line)
+                while written < len(line):
+                    written += os.write(fd, line[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise BenchError(f"{path}: cannot append to the ledger: {exc.strerror or exc}") from exc
+
+
+def parse_lines(lines: Iterable[bytes], *, first_lineno: int = 1, at_eof: bool = True) -> LedgerRead:
+    """Parse ledger lines; bad ones become (lineno, reason). Shared by both readers.
+
+    ``at_eof`` says whether the last line given is the file's last line: only there is a
+    line without its newline a crash artefact ("truncated") rather than plain garbage.
+    """
+    rows: list[dict[str, Any]] = []
+    bad: list[tuple[int, str]] = []
+    buffered = list(lines)
+    for offset, raw in enumerate(buffered):
+        lineno = first_lineno + offset
+        if not raw.strip():
+            continue
+        is_last = at_eof and offset == len(buffered) - 1
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            if is_last and not raw.endswith(b"\n"):
+                bad.append((lineno, "truncated last line (a writer stopped mid-line)"))
+            else:
+                bad.append((lineno, f"not valid JSON: {exc}"[:200]))
+            continue
+        if not isinstance(obj, dict):
+            bad.append((lineno, "not a JSON object"))
+            continue
+        version = obj.get("schema_version")
+        if version != SCHEMA_VERSION:
+            bad.append((lineno, f"unsupported schema_version {version!r} (this reader knows {SCHEMA_VERSION})"))
+            continue
+        rows.append(obj)
+    return LedgerRead(rows=rows, bad_lines=bad)
+
+
+def read_ledger(path: Path | str) -> LedgerRead:
+    """Every valid row of one ledger plus its bad lines. A missing file reads as empty.
+
+    Rows are returned as parsed (fields absent from older writers are simply absent);
+    the report fills gaps with nulls.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            return parse_lines(fh)
+    except FileNotFoundError:
+        return LedgerRead(rows=[], bad_lines=[])
+    except OSError as exc:
+        raise BenchError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from exc
+
+
+def _norm(value: Any) -> str:
+    # 0 and 0.0 (and 1 and 1.0) must give the same key: JSON round trips and YAML sweeps
+    # do not agree on int vs float.
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        as_float = float(value)
+        if math.isnan(as_float):
+            return "-"
+        return repr(as_float)
+    return str(value)
+
+
+def row_key(row: Mapping[str, Any]) -> str:
+    """Identity of a (host, configuration, workload, repeat) for ``--resume``.
+
+    Works on a ledger row and on a planned cell alike (anything holding
+    :data:`KEY_FIELDS`; missing ones count as null).
+    """
+    return "|".join(f"{name}={_norm(row.get(name))}" for name in KEY_FIELDS)
+
+
+def completed_keys(rows: Sequence[Mapping[str, Any]], *, include_failed: bool = False) -> set[str]:
+    """Keys of rows ``--resume`` may skip. Failed rows are retried unless asked otherwise."""
+    return {row_key(r) for r in rows if include_failed or r.get("status") == "ok"}
