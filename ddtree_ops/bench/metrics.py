@@ -1,0 +1,125 @@
+"""Per-request records -> per-cell figures. Pure: no I/O, no clock, no printing.
+
+Throughput is output tokens (as the server counted them in ``meta_info``) over the wall
+time from the first request sent to the last response finished. ITL is per token: a
+streamed chunk that carries n new tokens (speculation emits several per step) contributes
+n gaps of chunk_gap/n, as SGLang's own benchmark does, so ITL stays comparable between
+DDTree and the autoregressive baseline. The acceptance length is weighted by verify count
+(sum completion tokens / sum verify steps over the cell's requests) — never the server's
+lifetime average and never ``spec_accept_rate``, whose chain denominator is wrong for trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request as the client saw it. Times are seconds; ``start``/``end`` are on the
+    client's monotonic clock (only differences mean anything)."""
+
+    ok: bool
+    start: float
+    end: float
+    ttft: float | None = None
+    itls: tuple[float, ...] = ()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec_accept_length: float | None = None
+    spec_verify_ct: int | None = None
+    chunks: int = 0
+    error: str | None = None
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Stat:
+    mean: float | None = None
+    median: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+def _stat(values_s: Sequence[float]) -> Stat:
+    """Summary in milliseconds; None when there is nothing to summarise (all failed)."""
+    if not values_s:
+        return Stat()
+    arr = np.asarray(values_s, dtype=float) * 1000.0
+    return Stat(
+        mean=float(arr.mean()),
+        median=float(np.median(arr)),
+        p90=float(np.percentile(arr, 90)),
+        p99=float(np.percentile(arr, 99)),
+    )
+
+
+@dataclass(frozen=True)
+class CellMetrics:
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    output_tok_s: float
+    request_s: float
+    ttft_ms: Stat = field(default_factory=Stat)
+    itl_ms: Stat = field(default_factory=Stat)
+    tpot_ms: Stat = field(default_factory=Stat)
+    e2e_ms: Stat = field(default_factory=Stat)
+    accept_length: float | None = None
+    verify_steps: int = 0
+    errors: tuple[str, ...] = ()
+
+    def flat(self) -> dict[str, object]:
+        """Flat ``name_stat`` keys (``ttft_ms_p99``…) as the ledger stores them."""
+        out: dict[str, object] = {}
+        for key, value in asdict(self).items():
+            if isinstance(value, dict):
+                for stat, v in value.items():
+                    out[f"{key}_{stat}"] = v
+            elif isinstance(value, tuple):
+                out[key] = list(value)
+            else:
+                out[key] = value
+        return out
+
+
+def calculate_metrics(results: Sequence[RequestResult], *, duration_s: float | None = None) -> CellMetrics:
+    """Summarise one cell. ``duration_s`` defaults to first start -> last end of all requests
+    (failed ones included: they occupied the run)."""
+    if duration_s is None:
+        duration_s = (max(r.end for r in results) - min(r.start for r in results)) if results else 0.0
+    good = [r for r in results if r.ok]
+    output_tokens = sum(r.completion_tokens for r in good)
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    itls = [x for r in good for x in r.itls]
+    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in good if r.ttft is not None and r.completion_tokens > 1]
+    spec = [r for r in good if r.spec_verify_ct]
+    verify = sum(r.spec_verify_ct or 0 for r in spec)
+    accept = sum(r.completion_tokens for r in spec) / verify if verify else None
+    errors = tuple(dict.fromkeys(r.error or "failed" for r in results if not r.ok))[:5]
+    return CellMetrics(
+        requests=len(results),
+        completed=len(good),
+        failed=len(results) - len(good),
+        duration_s=duration_s,
+        input_tokens=sum(r.prompt_tokens for r in good),
+        output_tokens=output_tokens,
+        output_tok_s=output_tokens / duration_s if duration_s > 0 else 0.0,
+        request_s=len(good) / duration_s if duration_s > 0 else 0.0,
+        ttft_ms=_stat(ttfts),
+        itl_ms=_stat(itls),
+        tpot_ms=_stat(tpots),
+        e2e_ms=_stat([r.e2e for r in good]),
+        accept_length=accept,
+        verify_steps=verify,
+        errors=errors,
+    )

@@ -1,0 +1,315 @@
+"""Sweep files: the YAML a person writes to ask "which budget/top-k is fastest here?".
+
+A sweep names its targets (inventory groups or hosts), the baselines to run under the
+same workload, a grid of server and sampling parameters, optional ``exclude``/``include``
+rules, the workload and how often to repeat each cell. Everything is validated at load
+time and every complaint names the file and the key, so a typo fails before any server
+is restarted. The result is a frozen :class:`SweepSpec`; expanding it into cells is the
+pure job of :mod:`ddtree_ops.bench.plan`.
+
+Example::
+
+    name: demo
+    targets: [local]
+    baselines: [autoregressive, dflash]
+    grid:
+      algorithm: [ddtree]
+      budget: [4, 8, 16]
+      topk: [2, 4]
+      temperature: [0.0, 0.6]
+      concurrency: [1, 8]
+    exclude:
+      - {budget: 16, topk: 2}
+    workload: {prompt_set: mixed, num_prompts: 32, max_new_tokens: 128, seed: 0}
+    repeats: 1
+    warmup: 2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ddtree_ops.errors import DdtreeOpsError, SweepError
+
+ALGORITHMS = ("ddtree", "dflash", "autoregressive")
+BASELINES = ("autoregressive", "dflash")
+
+# Every grid axis with its default (a one-element list) and the validator of one value.
+GRID_DEFAULTS: Mapping[str, tuple[Any, ...]] = {
+    "algorithm": ("ddtree",),
+    "budget": (16,),
+    "topk": (4,),
+    "temperature": (0.0,),
+    "top_p": (1.0,),
+    "top_k": (-1,),
+    "concurrency": (1,),
+}
+# Axes whose change needs a server restart; the others run on a live server. CUDA-graph vs
+# eager is not an axis: the lifecycle decides it (eager fallback) and every row records it.
+SERVER_AXES = ("algorithm", "budget", "topk")
+
+_TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
+             "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s"}
+_WORKLOAD_KEYS = {"prompt_files", "prompt_set", "num_prompts", "max_new_tokens", "ignore_eos", "seed"}
+APIS = ("generate", "openai")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is sent: prompts (files and/or a named set), how many, how long, which seed."""
+
+    prompt_files: tuple[Path, ...] = ()
+    prompt_set: str | None = None
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    ignore_eos: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A validated sweep file. ``grid`` maps every axis in :data:`GRID_DEFAULTS` to a tuple."""
+
+    name: str
+    source: Path
+    targets: tuple[str, ...]
+    baselines: tuple[str, ...]
+    grid: Mapping[str, tuple[Any, ...]]
+    exclude: tuple[Mapping[str, tuple[Any, ...]], ...] = ()
+    include: tuple[Mapping[str, Any], ...] = ()
+    workload: Workload = field(default_factory=Workload)
+    repeats: int = 1
+    warmup: int = 1
+    request_rate: float | None = None
+    api: str = "generate"
+    request_timeout_s: float = 600.0
+    description: str = ""
+
+
+def _fail(path: Path, key: str, msg: str) -> SweepError:
+    return SweepError(f"{path}: {key}: {msg}")
+
+
+def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
+    """Validate one grid value; returns it normalised (ints as int, floats as float)."""
+    where = f"{key}"
+    if axis == "algorithm":
+        if not isinstance(value, str) or value.lower() not in ALGORITHMS:
+            raise _fail(path, where, f"unknown algorithm {value!r} (expected one of {', '.join(ALGORITHMS)})")
+        return value.lower()
+    if axis in ("budget", "topk", "concurrency"):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise _fail(path, where, f"must be a positive integer, got {value!r}")
+        return value
+    if axis == "top_k":
+        if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
+            raise _fail(path, where, f"must be a positive integer or -1 (disabled), got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(path, where, f"must be a number, got {value!r}")
+    value = float(value)
+    if axis == "temperature" and value < 0:
+        raise _fail(path, where, f"must be >= 0, got {value}")
+    if axis == "top_p" and not 0 < value <= 1:
+        raise _fail(path, where, f"must be in (0, 1], got {value}")
+    return value
+
+
+def _as_list(path: Path, key: str, raw: Any) -> list[Any]:
+    if isinstance(raw, list):
+        if not raw:
+            raise _fail(path, key, "is an empty list")
+        return raw
+    if isinstance(raw, Mapping):
+        raise _fail(path, key, "must be a value or a list of values")
+    return [raw]
+
+
+def _int(path: Path, key: str, raw: Any, *, minimum: int) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum:
+        raise _fail(path, key, f"must be an integer >= {minimum}, got {raw!r}")
+    return raw
+
+
+def _parse_grid(path: Path, raw: Any) -> dict[str, tuple[Any, ...]]:
+    if raw is None or (isinstance(raw, Mapping) and not raw):
+        raise _fail(path, "grid", "is empty (give at least one axis, e.g. budget: [8, 16])")
+    if not isinstance(raw, Mapping):
+        raise _fail(path, "grid", "must be a mapping of axis -> list of values")
+    grid: dict[str, tuple[Any, ...]] = {}
+    for axis, values in raw.items():
+        if axis not in GRID_DEFAULTS:
+            raise _fail(path, f"grid.{axis}", f"unknown axis (expected one of {', '.join(GRID_DEFAULTS)})")
+        items = _as_list(path, f"grid.{axis}", values)
+        normalised = [_check_value(path, f"grid.{axis}", axis, v) for v in items]
+        if len(set(normalised)) != len(normalised):
+            raise _fail(path, f"grid.{axis}", "lists a value twice")
+        grid[axis] = tuple(normalised)
+    for axis, default in GRID_DEFAULTS.items():
+        grid.setdefault(axis, default)
+    return grid
+
+
+def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[str, Any], ...]:
+    """``exclude`` rules match values (a rule value may be a list: any of); ``include`` entries
+    are single extra cells."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _fail(path, key, "must be a list of mappings")
+    rules: list[dict[str, Any]] = []
+    for i, rule in enumerate(raw):
+        where = f"{key}[{i}]"
+        if not isinstance(rule, Mapping) or not rule:
+            raise _fail(path, where, "must be a non-empty mapping of axis -> value")
+        parsed: dict[str, Any] = {}
+        for axis, value in rule.items():
+            if axis not in GRID_DEFAULTS:
+                raise _fail(path, f"{where}.{axis}", f"unknown axis (expected one of {', '.join(GRID_DEFAULTS)})")
+            if single:
+                if isinstance(value, (list, Mapping)):
+                    raise _fail(path, f"{where}.{axis}", "an include entry takes one value per axis")
+                parsed[axis] = _check_value(path, f"{where}.{axis}", axis, value)
+            else:
+                parsed[axis] = tuple(
+                    _check_value(path, f"{where}.{axis}", axis, v) for v in _as_list(path, f"{where}.{axis}", value)
+                )
+        rules.append(parsed)
+    return tuple(rules)
+
+
+def _parse_workload(path: Path, raw: Any) -> Workload:
+    if raw is None:
+        raise _fail(path, "workload", "is missing (give prompt_files or prompt_set)")
+    if not isinstance(raw, Mapping):
+        raise _fail(path, "workload", "must be a mapping")
+    for key in raw:
+        if key not in _WORKLOAD_KEYS:
+            raise _fail(path, f"workload.{key}", f"unknown key (expected one of {', '.join(sorted(_WORKLOAD_KEYS))})")
+    files_raw = raw.get("prompt_files", [])
+    if isinstance(files_raw, str):
+        files_raw = [files_raw]
+    if not isinstance(files_raw, list) or not all(isinstance(f, str) for f in files_raw):
+        raise _fail(path, "workload.prompt_files", "must be a path or a list of paths")
+    files: list[Path] = []
+    for f in files_raw:
+        p = Path(f).expanduser()
+        if not p.is_absolute():
+            p = (path.parent / p).resolve()
+        if not p.is_file():
+            raise _fail(path, "workload.prompt_files", f"prompt file not found: {p}")
+        files.append(p)
+    prompt_set = raw.get("prompt_set")
+    if prompt_set is not None and not isinstance(prompt_set, str):
+        raise _fail(path, "workload.prompt_set", f"must be a name, got {prompt_set!r}")
+    if not files and prompt_set is None:
+        raise _fail(path, "workload", "give prompt_files or prompt_set")
+    if prompt_set is not None:
+        from ddtree_ops.bench.prompts import find_prompt_set
+
+        try:
+            find_prompt_set(prompt_set, search=(path.parent,))
+        except SweepError as exc:
+            raise _fail(path, "workload.prompt_set", exc.message) from None
+    ignore_eos = raw.get("ignore_eos", True)
+    if not isinstance(ignore_eos, bool):
+        raise _fail(path, "workload.ignore_eos", f"must be true or false, got {ignore_eos!r}")
+    return Workload(
+        prompt_files=tuple(files),
+        prompt_set=prompt_set,
+        num_prompts=_int(path, "workload.num_prompts", raw.get("num_prompts", 32), minimum=1),
+        max_new_tokens=_int(path, "workload.max_new_tokens", raw.get("max_new_tokens", 128), minimum=1),
+        ignore_eos=ignore_eos,
+        seed=_int(path, "workload.seed", raw.get("seed", 0), minimum=0),
+    )
+
+
+def parse_sweep(data: Any, path: Path) -> SweepSpec:
+    """Validate an already-parsed YAML document; ``path`` anchors relative prompt files."""
+    if not isinstance(data, Mapping):
+        raise SweepError(f"{path}: the sweep file must be a YAML mapping")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise _fail(path, str(key), f"unknown key (expected one of {', '.join(sorted(_TOP_KEYS))})")
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip() or "/" in name:
+        raise _fail(path, "name", "must be a non-empty name without '/' (it names the ledger file)")
+    targets_raw = data.get("targets")
+    if isinstance(targets_raw, str):
+        targets_raw = [targets_raw]
+    if not isinstance(targets_raw, list) or not targets_raw or not all(isinstance(t, str) and t for t in targets_raw):
+        raise _fail(path, "targets", "must be a non-empty list of inventory groups or hosts")
+    baselines_raw = data.get("baselines", [])
+    if isinstance(baselines_raw, str):
+        baselines_raw = [baselines_raw]
+    if not isinstance(baselines_raw, list):
+        raise _fail(path, "baselines", "must be a list")
+    for b in baselines_raw:
+        if b not in BASELINES:
+            raise _fail(path, "baselines", f"unknown baseline {b!r} (expected any of {', '.join(BASELINES)})")
+    rate = data.get("request_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+        raise _fail(path, "request_rate", f"must be a positive number of requests/s, got {rate!r}")
+    api = data.get("api", "generate")
+    if api not in APIS:
+        raise _fail(path, "api", f"must be one of {', '.join(APIS)}, got {api!r}")
+    timeout = data.get("request_timeout_s", 600.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise _fail(path, "request_timeout_s", f"must be a positive number, got {timeout!r}")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(path, "description", "must be text")
+    return SweepSpec(
+        name=name.strip(),
+        source=path,
+        targets=tuple(targets_raw),
+        baselines=tuple(dict.fromkeys(baselines_raw)),
+        grid=_parse_grid(path, data.get("grid")),
+        exclude=_parse_rules(path, "exclude", data.get("exclude"), single=False),
+        include=_parse_rules(path, "include", data.get("include"), single=True),
+        workload=_parse_workload(path, data.get("workload")),
+        repeats=_int(path, "repeats", data.get("repeats", 1), minimum=1),
+        warmup=_int(path, "warmup", data.get("warmup", 1), minimum=0),
+        request_rate=float(rate) if rate is not None else None,
+        api=api,
+        request_timeout_s=float(timeout),
+        description=description,
+    )
+
+
+def load_sweep(path: Path) -> SweepSpec:
+    """Read and validate a sweep file; every error is a :class:`SweepError` naming file and key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepError(f"{path}: sweep file not found") from None
+    except OSError as exc:
+        raise SweepError(f"{path}: cannot read sweep file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise SweepError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    return parse_sweep(data, path)
+
+
+def check_targets(spec: SweepSpec, resolve: Callable[[str], Sequence[object]]) -> None:
+    """Fail early, naming the file, if a target is not a group or host of the inventory.
+
+    ``resolve`` is ``Inventory.resolve``; it raises a TargetError (or returns nothing) for
+    unknown names.
+    """
+    for target in spec.targets:
+        try:
+            found = resolve(target)
+        except DdtreeOpsError as exc:
+            raise _fail(spec.source, "targets", f"unknown target {target!r} ({exc})") from None
+        if not found:
+            raise _fail(spec.source, "targets", f"unknown target {target!r} (no such group or host)")

@@ -1,0 +1,104 @@
+"""Sweep-file validation: every bad input names the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree_ops.bench.sweep import check_targets, load_sweep
+from ddtree_ops.errors import SweepError, TargetError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, doc: dict, *, prompts: bool = True) -> Path:
+    if prompts:
+        (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n')
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def base() -> dict:
+    return {
+        "name": "t",
+        "targets": ["local"],
+        "grid": {"budget": [4, 8], "temperature": [0.0, 0.6]},
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 4},
+    }
+
+
+def test_shipped_sweeps_load() -> None:
+    demo = load_sweep(REPO / "bench_configs" / "demo.yaml")
+    budgets = load_sweep(REPO / "bench_configs" / "budgets.yaml")
+    assert demo.targets == ("local",)
+    assert budgets.grid["budget"] == (4, 8, 12, 16, 24, 32, 48, 64)
+    assert budgets.grid["temperature"] == (0.0, 0.6, 1.0)
+    assert set(budgets.baselines) == {"autoregressive", "dflash"}
+
+
+def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
+    spec = load_sweep(write(tmp_path, base()))
+    assert spec.grid["topk"] == (4,) and spec.grid["concurrency"] == (1,)
+    assert spec.workload.prompt_files == ((tmp_path / "p.jsonl").resolve(),)
+    assert spec.repeats == 1 and spec.api == "generate"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda d: d.update(budgte=[1]), "budgte: unknown key"),
+        (lambda d: d["grid"].update(bugdet=[1]), "grid.bugdet: unknown axis"),
+        (lambda d: d.update(grid={}), "grid: is empty"),
+        (lambda d: d["grid"].update(budget=[]), "grid.budget: is an empty list"),
+        (lambda d: d["grid"].update(budget=[8, 0]), "grid.budget: must be a positive integer, got 0"),
+        (lambda d: d["grid"].update(budget=[-4]), "grid.budget: must be a positive integer"),
+        (lambda d: d["grid"].update(temperature=[-0.1]), "grid.temperature: must be >= 0"),
+        (lambda d: d["grid"].update(top_p=[1.5]), "grid.top_p: must be in (0, 1]"),
+        (lambda d: d["grid"].update(algorithm=["eagle"]), "unknown algorithm 'eagle'"),
+        (lambda d: d["workload"].update(prompt_files=["missing.jsonl"]), "prompt file not found"),
+        (lambda d: d["workload"].update(num_promts=3), "workload.num_promts: unknown key"),
+        (lambda d: d.update(baselines=["eagle"]), "baselines: unknown baseline 'eagle'"),
+        (lambda d: d.update(exclude=[{"budget": 4, "colour": 1}]), "exclude[0].colour: unknown axis"),
+        (lambda d: d.update(repeats=0), "repeats: must be an integer >= 1"),
+        (lambda d: d.update(targets=[]), "targets: must be a non-empty list"),
+        (lambda d: d["workload"].update(prompt_set="nosuchset"), "unknown prompt set 'nosuchset'"),
+    ],
+)
+def test_bad_sweeps_name_file_and_key(tmp_path: Path, mutate, needle: str) -> None:
+    doc = base()
+    mutate(doc)
+    path = write(tmp_path, doc)
+    with pytest.raises(SweepError) as info:
+        load_sweep(path)
+    assert str(path) in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_invalid_yaml_reports_line(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\ngrid: [1, 2\n")
+    with pytest.raises(SweepError, match=r"s\.yaml:\d+: not valid YAML"):
+        load_sweep(path)
+
+
+def test_missing_sweep_file(tmp_path: Path) -> None:
+    with pytest.raises(SweepError, match="sweep file not found"):
+        load_sweep(tmp_path / "nope.yaml")
+
+
+def test_unknown_target(tmp_path: Path) -> None:
+    doc = base()
+    doc["targets"] = ["local", "ct9000"]
+    spec = load_sweep(write(tmp_path, doc))
+
+    def resolve(name: str) -> list[str]:
+        if name == "local":
+            return ["sim-a"]
+        raise TargetError(f"unknown host or group {name!r}")
+
+    with pytest.raises(SweepError, match=r"targets: unknown target 'ct9000'"):
+        check_targets(spec, resolve)
+    check_targets(load_sweep(write(tmp_path, base())), resolve)
