@@ -1,0 +1,129 @@
+"""A tiny SGLang-shaped streaming server on loopback, run by uvicorn in a thread.
+
+Speaks the two routes the client uses, with behaviour chosen by the prompt text:
+``fail500`` answers HTTP 500, ``die`` drops the connection after two chunks, ``error``
+sends SGLang's in-stream error object. Each step emits ``tokens_per_step`` tokens (as a
+speculating server does) and counts as one verify step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class FakeState:
+    step_s: float = 0.002
+    tokens_per_step: int = 3
+    in_flight: int = 0
+    max_in_flight: int = 0
+    requests: int = 0
+    flushes: int = 0
+    bodies: list[dict] = field(default_factory=list)
+
+
+def make_app(state: FakeState) -> Starlette:
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        state.bodies.append(body)
+        text = body["text"]
+        n = int(body["sampling_params"]["max_new_tokens"])
+        if "fail500" in text:
+            return JSONResponse({"error": "boom"}, status_code=500)
+
+        async def stream() -> AsyncIterator[bytes]:
+            state.requests += 1
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            try:
+                done, steps = 0, 0
+                await asyncio.sleep(state.step_s)  # prefill
+                done, steps = 1, 0
+                chunk = {"text": "x", "meta_info": {"prompt_tokens": len(text.split()), "completion_tokens": 1}}
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                while done < n:
+                    await asyncio.sleep(state.step_s)
+                    done = min(n, done + state.tokens_per_step)
+                    steps += 1
+                    if "die" in text and steps == 2:
+                        raise RuntimeError("server killed")
+                    if "error" in text and steps == 2:
+                        yield b'data: {"error": {"message": "out of memory"}}\n\n'
+                        break
+                    meta = {
+                        "prompt_tokens": len(text.split()),
+                        "completion_tokens": done,
+                        "spec_verify_ct": steps,
+                        "spec_accept_length": done / steps,
+                    }
+                    yield b"data: " + json.dumps({"text": "x" * done, "meta_info": meta}).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                state.in_flight -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        state.bodies.append(body)
+        n = int(body["max_tokens"])
+        chat = request.url.path.endswith("chat/completions")
+
+        async def stream() -> AsyncIterator[bytes]:
+            done = 0
+            while done < n:
+                await asyncio.sleep(state.step_s)
+                step = 1 if done == 0 else state.tokens_per_step
+                done = min(n, done + step)
+                choice = {"index": 0, "delta": {"content": "y" * step}} if chat else {"index": 0, "text": "y" * step}
+                yield b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+            usage = {"prompt_tokens": 5, "completion_tokens": done}
+            yield b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def flush(request: Request) -> Response:
+        state.flushes += 1
+        return Response("ok")
+
+    return Starlette(
+        routes=[
+            Route("/generate", generate, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/flush_cache", flush, methods=["POST"]),
+        ]
+    )
+
+
+@contextmanager
+def serve(state: FakeState) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(make_app(state), log_level="critical", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -1,0 +1,93 @@
+"""The load client against a real streaming server on loopback (uvicorn in a thread)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load
+from ddtree_ops.bench.metrics import calculate_metrics
+from ddtree_ops.bench.prompts import Prompt
+
+from .fake_server import FakeState, serve
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, FakeState]]:
+    state = FakeState()
+    with serve(state) as url:
+        yield url, state
+
+
+def prompts(n: int, text: str = "hello world") -> tuple[Prompt, ...]:
+    return tuple(Prompt(text=f"{text} {i}") for i in range(n))
+
+
+def test_generate_counts_tokens_steps_and_itls(server) -> None:
+    url, state = server
+    spec = LoadSpec(prompts=prompts(6), max_new_tokens=10, sampling={"temperature": 0.6, "top_k": 20},
+                    concurrency=2, warmup=2)
+    load = run_load(url, spec)
+    assert len(load.results) == 6 and all(r.ok for r in load.results)
+    assert state.requests == 8  # warmup sent, not reported
+    for r in load.results:
+        # 1 prefill token then steps of 3: 1, 4, 7, 10 -> 3 verify steps, 9 per-token ITLs
+        assert r.completion_tokens == 10 and r.spec_verify_ct == 3 and r.chunks == 4
+        assert len(r.itls) == 9 and all(x > 0 for x in r.itls)
+        assert r.ttft is not None and 0 < r.ttft <= r.e2e
+        assert r.prompt_tokens == 3
+    sent = state.bodies[-1]["sampling_params"]
+    assert sent == {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0.6, "top_k": 20}
+    m = calculate_metrics(load.results, duration_s=load.duration_s)
+    assert m.accept_length == pytest.approx(60 / 18)
+    assert m.output_tokens == 60
+
+
+def test_closed_loop_never_exceeds_concurrency(server) -> None:
+    url, state = server
+    state.step_s = 0.01
+    run_load(url, LoadSpec(prompts=prompts(9), max_new_tokens=12, concurrency=3))
+    assert 2 <= state.max_in_flight <= 3
+
+
+def test_failures_are_recorded_not_raised(server) -> None:
+    url, state = server
+    mixed = (Prompt("fine"), Prompt("fail500 please"), Prompt("die now"), Prompt("error here"))
+    load = run_load(url, LoadSpec(prompts=mixed, max_new_tokens=12, concurrency=4))
+    by_text = dict(zip([p.text for p in mixed], load.results))
+    assert by_text["fine"].ok
+    assert by_text["fail500 please"].error.startswith("HTTP 500")
+    assert not by_text["die now"].ok and by_text["die now"].error
+    assert by_text["error here"].error == "server error: out of memory"
+    m = calculate_metrics(load.results)
+    assert m.completed == 1 and m.failed == 3 and len(m.errors) == 3
+
+
+def test_unreachable_server_fails_every_request() -> None:
+    load = run_load("http://127.0.0.1:9", LoadSpec(prompts=prompts(3), max_new_tokens=4, timeout_s=5))
+    assert [r.ok for r in load.results] == [False] * 3
+    assert all(r.error.startswith("connection failed") for r in load.results)
+    ok, detail = flush_cache("http://127.0.0.1:9", timeout_s=2)
+    assert not ok and "connection failed" in detail
+
+
+def test_openai_mode_completions_and_chat(server) -> None:
+    url, state = server
+    ps = (Prompt("plain"), Prompt("u: hi", messages=(("user", "hi"),)))
+    load = run_load(url, LoadSpec(prompts=ps, max_new_tokens=7, api="openai", model="m"))
+    assert all(r.ok for r in load.results)
+    # 1, 4, 7 tokens in three chunks; usage gives the count
+    assert [r.completion_tokens for r in load.results] == [7, 7]
+    assert [len(r.itls) for r in load.results] == [2, 2]
+    assert "prompt" in state.bodies[0] and state.bodies[1]["messages"] == [{"role": "user", "content": "hi"}]
+    assert state.bodies[0]["stream_options"] == {"include_usage": True}
+
+
+def test_poisson_rate_and_flush(server) -> None:
+    url, state = server
+    load = run_load(url, LoadSpec(prompts=prompts(5), max_new_tokens=4, concurrency=5, request_rate=200.0))
+    assert all(r.ok for r in load.results)
+    starts = [r.start for r in load.results]
+    assert starts == sorted(starts)
+    assert flush_cache(url) == (True, "HTTP 200") and state.flushes == 1
