@@ -1,0 +1,377 @@
+"""Remote side of the process manager: sent on stdin to the host's own Python.
+
+Run as ``python - ACTION JSON``. Stdlib only and Python 3.8-compatible, because it runs
+with whatever interpreter the GPU host has. Every value arrives inside the JSON argv
+entry and is used as data (argv lists for Popen, paths for open); the program text is a
+constant of ours. It prints exactly one JSON object on stdout.
+
+One ``poll`` is one round trip that answers everything the readiness loop needs: is the
+launched process alive, what did its log say since the last poll, who listens on the
+port, and what do ``/health_generate`` and ``/server_info`` answer.
+"""
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+LAUNCH_FILE = "launch.json"
+LOG_FILE = "server.log"
+
+
+def _run_dir(payload):
+    path = os.path.expanduser(payload["run_dir"])
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _proc_start(pid):
+    """Kernel start time of pid (jiffies since boot), or None; guards against pid reuse."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _proc_state(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()
+
+
+def _alive(pid, pstart):
+    if not pid:
+        return False
+    fields = _proc_state(pid)
+    if fields is None:
+        if os.path.isdir("/proc/self"):
+            return False
+        try:
+            os.kill(pid, 0)
+        except OSError as exc:
+            return exc.errno == errno.EPERM
+        return True
+    if fields[0] in ("Z", "X"):
+        return False
+    if pstart is not None and fields[19] != pstart:
+        return False
+    return True
+
+
+def _session_pids(sid):
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        fields = _proc_state(int(name))
+        # fields[3] is the session id (field 6 of /proc/pid/stat)
+        if fields is not None and len(fields) > 3 and fields[3] == str(sid) and fields[0] not in ("Z", "X"):
+            out.append(int(name))
+    return out
+
+
+def _listen_inodes(port):
+    inodes = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10:
+                continue
+            local, state, inode = parts[1], parts[3], parts[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(inode)
+    return inodes if found_table else None
+
+
+def _listener_ours(port, sid):
+    """True if a process of session ``sid`` holds the listening socket; None if unknowable."""
+    inodes = _listen_inodes(port)
+    if inodes is None:
+        return None
+    if not inodes or not sid:
+        return False
+    wanted = set("socket:[%s]" % i for i in inodes)
+    for pid in _session_pids(sid):
+        fd_dir = "/proc/%d/fd" % pid
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(os.path.join(fd_dir, fd)) in wanted:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _port_open(host, port, timeout=0.5):
+    try:
+        sock = socket.create_connection((host, port), timeout)
+    except OSError:
+        return False
+    sock.close()
+    return True
+
+
+def _http_get(host, port, path, timeout):
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read(1 << 20)
+    finally:
+        conn.close()
+
+
+def _read_launch(run_dir):
+    try:
+        with open(os.path.join(run_dir, LAUNCH_FILE)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path, data):
+    tmp = path + ".tmp%d" % os.getpid()
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _tail(path, lines, max_bytes=65536):
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    return text[-lines:] if lines > 0 else []
+
+
+def action_portcheck(p):
+    return {"port_open": _port_open(p["probe_host"], p["port"])}
+
+
+def action_start(p):
+    run_dir = _run_dir(p)
+    old = _read_launch(run_dir)
+    if old and _alive(old.get("pid"), old.get("pstart")):
+        return {"error": "running", "pid": old.get("pid")}
+    if _port_open(p["probe_host"], p["port"]):
+        return {"error": "port_busy"}
+    log_path = os.path.join(run_dir, LOG_FILE)
+    if os.path.exists(log_path):
+        os.replace(log_path, log_path + ".prev")
+    env = dict(os.environ)
+    env.update(p.get("env") or {})
+    import subprocess
+
+    log = open(log_path, "ab")
+    try:
+        started_at = time.time()
+        try:
+            proc = subprocess.Popen(
+                p["argv"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=run_dir,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            return {"error": "exec", "detail": "%s: %s" % (p["argv"][0], exc.strerror or exc)}
+    finally:
+        log.close()
+    record = {
+        "pid": proc.pid,
+        "pstart": _proc_start(proc.pid),
+        "argv": p["argv"],
+        "argv_hash": p.get("argv_hash"),
+        "launch_command": p.get("launch_command"),
+        "env_keys": sorted((p.get("env") or {}).keys()),
+        "started_at": started_at,
+        "port": p["port"],
+        "probe_host": p["probe_host"],
+        "log": log_path,
+        "cuda_graph": p.get("cuda_graph"),
+        "run": p.get("run"),
+    }
+    _write_json(os.path.join(run_dir, LAUNCH_FILE), record)
+    return record
+
+
+def action_poll(p):
+    run_dir = _run_dir(p)
+    pid, pstart = p["pid"], p.get("pstart")
+    out = {"now": time.time(), "alive": _alive(pid, pstart)}
+    log_path = os.path.join(run_dir, LOG_FILE)
+    offset = int(p.get("offset", 0))
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read(int(p.get("max_bytes", 262144)))
+    except OSError:
+        chunk = b""
+    # Hand back whole lines only; a partial last line is read again next time.
+    cut = chunk.rfind(b"\n") + 1
+    out["log"] = chunk[:cut].decode("utf-8", "replace")
+    out["offset"] = offset + cut
+    host, port = p["probe_host"], p["port"]
+    out["port_open"] = _port_open(host, port)
+    out["listener_ours"] = _listener_ours(port, pid) if out["port_open"] else False
+    out["health"] = None
+    out["server_info"] = None
+    if out["port_open"]:
+        timeout = float(p.get("http_timeout", 5.0))
+        try:
+            status, _ = _http_get(host, port, "/health_generate", timeout)
+            out["health"] = status
+        except Exception as exc:  # any failure is an answer, not a crash of the probe
+            out["health"] = "error: %s" % (exc,)
+        if out["health"] == 200:
+            try:
+                status, body = _http_get(host, port, "/server_info", timeout)
+                info = json.loads(body.decode("utf-8", "replace")) if status == 200 else {}
+                out["server_info"] = {
+                    "status": status,
+                    "launch_command": info.get("launch_command"),
+                    "startup_time": info.get("startup_time"),
+                    "version": info.get("version"),
+                }
+            except Exception as exc:
+                out["server_info"] = {"status": None, "error": str(exc)}
+    return out
+
+
+def _signal_group(pid, sig):
+    try:
+        os.killpg(pid, sig)
+        return True
+    except OSError:
+        try:
+            os.kill(pid, sig)
+            return True
+        except OSError:
+            return False
+
+
+def action_stop(p):
+    run_dir = _run_dir(p)
+    rec = _read_launch(run_dir)
+    out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}
+    if not rec:
+        return out
+    pid, pstart = rec.get("pid"), rec.get("pstart")
+    out["pid"] = pid
+    if not _alive(pid, pstart):
+        return out
+    out["was_running"] = True
+    grace = float(p.get("grace_s", 30.0))
+    start = time.time()
+    _signal_group(pid, signal.SIGTERM)
+    out["signal"] = "SIGTERM"
+    while time.time() - start < grace:
+        if not _alive(pid, pstart) and not _session_pids(pid):
+            break
+        time.sleep(0.1)
+    else:
+        _signal_group(pid, signal.SIGKILL)
+        out["signal"] = "SIGKILL"
+        kill_start = time.time()
+        while time.time() - kill_start < 10 and _alive(pid, pstart):
+            time.sleep(0.05)
+    out["waited_s"] = time.time() - start
+    out["exited"] = not _alive(pid, pstart)
+    return out
+
+
+def action_status(p):
+    run_dir = _run_dir(p)
+    rec = _read_launch(run_dir)
+    out = {"record": rec, "alive": False, "port_open": _port_open(p["probe_host"], p["port"])}
+    if rec:
+        out["alive"] = _alive(rec.get("pid"), rec.get("pstart"))
+        out["listener_ours"] = _listener_ours(p["port"], rec.get("pid")) if out["port_open"] else False
+        out["log_tail"] = _tail(rec.get("log") or os.path.join(run_dir, LOG_FILE), int(p.get("lines", 5)))
+    if out["port_open"]:
+        try:
+            out["health"], _ = _http_get(p["probe_host"], p["port"], "/health_generate", 5.0)
+        except Exception as exc:
+            out["health"] = "error: %s" % (exc,)
+    return out
+
+
+def action_logs(p):
+    run_dir = _run_dir(p)
+    path = os.path.join(run_dir, LOG_FILE)
+    offset = p.get("offset")
+    if offset is None:
+        lines = _tail(path, int(p.get("lines", 50)))
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = 0
+        return {"lines": lines, "offset": size, "exists": os.path.exists(path)}
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(int(offset))
+            chunk = fh.read(262144)
+    except OSError:
+        return {"lines": [], "offset": offset, "exists": False}
+    cut = chunk.rfind(b"\n") + 1
+    return {"lines": chunk[:cut].decode("utf-8", "replace").splitlines(), "offset": int(offset) + cut, "exists": True}
+
+
+ACTIONS = {
+    "start": action_start,
+    "poll": action_poll,
+    "stop": action_stop,
+    "status": action_status,
+    "logs": action_logs,
+    "portcheck": action_portcheck,
+}
+
+
+def main(argv):
+    action, payload = argv[1], json.loads(argv[2])
+    try:
+        result = ACTIONS[action](payload)
+    except Exception as exc:
+        result = {"error": "agent", "detail": "%s: %s" % (type(exc).__name__, exc)}
+    sys.stdout.write(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,68 @@
+"""Eager fallback: decide whether to try CUDA graphs, recognise a capture failure, remember it.
+
+Large DDTree budgets crash CUDA-graph capture on some GPUs (B300, sm_103, budget > 8)
+while eager mode works. Re-discovering that on every restart costs a full model load,
+so a fallback is remembered in the local state, keyed by what plausibly decides it:
+host, GPU arch, SGLang version, algorithm, budget and topk. ``--retry-cuda-graph``
+tries graphs again (and forgets the record if they work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.service.launch import RunConfig
+from ddtree_ops.service.logphases import CAPTURE_FAILED, CAPTURING, PhaseTracker
+from ddtree_ops.state import FallbackKey, StateStore
+
+
+def gpu_arch(gpus: Sequence[Any], host: Host) -> str:
+    """``sm_<major><minor>`` from the probe's compute capability, else the inventory's ``gpu``."""
+    for gpu in gpus:
+        cap = getattr(gpu, "compute_cap", None)
+        if cap:
+            return "sm_" + str(cap).replace(".", "")
+    return host.ddtree.gpu or "unknown"
+
+
+def fallback_key(host: Host, run: RunConfig, *, arch: str, sglang_version: str | None) -> FallbackKey:
+    return FallbackKey(
+        host=host.name,
+        gpu_arch=arch,
+        sglang_version=sglang_version or "unknown",
+        algorithm=run.algorithm,
+        budget=run.budget,
+        topk=run.topk,
+    )
+
+
+def initial_cuda_graph(
+    run: RunConfig, state: StateStore, key: FallbackKey, *, retry_cuda_graph: bool
+) -> tuple[bool, str | None]:
+    """(use CUDA graphs?, why not) for the first launch of this restart."""
+    if run.cuda_graph == "off":
+        return False, "eager requested"
+    if run.cuda_graph == "on" or retry_cuda_graph:
+        return True, None
+    record = state.fallback_for(key)
+    if record is not None:
+        return False, f"recorded fallback: {record.reason}"
+    return True, None
+
+
+def capture_failure(tracker: PhaseTracker, *, alive: bool) -> str | None:
+    """Why this launch counts as a CUDA-graph capture failure, or None."""
+    line = tracker.first_line(CAPTURE_FAILED)
+    if line is not None:
+        return "CUDA-graph capture failed: " + _message(line)
+    if not alive and tracker.phase == CAPTURING:
+        return "server died during CUDA-graph capture"
+    return None
+
+
+def _message(line: str) -> str:
+    # Drop SGLang's "[time TPn] " prefix; keep the message short enough for one line.
+    text = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+    return text.strip()[:200]

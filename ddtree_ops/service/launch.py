@@ -1,0 +1,208 @@
+"""Pure launch specification: host settings + run config + remote SGLang version -> argv.
+
+Nothing here touches a host. The version-aware part is one small table
+(:data:`EAGER_FLAGS`): SGLang 0.5.23 replaced ``--disable-cuda-graph`` by per-phase
+``--cuda-graph-backend-{decode,prefill} disabled`` (the old spelling is a deprecated
+alias there, ``sglang/srt/server_args.py``), so the eager flags depend on what the
+remote host runs and must come from the probe, never from an assumption.
+
+The argv is a list from start to end: inventory values and extra args are argv
+entries, never shell text, so a hostile value such as ``"; rm -rf ~"`` reaches the
+server as one literal argument.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from ddtree_ops.errors import ConfigError
+from ddtree_ops.inventory_types import Host
+
+Algorithm = Literal["AR", "DFLASH", "DDTREE"]
+CudaGraphMode = Literal["auto", "on", "off"]
+ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
+
+# (first version it applies to, eager flags). Newest first; the first row whose version
+# is <= the remote version wins. Only 0.5.23 is verified against source; the boundary
+# is conservative: anything older gets the spelling every older release accepts.
+EAGER_FLAGS: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...] = (
+    ((0, 5, 23), ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")),
+    ((0,), ("--disable-cuda-graph",)),
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to serve: the speculative algorithm and its knobs, independent of the host."""
+
+    algorithm: Algorithm = "AR"
+    budget: int | None = None
+    topk: int | None = None
+    cuda_graph: CudaGraphMode = "auto"
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"algorithm must be one of {', '.join(ALGORITHMS)}, not {self.algorithm!r}")
+        if self.cuda_graph not in ("auto", "on", "off"):
+            raise ConfigError(f"cuda_graph must be auto, on or off, not {self.cuda_graph!r}")
+        for name in ("budget", "topk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if self.algorithm == "AR" and (self.budget is not None or self.topk is not None):
+            raise ConfigError("budget/topk only apply to DFLASH or DDTREE")
+        if self.algorithm == "DFLASH" and self.topk is not None:
+            raise ConfigError("topk only applies to DDTREE")
+        if not all(isinstance(a, str) for a in self.extra_args):
+            raise ConfigError("extra_args must be strings")
+
+    def describe(self) -> str:
+        parts = [self.algorithm]
+        if self.budget is not None:
+            parts.append(f"budget={self.budget}")
+        if self.topk is not None:
+            parts.append(f"topk={self.topk}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """A fully resolved launch: what runs, with which environment, and what it should report.
+
+    ``server_args`` is the part after the launcher (``python -m sglang.launch_server``);
+    SGLang reports exactly ``" ".join(server_args)`` as ``launch_command`` in
+    ``/server_info``, which is how readiness recognises its own process.
+    """
+
+    host: str
+    argv: tuple[str, ...]
+    server_args: tuple[str, ...]
+    env: Mapping[str, str]
+    port: int
+    probe_host: str
+    cuda_graph: bool
+    model: str
+    run: RunConfig
+    sglang_version: str | None = None
+
+    @property
+    def launch_command(self) -> str:
+        return " ".join(self.server_args)
+
+    @property
+    def argv_hash(self) -> str:
+        payload = json.dumps({"argv": list(self.argv), "env": dict(sorted(self.env.items()))})
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def display(self) -> str:
+        return shlex.join(self.argv)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric components of a version string: ``"0.5.23-sim"`` -> ``(0, 5, 23)``."""
+    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", text)
+    if not match:
+        raise ConfigError(f"cannot read SGLang version {text!r}")
+    return tuple(int(p) for p in match.group(1).split("."))
+
+
+def eager_flags(sglang_version: str) -> tuple[str, ...]:
+    """The flags that turn CUDA graphs off for this SGLang version (see :data:`EAGER_FLAGS`)."""
+    version = parse_version(sglang_version)
+    for first, flags in EAGER_FLAGS:
+        if version >= first:
+            return flags
+    return EAGER_FLAGS[-1][1]
+
+
+def speculative_flags(run: RunConfig, draft_model_path: str | None, *, host: str) -> tuple[str, ...]:
+    if run.algorithm == "AR":
+        return ()
+    if not draft_model_path:
+        raise ConfigError(
+            f"{run.algorithm} needs ddtree.server.draft_model_path in the inventory", host=host
+        )
+    flags = ["--speculative-algorithm", run.algorithm, "--speculative-draft-model-path", draft_model_path]
+    if run.algorithm == "DFLASH":
+        if run.budget is not None:
+            flags += ["--speculative-num-draft-tokens", str(run.budget)]
+    else:
+        if run.budget is None or run.topk is None:
+            raise ConfigError("DDTREE needs both --budget and --topk", host=host)
+        flags += [
+            "--speculative-ddtree-budget",
+            str(run.budget),
+            "--speculative-ddtree-topk",
+            str(run.topk),
+        ]
+    return tuple(flags)
+
+
+def launcher_argv(host: Host) -> tuple[str, ...]:
+    """``server.command`` with ``{python}`` filled in, split like a shell would split it.
+
+    The template is the operator's own inventory text (not a user value passed at run
+    time); it is split once here and from then on travels as a list.
+    """
+    template = host.ddtree.server.command
+    try:
+        words = shlex.split(template)
+    except ValueError as exc:
+        raise ConfigError(f"ddtree.server.command: {exc}", host=host.name) from exc
+    if not words:
+        raise ConfigError("ddtree.server.command is empty", host=host.name)
+    out: list[str] = []
+    for word in words:
+        try:
+            out.append(word.format(python=host.ddtree.python))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"ddtree.server.command: only {{python}} may be substituted, got {word!r}", host=host.name
+            ) from exc
+    return tuple(out)
+
+
+def build_launch_spec(
+    host: Host,
+    run: RunConfig,
+    sglang_version: str | None,
+    *,
+    cuda_graph: bool,
+) -> LaunchSpec:
+    """Resolve the argv for ``host``. ``cuda_graph=False`` adds this version's eager flags."""
+    server = host.ddtree.server
+    if not server.model_path:
+        raise ConfigError("ddtree.server.model_path is not set in the inventory", host=host.name)
+    args: list[str] = ["--model-path", server.model_path, "--host", server.bind_host, "--port", str(server.port)]
+    args += speculative_flags(run, server.draft_model_path, host=host.name)
+    if not cuda_graph:
+        if sglang_version is None:
+            raise ConfigError(
+                "remote SGLang version unknown, cannot choose the eager flags (run `ddtree-ops doctor`)",
+                host=host.name,
+            )
+        args += eager_flags(sglang_version)
+    args += server.extra_args
+    args += run.extra_args
+    env = MappingProxyType(dict(server.env))
+    probe_host = "127.0.0.1" if server.bind_host in ("0.0.0.0", "", "::") else server.bind_host
+    return LaunchSpec(
+        host=host.name,
+        argv=launcher_argv(host) + tuple(args),
+        server_args=tuple(args),
+        env=env,
+        port=server.port,
+        probe_host=probe_host,
+        cuda_graph=cuda_graph,
+        model=server.model_path,
+        run=run,
+        sglang_version=sglang_version,
+    )

@@ -1,0 +1,332 @@
+"""Top-level service operations: ``restart``, ``stop``, ``service_status``.
+
+Used by the CLI (``ddtree-ops restart/stop/status``), ``deploy --restart`` and the
+benchmark runner. Each call works on ONE host over an open transport and either
+returns a frozen result or raises a :class:`ServiceError` subclass whose message names
+the host, the phase and the log tail; fan-out over hosts is the caller's business.
+
+Restart = stop what we launched last time -> prove the port is free (connect test from
+the host, waiting with a deadline, never launching into SGLang's 30 s "Port is already
+in use" failure) -> launch -> wait until the NEW process serves -> on a CUDA-graph
+capture failure relaunch eager once and remember it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ddtree_ops.errors import (
+    DdtreeOpsError,
+    Interrupted,
+    PortBusy,
+    ReadinessTimeout,
+    ServerCrashed,
+    ServiceError,
+)
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.service import manager
+from ddtree_ops.service.fallback import capture_failure, fallback_key, gpu_arch, initial_cuda_graph
+from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec
+from ddtree_ops.service.logphases import (
+    CRASHED,
+    PORT_IN_USE,
+    READY,
+    PhaseEvent,
+    PhaseTracker,
+)
+from ddtree_ops.service.manager import Launched, StopResult
+from ddtree_ops.service.readiness import DeadlinePolicy, judge, wait_loop
+from ddtree_ops.state import StateStore
+from ddtree_ops.transport.base import Transport
+
+PhaseCallback = Callable[[PhaseEvent], None]
+TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class RestartResult:
+    """A server that was proven to be the one we launched and to answer generation."""
+
+    host: str
+    pid: int
+    argv: tuple[str, ...]
+    cuda_graph: bool
+    fallback_reason: str | None
+    phase_durations: Mapping[str, float]
+    ready_s: float
+    load_s: float
+    deadline_s: float
+    deadline_source: str
+    attempts: int
+    launch_command: str
+    log_path: str
+    ready_at: float
+    ready_line_ts: float | None
+    stopped: StopResult | None = None
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    host: str
+    running: bool
+    pid: int | None
+    argv: tuple[str, ...]
+    started_at: float | None
+    port_open: bool
+    serving_ours: bool | None
+    health: int | str | None
+    cuda_graph: bool | None
+    run: str | None
+    log_tail: tuple[str, ...] = ()
+
+
+@dataclass
+class _Attempt:
+    """Mutable bookkeeping of one launch while the wait loop runs."""
+
+    spec: LaunchSpec
+    launched: Launched
+    tracker: PhaseTracker
+    offset: int = 0
+    alive: bool = True
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    last_poll: dict[str, Any] = field(default_factory=dict)
+
+
+def _version_and_gpus(facts_or_version: Any) -> tuple[str | None, tuple[Any, ...]]:
+    if facts_or_version is None or isinstance(facts_or_version, str):
+        return facts_or_version, ()
+    return getattr(facts_or_version, "sglang_version", None), tuple(getattr(facts_or_version, "gpus", ()) or ())
+
+
+def restart(
+    transport: Transport,
+    host: Host,
+    facts_or_version: Any,
+    run: RunConfig,
+    *,
+    state: StateStore | None = None,
+    timeout: float | None = None,
+    retry_cuda_graph: bool = False,
+    on_phase: PhaseCallback | None = None,
+    cancel: threading.Event | None = None,
+    policy: DeadlinePolicy = DeadlinePolicy(),
+    stop_grace_s: float = 30.0,
+    port_wait_s: float = 120.0,
+    poll_interval_s: float = 0.5,
+) -> RestartResult:
+    """Restart the SGLang server on ``host`` with ``run`` and wait until it provably serves.
+
+    ``facts_or_version`` is the probe's HostFacts (SGLang version + GPUs) or a bare
+    version string. ``timeout`` overrides the load-aware deadline for each launch.
+    Raises ReadinessTimeout / ServerCrashed / PortBusy / Interrupted (on ``cancel``).
+    """
+    state = state if state is not None else StateStore()
+    emit = on_phase or (lambda _e: None)
+    version, gpus = _version_and_gpus(facts_or_version)
+    key = fallback_key(host, run, arch=gpu_arch(gpus, host), sglang_version=version)
+    cuda_graph, fallback_reason = initial_cuda_graph(run, state, key, retry_cuda_graph=retry_cuda_graph)
+    model = host.ddtree.server.model_path or ""
+    learned = state.learned_load_s(host.name, model)
+    if timeout is not None:
+        deadline_s, deadline_source = float(timeout), "timeout"
+    else:
+        deadline_s, deadline_source = policy.deadline(host.ddtree.server.expected_load_s, learned)
+    # Build the first spec before touching the host: bad config fails with nothing stopped.
+    spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
+
+    emit(PhaseEvent(host.name, "stopping", 0.0))
+    stopped = manager.stop(transport, host, grace_s=stop_grace_s)
+    _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+
+    attempt_no = 0
+    while True:
+        attempt_no += 1
+        launched = manager.start(transport, host, spec)
+        attempt = _Attempt(spec=spec, launched=launched, tracker=PhaseTracker(host.name, attempt=attempt_no))
+        emit(PhaseEvent(host.name, "starting", 0.0, attempt=attempt_no, note="CUDA graphs" if spec.cuda_graph else "eager"))
+        outcome = wait_loop(
+            lambda elapsed: _step(transport, host, attempt, elapsed, emit),
+            deadline_s=deadline_s,
+            interval_s=poll_interval_s,
+            cancel=cancel,
+        )
+        durations = attempt.tracker.finish(outcome.elapsed_s)
+        if outcome.reason == "ready":
+            ready_at = time.time()
+            ready_s = ready_at - launched.started_at
+            state.record_load_time(host.name, model, ready_s)
+            if spec.cuda_graph and retry_cuda_graph:
+                state.clear_fallback(key)
+            emit(PhaseEvent(host.name, READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
+            return RestartResult(
+                host=host.name,
+                pid=launched.pid,
+                argv=spec.argv,
+                cuda_graph=spec.cuda_graph,
+                fallback_reason=fallback_reason,
+                phase_durations=MappingProxyType(durations),
+                ready_s=ready_s,
+                load_s=ready_s,
+                deadline_s=deadline_s,
+                deadline_source=deadline_source,
+                attempts=attempt_no,
+                launch_command=spec.launch_command,
+                log_path=launched.log_path,
+                ready_at=ready_at,
+                ready_line_ts=attempt.tracker.ready_line_ts,
+                stopped=stopped,
+            )
+        tail = _tail_text(attempt)
+        phase = attempt.tracker.phase
+        if outcome.reason == "capture_failed":
+            reason = capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail
+            manager.stop(transport, host, grace_s=stop_grace_s)
+            if run.cuda_graph == "auto" and spec.cuda_graph:
+                state.record_fallback(key, reason)
+                fallback_reason = reason
+                emit(PhaseEvent(host.name, "fallback_eager", outcome.elapsed_s, attempt=attempt_no, note=reason))
+                spec = build_launch_spec(host, run, version, cuda_graph=False)
+                _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                continue
+            raise ServerCrashed(f"{reason} (CUDA graphs forced on); log tail: {tail}", host=host.name)
+        if outcome.reason == "died":
+            raise ServerCrashed(
+                f"server exited during {phase} after {outcome.elapsed_s:.1f}s; log tail: {tail}", host=host.name
+            )
+        if outcome.reason == "port_in_use":
+            manager.stop(transport, host, grace_s=stop_grace_s)
+            raise PortBusy(f"server reports its port is already in use; log tail: {tail}", host=host.name)
+        if outcome.reason == "cancelled":
+            raise Interrupted(
+                f"wait cancelled during {phase} after {outcome.elapsed_s:.1f}s; server left running "
+                f"(pid {launched.pid}, not yet ready) — `ddtree-ops stop {host.name}` stops it",
+                host=host.name,
+            )
+        if outcome.reason == "unreachable":
+            raise ServiceError(
+                f"lost contact while waiting for readiness ({outcome.detail}); server pid {launched.pid} state unknown",
+                host=host.name,
+            )
+        raise ReadinessTimeout(
+            f"not ready after {deadline_s:.0f}s ({deadline_source} deadline), stuck in phase {phase} "
+            f"({outcome.detail}); server left running (pid {launched.pid}); log tail: {tail}",
+            host=host.name,
+        )
+
+
+def _step(transport: Transport, host: Host, attempt: _Attempt, elapsed: float, emit: PhaseCallback) -> tuple[str | None, str]:
+    """One poll: read new log lines, advance phases, judge. Never raises (a failed poll
+    is reported as 'unreachable' and counted by the wait loop)."""
+    try:
+        data = manager.poll(transport, host, attempt.launched, attempt.offset)
+    except DdtreeOpsError as exc:
+        return "unreachable", str(exc)
+    attempt.last_poll = data
+    attempt.offset = int(data.get("offset", attempt.offset))
+    lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
+    attempt.tail.extend(lines)
+    for event in attempt.tracker.feed(lines, elapsed):
+        emit(event)
+    attempt.alive = bool(data.get("alive"))
+    if attempt.spec.cuda_graph and capture_failure(attempt.tracker, alive=attempt.alive):
+        return "capture_failed", "CUDA-graph capture failed"
+    if attempt.tracker.has(PORT_IN_USE):
+        return "port_in_use", attempt.tracker.first_line(PORT_IN_USE) or ""
+    if not attempt.alive:
+        return "died", "process exited"
+    if attempt.tracker.has(CRASHED):
+        # SGLang's parent may linger a moment after a child failed; the next poll sees it gone.
+        return None, attempt.tracker.first_line(CRASHED) or "crashed"
+    verdict = judge(data, attempt.spec, attempt.launched.started_at)
+    if verdict.ok:
+        return "ready", verdict.detail
+    return None, verdict.detail
+
+
+def _wait_port_free(
+    transport: Transport,
+    host: Host,
+    *,
+    port_wait_s: float,
+    cancel: threading.Event | None,
+    emit: PhaseCallback,
+) -> None:
+    reported = False
+
+    def step(elapsed: float) -> tuple[str | None, str]:
+        nonlocal reported
+        try:
+            busy = manager.port_open(transport, host)
+        except DdtreeOpsError as exc:
+            return "unreachable", str(exc)
+        if not busy:
+            return "free", "port free"
+        if not reported:
+            emit(PhaseEvent(host.name, "waiting_for_port", elapsed, note=f"port {host.ddtree.server.port} busy"))
+            reported = True
+        return None, f"port {host.ddtree.server.port} still in use"
+
+    outcome = wait_loop(step, deadline_s=port_wait_s, interval_s=0.25, cancel=cancel)
+    if outcome.reason == "free":
+        return
+    if outcome.reason == "cancelled":
+        raise Interrupted(
+            f"cancelled while waiting for port {host.ddtree.server.port} to be free; nothing launched", host=host.name
+        )
+    if outcome.reason == "unreachable":
+        raise ServiceError(f"lost contact while waiting for the port: {outcome.detail}", host=host.name)
+    raise PortBusy(
+        f"port {host.ddtree.server.port} still in use after {port_wait_s:.0f}s by a process we did not launch; "
+        "nothing launched",
+        host=host.name,
+    )
+
+
+def _tail_text(attempt: _Attempt) -> str:
+    lines = list(attempt.tail)[-6:]
+    return " | ".join(ln.strip() for ln in lines) if lines else "(log empty)"
+
+
+def stop(transport: Transport, host: Host, *, grace_s: float = 30.0) -> StopResult:
+    """Stop the server we launched on ``host`` (SIGTERM to its group, SIGKILL after ``grace_s``)."""
+    result = manager.stop(transport, host, grace_s=grace_s)
+    if result.was_running and not result.exited:
+        raise ServiceError(f"pid {result.pid} survived SIGKILL", host=host.name)
+    return result
+
+
+def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> ServiceStatus:
+    """Is our server running, is it the one on the port, does it answer generation."""
+    data = manager.status(transport, host, lines=log_lines)
+    rec = data.get("record") or {}
+    return ServiceStatus(
+        host=host.name,
+        running=bool(data.get("alive")),
+        pid=rec.get("pid"),
+        argv=tuple(rec.get("argv") or ()),
+        started_at=rec.get("started_at"),
+        port_open=bool(data.get("port_open")),
+        serving_ours=data.get("listener_ours"),
+        health=data.get("health"),
+        cuda_graph=rec.get("cuda_graph"),
+        run=rec.get("run"),
+        log_tail=tuple(data.get("log_tail") or ()),
+    )
+
+
+__all__ = [
+    "RestartResult",
+    "RunConfig",
+    "ServiceStatus",
+    "StopResult",
+    "restart",
+    "service_status",
+    "stop",
+]

@@ -1,0 +1,151 @@
+"""Process manager (``manager: process``) over the Transport.
+
+The remote half is :mod:`._agent`, sent on stdin to the host's Python with the action
+and a JSON payload as argv entries, so no inventory or user value is ever part of shell
+text. Files live in the host's ``run_dir``: ``server.log`` (stdout+stderr, previous run
+kept as ``server.log.prev``) and ``launch.json`` (pid, kernel start time against pid
+reuse, argv, argv hash, launch time).
+
+A systemd manager is deliberately absent: it could not be tested honestly here (no
+systemd in the test machines), and an untested restart path is worse than none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree_ops.errors import PortBusy, ServiceError
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.service.launch import LaunchSpec
+from ddtree_ops.transport.base import Script, Transport
+
+AGENT_SOURCE = (Path(__file__).with_name("_agent.py")).read_text()
+LOG_FILE = "server.log"
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What the agent recorded about a fresh launch."""
+
+    pid: int
+    pstart: str | None
+    started_at: float
+    log_path: str
+
+
+@dataclass(frozen=True)
+class StopResult:
+    host: str
+    was_running: bool
+    pid: int | None
+    signal: str | None
+    waited_s: float
+    exited: bool
+
+
+def call_agent(
+    transport: Transport, host: Host, action: str, payload: dict[str, Any], *, timeout: float = 60.0
+) -> dict[str, Any]:
+    """One round trip to the remote agent. Raises TransportError / ServiceError."""
+    script = Script(argv=(host.python, "-", action, json.dumps(payload)), source=AGENT_SOURCE)
+    result = transport.run(script, timeout=timeout)
+    if result.returncode != 0:
+        raise ServiceError(
+            f"service agent ({action}) failed with exit code {result.returncode} using {host.python}: "
+            f"{result.stderr.strip()[-400:]}",
+            host=host.name,
+        )
+    try:
+        data = json.loads(result.stdout)
+    except json.JSONDecodeError as exc:
+        raise ServiceError(f"service agent ({action}) answered non-JSON: {result.stdout[:200]!r}", host=host.name) from exc
+    if not isinstance(data, dict):
+        raise ServiceError(f"service agent ({action}) answered {type(data).__name__}", host=host.name)
+    if data.get("error") == "agent":
+        raise ServiceError(f"service agent ({action}) error: {data.get('detail')}", host=host.name)
+    return data
+
+
+def base_payload(host: Host) -> dict[str, Any]:
+    server = host.ddtree.server
+    probe_host = "127.0.0.1" if server.bind_host in ("0.0.0.0", "", "::") else server.bind_host
+    return {"run_dir": host.ddtree.run_dir, "port": server.port, "probe_host": probe_host}
+
+
+def port_open(transport: Transport, host: Host) -> bool:
+    """Connect test from the host itself (the port is usually bound to its loopback)."""
+    return bool(call_agent(transport, host, "portcheck", base_payload(host), timeout=30)["port_open"])
+
+
+def start(transport: Transport, host: Host, spec: LaunchSpec) -> Launched:
+    """Launch ``spec`` in a new session. Refuses if our last process lives or the port is taken."""
+    payload = base_payload(host) | {
+        "argv": list(spec.argv),
+        "env": dict(spec.env),
+        "argv_hash": spec.argv_hash,
+        "launch_command": spec.launch_command,
+        "cuda_graph": spec.cuda_graph,
+        "run": spec.run.describe(),
+    }
+    data = call_agent(transport, host, "start", payload, timeout=60)
+    err = data.get("error")
+    if err == "running":
+        raise ServiceError(f"a server we launched is still running (pid {data.get('pid')}); stop it first", host=host.name)
+    if err == "port_busy":
+        raise PortBusy(f"port {host.ddtree.server.port} is in use by another process", host=host.name)
+    if err == "exec":
+        raise ServiceError(f"cannot start the server: {data.get('detail')}", host=host.name)
+    if err:
+        raise ServiceError(f"cannot start the server: {err}", host=host.name)
+    return Launched(
+        pid=int(data["pid"]), pstart=data.get("pstart"), started_at=float(data["started_at"]), log_path=str(data["log"])
+    )
+
+
+def stop(transport: Transport, host: Host, *, grace_s: float = 30.0) -> StopResult:
+    """SIGTERM the process group we launched, wait ``grace_s``, then SIGKILL it."""
+    data = call_agent(transport, host, "stop", base_payload(host) | {"grace_s": grace_s}, timeout=grace_s + 60)
+    return StopResult(
+        host=host.name,
+        was_running=bool(data.get("was_running")),
+        pid=data.get("pid"),
+        signal=data.get("signal"),
+        waited_s=float(data.get("waited_s", 0.0)),
+        exited=bool(data.get("exited", True)),
+    )
+
+
+def poll(
+    transport: Transport, host: Host, launched: Launched, offset: int, *, http_timeout: float = 5.0
+) -> dict[str, Any]:
+    payload = base_payload(host) | {
+        "pid": launched.pid,
+        "pstart": launched.pstart,
+        "offset": offset,
+        "http_timeout": http_timeout,
+    }
+    return call_agent(transport, host, "poll", payload, timeout=http_timeout * 2 + 30)
+
+
+def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any]:
+    return call_agent(transport, host, "status", base_payload(host) | {"lines": lines}, timeout=30)
+
+
+def read_logs(transport: Transport, host: Host, *, lines: int = 50, offset: int | None = None) -> dict[str, Any]:
+    return call_agent(transport, host, "logs", base_payload(host) | {"lines": lines, "offset": offset}, timeout=30)
+
+
+__all__ = [
+    "Launched",
+    "StopResult",
+    "call_agent",
+    "poll",
+    "port_open",
+    "read_logs",
+    "start",
+    "status",
+    "stop",
+]

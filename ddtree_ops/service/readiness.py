@@ -1,0 +1,128 @@
+"""Readiness: probes that never raise, one wait loop that decides, a load-aware deadline.
+
+Why the probe runs on the host (the agent's ``poll``) rather than through an SSH tunnel:
+the server usually binds the host's loopback, the identity proof needs the host's
+``/proc`` anyway (which process holds the listening socket), and one ``poll`` then costs
+one round trip for everything (pid alive, new log lines, health, server_info, socket
+owner) with no tunnel lifecycle to manage or leak on Ctrl-C.
+
+A 200 proves readiness only together with identity: ``/server_info.launch_command``
+equals what we launched, the listening socket belongs to the session we started (where
+``/proc`` can tell), and a numeric ``startup_time`` is not older than our launch. Any
+other 200 — the old process draining, a stray server on the port — is "stale".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree_ops.service.launch import LaunchSpec
+
+# Clock skew tolerated between our launch record and a numeric startup_time.
+_STARTUP_SKEW_S = 5.0
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """Deadline = max(floor, base x factor); base = learned load time, else expected_load_s."""
+
+    factor: float = 2.0
+    floor_s: float = 60.0
+
+    def deadline(self, expected_load_s: float, learned_load_s: float | None) -> tuple[float, str]:
+        """(seconds, source) where source is 'learned' or 'inventory'."""
+        if learned_load_s is not None and learned_load_s > 0:
+            base, source = learned_load_s, "learned"
+        else:
+            base, source = expected_load_s, "inventory"
+        return max(self.floor_s, base * self.factor), source
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one poll says: ready, or why not (``stale`` marks a 200 from someone else)."""
+
+    ok: bool
+    detail: str
+    stale: bool = False
+
+
+def judge(poll: dict[str, Any], spec: LaunchSpec, started_at: float) -> Verdict:
+    """Pure decision over one agent poll answer. Never raises on odd input."""
+    health = poll.get("health")
+    if not poll.get("port_open"):
+        return Verdict(False, "port closed")
+    if health != 200:
+        return Verdict(False, f"/health_generate: {health}")
+    info = poll.get("server_info") or {}
+    if not isinstance(info, dict) or info.get("status") != 200:
+        return Verdict(False, f"/server_info unavailable: {info.get('error') if isinstance(info, dict) else info}")
+    if info.get("launch_command") != spec.launch_command:
+        return Verdict(False, "stale: /server_info launch_command is not what we launched", stale=True)
+    if poll.get("listener_ours") is False:
+        return Verdict(False, "stale: the listening socket belongs to another process", stale=True)
+    startup = info.get("startup_time")
+    if isinstance(startup, (int, float)) and not isinstance(startup, bool) and startup < started_at - _STARTUP_SKEW_S:
+        return Verdict(False, "stale: startup_time predates our launch", stale=True)
+    return Verdict(True, "ready")
+
+
+@dataclass(frozen=True)
+class WaitOutcome:
+    """How a wait ended: 'ready', 'died', 'timeout', 'cancelled', 'unreachable', or 'stop' (asked by ``step``)."""
+
+    reason: str
+    elapsed_s: float
+    detail: str
+    polls: int
+
+
+def wait_loop(
+    step: Callable[[float], tuple[str | None, str]],
+    *,
+    deadline_s: float,
+    interval_s: float = 0.5,
+    initial_delay_s: float = 0.0,
+    failure_threshold: int = 5,
+    cancel: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> WaitOutcome:
+    """The one loop. ``step(elapsed)`` returns (decision, detail): decision None = keep
+    waiting, 'unreachable' = a failed probe (counted against ``failure_threshold``
+    consecutive failures), anything else ends the wait with that reason."""
+    start = clock()
+    polls = 0
+    failures = 0
+    detail = "not polled yet"
+    if initial_delay_s > 0 and _sleep(initial_delay_s, cancel):
+        return WaitOutcome("cancelled", clock() - start, detail, polls)
+    while True:
+        elapsed = clock() - start
+        if cancel is not None and cancel.is_set():
+            return WaitOutcome("cancelled", elapsed, detail, polls)
+        polls += 1
+        decision, detail = step(elapsed)
+        if decision == "unreachable":
+            failures += 1
+            if failures >= failure_threshold:
+                return WaitOutcome("unreachable", clock() - start, detail, polls)
+        elif decision is not None:
+            return WaitOutcome(decision, clock() - start, detail, polls)
+        else:
+            failures = 0
+        if clock() - start >= deadline_s:
+            return WaitOutcome("timeout", clock() - start, detail, polls)
+        if _sleep(interval_s, cancel):
+            return WaitOutcome("cancelled", clock() - start, detail, polls)
+
+
+def _sleep(seconds: float, cancel: threading.Event | None) -> bool:
+    """Sleep; True if cancelled meanwhile."""
+    if cancel is None:
+        time.sleep(seconds)
+        return False
+    return cancel.wait(seconds)

@@ -1,0 +1,205 @@
+"""Local state that outlives one command: learned load times and eager fallbacks.
+
+Why a file on the operator's machine and not on the GPU host: the facts are about how
+the *toolkit* should act next time (how long to wait for this host+model, whether to
+skip a CUDA-graph attempt that is known to crash), and the operator's machine is the one
+place every command runs from. One JSON document, default
+``~/.cache/ddtree-ops/state.json``, overridable with ``$DDTREE_OPS_STATE`` (tests point
+it into a temp dir).
+
+Writes are atomic (temp file + fsync + ``os.replace``) and serialized by a process-wide
+lock plus an advisory ``flock`` on a side file, so parallel restarts of several hosts
+(threads) and two CLI invocations at once never lose an update: every update is a
+read-modify-write under the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree_ops.errors import ConfigError
+
+STATE_ENV = "DDTREE_OPS_STATE"
+SCHEMA_VERSION = 1
+
+_THREAD_LOCK = threading.RLock()
+
+
+def default_state_path() -> Path:
+    """``$DDTREE_OPS_STATE`` if set, else ``~/.cache/ddtree-ops/state.json``."""
+    env = os.environ.get(STATE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "ddtree-ops" / "state.json"
+
+
+@dataclass(frozen=True)
+class FallbackKey:
+    """What an eager fallback is remembered by: the same config on the same kind of host."""
+
+    host: str
+    gpu_arch: str
+    sglang_version: str
+    algorithm: str
+    budget: int | None
+    topk: int | None
+
+    def as_str(self) -> str:
+        return "|".join(
+            [self.host, self.gpu_arch, self.sglang_version, self.algorithm, str(self.budget), str(self.topk)]
+        )
+
+
+@dataclass(frozen=True)
+class FallbackRecord:
+    key: FallbackKey
+    reason: str
+    recorded_at: float
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """How long a host took from launch to ready for one model, last time."""
+
+    host: str
+    model: str
+    load_s: float
+    recorded_at: float
+
+
+class StateStore:
+    """The local JSON state file. Cheap to construct; every call re-reads the file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_state_path()
+
+    # -- reading -------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return _empty()
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot read state file: {exc.strerror or exc}") from exc
+        if not text.strip():
+            return _empty()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{self.path}: state file is not valid JSON (line {exc.lineno}); delete it to start afresh"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.path}: state file must hold a JSON object")
+        data.setdefault("load_times", {})
+        data.setdefault("fallbacks", {})
+        for key in ("load_times", "fallbacks"):
+            if not isinstance(data[key], dict):
+                raise ConfigError(f"{self.path}: key '{key}' must be an object")
+        return data
+
+    def learned_load_s(self, host: str, model: str) -> float | None:
+        entry = self._load()["load_times"].get(_load_key(host, model))
+        if not isinstance(entry, dict):
+            return None
+        value = entry.get("load_s")
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    def fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
+        entry = self._load()["fallbacks"].get(key.as_str())
+        if not isinstance(entry, dict):
+            return None
+        return FallbackRecord(key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0)))
+
+    def fallbacks(self) -> list[FallbackRecord]:
+        out: list[FallbackRecord] = []
+        for entry in self._load()["fallbacks"].values():
+            if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict):
+                continue
+            try:
+                key = FallbackKey(**entry["key"])
+            except TypeError:
+                continue
+            out.append(FallbackRecord(key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0))))
+        return out
+
+    # -- writing -------------------------------------------------------------
+
+    def record_load_time(self, host: str, model: str, load_s: float) -> None:
+        rec = LoadRecord(host=host, model=model, load_s=float(load_s), recorded_at=time.time())
+        self._update(lambda data: data["load_times"].__setitem__(_load_key(host, model), asdict(rec)))
+
+    def record_fallback(self, key: FallbackKey, reason: str) -> None:
+        entry = {"key": asdict(key), "reason": reason, "recorded_at": time.time()}
+        self._update(lambda data: data["fallbacks"].__setitem__(key.as_str(), entry))
+
+    def clear_fallback(self, key: FallbackKey) -> bool:
+        """Forget a fallback (a retried CUDA-graph launch succeeded). True if one was there."""
+        removed: list[bool] = []
+
+        def drop(data: dict[str, Any]) -> None:
+            removed.append(data["fallbacks"].pop(key.as_str(), None) is not None)
+
+        self._update(drop)
+        return bool(removed and removed[0])
+
+    def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
+        with self._locked():
+            data = self._load()
+            change(data)
+            data["version"] = SCHEMA_VERSION
+            self._write(data)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with _THREAD_LOCK:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+            except OSError as exc:
+                raise ConfigError(f"{self.path}: cannot create state directory: {exc.strerror or exc}") from exc
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                os.close(lock_fd)
+
+    def _write(self, data: dict[str, Any]) -> None:
+        tmp_name: str | None = None
+        try:
+            fd, tmp_name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh, indent=2, sort_keys=True)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp_name, self.path)
+            tmp_name = None
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot write state file: {exc.strerror or exc}") from exc
+        finally:
+            if tmp_name is not None:
+                try:
+                    os.unlink(tmp_name)
+                except OSError:
+                    pass
+
+
+def _empty() -> dict[str, Any]:
+    return {"version": SCHEMA_VERSION, "load_times": {}, "fallbacks": {}}
+
+
+def _load_key(host: str, model: str) -> str:
+    return f"{host}|{model}"

@@ -1,0 +1,122 @@
+"""Local state file and the pure readiness pieces (deadline policy, judge, wait loop)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.errors import ConfigError
+from ddtree_ops.service.launch import LaunchSpec, RunConfig
+from ddtree_ops.service.readiness import DeadlinePolicy, judge, wait_loop
+from ddtree_ops.state import FallbackKey, StateStore
+
+
+def key(budget: int = 16) -> FallbackKey:
+    return FallbackKey("b300", "sm_103", "0.5.23", "DDTREE", budget, 4)
+
+
+def test_state_roundtrip_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDTREE_OPS_STATE", str(tmp_path / "s" / "state.json"))
+    store = StateStore()
+    assert store.path == tmp_path / "s" / "state.json"
+    assert store.learned_load_s("h", "m") is None
+    assert store.fallback_for(key()) is None
+    store.record_load_time("h", "m", 12.5)
+    store.record_fallback(key(), "capture failed")
+    again = StateStore()
+    assert again.learned_load_s("h", "m") == 12.5
+    assert again.fallback_for(key()).reason == "capture failed"  # type: ignore[union-attr]
+    assert again.fallback_for(key(budget=8)) is None
+    assert [r.key for r in again.fallbacks()] == [key()]
+    assert again.clear_fallback(key()) is True
+    assert again.fallback_for(key()) is None
+
+
+def test_state_parallel_updates_lose_nothing(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.json")
+    threads = [threading.Thread(target=store.record_load_time, args=(f"h{i}", "m", float(i + 1))) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [store.learned_load_s(f"h{i}", "m") for i in range(24)] == [float(i + 1) for i in range(24)]
+
+
+def test_corrupt_state_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"state\.json: state file is not valid JSON"):
+        StateStore(path).learned_load_s("h", "m")
+
+
+def test_deadline_policy() -> None:
+    policy = DeadlinePolicy(factor=2.0, floor_s=60.0)
+    assert policy.deadline(600.0, None) == (1200.0, "inventory")
+    assert policy.deadline(600.0, 100.0) == (200.0, "learned")
+    assert policy.deadline(5.0, None) == (60.0, "inventory")
+
+
+SPEC = LaunchSpec(
+    host="h", argv=("py", "-m", "sim", "--port", "1"), server_args=("--port", "1"), env={}, port=1,
+    probe_host="127.0.0.1", cuda_graph=True, model="m", run=RunConfig(),
+)
+
+
+def poll(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "port_open": True, "health": 200, "listener_ours": True,
+        "server_info": {"status": 200, "launch_command": "--port 1", "startup_time": 1000.0},
+    }
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize(
+    ("answer", "ok", "stale"),
+    [
+        (poll(), True, False),
+        (poll(port_open=False, health=None), False, False),
+        (poll(health=503), False, False),
+        (poll(server_info={"status": 200, "launch_command": "--port 2", "startup_time": 1000.0}), False, True),
+        (poll(listener_ours=False), False, True),
+        (poll(listener_ours=None), True, False),  # no /proc: identity rests on launch_command + startup_time
+        (poll(server_info={"status": 200, "launch_command": "--port 1", "startup_time": 10.0}), False, True),
+        (poll(server_info={"status": 200, "launch_command": "--port 1", "startup_time": {"load_weight": 3.0}}), True, False),
+        (poll(server_info=None), False, False),
+    ],
+)
+def test_judge_never_trusts_a_bare_200(answer: dict[str, object], ok: bool, stale: bool) -> None:
+    verdict = judge(answer, SPEC, started_at=999.0)
+    assert (verdict.ok, verdict.stale) == (ok, stale)
+
+
+class FakeClock:
+    """Deterministic clock: each call to step advances time by one second."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_wait_loop_deadline_threshold_and_cancel() -> None:
+    clock = FakeClock()
+
+    def slow(elapsed: float) -> tuple[str | None, str]:
+        clock.t += 1.0
+        return None, "still loading"
+
+    out = wait_loop(slow, deadline_s=5.0, interval_s=0.0, clock=clock)
+    assert (out.reason, out.detail, out.polls) == ("timeout", "still loading", 5)
+
+    answers = iter(["unreachable", None, "unreachable", "unreachable", "unreachable"])
+    out = wait_loop(lambda e: (next(answers), "x"), deadline_s=100.0, interval_s=0.0, failure_threshold=3)
+    assert (out.reason, out.polls) == ("unreachable", 5)  # the success in between resets the count
+
+    cancel = threading.Event()
+    cancel.set()
+    out = wait_loop(slow, deadline_s=100.0, interval_s=0.0, cancel=cancel)
+    assert (out.reason, out.polls) == ("cancelled", 0)
