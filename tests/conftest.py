@@ -1,0 +1,59 @@
+"""Shared fixtures: the real SSH test fleet, a local host, and isolation from the user's files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from fleetlib import Fleet, build_fleet
+
+FLEET_SIZE = int(os.environ.get("DDTREE_OPS_FLEET_SIZE", "3"))
+
+
+@pytest.fixture(scope="session")
+def ssh_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """N real sshd hosts on loopback (default 3: RTX PRO 6000, B300, no GPU).
+
+    Session-scoped because building the Python prefixes is the slow part; tests that stop
+    a host's sshd must start it again (use the ``fleet_host_restored`` pattern: try/finally).
+    """
+    gpus = ("rtx-pro-6000", "b300", None, *([None] * max(0, FLEET_SIZE - 3)))[:FLEET_SIZE]
+    fleet = build_fleet(tmp_path_factory.mktemp("fleet"), gpus)
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+@pytest.fixture(autouse=True)
+def _fleet_hosts_running(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that stopped a fleet host's sshd must not break the next test."""
+    yield
+    if "ssh_fleet" in request.fixturenames:
+        fleet: Fleet = request.getfixturevalue("ssh_fleet")
+        for host in fleet.hosts:
+            if not host.server.running:
+                host.server.start()
+
+
+@pytest.fixture
+def local_host(tmp_path: Path) -> Host:
+    """A local-connection host whose run_dir is in the test's tmp dir and python is ours."""
+    import sys
+
+    return Host(
+        name="local-test",
+        connection="local",
+        ddtree=DdtreeSettings(python=sys.executable, run_dir=str(tmp_path / "run")),
+        source="<test>",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or writes the user's ddtree-ops state file."""
+    monkeypatch.setenv("DDTREE_OPS_STATE", str(tmp_path / "state.json"))
