@@ -26,7 +26,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -96,6 +96,42 @@ def _openai_request(prompt: Prompt, spec: LoadSpec) -> tuple[str, dict[str, Any]
     return "/v1/completions", body
 
 
+class _Failed(Exception):
+    """A request that ended in a server-reported failure (HTTP status or in-stream error)."""
+
+
+class _Events:
+    """Server-sent events of one streamed response: ``(arrival_time, object)`` pairs.
+
+    ``done`` tells whether ``[DONE]`` arrived; a stream cut before it is a failure.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+
+    async def iterate(
+        self, client: httpx.AsyncClient, route: str, body: Mapping[str, Any]
+    ) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+        async with client.stream("POST", route, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise _Failed(f"HTTP {resp.status_code}: {text.strip()[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    self.done = True
+                    return
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if "error" in obj:
+                    err = obj["error"]
+                    msg = err.get("message", err) if isinstance(err, Mapping) else err
+                    raise _Failed(f"server error: {msg}"[:300])
+                yield now, obj
+
+
 async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
     start = time.perf_counter()
     ttft: float | None = None
@@ -104,42 +140,27 @@ async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: Load
     itls: list[float] = []
     meta: Mapping[str, Any] = {}
     chunks = 0
-    done = False
+    events = _Events()
     try:
-        async with client.stream("POST", "/generate", json=_generate_payload(prompt, spec)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                return RequestResult(ok=False, start=start, end=time.perf_counter(),
-                                     error=f"HTTP {resp.status_code}: {body.strip()[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    err = obj["error"]
-                    msg = err.get("message", err) if isinstance(err, Mapping) else err
-                    return RequestResult(ok=False, start=start, end=now, error=f"server error: {msg}"[:300])
-                meta = obj.get("meta_info") or {}
-                tokens = int(meta.get("completion_tokens", 0))
-                new = tokens - last_tokens
-                if new <= 0:
-                    continue
-                chunks += 1
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    gap = (now - last_t) / new
-                    itls.extend([gap] * new)
-                last_t, last_tokens = now, tokens
+        async for now, obj in events.iterate(client, "/generate", _generate_payload(prompt, spec)):
+            meta = obj.get("meta_info") or {}
+            tokens = int(meta.get("completion_tokens", 0))
+            new = tokens - last_tokens
+            if new <= 0:
+                continue
+            chunks += 1
+            if ttft is None:
+                ttft = now - start
+            else:
+                gap = (now - last_t) / new
+                itls.extend([gap] * new)
+            last_t, last_tokens = now, tokens
+    except _Failed as exc:
+        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=str(exc))
     except (httpx.HTTPError, OSError, ValueError) as exc:
         return RequestResult(ok=False, start=start, end=time.perf_counter(), error=_error_text(exc))
     end = time.perf_counter()
-    if not done:
+    if not events.done:
         return RequestResult(ok=False, start=start, end=end, error="stream ended before [DONE]")
     verify = meta.get("spec_verify_ct")
     accept = meta.get("spec_accept_length")
@@ -162,35 +183,21 @@ async def _stream_openai(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSp
     route, body = _openai_request(prompt, spec)
     times: list[float] = []
     usage: Mapping[str, Any] = {}
-    done = False
+    events = _Events()
     try:
-        async with client.stream("POST", route, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                return RequestResult(ok=False, start=start, end=time.perf_counter(),
-                                     error=f"HTTP {resp.status_code}: {text.strip()[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+        async for now, obj in events.iterate(client, route, body):
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for choice in obj.get("choices") or ():
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    times.append(now)
                     break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    return RequestResult(ok=False, start=start, end=now, error=f"server error: {obj['error']}"[:300])
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for choice in obj.get("choices") or ():
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if piece:
-                        times.append(now)
-                        break
+    except _Failed as exc:
+        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=str(exc))
     except (httpx.HTTPError, OSError, ValueError) as exc:
         return RequestResult(ok=False, start=start, end=time.perf_counter(), error=_error_text(exc))
     end = time.perf_counter()
-    if not done:
+    if not events.done:
         return RequestResult(ok=False, start=start, end=end, error="stream ended before [DONE]")
     tokens = int(usage.get("completion_tokens", len(times)))
     # Chunks do not say how many tokens they carry; spread the decode time evenly over the
