@@ -1,0 +1,599 @@
+"""Ledger -> pandas -> tidy per-cell table, best configurations, comparisons.
+
+The report answers: on this machine, at this temperature and concurrency, which
+algorithm/budget/top-k is fastest, by how much over autoregressive decoding and over
+plain DFlash, and how sure are we. Everything here is pure pandas on a loaded frame;
+the CLI renders, :mod:`ddtree_ops.report_plots` draws.
+
+Loading is the only part that has to be fast (ledgers grow to millions of rows): lines
+are read in large blocks and parsed by pyarrow's JSON reader with an explicit schema
+(only the columns the report needs); a block that pyarrow rejects — a bad line, a
+truncated last line, an old schema version — is re-read line by line with the ledger's
+own parser, so bad lines are counted with their line numbers and never fatal. Without
+pyarrow every block takes the line-by-line path (correct, slower).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from ddtree_ops.bench.ledger import SCHEMA_VERSION, parse_lines
+from ddtree_ops.errors import ConfigError
+
+GroupBy = Literal["host", "gpu"]
+
+#: 1.4826·MAD estimates the standard deviation of normally distributed noise.
+MAD_TO_SIGMA = 1.4826
+#: Candidates within this fraction of the best score count as ties (cheapest wins).
+TIE_TOLERANCE = 0.01
+DEFAULT_MIN_REPEATS = 3
+
+_STR_COLS = ("sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status")
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "completed", "failed", "verify_ct")
+_FLOAT_COLS = (
+    "temperature",
+    "top_p",
+    "request_rate",
+    "output_tok_s",
+    "request_s",
+    "accept_length",
+    "ttft_ms_median",
+    "ttft_ms_p99",
+    "itl_ms_median",
+    "itl_ms_p99",
+    "tpot_ms_median",
+    "e2e_ms_median",
+)
+_BOOL_COLS = ("cuda_graph",)
+#: Ledger columns the report reads; everything else in a row is skipped while parsing.
+LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS
+#: A row lacking any of these cannot be placed in a cell: it is a bad line.
+_NEEDED = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
+
+#: What identifies a cell on a machine (besides the machine itself).
+CELL_KEYS: tuple[str, ...] = (
+    "algorithm",
+    "budget",
+    "topk",
+    "cuda_graph",
+    "temperature",
+    "top_p",
+    "top_k",
+    "concurrency",
+    "request_rate",
+    "workload_hash",
+)
+#: A baseline must match these (and the machine) to be compared against.
+_BASELINE_KEYS: tuple[str, ...] = ("temperature", "top_p", "top_k", "concurrency", "request_rate", "workload_hash")
+_ALGO_COST = {"AR": 0, "DFLASH": 1, "DDTREE": 2}
+
+#: Tidy table columns and dtypes, in order — the CSV contract (tested).
+TIDY_DTYPES: dict[str, str] = {
+    "machine": "object",
+    "hosts": "object",
+    "gpu_name": "object",
+    "gpu_arch": "object",
+    "algorithm": "object",
+    "budget": "Int64",
+    "topk": "Int64",
+    "cuda_graph": "bool",
+    "temperature": "float64",
+    "top_p": "float64",
+    "top_k": "Int64",
+    "concurrency": "Int64",
+    "request_rate": "float64",
+    "workload_hash": "object",
+    "workload_name": "object",
+    "n": "Int64",
+    "n_failed_rows": "Int64",
+    "failed_requests": "Int64",
+    "output_tok_s_median": "float64",
+    "output_tok_s_mad": "float64",
+    "output_tok_s_min": "float64",
+    "output_tok_s_max": "float64",
+    "score": "float64",
+    "accept_length_median": "float64",
+    "ttft_ms_median": "float64",
+    "ttft_ms_p99": "float64",
+    "itl_ms_median": "float64",
+    "itl_ms_p99": "float64",
+    "tpot_ms_median": "float64",
+    "e2e_ms_median": "float64",
+    "speedup_vs_ar": "float64",
+    "ar_cuda_graph": "boolean",
+    "speedup_vs_dflash": "float64",
+    "dflash_cuda_graph": "boolean",
+    "modes_mixed": "bool",
+    "fallback_reason": "object",
+}
+
+BEST_COLUMNS: tuple[str, ...] = (
+    "machine",
+    "temperature",
+    "top_p",
+    "top_k",
+    "concurrency",
+    "request_rate",
+    "workload_name",
+    "modes",
+    "algorithm",
+    "budget",
+    "topk",
+    "cuda_graph",
+    "output_tok_s_median",
+    "output_tok_s_mad",
+    "score",
+    "n",
+    "accept_length_median",
+    "speedup_vs_ar",
+    "speedup_vs_dflash",
+    "candidates",
+    "refused",
+    "runner_up",
+    "note",
+)
+
+_BLOCK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class LoadedLedgers:
+    """All valid rows of the ledgers read (``LOAD_COLUMNS``), and what was skipped."""
+
+    frame: pd.DataFrame
+    files: tuple[Path, ...]
+    bad_lines: tuple[tuple[str, int, str], ...]  # (file, 1-based line, reason)
+
+
+@dataclass(frozen=True)
+class BestConfigs:
+    """Recommendations, and every cell that was refused with the reason."""
+
+    best: pd.DataFrame
+    refusals: pd.DataFrame  # machine, cell, reason
+
+
+@dataclass(frozen=True)
+class Report:
+    loaded: LoadedLedgers
+    tidy: pd.DataFrame  # per (host, cell)
+    grouped: pd.DataFrame  # per (group-by machine, cell): what best configs and plots use
+    best: BestConfigs
+    group_by: GroupBy
+
+
+# ---------------------------------------------------------------- loading
+
+
+def find_ledgers(paths: Sequence[Path | str], *, default_dir: Path = Path("results")) -> list[Path]:
+    """Ledger files named or found under the given paths (``**/*.jsonl`` for folders).
+
+    With no paths, every ledger under ``results/``. A named path that does not exist is
+    a ConfigError (a typo must not produce an empty report that looks like no data).
+    """
+    found: list[Path] = []
+    for raw in paths or [default_dir]:
+        p = Path(raw)
+        if p.is_dir():
+            found.extend(sorted(p.rglob("*.jsonl")))
+        elif p.is_file():
+            found.append(p)
+        elif paths:
+            raise ConfigError(f"{p}: no such ledger file or folder")
+    return list(dict.fromkeys(found))
+
+
+def _arrow() -> Any:
+    try:
+        import pyarrow as pa
+        import pyarrow.json as pj
+    except ImportError:
+        return None
+    return pa, pj
+
+
+def _arrow_schema(pa: Any) -> Any:
+    return pa.schema(
+        [(c, pa.string()) for c in _STR_COLS]
+        + [(c, pa.int64()) for c in _INT_COLS]
+        + [(c, pa.float64()) for c in _FLOAT_COLS]
+        + [(c, pa.bool_()) for c in _BOOL_COLS]
+    )
+
+
+def _fast_block(block: bytes, arrow: Any) -> pd.DataFrame | None:
+    """Parse a block with pyarrow; None when any line needs the careful path."""
+    pa, pj = arrow
+    try:
+        table = pj.read_json(
+            pa.BufferReader(block),
+            read_options=pj.ReadOptions(block_size=max(1 << 20, min(len(block) + 1, 16 << 20))),
+            parse_options=pj.ParseOptions(explicit_schema=_arrow_schema(pa), unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    version = table.column("schema_version")
+    if version.null_count or not pa.compute.all(pa.compute.equal(version, SCHEMA_VERSION)).as_py():
+        return None
+    if any(table.column(c).null_count for c in _NEEDED):
+        return None
+    return table.to_pandas()
+
+
+def _careful_block(
+    lines: list[bytes], *, name: str, first_lineno: int, at_eof: bool, bad: list[tuple[str, int, str]]
+) -> pd.DataFrame:
+    read = parse_lines(lines, first_lineno=first_lineno, at_eof=at_eof)
+    bad.extend((name, n, reason) for n, reason in read.bad_lines)
+    kept: list[dict[str, Any]] = []
+    if read.rows:
+        # parse_lines drops blank lines, so recover line numbers for the field check.
+        numbers = [first_lineno + i for i, raw in enumerate(lines) if raw.strip()]
+        bad_numbers = {n for n, _ in read.bad_lines}
+        numbers = [n for n in numbers if n not in bad_numbers]
+        for lineno, row in zip(numbers, read.rows):
+            missing = [c for c in _NEEDED if row.get(c) is None]
+            if missing:
+                bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))
+            else:
+                kept.append({c: row.get(c) for c in LOAD_COLUMNS})
+    return pd.DataFrame.from_records(kept, columns=list(LOAD_COLUMNS))
+
+
+def _coerce(frame: pd.DataFrame) -> pd.DataFrame:
+    """One dtype per column whichever path produced the rows (numbers as float64 so
+    that null budgets/top-ks group and merge like any other value)."""
+    out: dict[str, pd.Series] = {}
+    for c in _STR_COLS:
+        col = frame[c]
+        out[c] = col.astype(object).where(col.notna(), None)
+    for c in _INT_COLS + _FLOAT_COLS:
+        out[c] = pd.to_numeric(frame[c], errors="coerce").astype("float64")
+    for c in _BOOL_COLS:
+        out[c] = frame[c].astype(bool)
+    return pd.DataFrame(out, index=frame.index)
+
+
+def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) -> LoadedLedgers:
+    """Read ledgers into one frame of :data:`LOAD_COLUMNS`. Bad lines are collected.
+
+    ``use_arrow=False`` forces the line-by-line parser (tests compare both paths).
+    """
+    files = find_ledgers(paths)
+    arrow = _arrow() if use_arrow is not False else None
+    frames: list[pd.DataFrame] = []
+    bad: list[tuple[str, int, str]] = []
+    for path in files:
+        try:
+            fh = open(path, "rb")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from exc
+        with fh:
+            lineno, carry = 1, b""
+            while True:
+                chunk = fh.read(_BLOCK_BYTES)
+                at_eof = not chunk
+                data = carry + chunk
+                if not at_eof:
+                    cut = data.rfind(b"\n") + 1
+                    data, carry = data[:cut], data[cut:]
+                    if not data:
+                        continue
+                if data:
+                    df = _fast_block(data, arrow) if arrow is not None and data.endswith(b"\n") else None
+                    if df is None:
+                        df = _careful_block(
+                            data.splitlines(keepends=True), name=str(path), first_lineno=lineno, at_eof=at_eof, bad=bad
+                        )
+                    frames.append(df)
+                    lineno += data.count(b"\n")
+                if at_eof:
+                    break
+    if frames:
+        frame = _coerce(pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True))
+    else:
+        frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
+    bad.sort(key=lambda b: (b[0], b[1]))
+    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad))
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _machine_column(frame: pd.DataFrame, by: GroupBy) -> pd.Series:
+    if by == "host":
+        return frame["host"]
+    if by == "gpu":
+        return frame["gpu_name"].where(frame["gpu_name"].notna(), frame["host"])
+    raise ConfigError(f"--group-by must be 'host' or 'gpu', not {by!r}")
+
+
+def aggregate(frame: pd.DataFrame, *, by: GroupBy = "host") -> pd.DataFrame:
+    """One tidy row per (machine, cell), repeats pooled over ``ok`` rows.
+
+    ``by="host"`` gives the per-host table; ``by="gpu"`` pools hosts of one GPU type.
+    Failed rows still create their cell (n=0) so that refusals can name them.
+    """
+    if frame.empty:
+        return pd.DataFrame({c: pd.Series(dtype=t) for c, t in TIDY_DTYPES.items()})
+    frame = frame.assign(machine=_machine_column(frame, by))
+    keys = ["machine", *CELL_KEYS]
+    gid = frame.groupby(keys, dropna=False, sort=True).ngroup().to_numpy()
+    frame = frame.assign(_gid=gid)
+    first = frame.drop_duplicates("_gid").set_index("_gid").sort_index()
+    cells = first[keys].copy()
+
+    g_all = frame.groupby("_gid")
+    cells["hosts"] = g_all["host"].agg(lambda s: ",".join(sorted(set(s))))
+    for c in ("gpu_name", "gpu_arch", "workload_name", "fallback_reason"):
+        cells[c] = g_all[c].first()
+    failed_rows = frame["status"] != "ok"
+    cells["n_failed_rows"] = failed_rows.groupby(gid).sum()
+
+    ok = frame[~failed_rows]
+    g = ok.groupby("_gid")
+    tok = ok["output_tok_s"]
+    cells["n"] = g.size()
+    cells["failed_requests"] = g["failed"].sum(min_count=1)
+    med = g["output_tok_s"].median()
+    cells["output_tok_s_median"] = med
+    dev = (tok - med.reindex(ok["_gid"]).to_numpy()).abs()
+    cells["output_tok_s_mad"] = dev.groupby(ok["_gid"]).median()
+    cells["output_tok_s_min"] = g["output_tok_s"].min()
+    cells["output_tok_s_max"] = g["output_tok_s"].max()
+    cells["accept_length_median"] = g["accept_length"].median()
+    for c in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_median", "itl_ms_p99", "tpot_ms_median", "e2e_ms_median"):
+        cells[c] = g[c].median()
+    cells["n"] = cells["n"].fillna(0)
+    cells["failed_requests"] = cells["failed_requests"].fillna(0)
+    cells["score"] = cells["output_tok_s_median"] - MAD_TO_SIGMA * cells["output_tok_s_mad"]
+
+    cells = _add_speedups(cells.reset_index(drop=True))
+    return _typed(cells, TIDY_DTYPES)
+
+
+def _add_speedups(cells: pd.DataFrame) -> pd.DataFrame:
+    """Speedup vs the machine's AR and DFLASH cells under the same sampling/workload.
+
+    A baseline in the same CUDA-graph mode is used when there is one; otherwise the
+    other mode's, and ``modes_mixed`` says so (eager never silently meets graph).
+    """
+    bkeys = ["machine", *_BASELINE_KEYS]
+    mixed = pd.Series(False, index=cells.index)
+    for algo, prefix in (("AR", "ar"), ("DFLASH", "dflash")):
+        base = cells.loc[cells["algorithm"] == algo, [*bkeys, "cuda_graph", "output_tok_s_median"]]
+        base = base.drop_duplicates([*bkeys, "cuda_graph"])
+        same = cells[[*bkeys, "cuda_graph"]].merge(base, on=[*bkeys, "cuda_graph"], how="left")["output_tok_s_median"]
+        flipped = cells[bkeys].assign(cuda_graph=~cells["cuda_graph"].astype(bool))
+        other = flipped.merge(base, on=[*bkeys, "cuda_graph"], how="left")["output_tok_s_median"]
+        same.index = other.index = cells.index
+        use_other = same.isna() & other.notna()
+        baseline = same.where(~use_other, other)
+        cells[f"speedup_vs_{prefix}"] = cells["output_tok_s_median"] / baseline
+        mode = cells["cuda_graph"].astype("boolean").where(~use_other, ~cells["cuda_graph"].astype(bool))
+        cells[f"{prefix}_cuda_graph"] = mode.where(baseline.notna(), pd.NA)
+        mixed |= use_other & (cells["algorithm"] != algo)
+    cells["modes_mixed"] = mixed
+    return cells
+
+
+def _typed(frame: pd.DataFrame, dtypes: dict[str, str]) -> pd.DataFrame:
+    out = {}
+    for c, t in dtypes.items():
+        col = frame[c]
+        if t == "Int64":
+            col = pd.to_numeric(col, errors="coerce").round().astype("Int64")
+        elif t == "object":
+            col = col.astype(object).where(col.notna(), None)
+        else:
+            col = col.astype(t)
+        out[c] = col
+    return pd.DataFrame(out).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------- best configurations
+
+
+def describe_cell(row: Any) -> str:
+    """Short human label of a cell: ``DDTREE b=16 k=4``, ``DFLASH``, ``AR`` (+ ``eager``)."""
+    text = str(row["algorithm"])
+    if text == "DDTREE":
+        text += f" b={_int_text(row['budget'])} k={_int_text(row['topk'])}"
+    if not bool(row["cuda_graph"]):
+        text += " eager"
+    return text
+
+
+def _int_text(value: Any) -> str:
+    return "?" if value is None or pd.isna(value) else str(int(value))
+
+
+def best_configs(
+    grouped: pd.DataFrame,
+    *,
+    min_repeats: int = DEFAULT_MIN_REPEATS,
+    mix_modes: bool = False,
+    tie_tolerance: float = TIE_TOLERANCE,
+) -> BestConfigs:
+    """Best configuration per (machine, temperature, concurrency[, graph mode]).
+
+    Highest ``score`` (median − 1.4826·MAD of output tok/s); among candidates within
+    ``tie_tolerance`` of it the cheapest wins (AR < DFLASH < DDTREE, then smaller budget,
+    then smaller top-k): a bigger tree that is not measurably faster is not worth it.
+    Cells with failed rows/requests or fewer than ``min_repeats`` repeats are refused.
+    Graph and eager cells are ranked separately unless ``mix_modes``.
+    """
+    gkeys = ["machine", "temperature", "top_p", "top_k", "concurrency", "request_rate", "workload_hash"]
+    if not mix_modes:
+        gkeys.append("cuda_graph")
+    if grouped.empty:
+        return BestConfigs(best=pd.DataFrame(columns=list(BEST_COLUMNS)), refusals=_refusal_frame([]))
+
+    reasons = pd.Series("", index=grouped.index)
+    reasons = _append_reason(reasons, grouped["n_failed_rows"] > 0, grouped["n_failed_rows"].astype(str) + " failed repeat(s)")
+    reasons = _append_reason(
+        reasons, grouped["failed_requests"] > 0, grouped["failed_requests"].astype(str) + " failed request(s)"
+    )
+    reasons = _append_reason(
+        reasons, grouped["n"] < min_repeats, "n=" + grouped["n"].astype(str) + f" < min repeats {min_repeats}"
+    )
+    refused_mask = reasons != ""
+    refusals = _refusal_frame(
+        [
+            (row["machine"], row["temperature"], row["concurrency"], describe_cell(row), reasons[i])
+            for i, row in grouped[refused_mask].iterrows()
+        ]
+    )
+
+    work = grouped.assign(
+        _refused=refused_mask,
+        _cost=grouped["algorithm"].map(_ALGO_COST).fillna(3),
+        _budget=grouped["budget"].astype("float64").fillna(0),
+        _topk=grouped["topk"].astype("float64").fillna(0),
+        _label=[describe_cell(r) for _, r in grouped.iterrows()],
+    )
+    gid = work.groupby(gkeys, dropna=False, sort=True).ngroup()
+    work["_g"] = gid
+    counts = work.groupby("_g").agg(candidates=("_label", "size"), refused=("_refused", "sum"), any_eager=("cuda_graph", lambda s: not s.all()), any_graph=("cuda_graph", "any"))
+    eligible = work[~work["_refused"]].copy()
+    top = eligible.groupby("_g")["score"].transform("max")
+    eligible["_within"] = eligible["score"] >= top - tie_tolerance * top.abs()
+    by_score = eligible.sort_values(["_g", "score"], ascending=[True, False])
+    best_score = by_score.drop_duplicates("_g").set_index("_g")
+    tied = eligible[eligible["_within"]].sort_values(["_g", "_cost", "_budget", "_topk", "score"], ascending=[True, True, True, True, False])
+    picked = tied.drop_duplicates("_g").set_index("_g")
+
+    rows: list[dict[str, Any]] = []
+    for g, first in work.drop_duplicates("_g").set_index("_g").sort_index().iterrows():
+        c = counts.loc[g]
+        modes = ("graph+eager" if c["any_graph"] and c["any_eager"] else "graph" if c["any_graph"] else "eager")
+        row: dict[str, Any] = {k: first[k] for k in ("machine", "temperature", "top_p", "top_k", "concurrency", "request_rate", "workload_name")}
+        row.update(modes=modes, candidates=int(c["candidates"]), refused=int(c["refused"]))
+        if g not in picked.index:
+            row.update(note=f"no eligible cell: all {int(c['candidates'])} refused (see refusals)")
+            rows.append(row)
+            continue
+        p = picked.loc[g]
+        for k in ("algorithm", "budget", "topk", "cuda_graph", "output_tok_s_median", "output_tok_s_mad", "score", "n", "accept_length_median", "speedup_vs_ar", "speedup_vs_dflash"):
+            row[k] = p[k]
+        notes = []
+        top_row = best_score.loc[g]
+        if top_row["_label"] != p["_label"]:
+            notes.append(f"{top_row['_label']} scored {_pct(top_row['score'], p['score'])} higher (within {tie_tolerance:.0%}): cheaper config kept")
+        others = by_score[(by_score["_g"] == g) & (by_score["_label"] != p["_label"])]
+        if len(others):
+            o = others.iloc[0]
+            row["runner_up"] = f"{o['_label']} ({_pct(o['score'], p['score'])})"
+        if modes == "graph+eager":
+            notes.append("eager and CUDA-graph cells compared (--mix-modes)")
+        if bool(p["modes_mixed"]):
+            notes.append("speedup against a baseline in the other graph mode")
+        row["note"] = "; ".join(notes)
+        rows.append(row)
+    best = pd.DataFrame(rows).reindex(columns=list(BEST_COLUMNS))
+    for c in ("budget", "topk", "top_k", "concurrency", "n", "candidates", "refused"):
+        best[c] = pd.to_numeric(best[c], errors="coerce").round().astype("Int64")
+    best["cuda_graph"] = best["cuda_graph"].astype("boolean")
+    for c in ("runner_up", "note", "algorithm"):
+        best[c] = best[c].astype(object).where(best[c].notna(), None)
+    return BestConfigs(best=best, refusals=refusals)
+
+
+def _pct(value: float, ref: float) -> str:
+    if not ref or pd.isna(ref) or pd.isna(value):
+        return "n/a"
+    return f"{(value / ref - 1) * 100:+.1f}%"
+
+
+def _append_reason(reasons: pd.Series, mask: pd.Series, text: pd.Series | str) -> pd.Series:
+    add = text if isinstance(text, pd.Series) else pd.Series(text, index=reasons.index)
+    joined = reasons.where(reasons == "", reasons + "; ") + add
+    return reasons.where(~mask, joined)
+
+
+def _refusal_frame(items: list[tuple[Any, ...]]) -> pd.DataFrame:
+    return pd.DataFrame(items, columns=["machine", "temperature", "concurrency", "cell", "reason"])
+
+
+# ---------------------------------------------------------------- compare
+
+
+COMPARE_KEYS: tuple[str, ...] = ("machine", *(k for k in CELL_KEYS if k != "cuda_graph"))
+
+
+def compare(base: pd.DataFrame, other: pd.DataFrame, *, sigmas: float = 2.0, floor: float = 0.01) -> pd.DataFrame:
+    """Per-cell ratio ``other / base`` of median output tok/s, flagging real changes.
+
+    A change is flagged when ``|Δ| > sigmas·(σ_base + σ_other)`` with σ = 1.4826·MAD —
+    the two medians' spread intervals do not overlap — and, when both spreads are zero
+    (a single repeat, a deterministic simulator), when it exceeds ``floor`` relative.
+    Cells present on one side only are listed with ``only_in``. ``cuda_graph`` is not a
+    key: a fallback appearing or disappearing is exactly what a comparison must show.
+    """
+    cols = [*COMPARE_KEYS, "cuda_graph", "n", "output_tok_s_median", "output_tok_s_mad", "accept_length_median"]
+    merged = base[cols].merge(other[cols], on=list(COMPARE_KEYS), how="outer", suffixes=("_a", "_b"), indicator=True)
+    a, b = merged["output_tok_s_median_a"], merged["output_tok_s_median_b"]
+    spread = sigmas * MAD_TO_SIGMA * (merged["output_tok_s_mad_a"].fillna(0) + merged["output_tok_s_mad_b"].fillna(0))
+    threshold = np.maximum(spread, floor * a.abs())
+    delta = b - a
+    out = merged[list(COMPARE_KEYS)].copy()
+    out["cuda_graph_a"] = merged["cuda_graph_a"].astype("boolean")
+    out["cuda_graph_b"] = merged["cuda_graph_b"].astype("boolean")
+    out["n_a"] = merged["n_a"].astype("Int64")
+    out["n_b"] = merged["n_b"].astype("Int64")
+    out["output_tok_s_a"] = a
+    out["output_tok_s_b"] = b
+    out["ratio"] = b / a
+    out["threshold"] = threshold
+    out["accept_length_a"] = merged["accept_length_median_a"]
+    out["accept_length_b"] = merged["accept_length_median_b"]
+    out["changed"] = (delta.abs() > threshold).fillna(False).astype(bool)
+    out["direction"] = np.where(~out["changed"], "", np.where(delta > 0, "faster", "slower"))
+    out["only_in"] = merged["_merge"].map({"left_only": "a", "right_only": "b", "both": ""}).astype(object)
+    return out.reset_index(drop=True)
+
+
+# ---------------------------------------------------------------- whole report
+
+
+def build_report(
+    paths: Sequence[Path | str],
+    *,
+    group_by: GroupBy = "gpu",
+    min_repeats: int = DEFAULT_MIN_REPEATS,
+    mix_modes: bool = False,
+    use_arrow: bool | None = None,
+) -> Report:
+    """Load, aggregate per host and per ``group_by`` machine, pick best configs.
+
+    An empty result (no ledger files, or files with no valid row) is a ConfigError that
+    says what was looked at, because an empty table would read as "nothing is faster".
+    """
+    if min_repeats < 1:
+        raise ConfigError(f"--min-repeats must be at least 1, not {min_repeats}")
+    loaded = load_ledgers(paths, use_arrow=use_arrow)
+    if loaded.frame.empty:
+        where = ", ".join(str(p) for p in paths) if paths else "results/"
+        if not loaded.files:
+            raise ConfigError(f"no ledger (*.jsonl) found in {where}; run `ddtree-ops bench --sweep ...` first")
+        detail = f" ({len(loaded.bad_lines)} bad line(s), first: {loaded.bad_lines[0][0]}:{loaded.bad_lines[0][1]}: {loaded.bad_lines[0][2]})" if loaded.bad_lines else ""
+        raise ConfigError(f"no valid ledger rows in {len(loaded.files)} file(s) under {where}{detail}")
+    tidy = aggregate(loaded.frame, by="host")
+    grouped = tidy if group_by == "host" else aggregate(loaded.frame, by=group_by)
+    best = best_configs(grouped, min_repeats=min_repeats, mix_modes=mix_modes)
+    return Report(loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by)
+
+
+def load_tidy(paths: Sequence[Path | str], *, by: GroupBy = "host") -> pd.DataFrame:
+    """Tidy table of other ledgers (for ``--compare``); ConfigError when empty."""
+    loaded = load_ledgers(paths)
+    if loaded.frame.empty:
+        raise ConfigError(f"no valid ledger rows in {', '.join(str(p) for p in paths)}")
+    return aggregate(loaded.frame, by=by)
