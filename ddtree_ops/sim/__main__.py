@@ -1,0 +1,34 @@
+"""``python -m ddtree_ops.sim <sglang launch_server flags>``: the simulated SGLang server."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse like SGLang (exit 2 on bad flags), then run the launch sequence."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from ddtree_ops.sim.args import SimSettingsError, parse_server_args, sim_settings_from_env
+    from ddtree_ops.sim.logs import configure_logging, main_logger
+
+    args, warnings = parse_server_args(argv)
+    configure_logging(args.log_level)
+    for w in warnings:
+        main_logger.warning(f"\033[1;33m{w}\033[0m", extra={"prefix": ""})
+    try:
+        settings = sim_settings_from_env()
+    except SimSettingsError as exc:
+        main_logger.error(f"Invalid simulator setting: {exc}", extra={"prefix": ""})
+        return 2
+    from ddtree_ops.sim.server import serve
+
+    launch_command = shlex.join(["python3", "-m", "sglang.launch_server", *argv])
+    main_logger.info(f"server_args={args!r}", extra={"prefix": ""})
+    return asyncio.run(serve(args, settings, launch_command))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""The continuous-batching scheduler of the simulated server.
+
+One asyncio task plays SGLang's scheduler: each iteration either prefills newly
+admitted requests (producing their first token, as SGLang's prefill does) or runs one
+decode step over every running request. What a step *produces* comes from running the
+real DDTree code (``ddtree_ops.ddtree_core.load_ddtree_utils``) against the synthetic
+language; how long it *takes* comes from the GPU profile's cost model, slept in real
+time scaled by ``SIM_TIME_SCALE``. The CPU work of a step counts towards its sleep, so
+the simulator only distorts timing once that work exceeds the modelled step time
+(``benchmarks/sim_capacity.py`` measures where).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ddtree_ops.sim.args import ServerArgs, SimSettings
+from ddtree_ops.sim.language import (
+    CATEGORIES,
+    EOS_TOKEN,
+    VOCAB,
+    Category,
+    SyntheticLanguage,
+    hash_ints,
+)
+from ddtree_ops.sim.profiles import PROFILES, GpuProfile
+
+
+def load_core() -> ModuleType:
+    """The ONE copy of the DDTree algorithm (the deployed patch file)."""
+    from ddtree_ops.ddtree_core import load_ddtree_utils
+
+    return load_ddtree_utils()
+
+
+class RequestError(ValueError):
+    """A malformed generation request; the server answers 400 with this message."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling fields SGLang's ``/generate`` accepts that change generation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: object) -> SamplingParams:
+        """Validate like SGLang does (same bounds, 400 on violation)."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise RequestError("sampling_params must be an object")
+        known = {"temperature", "top_p", "top_k", "max_new_tokens", "ignore_eos", "sampling_seed",
+                 "min_p", "stop", "stop_token_ids", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "n", "skip_special_tokens", "min_new_tokens", "no_stop_trim",
+                 "spaces_between_special_tokens"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise RequestError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+
+        def num(name: str, default: float) -> float:
+            v = raw.get(name, default)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"sampling_params.{name} must be a number, got {v!r}")
+            return float(v)
+
+        temperature = num("temperature", 1.0)
+        top_p = num("top_p", 1.0)
+        top_k = raw.get("top_k", -1)
+        max_new = raw.get("max_new_tokens", 128)
+        seed = raw.get("sampling_seed")
+        if temperature < 0:
+            raise RequestError(f"temperature must be non-negative, got {temperature}.")
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+        if top_k is None:
+            top_k = -1
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+            raise RequestError(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+        if max_new is None:
+            max_new = 128
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(f"sampling_seed must be an integer, got {seed!r}.")
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new,
+            ignore_eos=bool(raw.get("ignore_eos", False)),
+            sampling_seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one scheduler step hands to a request's consumer."""
+
+    new_ids: tuple[int, ...]
+    finished: bool
+
+
+@dataclass
+class GenRequest:
+    """Mutable per-request state owned by the scheduler loop."""
+
+    rid: str
+    prompt_ids: list[int]
+    category: Category
+    params: SamplingParams
+    key: int
+    generator: torch.Generator
+    created: float
+    output_ids: list[int] = field(default_factory=list)
+    verify_ct: int = 0
+    correct_drafts: int = 0
+    finish_reason: dict[str, Any] | None = None
+    queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
+    aborted: bool = False
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else (self.prompt_ids[-1] if self.prompt_ids else 1)
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token to generate."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Engine:
+    """Scheduler loop + model stand-in; one per server process."""
+
+    def __init__(self, args: ServerArgs, settings: SimSettings) -> None:
+        self.args = args
+        self.settings = settings
+        self.profile: GpuProfile = PROFILES[settings.gpu]
+        self.language = SyntheticLanguage(settings.seed)
+        self.core: ModuleType | None = load_core() if args.speculating else None
+        self._waiting: list[GenRequest] = []
+        self._running: list[GenRequest] = []
+        self._wakeup = asyncio.Event()
+        self._counter = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        self.total_verify_ct = 0
+        self.total_completion_tokens = 0
+        self.last_step_ms = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def flush_cache(self) -> bool:
+        """SGLang refuses to flush while requests run; so do we."""
+        return not self._running and not self._waiting
+
+    def avg_spec_accept_length(self) -> float:
+        if self.total_verify_ct == 0:
+            return 0.0
+        return self.total_completion_tokens / self.total_verify_ct
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None) -> GenRequest:
+        n = next(self._counter)
+        rid = rid or f"sim-{n:08x}"
+        prompt = [int(t) % VOCAB for t in prompt_ids] or [1]
+        key = hash_ints(self.settings.seed, *prompt[-64:], len(prompt))
+        gen_seed = hash_ints(self.settings.seed, params.sampling_seed if params.sampling_seed is not None else 1_000_003 + n, key)
+        req = GenRequest(
+            rid=rid,
+            prompt_ids=prompt,
+            category=CATEGORIES[category],
+            params=params,
+            key=key,
+            generator=torch.Generator().manual_seed(gen_seed),
+            created=time.monotonic(),
+        )
+        if params.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            req.queue.put_nowait(StepOutput((), True))
+            return req
+        self._waiting.append(req)
+        self._wakeup.set()
+        return req
+
+    def abort(self, req: GenRequest) -> None:
+        req.aborted = True
+
+    # ---------------------------------------------------------------- loop
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._running = [r for r in self._running if not r.aborted]
+            self._waiting = [r for r in self._waiting if not r.aborted]
+            if not self._running and not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            t0 = loop.time()
+            room = self.args.max_running_requests - len(self._running)
+            if self._waiting and room > 0:
+                batch = self._waiting[:room]
+                del self._waiting[:room]
+                outputs = self._prefill(batch)
+                ms = self.profile.step_ms(
+                    batch=0,
+                    verify_tokens=0,
+                    draft_positions=0,
+                    prefill_tokens=sum(len(r.prompt_ids) for r in batch),
+                    cuda_graph=self.args.cuda_graph_backend_prefill != "disabled",
+                ) + self.profile.base_ms
+                self._running.extend(batch)
+            else:
+                batch = list(self._running)
+                outputs, verify_tokens = self._decode(batch)
+                ms = self.profile.step_ms(
+                    batch=len(batch),
+                    verify_tokens=verify_tokens,
+                    draft_positions=self.args.speculative_num_draft_tokens or 0,
+                    cuda_graph=self.args.decode_cuda_graph,
+                )
+            self.last_step_ms = ms
+            delay = t0 + self.settings.scaled(ms / 1000.0) - loop.time()
+            await asyncio.sleep(max(0.0, delay))
+            for req, new_ids in zip(batch, outputs):
+                self._commit(req, new_ids)
+            self._running = [r for r in self._running if r.finish_reason is None]
+
+    def _commit(self, req: GenRequest, new_ids: list[int]) -> None:
+        if req.aborted or req.finish_reason is not None:
+            return
+        room = req.params.max_new_tokens - len(req.output_ids)
+        emitted: list[int] = []
+        for tok in new_ids[:room]:
+            emitted.append(tok)
+            if tok == EOS_TOKEN and not req.params.ignore_eos:
+                req.finish_reason = {"type": "stop", "matched": EOS_TOKEN}
+                break
+        req.output_ids.extend(emitted)
+        self.total_completion_tokens += len(emitted)
+        if req.finish_reason is None and len(req.output_ids) >= req.params.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": req.params.max_new_tokens}
+        req.queue.put_nowait(StepOutput(tuple(emitted), req.finish_reason is not None))
+
+    # ---------------------------------------------------------------- model
+    def _root_logits(self, batch: Sequence[GenRequest]) -> torch.Tensor:
+        return self.language.target_logits(
+            torch.tensor([r.key for r in batch], dtype=torch.int64),
+            torch.tensor([r.position for r in batch], dtype=torch.int64),
+            torch.tensor([r.last_token for r in batch], dtype=torch.int64),
+            [r.category for r in batch],
+        )
+
+    def _sample_one(self, batch: Sequence[GenRequest], logits: torch.Tensor) -> list[list[int]]:
+        """Autoregressive token per request, from SGLang's target distribution."""
+        out: list[list[int]] = []
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, req in enumerate(batch):
+            p = req.params
+            if p.temperature <= 0:
+                out.append([int(greedy[i])])
+                continue
+            probs = _target_probs(logits[i : i + 1], p)
+            out.append([int(torch.multinomial(probs[0], 1, generator=req.generator).item())])
+        return out
+
+    def _prefill(self, batch: Sequence[GenRequest]) -> list[list[int]]:
+        return self._sample_one(batch, self._root_logits(batch))
+
+    def _decode(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int]:
+        algo = self.args.speculative_algorithm
+        if algo is None:
+            return self._sample_one(batch, self._root_logits(batch)), 1
+        return self._speculate(batch)
+
+    def _speculate(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int]:
+        core = self.core
+        assert core is not None
+        args = self.args
+        depth = args.draft_depth
+        if args.speculative_algorithm == "DDTREE":
+            topk = args.speculative_ddtree_topk or 4
+            budget = args.speculative_ddtree_budget or 16
+        else:  # DFLASH verifies one chain: the drafter's rank-0 token at every position
+            topk = 1
+            budget = depth
+        keys = torch.tensor([r.key for r in batch], dtype=torch.int64)
+        starts = torch.tensor([r.position for r in batch], dtype=torch.int64)
+        lasts = torch.tensor([r.last_token for r in batch], dtype=torch.int64)
+        cats = [r.category for r in batch]
+        ids, lps = self.language.draft_topk(keys, starts, lasts, cats, depth, min(topk, VOCAB))
+        trees = [
+            core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, root_token=int(lasts[b]))
+            for b in range(len(batch))
+        ]
+        n = max(len(t) for t in trees)
+        # Target logits after every node: (position of the node's child, node token).
+        row_keys, row_pos, row_last, row_cats = [], [], [], []
+        for b, (req, tree) in enumerate(zip(batch, trees)):
+            for i in range(n):
+                j = i if i < len(tree) else 0  # padding rows are unreachable
+                row_keys.append(req.key)
+                row_pos.append(req.position + tree.depths[j])
+                row_last.append(tree.token_ids[j])
+                row_cats.append(req.category)
+        logits = self.language.target_logits(
+            torch.tensor(row_keys, dtype=torch.int64),
+            torch.tensor(row_pos, dtype=torch.int64),
+            torch.tensor(row_last, dtype=torch.int64),
+            row_cats,
+        ).reshape(len(batch), n, VOCAB)
+        results: list[tuple[list[int], list[int]] | None] = [None] * len(batch)
+        greedy_idx = [b for b, r in enumerate(batch) if r.params.temperature <= 0]
+        if greedy_idx:
+            argmax = logits[greedy_idx].argmax(dim=-1)
+            for row, b in enumerate(greedy_idx):
+                results[b] = core.follow_verified_tree(trees[b].parents, trees[b].token_ids, argmax[row])
+        for b, req in enumerate(batch):
+            if results[b] is not None:
+                continue
+            # One call per sampling request, with its own generator: the coins a request
+            # sees must not depend on which other requests share its batch.
+            p = req.params
+            results[b] = core.sample_tree_paths(
+                [trees[b]], logits[b : b + 1], p.temperature, p.top_k, p.top_p,
+                generator=req.generator, use_kernel=False,
+            )[0]
+        outputs: list[list[int]] = []
+        for req, res in zip(batch, results):
+            assert res is not None
+            accepted, proposed = res
+            req.verify_ct += 1
+            req.correct_drafts += len(accepted) - 1
+            self.total_verify_ct += 1
+            outputs.append(list(proposed))
+        return outputs, n
+
+
+def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """softmax(logits/T) then top-k then top-p, SGLang's order (same code as verification)."""
+    if p.top_k == -1 and p.top_p >= 1.0:
+        return torch.softmax(logits.float() / p.temperature, dim=-1)
+    from ddtree_ops.ddtree_core import load_ddtree_utils
+
+    return load_ddtree_utils().target_probs_from_logits(logits, p.temperature, p.top_k, p.top_p)

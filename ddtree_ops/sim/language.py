@@ -1,0 +1,181 @@
+"""A synthetic language: a path-dependent target model and a noisy block drafter.
+
+Why synthetic: acceptance length is what makes speculative decoding pay off, and it
+must come out of the *real* DDTree code (tree building, verification, rejection
+sampling), not a formula. That code needs per-node target logits and per-position
+draft top-k lists; this module provides both cheaply on CPU.
+
+Target. The next-token logits at absolute position ``pos`` after token ``last`` in a
+request keyed ``key`` are
+
+    logits = beta * (w * G[h(key, pos)] + (1 - w) * G[h(key, pos, last)])
+
+where ``G`` is a fixed seeded table of standard Gumbel rows (``TABLE_ROWS x VOCAB``) and
+``h`` a seeded integer hash. The k-th largest of V Gumbels sits near ``log(V / k)``, so
+``softmax(beta * z)`` has probabilities falling roughly like ``k ** -beta``: Zipf-like,
+with ``beta`` setting how predictable a prompt category is. The first term depends only
+on the position (what the text "is about" there), the second on the path, so a sibling
+branch of the draft tree sees a related but different distribution.
+
+Drafter. Like DFlash's block-diffusion drafter it proposes all positions of a block at
+once from the committed context only: at depth ``d`` it sees the target's logits along
+its own greedy chain plus Gaussian-like noise (another Gumbel row, scaled by
+``noise * (1 + growth * (d - 1))``), i.e. per-position marginals that get worse with
+depth. Its top-k per position feeds ``build_ddtree_tree_from_topk``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VOCAB = 512
+EOS_TOKEN = 0
+TABLE_ROWS = 8192
+_MOD = 1 << 31
+
+
+@dataclass(frozen=True)
+class Category:
+    """How predictable a kind of prompt is, for target and drafter alike."""
+
+    name: str
+    beta: float
+    position_weight: float
+    draft_noise: float
+    noise_growth: float
+
+
+CATEGORIES: dict[str, Category] = {
+    "code": Category("code", beta=2.4, position_weight=0.75, draft_noise=0.55, noise_growth=0.10),
+    "math": Category("math", beta=2.0, position_weight=0.65, draft_noise=0.70, noise_growth=0.12),
+    "chat": Category("chat", beta=1.6, position_weight=0.55, draft_noise=0.85, noise_growth=0.15),
+}
+
+_CODE_MARKERS = ("def ", "class ", "import ", "return ", "{", "}", "();", "```", "function", "#include", "code")
+_MATH_MARKERS = ("solve", "compute", "equation", "integral", "prove", "sum of", "math", "=", "+", "*")
+
+
+def classify_prompt(text: str) -> str:
+    """Pick a category from surface markers (documented in the sim README)."""
+    lowered = text.lower()
+    if any(m in lowered for m in _CODE_MARKERS):
+        return "code"
+    digits = sum(ch.isdigit() for ch in lowered)
+    if digits >= 3 or any(m in lowered for m in _MATH_MARKERS):
+        return "math"
+    return "chat"
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash on int64 tensors (products stay below 2**62: no overflow)."""
+    x = x % _MOD
+    for mul, add in ((1103515245, 12345), (1664525, 1013904223), (22695477, 1)):
+        x = (x * mul + add) % _MOD
+        x = x ^ (x >> 13)
+    return x
+
+
+def _mix_int(x: int) -> int:
+    """Scalar twin of :func:`_mix` (same constants, same result)."""
+    x %= _MOD
+    for mul, add in ((1103515245, 12345), (1664525, 1013904223), (22695477, 1)):
+        x = (x * mul + add) % _MOD
+        x ^= x >> 13
+    return x
+
+
+def hash_ints(*parts: int) -> int:
+    """Hash a sequence of integers (request keys, words) to 31 bits."""
+    acc = 0
+    for part in parts:
+        acc = _mix_int(acc * 31 + (int(part) % _MOD))
+    return acc
+
+
+_WORD_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "sh", "ch")
+_WORD_VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "ea")
+_WORD_CODAS = ("", "n", "r", "s")
+
+
+def _make_words() -> list[str]:
+    words = ["<eos>"]
+    for onset in _WORD_ONSETS:
+        for vowel in _WORD_VOWELS:
+            for coda in _WORD_CODAS:
+                words.append(onset + vowel + coda)
+    return words[:VOCAB]
+
+
+WORDS: list[str] = _make_words()
+
+
+def tokenize(text: str) -> list[int]:
+    """Whitespace words -> ids in 1..VOCAB-1 (stable across processes, no EOS)."""
+    return [hash_ints(*w.encode("utf-8")) % (VOCAB - 1) + 1 for w in text.split()]
+
+
+def detokenize(ids: list[int]) -> str:
+    return "".join(" " + WORDS[i % len(WORDS)] for i in ids if i != EOS_TOKEN)
+
+
+class SyntheticLanguage:
+    """Seeded target/drafter pair; every method is deterministic given its inputs."""
+
+    def __init__(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        u = torch.rand((TABLE_ROWS, VOCAB), generator=gen, dtype=torch.float32)
+        self.table = -torch.log(-torch.log(u.clamp(1e-7, 1 - 1e-7)))
+        # Keep EOS rare so that lengths are governed by max_new_tokens, as in benchmarks.
+        self.table[:, EOS_TOKEN] -= 4.0
+        self.seed = seed
+
+    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.table[(_mix(keys + self.seed) % TABLE_ROWS)]
+
+    def target_logits(
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        last_tokens: torch.Tensor,
+        categories: list[Category],
+    ) -> torch.Tensor:
+        """Logits ``[M, VOCAB]`` for rows (request key, position, previous token)."""
+        beta = torch.tensor([c.beta for c in categories], dtype=torch.float32)[:, None]
+        w = torch.tensor([c.position_weight for c in categories], dtype=torch.float32)[:, None]
+        pos_key = _mix(keys * 7919 + positions)
+        path_key = _mix(pos_key * 131 + last_tokens + 1)
+        return beta * (w * self._rows(pos_key) + (1.0 - w) * self._rows(path_key))
+
+    def draft_topk(
+        self,
+        keys: torch.Tensor,
+        start_positions: torch.Tensor,
+        last_tokens: torch.Tensor,
+        categories: list[Category],
+        depth: int,
+        topk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position draft top-k ``(ids, logprobs)``, each ``[B, depth, topk]``.
+
+        Position ``d`` (0-based) drafts the token at ``start_positions + d``; the context
+        the drafter assumes is its own greedy chain, which is what a block drafter that
+        never sees the verified path effectively conditions on.
+        """
+        noise = torch.tensor([c.draft_noise for c in categories], dtype=torch.float32)[:, None]
+        growth = torch.tensor([c.noise_growth for c in categories], dtype=torch.float32)[:, None]
+        ids_out = []
+        lp_out = []
+        last = last_tokens
+        for d in range(depth):
+            pos = start_positions + d
+            logits = self.target_logits(keys, pos, last, categories)
+            noise_rows = self._rows(_mix(keys * 104729 + pos * 17 + 3))
+            logits = logits + noise * (1.0 + growth * d) * noise_rows
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top_lp, top_ids = torch.topk(logprobs, topk, dim=-1)
+            ids_out.append(top_ids)
+            lp_out.append(top_lp)
+            last = top_ids[:, 0]
+        return torch.stack(ids_out, dim=1), torch.stack(lp_out, dim=1)

@@ -1,0 +1,590 @@
+"""HTTP surface and process lifecycle of the simulated server.
+
+Routes, response shapes and status codes follow SGLang 0.5.23's
+``sglang/srt/entrypoints/http_server.py`` and its OpenAI adapters for the subset the
+toolkit and common clients use. Lifecycle follows ``launch_server``: wait for the port,
+"load" with the port closed, log the capture, start uvicorn, run one internal warmup
+request, then log ``The server is fired up and ready to roll!``. Health answers 503
+until then. Everything reports itself as simulated (``version`` "0.5.23-sim").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ddtree_ops.sim.args import ServerArgs, SimSettings
+from ddtree_ops.sim.engine import Engine, GenRequest, RequestError, SamplingParams
+from ddtree_ops.sim.language import classify_prompt, detokenize, tokenize
+from ddtree_ops.sim.logs import log_ranks, main_logger
+from ddtree_ops.sim.profiles import PROFILES
+
+SIM_VERSION = "0.5.23-sim"
+
+# sglang/srt/model_executor/runner_backend_utils/__init__.py
+CUDA_GRAPH_CAPTURE_FAILED_MSG = (
+    "Possible solutions:\n"
+    "1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)\n"
+    "2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)\n"
+    "3. disable decode CUDA graph by --cuda-graph-backend-decode=disabled. "
+    "(Not recommended. Huge performance loss)\n"
+    "Open an issue on GitHub https://github.com/sgl-project/sglang/issues/new/choose \n"
+)
+
+
+class State:
+    """Mutable process state shared by the routes (one per process)."""
+
+    def __init__(self, args: ServerArgs, settings: SimSettings, launch_command: str) -> None:
+        self.args = args
+        self.settings = settings
+        self.launch_command = launch_command
+        self.startup_time = time.time()
+        self.ready = False
+        self.draining = False
+        self.engine: Engine | None = None
+
+
+# --------------------------------------------------------------------------- helpers
+def _json(content: Any, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(content, status_code=status_code)
+
+
+def _error(message: str, status_code: int = 400) -> JSONResponse:
+    """SGLang's native error shape (``_create_error_response``)."""
+    return _json({"error": {"message": message}}, status_code)
+
+
+def _openai_error(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
+    """SGLang's OpenAI error shape (``OpenAIServingBase.create_error_response``)."""
+    return _json({"object": "error", "message": message, "type": err_type, "param": None, "code": status_code}, status_code)
+
+
+async def _read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"Invalid JSON body: {exc}") from None
+
+
+def _engine(request: Request) -> Engine:
+    engine = request.app.state.sim.engine
+    assert engine is not None
+    return engine
+
+
+def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt_ids),
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "e2e_latency": e2e,
+        "simulated": True,
+    }
+    args = state.args
+    if args.speculating and req.verify_ct > 0:
+        proposed = req.verify_ct * ((args.speculative_num_draft_tokens or 1) - 1)
+        meta["spec_accept_rate"] = req.correct_drafts / proposed if proposed else 0.0
+        meta["spec_accept_length"] = len(req.output_ids) / req.verify_ct
+        meta["spec_num_correct_drafts"] = req.correct_drafts
+        meta["spec_num_proposed_drafts"] = proposed
+        meta["spec_verify_ct"] = req.verify_ct
+    return meta
+
+
+def _prompt_from(obj: dict[str, Any]) -> tuple[list[int], str]:
+    text = obj.get("text")
+    ids = obj.get("input_ids")
+    if text is None and ids is None:
+        raise RequestError("Either text or input_ids should be provided.")
+    if text is not None and ids is not None:
+        raise RequestError("Either text or input_ids should be provided, not both.")
+    if text is not None:
+        if not isinstance(text, str):
+            raise RequestError("text must be a string (batched requests are not simulated)")
+        return tokenize(text), classify_prompt(text)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise RequestError("input_ids must be a list of non-negative integers")
+    return list(ids), "chat"
+
+
+async def _run_to_end(req: GenRequest) -> None:
+    while True:
+        out = await req.queue.get()
+        if out.finished:
+            return
+
+
+# --------------------------------------------------------------------------- routes
+async def health(request: Request) -> Response:
+    state: State = request.app.state.sim
+    if state.draining:
+        # The stale-answer race seen in production: the old process still says 200.
+        return Response(status_code=200)
+    return Response(status_code=200 if state.ready else 503)
+
+
+async def server_info(request: Request) -> Response:
+    state: State = request.app.state.sim
+    engine = state.engine
+    profile = PROFILES[state.settings.gpu]
+    internal = {
+        "avg_spec_accept_length": engine.avg_spec_accept_length() if engine else 0.0,
+        "num_running_reqs": engine.num_running if engine else 0,
+        "num_waiting_reqs": engine.num_waiting if engine else 0,
+        "last_gen_throughput": 0.0,
+        "memory_usage": {"weight": 0.0, "kvcache": 0.0},
+    }
+    return _json(
+        {
+            **state.args.as_dict(),
+            "launch_command": state.launch_command,
+            "startup_time": state.startup_time,
+            "internal_states": [internal],
+            "version": SIM_VERSION,
+            "frontend": "python",
+            "simulated": True,
+            "sim": {
+                "gpu_profile": profile.name,
+                "gpu_name": profile.gpu_name,
+                "compute_cap": profile.compute_cap,
+                "time_scale": state.settings.time_scale,
+                "seed": state.settings.seed,
+            },
+        }
+    )
+
+
+async def model_info(request: Request) -> Response:
+    state: State = request.app.state.sim
+    return _json(
+        {
+            "model_path": state.args.model_path,
+            "served_model_name": state.args.served_model_name,
+            "tokenizer_path": state.args.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "auto",
+            "model_type": "simulated",
+            "architectures": ["SimulatedForCausalLM"],
+        }
+    )
+
+
+async def v1_models(request: Request) -> Response:
+    state: State = request.app.state.sim
+    return _json(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.args.served_model_name,
+                    "object": "model",
+                    "created": int(state.startup_time),
+                    "owned_by": "sglang",
+                    "root": state.args.served_model_name,
+                    "max_model_len": 32768,
+                }
+            ],
+        }
+    )
+
+
+async def flush_cache(request: Request) -> Response:
+    if _engine(request).flush_cache():
+        return Response(
+            content="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+            status_code=200,
+        )
+    return Response(content="Flush cache failed.\n", status_code=400)
+
+
+async def generate(request: Request) -> Response:
+    state: State = request.app.state.sim
+    try:
+        obj = await _read_json(request)
+        if not isinstance(obj, dict):
+            raise RequestError("Request body must be a JSON object.")
+        prompt, category = _prompt_from(obj)
+        params = SamplingParams.from_json(obj.get("sampling_params"))
+        stream = obj.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be a boolean")
+    except RequestError as exc:
+        return _error(str(exc))
+    engine = _engine(request)
+    start = time.monotonic()
+    req = engine.submit(prompt, category, params, rid=obj.get("rid") if isinstance(obj.get("rid"), str) else None)
+
+    def chunk() -> dict[str, Any]:
+        return {
+            "text": detokenize(req.output_ids),
+            "output_ids": list(req.output_ids),
+            "meta_info": _meta_info(state, req, time.monotonic() - start),
+        }
+
+    if not stream:
+        try:
+            await _run_to_end(req)
+        except asyncio.CancelledError:
+            engine.abort(req)
+            raise
+        return _json(chunk())
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                out = await req.queue.get()
+                if out.new_ids or out.finished:
+                    yield b"data: " + json.dumps(chunk()).encode() + b"\n\n"
+                if out.finished:
+                    break
+            yield b"data: [DONE]\n\n"
+        finally:
+            engine.abort(req)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _openai_params(obj: dict[str, Any]) -> SamplingParams:
+    max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    raw: dict[str, Any] = {
+        "temperature": obj.get("temperature", 1.0),
+        "top_p": obj.get("top_p", 1.0),
+        "top_k": obj.get("top_k", -1),
+        "max_new_tokens": max_tokens if max_tokens is not None else 128,
+        "ignore_eos": obj.get("ignore_eos", False),
+        "sampling_seed": obj.get("seed"),
+    }
+    return SamplingParams.from_json(raw)
+
+
+def _chat_prompt(messages: object) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError("each message must be an object with a role")
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+        if not isinstance(content, str):
+            raise RequestError("message content must be a string or a list of parts")
+        parts.append(f"{m['role']}: {content}")
+    return "\n".join(parts) + "\nassistant:"
+
+
+async def _openai(request: Request, *, chat: bool) -> Response:
+    state: State = request.app.state.sim
+    try:
+        obj = await _read_json(request)
+        if not isinstance(obj, dict):
+            raise RequestError("Request body must be a JSON object.")
+        if chat:
+            text = _chat_prompt(obj.get("messages"))
+        else:
+            text = obj.get("prompt")
+            if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+                text = text[0]
+            if not isinstance(text, str):
+                raise RequestError("prompt must be a string")
+        params = _openai_params(obj)
+        stream = obj.get("stream", False)
+        opts = obj.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(opts, dict):
+            raise RequestError("stream must be a boolean and stream_options an object")
+        include_usage = bool(opts.get("include_usage", False))
+    except RequestError as exc:
+        return _openai_error(str(exc))
+    engine = _engine(request)
+    req = engine.submit(tokenize(text), classify_prompt(text), params)
+    model = obj.get("model") or state.args.served_model_name
+    created = int(time.time())
+    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    obj_name = "chat.completion" if chat else "text_completion"
+
+    def usage() -> dict[str, Any]:
+        p, c = len(req.prompt_ids), len(req.output_ids)
+        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": None}
+
+    def finish() -> str | None:
+        fr = req.finish_reason
+        return None if fr is None else ("length" if fr["type"] == "length" else "stop")
+
+    if not stream:
+        try:
+            await _run_to_end(req)
+        except asyncio.CancelledError:
+            engine.abort(req)
+            raise
+        text_out = detokenize(req.output_ids)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish(), "matched_stop": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text_out, "reasoning_content": None, "tool_calls": None}
+        else:
+            choice["text"] = text_out
+        return _json({"id": cid, "object": obj_name, "created": created, "model": model,
+                      "choices": [choice], "usage": usage()})
+
+    chunk_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], with_usage: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": cid, "object": chunk_name, "created": created, "model": model,
+                                   "choices": choices, "usage": with_usage}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if chat:
+                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            while True:
+                out = await req.queue.get()
+                if out.new_ids:
+                    delta = detokenize(list(out.new_ids))
+                    body = {"content": delta} if chat else None
+                    ch: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish() if out.finished else None}
+                    if chat:
+                        ch["delta"] = body
+                    else:
+                        ch["text"] = delta
+                    yield event([ch])
+                elif out.finished:
+                    ch = {"index": 0, "logprobs": None, "finish_reason": finish()}
+                    if chat:
+                        ch["delta"] = {}
+                    else:
+                        ch["text"] = ""
+                    yield event([ch])
+                if out.finished:
+                    break
+            if include_usage:
+                yield event([], usage())
+            yield b"data: [DONE]\n\n"
+        finally:
+            engine.abort(req)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def completions(request: Request) -> Response:
+    return await _openai(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _openai(request, chat=True)
+
+
+def build_app(state: State) -> Starlette:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/v1/models", v1_models, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.sim = state
+    return app
+
+
+# --------------------------------------------------------------------------- lifecycle
+def port_available(host: str, port: int) -> bool:
+    """Whether we could bind ``port`` now (SGLang's ``is_port_available`` test)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: SIGTERM drains first (see serve())."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _die_like_sglang(message_lines: list[str]) -> None:
+    """Scheduler exception path: log, SIGQUIT the parent, which kills its process tree.
+
+    SGLang's launcher answers the SIGQUIT with ``kill_process_tree(os.getpid())``, which
+    SIGKILLs itself too, so the exit status is -9 (137 in a shell).
+    """
+    for line in message_lines:
+        main_logger.error(line, extra={"prefix": ""})
+    main_logger.error("Received sigquit from a child process. It usually means the child failed.", extra={"prefix": ""})
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) -> int:
+    """Run the whole launch sequence; returns the process exit status."""
+    profile = PROFILES[settings.gpu]
+    tp = args.tp_size
+    loop = asyncio.get_running_loop()
+
+    # 1. Ports. SGLang waits up to SGLANG_WAIT_PORT_TIMEOUT (30 s) for them to free up.
+    deadline = loop.time() + settings.scaled(settings.port_wait_s)
+    while not port_available(args.host, args.port):
+        if loop.time() >= deadline:
+            main_logger.error(
+                f"Port is already in use. dist_init_port={args.port + 4} port_base={args.port + 1} "
+                f"detokenizer_port={args.port + 2} nccl_port={args.port + 3} scheduler_input_port={args.port + 5}",
+                extra={"prefix": ""},
+            )
+            main_logger.error(f"ValueError: port_base at {args.port} is not available", extra={"prefix": ""})
+            return 1
+        await asyncio.sleep(min(0.2, max(0.01, settings.scaled(1.0))))
+
+    # 2. Weights, KV cache, CUDA graphs (port still closed).
+    avail = profile.gpu_mem_gb - 1.5
+    log_ranks(tp, logging.INFO, f"Load weight begin. avail mem={avail:.2f} GB")
+    await asyncio.sleep(settings.scaled(settings.load_s))
+    weights_gb = avail * 0.55
+    avail -= weights_gb
+    log_ranks(
+        tp,
+        logging.INFO,
+        f"Load weight end. elapsed={settings.load_s:.2f} s, type=SimulatedForCausalLM, "
+        f"avail mem={avail:.2f} GB, mem usage={weights_gb:.2f} GB.",
+    )
+    kv_gb = max(0.5, avail * args.mem_fraction_static * 0.6)
+    tokens = int(kv_gb * 1e9 / 70_000)
+    log_ranks(
+        tp,
+        logging.INFO,
+        f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {tokens}, "
+        f"K size: {kv_gb / 2:.2f} GB, V size: {kv_gb / 2:.2f} GB",
+    )
+    avail -= kv_gb
+    if args.decode_cuda_graph:
+        verify = args.speculating
+        name = "target verify" if verify else "target decode"
+        per_req = (args.speculative_ddtree_budget or 0) + 1 if args.speculative_algorithm == "DDTREE" else (
+            args.speculative_num_draft_tokens or 1
+        )
+        log_ranks(
+            tp,
+            logging.INFO,
+            f"Capture {name} CUDA graph begin. backend={args.cuda_graph_backend_decode}, "
+            f"num_tokens_per_req={per_req}, avail mem={avail:.2f} GB",
+        )
+        capture_s = 2.0 + 0.01 * args.cuda_graph_max_bs_decode
+        await asyncio.sleep(settings.scaled(capture_s))
+        limit = profile.capture_fails_ddtree_budget_over
+        if (
+            limit is not None
+            and args.speculative_algorithm == "DDTREE"
+            and (args.speculative_ddtree_budget or 0) > limit
+        ):
+            error = (
+                "Capture cuda graph failed: CUDA error: an illegal memory access was encountered\n"
+                "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+                "stacktrace below might be incorrect.\n" + CUDA_GRAPH_CAPTURE_FAILED_MSG
+            )
+            trace = (
+                "Traceback (most recent call last):\n"
+                '  File "sglang/srt/managers/scheduler.py", line 6362, in run_scheduler_process\n'
+                "    scheduler = Scheduler(server_args, port_args)\n"
+                '  File "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 602, in __init__\n'
+                "    raise Exception(\n"
+                f"Exception: {error}"
+            )
+            for rank in range(tp):
+                prefix = f" TP{rank}" if tp > 1 else ""
+                logging.getLogger("sglang.sim.scheduler").error(
+                    f"Scheduler hit an exception: {trace}", extra={"prefix": prefix}
+                )
+            _die_like_sglang([])
+            return 1  # not reached
+        log_ranks(
+            tp,
+            logging.INFO,
+            f"Capture {name} CUDA graph end. elapsed={capture_s:.2f} s, mem usage=1.20 GB, "
+            f"avail mem={avail - 1.2:.2f} GB.",
+        )
+
+    # 3. HTTP up, warmup, ready.
+    state = State(args, settings, launch_command)
+    engine = Engine(args, settings)
+    state.engine = engine
+    engine.start()
+    app = build_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1)
+    server = _Server(config)
+    stop = asyncio.Event()
+
+    def on_term() -> None:
+        if not state.draining:
+            state.draining = True
+            stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_term)
+    server_task = asyncio.create_task(server.serve())
+    while not server.started:
+        if server_task.done():
+            await server_task
+            main_logger.error(f"Port is already in use. port={args.port}", extra={"prefix": ""})
+            return 1
+        await asyncio.sleep(0.01)
+    main_logger.info(f"Simulated SGLang {SIM_VERSION} (profile {profile.name}, {profile.gpu_name}); no GPU is used.",
+                     extra={"prefix": ""})
+    main_logger.info(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)", extra={"prefix": ""})
+    warm = engine.submit([1, 2, 3], "chat", SamplingParams(temperature=0.0, max_new_tokens=1))
+    warm_task = asyncio.create_task(_run_to_end(warm))
+    done, _ = await asyncio.wait({warm_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if warm_task in done:
+        main_logger.info("End of prefill warmup with status 200, resp: simulated", extra={"prefix": ""})
+        state.ready = True
+        main_logger.info("The server is fired up and ready to roll!", extra={"prefix": ""})
+        await stop.wait()
+    # 4. Shutdown: keep answering (health 200) for the drain window, then close.
+    main_logger.info(
+        f"Received SIGTERM; draining for {settings.shutdown_drain_s:.2f} s (simulated) before exit.",
+        extra={"prefix": ""},
+    )
+    await asyncio.sleep(settings.scaled(settings.shutdown_drain_s))
+    server.should_exit = True
+    await engine.stop()
+    try:
+        await asyncio.wait_for(server_task, timeout=5)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        server_task.cancel()
+    return 0
