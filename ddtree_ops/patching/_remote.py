@@ -1,0 +1,486 @@
+"""The program ddtree-ops runs on a host, with the host's own interpreter.
+
+It is sent whole on stdin for every remote step (see :mod:`ddtree_ops.patching.remote`)
+and is never imported on the controller. Values arrive as one JSON document after the
+program text, never pasted into code. It uses only the standard library and syntax that
+Python 3.8 accepts, because it runs on whatever interpreter the fleet has.
+
+State lives outside the package directory, in ``<sys.prefix>/.ddtree-ops/``:
+
+    state.json      what is applied: bundle, txn, when, by whom, per file original/patched hashes
+    journal.json    present only while a transaction is in flight (or was cut)
+    lock/           atomic mkdir; lock/info.json says who holds it
+    backups/<txn>/  previous contents of every file a transaction overwrites
+
+Every step answers one JSON line after a marker, so that noise a site-customize prints
+on stdout cannot be mistaken for the answer.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import time
+
+MARKER = "@@DDTREE-OPS-RESULT@@"
+TMP_PREFIX = ".ddtree-tmp-"
+
+
+class Refused(Exception):
+    """A step declines on purpose; ``kind`` maps to a controller-side error class."""
+
+    def __init__(self, kind, message, **extra):
+        Exception.__init__(self, message)
+        self.kind = kind
+        self.message = message
+        self.extra = extra
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path):
+    # Same as the controller's helper; repeated because this file runs alone on the host.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def read_json(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"unreadable": str(exc)}
+
+
+def state_dir():
+    return os.path.join(sys.prefix, ".ddtree-ops")
+
+
+def find_package(name):
+    """Package directory and version, found without importing the package (imports are slow and may fail)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    pkg_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
+    version = None
+    try:
+        from importlib import metadata
+
+        version = metadata.version(name)
+    except Exception:
+        version = None
+    return pkg_dir, version
+
+
+def target_path(pkg_dir, rel):
+    """Absolute path of ``rel`` inside the package, refusing symlinked parents that lead out."""
+    full = os.path.join(pkg_dir, *rel.split("/"))
+    parent = os.path.realpath(os.path.dirname(full))
+    if parent != pkg_dir and not parent.startswith(pkg_dir + os.sep):
+        raise Refused("escape", "%s resolves outside the package directory (%s)" % (rel, parent))
+    if os.path.islink(full):
+        raise Refused("escape", "%s is a symlink; refusing to replace it" % rel)
+    return full
+
+
+def file_sha(pkg_dir, rel):
+    try:
+        full = target_path(pkg_dir, rel)
+    except Refused as exc:
+        return "escape:" + exc.message
+    if not os.path.exists(full):
+        return None
+    if not os.path.isfile(full):
+        return "notfile:"
+    return sha256_file(full)
+
+
+def lock_info():
+    lock = os.path.join(state_dir(), "lock")
+    if not os.path.isdir(lock):
+        return None
+    info = read_json(os.path.join(lock, "info.json"))
+    if info is None:
+        # Between mkdir and writing info.json, or a holder that died right there.
+        info = {"unreadable": "lock directory without info.json"}
+    try:
+        info["age_s"] = time.time() - os.stat(lock).st_mtime
+    except OSError:
+        pass
+    return info
+
+
+def acquire_lock(holder, break_txn):
+    sd = state_dir()
+    os.makedirs(sd, exist_ok=True)
+    lock = os.path.join(sd, "lock")
+    try:
+        os.mkdir(lock)
+    except FileExistsError:
+        current = lock_info() or {}
+        if break_txn is not None and current.get("txn") == break_txn:
+            shutil.rmtree(lock, ignore_errors=True)
+            os.mkdir(lock)
+        else:
+            raise Refused("locked", "host is locked by another deploy", holder=current)
+    write_json_atomic(os.path.join(lock, "info.json"), holder)
+
+
+def check_lock(txn):
+    info = lock_info()
+    if info is None or info.get("txn") != txn:
+        raise Refused("lost_lock", "the deploy lock is no longer ours (held by %r)" % (info,))
+
+
+def release_lock():
+    shutil.rmtree(os.path.join(state_dir(), "lock"), ignore_errors=True)
+
+
+def unlink_quietly(path):
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def remove_created_dirs(entries):
+    """Directories a transaction created for added files, removed again if they are empty."""
+    for e in reversed(entries):
+        for d in reversed(e.get("created_dirs", [])):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def recompile(full):
+    if full.endswith(".py"):
+        py_compile.compile(full, doraise=True)
+
+
+def drop_pyc(full):
+    if full.endswith(".py"):
+        try:
+            os.unlink(importlib.util.cache_from_source(full))
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def do_gather(p):
+    pkg_dir, version = find_package(p["package"])
+    sd = state_dir()
+    state = read_json(os.path.join(sd, "state.json"))
+    paths = list(p.get("paths", []))
+    if isinstance(state, dict):
+        for rel in (state.get("files") or {}):
+            if rel not in paths:
+                paths.append(rel)
+    files = {}
+    if pkg_dir is not None:
+        for rel in paths:
+            files[rel] = file_sha(pkg_dir, rel)
+    return {
+        "python": sys.executable,
+        "python_version": "%d.%d.%d" % sys.version_info[:3],
+        "prefix": sys.prefix,
+        "state_dir": sd,
+        "package_dir": pkg_dir,
+        "version": version,
+        "writable": bool(pkg_dir) and os.access(pkg_dir, os.W_OK),
+        "files": files,
+        "state": state,
+        "journal": read_json(os.path.join(sd, "journal.json")),
+        "lock": lock_info(),
+    }
+
+
+def _cleanup_prepared(entries, txn):
+    for e in entries:
+        unlink_quietly(e.get("temp"))
+    remove_created_dirs(entries)
+    shutil.rmtree(os.path.join(state_dir(), "backups", txn), ignore_errors=True)
+
+
+def do_prepare(p):
+    """Lock, back up, upload temps beside their targets, verify them, write the journal.
+
+    Nothing in the package directory changes here except new temp files (dot-named, so
+    never imported); on any failure they and the backups are removed and the lock freed.
+    """
+    pkg_dir, version = find_package(p["package"])
+    if pkg_dir is None:
+        raise Refused("missing", "package %s is not installed for %s" % (p["package"], sys.executable))
+    txn = p["txn"]
+    sd = state_dir()
+    acquire_lock(p["holder"], p.get("break_txn"))
+    entries = []
+    try:
+        if os.path.exists(os.path.join(sd, "journal.json")):
+            raise Refused("journal", "a journal from an interrupted deploy is present; recover first")
+        backup_root = os.path.join(sd, "backups", txn)
+        for f in p["files"]:
+            rel = f["path"]
+            full = target_path(pkg_dir, rel)
+            current = file_sha(pkg_dir, rel)
+            if current != f["expect_sha"]:
+                raise Refused("changed", "%s changed since the plan was made (now %s)" % (rel, current))
+            entry = {"path": rel, "target": full, "prev_sha": current, "new_sha": f["new_sha"],
+                     "temp": None, "backup": None, "created_dirs": []}
+            entries.append(entry)
+            if current is not None:
+                backup = os.path.join(backup_root, *rel.split("/"))
+                os.makedirs(os.path.dirname(backup), exist_ok=True)
+                shutil.copy2(full, backup)
+                if sha256_file(backup) != current:
+                    raise Refused("io", "backup of %s does not match its source" % rel)
+                entry["backup"] = backup
+            if f["new_sha"] is None:
+                continue  # a deletion (restoring an added file's absence)
+            parent = os.path.dirname(full)
+            missing = []
+            d = parent
+            while not os.path.isdir(d):
+                missing.append(d)
+                d = os.path.dirname(d)
+            for d in reversed(missing):
+                os.mkdir(d)
+                entry["created_dirs"].append(d)
+            temp = os.path.join(parent, TMP_PREFIX + txn[:12] + "-" + os.path.basename(full))
+            entry["temp"] = temp
+            if f.get("from_backup"):
+                shutil.copyfile(f["from_backup"], temp)
+            else:
+                import base64
+
+                with open(temp, "wb") as fh:
+                    fh.write(base64.b64decode(f["content_b64"]))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            mode = os.stat(full).st_mode & 0o7777 if current is not None else 0o644
+            os.chmod(temp, mode)
+            got = sha256_file(temp)
+            if got != f["new_sha"]:
+                raise Refused("io", "uploaded %s has sha256 %s, expected %s" % (rel, got, f["new_sha"]))
+        for e in entries:
+            if e["temp"]:
+                fsync_dir(os.path.dirname(e["temp"]))
+        journal = {"txn": txn, "phase": "prepared", "entries": entries, "new_state": p["new_state"],
+                   "keep_backups": p.get("keep_backups", []), "drop_backups": p.get("drop_backups", []),
+                   "created": time.time()}
+        write_json_atomic(os.path.join(sd, "journal.json"), journal)
+    except BaseException:
+        _cleanup_prepared(entries, txn)
+        release_lock()
+        raise
+    return {"txn": txn, "prepared": [e["path"] for e in entries]}
+
+
+def _rollback_entries(entries):
+    """Put every entry back to its previous content; returns paths that could not be."""
+    problems = []
+    for e in entries:
+        full = e["target"]
+        cur = sha256_file(full) if os.path.isfile(full) else None
+        if cur == e["prev_sha"]:
+            pass
+        elif cur == e["new_sha"] or (e["new_sha"] is None and cur is None):
+            if e["prev_sha"] is None:
+                os.unlink(full)
+                drop_pyc(full)
+            else:
+                tmp = full + ".ddtree-restore"
+                shutil.copy2(e["backup"], tmp)
+                os.replace(tmp, full)
+                try:
+                    recompile(full)
+                except Exception:
+                    pass
+        else:
+            problems.append("%s is neither its previous nor its new content" % e["path"])
+        unlink_quietly(e.get("temp"))
+        fsync_dir(os.path.dirname(full))
+    remove_created_dirs(entries)
+    return problems
+
+
+def _finish(journal, *, committed):
+    sd = state_dir()
+    txn = journal["txn"]
+    if committed:
+        # Keep only backups the new state refers to (originals); others were transient.
+        keep = set(journal.get("keep_backups", []))
+        root = os.path.join(sd, "backups", txn)
+        for e in journal["entries"]:
+            b = e.get("backup")
+            if b and b not in keep:
+                try:
+                    os.unlink(b)
+                except OSError:
+                    pass
+        for old in journal.get("drop_backups", []) or []:
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+    else:
+        shutil.rmtree(os.path.join(sd, "backups", txn), ignore_errors=True)
+    # Empty backup directories carry no information; remove them bottom-up.
+    for dirpath, _dirnames, _filenames in os.walk(os.path.join(sd, "backups"), topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+    try:
+        os.unlink(os.path.join(sd, "journal.json"))
+    except FileNotFoundError:
+        pass
+    fsync_dir(sd)
+    release_lock()
+
+
+def do_commit(p):
+    """Rename every temp into place, byte-compile, verify, record the state, drop the journal."""
+    sd = state_dir()
+    txn = p["txn"]
+    check_lock(txn)
+    jpath = os.path.join(sd, "journal.json")
+    journal = read_json(jpath)
+    if not journal or journal.get("txn") != txn:
+        raise Refused("journal", "no journal for transaction %s" % txn)
+    journal["phase"] = "committing"
+    write_json_atomic(jpath, journal)
+    entries = journal["entries"]
+    try:
+        for e in entries:
+            if e["temp"]:
+                os.replace(e["temp"], e["target"])
+            else:
+                os.unlink(e["target"])
+                drop_pyc(e["target"])
+        for e in entries:
+            fsync_dir(os.path.dirname(e["target"]))
+        for e in entries:
+            if e["temp"]:
+                try:
+                    recompile(e["target"])
+                except py_compile.PyCompileError as exc:
+                    raise Refused("verify", "%s does not compile: %s" % (e["path"], str(exc).strip().splitlines()[-1]))
+        for argv in p.get("verify", []):
+            try:
+                proc = subprocess.run([sys.executable] + list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      timeout=p.get("verify_timeout", 300), cwd=sd)
+            except subprocess.TimeoutExpired:
+                raise Refused("verify", "verify command timed out: %s" % " ".join(argv))
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()[-3:]
+                raise Refused("verify", "verify command failed (exit %d): %s — %s"
+                              % (proc.returncode, " ".join(argv)[:200], " | ".join(tail)))
+    except BaseException as exc:
+        problems = _rollback_entries(entries)
+        if problems:
+            # Leave the journal: a person (or the next run) must look at it.
+            raise Refused("recover", "rollback after failure left problems: %s" % "; ".join(problems))
+        _finish(journal, committed=False)
+        if isinstance(exc, Refused):
+            raise
+        raise Refused("io", "commit failed and was rolled back: %s" % (exc,))
+    new_state = journal["new_state"]
+    if new_state:
+        new_state = dict(new_state)
+        new_state["txn"] = txn
+        new_state["applied_at"] = time.time()
+        write_json_atomic(os.path.join(sd, "state.json"), new_state)
+    else:
+        try:
+            os.unlink(os.path.join(sd, "state.json"))
+        except FileNotFoundError:
+            pass
+    _finish(journal, committed=True)
+    return {"txn": txn, "files": {e["path"]: (sha256_file(e["target"]) if os.path.isfile(e["target"]) else None)
+                                  for e in entries}}
+
+
+def do_recover(p):
+    """Bring an interrupted transaction to a consistent end, deterministically.
+
+    If the state record already names the journal's transaction, the commit had finished
+    everything but the cleanup: finish it. Otherwise roll every entry back to its
+    previous content: a half-applied transaction never counts as applied.
+    """
+    sd = state_dir()
+    jpath = os.path.join(sd, "journal.json")
+    journal = read_json(jpath)
+    lock = lock_info()
+    if lock is not None and lock.get("txn") != p.get("break_txn"):
+        raise Refused("locked", "host is locked by another deploy", holder=lock)
+    if journal is None:
+        release_lock()
+        return {"outcome": "lock-released" if lock is not None else "nothing"}
+    if "unreadable" in journal:
+        raise Refused("recover", "journal %s is unreadable: %s" % (jpath, journal["unreadable"]))
+    state = read_json(os.path.join(sd, "state.json")) or {}
+    if state.get("txn") == journal["txn"]:
+        _finish(journal, committed=True)
+        return {"outcome": "completed", "txn": journal["txn"]}
+    problems = _rollback_entries(journal["entries"])
+    if problems:
+        raise Refused("recover", "cannot recover journal %s: %s" % (journal["txn"], "; ".join(problems)))
+    _finish(journal, committed=False)
+    return {"outcome": "rolled-back", "txn": journal["txn"], "phase": journal.get("phase")}
+
+
+STEPS = {"gather": do_gather, "prepare": do_prepare, "commit": do_commit, "recover": do_recover}
+
+
+def main(payload):
+    p = json.loads(payload)
+    try:
+        result = {"ok": True, "result": STEPS[p["step"]](p)}
+    except Refused as exc:
+        result = {"ok": False, "kind": exc.kind, "message": exc.message, "extra": exc.extra}
+    except OSError as exc:
+        where = exc.filename or ""
+        result = {"ok": False, "kind": "io", "message": "%s%s" % (exc.strerror or exc, (": " + str(where)) if where else "")}
+    sys.stdout.write("\n" + MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(PAYLOAD)  # noqa: F821 - provided by the bootstrap that runs this text

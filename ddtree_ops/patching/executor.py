@@ -1,0 +1,331 @@
+"""Carrying out a plan on one host: lock, back up, upload, journal, rename, verify, record.
+
+Round trips for a fresh deploy: gather (1), prepare (2: lock, backups, temps uploaded
+and hash-checked, journal), commit (3: renames, byte-compile, verify commands, state
+record, journal and lock dropped). A no-op re-deploy is the gather alone.
+
+The guarantee, per host: whatever interrupts a run (cut connection, killed process,
+failing disk), after the next run every target file is all-original or all-patched,
+and the state record says which. The journal makes that deterministic: a journal whose
+transaction the state record names was committed (only cleanup was missing); any other
+journal is rolled back from its backups before anything else happens.
+
+Locks: a run holds ``<prefix>/.ddtree-ops/lock`` from prepare to commit. The lock names
+its holder (controller host, pid, run id). A holder on this machine whose process is gone,
+or whose run in this process has ended, is provably dead and its lock is taken over
+(with its journal recovered); a holder elsewhere can only be overridden with
+``break_lock``, because we cannot see whether it still runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddtree_ops.errors import DriftError, LockError, PatchError, RemoteFileError, UnsupportedVersion, VerifyError
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.patching.bundle import Bundle
+from ddtree_ops.patching.gather import RemoteState, gather
+from ddtree_ops.patching.plan import FileAction, HostPlan, plan_deploy, plan_rollback
+from ddtree_ops.patching.remote import RemoteRefusal, run_step
+from ddtree_ops.transport.base import Transport
+
+_ACTIVE: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    force: bool = False
+    force_version: bool = False
+    dry_run: bool = False
+    break_lock: bool = False
+    lock_wait_s: float = 0.0
+    verify_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class HostOutcome:
+    """What happened on one host; the CLI renders it, the tests assert on it."""
+
+    host: str
+    operation: str
+    outcome: str  # applied | noop | planned | rolled-back
+    plan: HostPlan
+    recovered: str | None = None
+    txn: str | None = None
+    files: Mapping[str, str | None] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    state: RemoteState | None = None
+
+    @property
+    def message(self) -> str:
+        parts = []
+        if self.recovered:
+            parts.append(f"recovered interrupted run ({self.recovered})")
+        if self.outcome == "noop":
+            parts.append(self.plan.reason or "nothing to do")
+        elif self.outcome == "planned":
+            parts.append(f"would {self.plan.operation}: {self.plan.summary()}")
+        else:
+            parts.append(f"{self.outcome}: {self.plan.summary()}")
+        parts.extend(self.notes)
+        return "; ".join(parts)
+
+
+def controller_identity() -> dict[str, Any]:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        user = str(os.getuid())
+    return {"controller": socket.gethostname(), "pid": os.getpid(), "user": user}
+
+
+def _holder(txn: str, command: str) -> dict[str, Any]:
+    h = controller_identity()
+    h.update({"txn": txn, "started": time.time(), "command": command})
+    return h
+
+
+def lock_is_stale(lock: Mapping[str, Any]) -> bool:
+    """True only when the holder is provably gone: same controller machine, dead pid or ended run."""
+    if lock.get("controller") != socket.gethostname():
+        return False
+    pid = lock.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if pid == os.getpid():
+        with _ACTIVE_LOCK:
+            return lock.get("txn") not in _ACTIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def describe_lock(lock: Mapping[str, Any]) -> str:
+    if "unreadable" in lock:
+        return f"a lock without holder information ({lock['unreadable']})"
+    since = lock.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    return f"{lock.get('user', '?')}@{lock.get('controller', '?')} pid {lock.get('pid', '?')} since {when} ({lock.get('command', '?')})"
+
+
+class _Run:
+    """One operation on one host. Registers its run id so this process knows it is alive."""
+
+    def __init__(self, transport: Transport, host: Host, opts: RunOptions, command: str) -> None:
+        self.t = transport
+        self.host = host
+        self.opts = opts
+        self.txn = uuid.uuid4().hex
+        self.holder = _holder(self.txn, command)
+
+    def __enter__(self) -> _Run:
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self.txn)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(self.txn)
+
+    def step(self, name: str, payload: dict[str, Any], timeout: float | None = 600.0) -> dict[str, Any]:
+        return run_step(self.t, self.host.python, name, payload, timeout=timeout)
+
+    def gather(self, package: str, paths: list[str]) -> RemoteState:
+        return gather(self.t, self.host.python, package, paths)
+
+    def settle(self, package: str, paths: list[str]) -> tuple[RemoteState, str | None]:
+        """Gather; if a journal or lock is left over, recover it (or wait / refuse) and gather again."""
+        deadline = time.monotonic() + self.opts.lock_wait_s
+        recovered: str | None = None
+        delay = 0.2
+        while True:
+            rs = self.gather(package, paths)
+            if rs.journal is None and rs.lock is None:
+                return rs, recovered
+            lock = rs.lock
+            if lock is not None and not (self.opts.break_lock or lock_is_stale(lock)):
+                if time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                hint = "" if lock.get("controller") == socket.gethostname() else (
+                    "; if no deploy is running there, re-run with --break-lock")
+                raise LockError(f"locked by {describe_lock(lock)}{hint}", host=self.t.host)
+            try:
+                ans = self.step("recover", {"package": package, "break_txn": lock.get("txn") if lock else None})
+            except RemoteRefusal as exc:
+                if exc.kind == "locked":
+                    continue  # taken by someone else between gather and recover: look again
+                raise PatchError(f"recovery failed: {exc.message}", host=self.t.host) from exc
+            recovered = str(ans.get("outcome"))
+
+    def execute(self, plan: HostPlan, rs: RemoteState, payload_files: list[dict[str, Any]],
+                new_state: dict[str, Any] | None, verify: list[list[str]], keep_backups: list[str],
+                drop_backups: list[str]) -> dict[str, Any]:
+        try:
+            self.step("prepare", {
+                "package": rs.package, "txn": self.txn, "holder": self.holder, "files": payload_files,
+                "new_state": new_state, "keep_backups": keep_backups, "drop_backups": drop_backups,
+            })
+        except RemoteRefusal as exc:
+            if exc.kind == "locked":
+                raise LockError(f"locked by {describe_lock(exc.extra.get('holder') or {})}", host=self.t.host) from exc
+            raise PatchError(exc.message, host=self.t.host) from exc
+        try:
+            return self.step("commit", {"package": rs.package, "txn": self.txn, "verify": verify,
+                                        "verify_timeout": self.opts.verify_timeout_s})
+        except RemoteRefusal as exc:
+            raise PatchError(exc.message, host=self.t.host) from exc
+
+
+def _backup_path(rs: RemoteState, txn: str, path: str) -> str:
+    return "/".join([rs.state_dir, "backups", txn, path])
+
+
+def _raise_for_plan(plan: HostPlan, host: str) -> None:
+    if plan.outcome == "unsupported":
+        raise UnsupportedVersion(plan.reason, host=host)
+    if plan.outcome == "conflict":
+        raise DriftError(plan.reason, host=host)
+    if plan.outcome == "missing":
+        raise PatchError(plan.reason, host=host)
+    if plan.outcome == "readonly":
+        raise RemoteFileError(plan.reason + "; nothing was changed", host=host)
+    if plan.outcome == "recover":
+        raise PatchError(plan.reason, host=host)
+
+
+def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteState], Bundle],
+           opts: RunOptions = RunOptions(), *, paths: list[str] | None = None) -> HostOutcome:
+    """Deploy ``bundle`` to one host (or, for overlays, a bundle derived from the host's state).
+
+    ``bundle`` may be a function of the gathered state: overlay mode decides add vs
+    replace per host. Then ``paths`` lists the package paths to gather.
+    """
+    package = bundle.package if isinstance(bundle, Bundle) else "sglang"
+    want = [f.path for f in bundle.files] if isinstance(bundle, Bundle) else list(paths or [])
+    with _Run(transport, host, opts, "deploy") as run:
+        rs, recovered = run.settle(package, want) if not opts.dry_run else (run.gather(package, want), None)
+        b = bundle if isinstance(bundle, Bundle) else bundle(rs)
+        plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version)
+        if opts.dry_run:
+            return HostOutcome(host.name, "deploy", "planned" if plan.outcome == "apply" else plan.outcome, plan,
+                               recovered=recovered, notes=plan.notes, state=rs)
+        _raise_for_plan(plan, transport.host)
+        if plan.outcome == "noop":
+            return HostOutcome(host.name, "deploy", "noop", plan, recovered=recovered, notes=plan.notes, state=rs)
+        payload, new_state, keep, drop = _deploy_payload(b, plan, rs, run.txn, run.holder)
+        result = run.execute(plan, rs, payload, new_state, [list(v) for v in b.verify], keep, drop)
+        files = dict(result.get("files") or {})
+        for a in plan.changes:
+            if files.get(a.path) != a.new_sha256:
+                raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after deploy, expected {a.new_sha256}",
+                                  host=transport.host)
+        return HostOutcome(host.name, "deploy", "applied", plan, recovered=recovered, txn=run.txn, files=files,
+                           notes=plan.notes, state=rs)
+
+
+def _deploy_payload(bundle: Bundle, plan: HostPlan, rs: RemoteState, txn: str, holder: Mapping[str, Any]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str], list[str]]:
+    contents = {f.path: f for f in bundle.files}
+    payload: list[dict[str, Any]] = []
+    record_files: dict[str, Any] = {}
+    keep: list[str] = []
+    drop: list[str] = []
+    for a in plan.actions:
+        if a.kind in ("conflict", "blocked"):
+            raise PatchError(f"{a.path}: {a.reason}")  # plan_deploy never lets these through
+        if a.changes:
+            item: dict[str, Any] = {"path": a.path, "expect_sha": a.current_sha256, "new_sha": a.new_sha256}
+            if a.kind == "restore":
+                item["from_backup"] = a.original_backup
+            elif a.kind != "delete":
+                item["content_b64"] = base64.b64encode(contents[a.path].content).decode()
+            payload.append(item)
+        if a.path not in contents:
+            # A file of the previous bundle, now put back: no longer recorded.
+            if a.original_backup:
+                drop.append(a.original_backup)
+            continue
+        backup = a.original_backup
+        if a.backup_as_original:
+            backup = _backup_path(rs, txn, a.path)
+            keep.append(backup)
+        elif a.kind in ("add", "replace") and a.original_backup:
+            drop.append(a.original_backup)
+        record_files[a.path] = {"original_sha256": a.original_sha256, "patched_sha256": a.new_sha256, "backup": backup}
+        if rs.applied is not None and a.path in rs.applied.files and backup != rs.applied.files[a.path].backup:
+            old = rs.applied.files[a.path].backup
+            if old and old not in drop:
+                drop.append(old)
+    new_state = {
+        "name": bundle.name,
+        "version": bundle.version,
+        "identity": bundle.identity,
+        "package": bundle.package,
+        "package_version": rs.version,
+        "applied_by": f"{holder.get('user')}@{holder.get('controller')}",
+        "files": record_files,
+    }
+    return payload, new_state, keep, drop
+
+
+def rollback(transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang") -> HostOutcome:
+    """Put every recorded file back to its original and clear the state record."""
+    with _Run(transport, host, opts, "rollback") as run:
+        rs, recovered = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
+        plan = plan_rollback(rs, force=opts.force)
+        if opts.dry_run:
+            return HostOutcome(host.name, "rollback", "planned" if plan.outcome == "apply" else plan.outcome, plan,
+                               recovered=recovered, state=rs)
+        _raise_for_plan(plan, transport.host)
+        if plan.outcome == "noop":
+            return HostOutcome(host.name, "rollback", "noop", plan, recovered=recovered, state=rs)
+        payload: list[dict[str, Any]] = []
+        drop: list[str] = []
+        for a in plan.actions:
+            if a.original_backup:
+                drop.append(a.original_backup)
+            if not a.changes:
+                continue
+            item: dict[str, Any] = {"path": a.path, "expect_sha": a.current_sha256, "new_sha": a.new_sha256}
+            if a.kind == "restore":
+                item["from_backup"] = a.original_backup
+            payload.append(item)
+        keep = [_backup_path(rs, run.txn, a.path) for a in plan.actions if a.forced and a.current_sha256]
+        result = run.execute(plan, rs, payload, None, [], keep, drop)
+        files = dict(result.get("files") or {})
+        for a in plan.changes:
+            if files.get(a.path) != a.new_sha256:
+                raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after rollback, expected the original "
+                                  f"{a.new_sha256}", host=transport.host)
+        return HostOutcome(host.name, "rollback", "rolled-back", plan, recovered=recovered, txn=run.txn, files=files,
+                           notes=plan.notes, state=rs)
+
+
+def recover(transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang") -> str | None:
+    """Only the recovery part: settle a leftover journal/lock. Returns what was done, or None."""
+    with _Run(transport, host, opts, "recover") as run:
+        _rs, recovered = run.settle(package, [])
+        return recovered
+
+
+def file_action_rows(actions: tuple[FileAction, ...]) -> list[dict[str, Any]]:
+    return [
+        {"path": a.path, "action": a.kind, "current": a.current_sha256, "new": a.new_sha256, "reason": a.reason}
+        for a in actions
+    ]

@@ -1,0 +1,233 @@
+"""Pure planning: (bundle, remote state) -> what to do on one host, and why.
+
+Nothing here touches a host; every decision is a function of the frozen
+:class:`~ddtree_ops.patching.gather.RemoteState`, so the same plan is what ``--dry-run``
+shows and what the executor carries out.
+
+Per file, comparing the remote sha256 with what the bundle and the state record expect:
+
+    patched     already the bundle's content                      -> nothing to do
+    add         absent, bundle adds it                            -> upload
+    replace     the upstream base the bundle was made from        -> back up, upload
+    supersede   the content a previously applied bundle put there -> upload (original backup kept)
+    restore     recorded by the applied bundle but not in this one -> put the original back
+    conflict    anything else (drifted: sglang upgraded, hand-edited) -> refuse unless --force
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ddtree_ops.patching.bundle import Bundle
+from ddtree_ops.patching.gather import AppliedRecord, RemoteState
+
+FileActionKind = Literal["patched", "add", "replace", "supersede", "restore", "delete", "conflict", "blocked"]
+Outcome = Literal["apply", "noop", "unsupported", "conflict", "missing", "recover", "readonly"]
+_CHANGING = ("add", "replace", "supersede", "restore", "delete")
+
+
+@dataclass(frozen=True)
+class FileAction:
+    path: str
+    kind: FileActionKind
+    current_sha256: str | None
+    new_sha256: str | None
+    reason: str = ""
+    # The file's content before any bundle touched it, and where a copy of it lives.
+    original_sha256: str | None = None
+    original_backup: str | None = None
+    # True when this run must back the current content up as the original.
+    backup_as_original: bool = False
+    forced: bool = False
+
+    @property
+    def changes(self) -> bool:
+        return self.kind in _CHANGING
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    host: str
+    operation: Literal["deploy", "rollback"]
+    outcome: Outcome
+    actions: tuple[FileAction, ...]
+    bundle_name: str | None = None
+    bundle_identity: str | None = None
+    package_version: str | None = None
+    notes: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def changes(self) -> tuple[FileAction, ...]:
+        return tuple(a for a in self.actions if a.changes)
+
+    def summary(self) -> str:
+        if self.outcome == "apply":
+            counts: dict[str, int] = {}
+            for a in self.changes:
+                counts[a.kind] = counts.get(a.kind, 0) + 1
+            parts = [f"{n} {k}" for k, n in sorted(counts.items())] or ["state record only"]
+            return ", ".join(parts)
+        return self.reason or self.outcome
+
+
+def _short(sha: str | None) -> str:
+    return "absent" if sha is None else sha[:12]
+
+
+def _is_error_sha(sha: str | None) -> bool:
+    return sha is not None and (sha.startswith("escape:") or sha.startswith("notfile:"))
+
+
+def plan_deploy(
+    bundle: Bundle,
+    rs: RemoteState,
+    *,
+    force: bool = False,
+    force_version: bool = False,
+) -> HostPlan:
+    """Decide what deploying ``bundle`` means on the host described by ``rs``."""
+    common = dict(host=rs.host, operation="deploy", bundle_name=bundle.name, bundle_identity=bundle.identity,
+                  package_version=rs.version)
+    if rs.journal is not None or rs.lock is not None:
+        what = "an interrupted deploy's journal" if rs.journal is not None else "a deploy lock"
+        return HostPlan(outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common)
+    if rs.package_dir is None:
+        return HostPlan(outcome="missing", actions=(),
+                        reason=f"package {bundle.package!r} is not installed for {rs.python or 'the host interpreter'}",
+                        **common)
+    notes: list[str] = []
+    if bundle.versions and rs.version not in bundle.versions:
+        msg = f"{bundle.package} {rs.version or '(unknown version)'} is not a version this bundle was made for ({', '.join(bundle.versions)})"
+        if not force_version:
+            return HostPlan(outcome="unsupported", actions=(), reason=msg + "; --force-version overrides", **common)
+        notes.append(msg + "; proceeding because of --force-version")
+    if rs.state_error:
+        return HostPlan(outcome="conflict", actions=(), reason=f"state record unreadable: {rs.state_error}", **common)
+
+    rec = rs.applied
+    actions: list[FileAction] = []
+    for f in bundle.files:
+        actions.append(_plan_file(f.path, f.op, f.sha256, f.base_sha256, rs.files.get(f.path), rec, force))
+    in_bundle = {f.path for f in bundle.files}
+    if rec is not None:
+        for path, recf in rec.files.items():
+            if path not in in_bundle:
+                actions.append(_plan_restore(path, rs.files.get(path), rec, force))
+
+    blocked = [a for a in actions if a.kind in ("conflict", "blocked")]
+    if blocked:
+        detail = "; ".join(f"{a.path}: {a.reason}" for a in blocked)
+        hint = (
+            " — the installed files are not the ones this bundle was made from (was sglang upgraded or edited?);"
+            " reinstall the matching sglang or use --force to back the current files up and overwrite them"
+        )
+        if any(a.kind == "blocked" for a in blocked):
+            hint = ""
+        return HostPlan(outcome="conflict", actions=tuple(actions), reason=detail + hint, notes=tuple(notes), **common)
+    if any(a.forced for a in actions):
+        notes.append("--force: drifted files are backed up and overwritten")
+    changing = [a for a in actions if a.changes]
+    if not changing and rec is not None and rec.identity == bundle.identity:
+        return HostPlan(outcome="noop", actions=tuple(actions), notes=tuple(notes),
+                        reason=f"already applied: {bundle.name} {bundle.identity[:12]}", **common)
+    if changing and not rs.writable and any(a.kind in ("add", "replace", "supersede", "restore", "delete") for a in changing):
+        return HostPlan(outcome="readonly", actions=tuple(actions), notes=tuple(notes),
+                        reason=f"package directory {rs.package_dir} is not writable by the remote user", **common)
+    return HostPlan(outcome="apply", actions=tuple(actions), notes=tuple(notes), **common)
+
+
+def _plan_file(
+    path: str,
+    op: str,
+    new: str,
+    base: str | None,
+    cur: str | None,
+    rec: AppliedRecord | None,
+    force: bool,
+) -> FileAction:
+    recf = rec.files.get(path) if rec is not None else None
+    if _is_error_sha(cur):
+        return FileAction(path, "blocked", None, new, reason=str(cur).split(":", 1)[1] or "not a regular file")
+    if cur == new:
+        if recf is not None:
+            return FileAction(path, "patched", cur, new, original_sha256=recf.original_sha256,
+                              original_backup=recf.backup)
+        # Already in place but not recorded (copied by hand): adopt it; the original is the base.
+        return FileAction(path, "patched", cur, new, reason="already in place (not recorded before)",
+                          original_sha256=base if op == "replace" else None)
+    if recf is not None and cur == recf.patched_sha256:
+        return FileAction(path, "supersede", cur, new, original_sha256=recf.original_sha256,
+                          original_backup=recf.backup)
+    if op == "add" and cur is None:
+        return FileAction(path, "add", cur, new, original_sha256=None)
+    if op == "replace" and cur is not None and (base is None or cur == base):
+        # base None: an overlay file, whose base is whatever the host has.
+        return FileAction(path, "replace", cur, new, original_sha256=cur, backup_as_original=True)
+    if op == "replace" and base is None and cur is None:
+        return FileAction(path, "add", cur, new, original_sha256=None)
+    # Drifted.
+    if op == "add":
+        reason = f"should be absent before the bundle adds it, found {_short(cur)}"
+    elif cur is None:
+        reason = f"missing (expected base {_short(base)})"
+    else:
+        reason = f"drifted: expected base {_short(base)} or patched {_short(new)}, found {_short(cur)}"
+    if not force:
+        return FileAction(path, "conflict", cur, new, reason=reason)
+    kind: FileActionKind = "add" if cur is None else "replace"
+    return FileAction(path, kind, cur, new, reason=reason + " (forced)", original_sha256=cur,
+                      backup_as_original=cur is not None, forced=True)
+
+
+def _plan_restore(path: str, cur: str | None, rec: AppliedRecord, force: bool) -> FileAction:
+    """A file the applied record patched: put its original back."""
+    recf = rec.files[path]
+    orig = recf.original_sha256
+    if _is_error_sha(cur):
+        return FileAction(path, "blocked", None, orig, reason=str(cur).split(":", 1)[1] or "not a regular file")
+    if cur == orig:
+        return FileAction(path, "patched", cur, orig, reason="already original")
+    if orig is not None and recf.backup is None:
+        return FileAction(path, "blocked", cur, orig, reason="no backup of the original was recorded; reinstall the package to restore it")
+    kind: FileActionKind = "delete" if orig is None else "restore"
+    if cur == recf.patched_sha256:
+        return FileAction(path, kind, cur, orig, original_sha256=orig, original_backup=recf.backup)
+    reason = f"drifted: expected patched {_short(recf.patched_sha256)}, found {_short(cur)}"
+    if not force:
+        return FileAction(path, "conflict", cur, orig, reason=reason)
+    return FileAction(path, kind, cur, orig, reason=reason + " (forced)", original_sha256=orig,
+                      original_backup=recf.backup, forced=True)
+
+
+def plan_rollback(rs: RemoteState, *, force: bool = False) -> HostPlan:
+    """Restore every file the state record lists to its original content."""
+    rec = rs.applied
+    common = dict(host=rs.host, operation="rollback", package_version=rs.version,
+                  bundle_name=rec.name if rec else None, bundle_identity=rec.identity if rec else None)
+    if rs.journal is not None or rs.lock is not None:
+        what = "an interrupted deploy's journal" if rs.journal is not None else "a deploy lock"
+        return HostPlan(outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common)
+    if rs.state_error:
+        return HostPlan(outcome="conflict", actions=(), reason=f"state record unreadable: {rs.state_error}", **common)
+    if rec is None:
+        return HostPlan(outcome="noop", actions=(), reason="nothing applied", **common)
+    if rs.package_dir is None:
+        return HostPlan(outcome="missing", actions=(), reason=f"package {rs.package!r} is not installed", **common)
+    actions = tuple(_plan_restore(p, rs.files.get(p), rec, force) for p in sorted(rec.files))
+    blocked = [a for a in actions if a.kind in ("conflict", "blocked")]
+    if blocked:
+        detail = "; ".join(f"{a.path}: {a.reason}" for a in blocked)
+        return HostPlan(outcome="conflict", actions=actions, reason=detail + " — --force restores the originals anyway",
+                        **common)
+    if not rs.writable and any(a.changes for a in actions):
+        return HostPlan(outcome="readonly", actions=actions,
+                        reason=f"package directory {rs.package_dir} is not writable by the remote user", **common)
+    notes = ("--force: drifted files are backed up, then the originals restored",) if any(a.forced for a in actions) else ()
+    return HostPlan(outcome="apply", actions=actions, notes=notes, **common)
+
+
+def bundle_paths(bundle: Bundle) -> Sequence[str]:
+    return [f.path for f in bundle.files]

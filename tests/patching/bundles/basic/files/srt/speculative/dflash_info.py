@@ -1,0 +1,2 @@
+"""dflash_info replaced by the basic test bundle."""
+PATCHED = "basic"

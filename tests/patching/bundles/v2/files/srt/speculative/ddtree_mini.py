@@ -1,0 +1,2 @@
+"""Test module added by the basic bundle."""
+ADDED = 1
