@@ -1,0 +1,198 @@
+"""`ddtree-ops report`: ledgers -> tidy table, best configurations, CSV, plots, compare."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import typer
+from rich.table import Table
+
+from ddtree_ops import report as rep
+from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.errors import ConfigError
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _cell(row: Any) -> str:
+    return rep.describe_cell(row) if row.get("algorithm") is not None else "—"
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the CSV: {exc.strerror or exc}") from exc
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    # to_json handles NA/NaN -> null and numpy scalars uniformly.
+    return json.loads(frame.to_json(orient="records"))
+
+
+def _best_table(best: pd.DataFrame, group_by: str) -> Table:
+    table = Table(title="Best configuration (score = median − 1.4826·MAD of output tok/s)", title_justify="left")
+    for col, justify in (
+        ("gpu" if group_by == "gpu" else "host", "left"),
+        ("temp", "right"),
+        ("conc", "right"),
+        ("modes", "left"),
+        ("best", "left"),
+        ("tok/s (median ± MAD)", "right"),
+        ("n", "right"),
+        ("accept len", "right"),
+        ("vs AR", "right"),
+        ("vs DFlash", "right"),
+        ("runner-up", "left"),
+        ("note", "left"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")
+    for _, row in best.iterrows():
+        picked = row["algorithm"] is not None
+        table.add_row(
+            str(row["machine"]),
+            _fmt(row["temperature"], 2),
+            _fmt(row["concurrency"]),
+            str(row["modes"]),
+            f"[bold green]{_cell(row)}[/]" if picked else "[red]none[/]",
+            f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
+            _fmt(row["n"]),
+            _fmt(row["accept_length_median"], 2),
+            f"{_fmt(row['speedup_vs_ar'], 2)}x" if picked else "—",
+            f"{_fmt(row['speedup_vs_dflash'], 2)}x" if picked else "—",
+            _fmt(row["runner_up"]),
+            _fmt(row["note"]) if row["note"] else "",
+        )
+    return table
+
+
+def _tidy_table(tidy: pd.DataFrame, limit: int) -> Table:
+    table = Table(title=f"Cells per host ({len(tidy)} rows{', first ' + str(limit) if len(tidy) > limit else ''})", title_justify="left")
+    for col in ("host", "temp", "conc", "config", "graph", "n", "tok/s median", "MAD", "min–max", "accept len", "TTFT p50 ms", "ITL p50 ms", "vs AR", "vs DFlash"):
+        table.add_column(col, justify="left" if col in ("host", "config", "graph") else "right")
+    for _, row in tidy.head(limit).iterrows():
+        table.add_row(
+            str(row["machine"]),
+            _fmt(row["temperature"], 2),
+            _fmt(row["concurrency"]),
+            _cell(row),
+            "yes" if row["cuda_graph"] else "[yellow]eager[/]",
+            _fmt(row["n"]),
+            _fmt(row["output_tok_s_median"]),
+            _fmt(row["output_tok_s_mad"]),
+            f"{_fmt(row['output_tok_s_min'])}–{_fmt(row['output_tok_s_max'])}",
+            _fmt(row["accept_length_median"], 2),
+            _fmt(row["ttft_ms_median"]),
+            _fmt(row["itl_ms_median"], 2),
+            _fmt(row["speedup_vs_ar"], 2) + ("†" if row["modes_mixed"] else ""),
+            _fmt(row["speedup_vs_dflash"], 2),
+        )
+    return table
+
+
+def _compare_table(cmp: pd.DataFrame) -> Table:
+    table = Table(title="Comparison (b / a) — changes beyond 2·(σa+σb), σ = 1.4826·MAD", title_justify="left")
+    for col in ("host", "temp", "conc", "config", "tok/s a", "tok/s b", "ratio", "change"):
+        table.add_column(col, justify="left" if col in ("host", "config", "change") else "right")
+    for _, row in cmp.iterrows():
+        graph = row["cuda_graph_b"] if row["cuda_graph_b"] is not pd.NA else row["cuda_graph_a"]
+        label = rep.describe_cell({**row.to_dict(), "cuda_graph": bool(graph) if graph is not pd.NA else True})
+        change = (
+            f"only in {row['only_in']}" if row["only_in"]
+            else f"[{'green' if row['direction'] == 'faster' else 'red'}]{row['direction']}[/]" if row["changed"] else ""
+        )
+        table.add_row(
+            str(row["machine"]), _fmt(row["temperature"], 2), _fmt(row["concurrency"]), label,
+            _fmt(row["output_tok_s_a"]), _fmt(row["output_tok_s_b"]), _fmt(row["ratio"], 3), change,
+        )
+    return table
+
+
+@app.command("report")
+def report_command(
+    ctx: typer.Context,
+    ledgers: Optional[list[Path]] = typer.Argument(None, help="Ledger files or folders (default: every *.jsonl under results/)."),
+    csv: Optional[Path] = typer.Option(None, "--csv", help="Write the tidy per-(host, cell) table here."),
+    csv_best: Optional[Path] = typer.Option(None, "--csv-best", help="Write the best configurations here."),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
+    group_by: str = typer.Option("gpu", "--group-by", help="Machine for best configs and plots: gpu (GPU type) or host."),
+    min_repeats: int = typer.Option(rep.DEFAULT_MIN_REPEATS, "--min-repeats", help="Refuse cells with fewer ok repeats."),
+    mix_modes: bool = typer.Option(False, "--mix-modes", help="Rank eager and CUDA-graph cells together (flagged)."),
+    compare_with: Optional[list[Path]] = typer.Option(None, "--compare", help="Other ledger(s): per-cell ratio against them."),
+    show_cells: int = typer.Option(40, "--show-cells", help="Rows of the per-cell table shown in the terminal (0 = none)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
+) -> None:
+    """Aggregate benchmark ledgers: per-cell table, speedups, best config per machine, plots."""
+    obj: AppContext = ctx.obj
+    as_json = json_output or obj.json
+    if group_by not in ("gpu", "host"):
+        raise ConfigError(f"--group-by must be 'gpu' or 'host', not {group_by!r}")
+    result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes)  # type: ignore[arg-type]
+    cmp = None
+    if compare_with:
+        other = rep.load_tidy(list(compare_with))
+        cmp = rep.compare(other, result.tidy)
+    if csv:
+        _write_csv(result.tidy, csv)
+    if csv_best:
+        _write_csv(result.best.best, csv_best)
+    written: list[Path] = []
+    if plots:
+        from ddtree_ops.report_plots import write_plots
+
+        written = write_plots(result.grouped, plots)
+
+    loaded = result.loaded
+    if as_json:
+        payload: dict[str, Any] = {
+            "files": [str(p) for p in loaded.files],
+            "rows": len(loaded.frame),
+            "bad_lines": [{"file": f, "line": n, "reason": r} for f, n, r in loaded.bad_lines],
+            "cells": _records(result.tidy),
+            "best": _records(result.best.best),
+            "refusals": _records(result.best.refusals),
+            "plots": [str(p) for p in written],
+        }
+        if cmp is not None:
+            payload["compare"] = _records(cmp)
+        typer.echo(json.dumps(payload, indent=2))
+        return
+
+    console = obj.console
+    console.print(f"Read {len(loaded.frame):,} rows from {len(loaded.files)} ledger(s).", highlight=False)
+    if loaded.bad_lines:
+        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s):[/]", highlight=False)
+        for f, n, r in loaded.bad_lines[:10]:
+            console.print(f"  {f}:{n}: {r}", highlight=False)
+        if len(loaded.bad_lines) > 10:
+            console.print(f"  … and {len(loaded.bad_lines) - 10} more", highlight=False)
+    if show_cells:
+        console.print(_tidy_table(result.tidy, show_cells))
+        if result.tidy["modes_mixed"].any():
+            console.print("† speedup measured against a baseline in the other CUDA-graph mode.", highlight=False)
+    if cmp is not None:
+        console.print(_compare_table(cmp))
+    refusals = result.best.refusals
+    if len(refusals):
+        console.print(f"[yellow]{len(refusals)} cell(s) not eligible for best config:[/]", highlight=False)
+        for _, r in refusals.head(10).iterrows():
+            console.print(f"  {r['machine']} T={r['temperature']:g} c={r['concurrency']} {r['cell']}: {r['reason']}", highlight=False)
+        if len(refusals) > 10:
+            console.print(f"  … and {len(refusals) - 10} more (see --json)", highlight=False)
+    for label, path in (("tidy CSV", csv), ("best CSV", csv_best)):
+        if path:
+            console.print(f"Wrote {label}: {path}", highlight=False)
+    if written:
+        console.print(f"Wrote {len(written)} plot(s) to {plots}", highlight=False)
+    console.print(_best_table(result.best.best, group_by))
