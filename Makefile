@@ -38,7 +38,7 @@ demo-hosts: $(STAMP)
 	    rm -rf $$d && $(PY) -m venv --without-pip $$d && \
 	    $(PY) -m pip --python $$d/bin/python install -q --no-deps $(WHEELS)/sglang-0.5.23-*.whl && \
 	    sp=$$($$d/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
-	    $(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $$sp/ddtree_ops_dev.pth && \
+	    $(PY) -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_path("purelib"))' > $$sp/ddtree_ops_dev.pth && \
 	    touch $$d/.ready || exit 1; \
 	  fi; \
 	done
