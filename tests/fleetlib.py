@@ -116,6 +116,9 @@ class SshdServer:
     host_key: Path
     authorized_keys: Path
     path_env: str = "/usr/local/bin:/usr/bin:/bin"
+    # A per-host home (HOME for sessions, the SFTP start directory) makes `~` differ per
+    # host like on real machines, and keeps the login user's shell rc files out of the way.
+    home: Path | None = None
     extra_config: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -147,8 +150,8 @@ class SshdServer:
                     "MaxStartups 100:30:200",
                     "MaxSessions 100",
                     "LogLevel ERROR",
-                    f"SetEnv PATH={self.path_env}",
-                    "Subsystem sftp internal-sftp",
+                    f"SetEnv PATH={self.path_env}" + (f" HOME={self.home}" if self.home else ""),
+                    "Subsystem sftp internal-sftp" + (f" -d {self.home}" if self.home else ""),
                     self.extra_config,
                 ]
             )
@@ -160,6 +163,8 @@ class SshdServer:
             return
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege-separation dir
         self.write_config()
+        if self.home is not None:
+            self.home.mkdir(parents=True, exist_ok=True)
         # A new session, so that stop() can end the listener and its per-connection
         # children together (that is what "the host went away" looks like to a client).
         self.proc = subprocess.Popen(
@@ -292,7 +297,8 @@ def build_prefix_template(dest: Path, wheel: Path) -> Path:
          "--disable-pip-version-check", str(wheel)],
         check=True,
     )
-    (Path(_purelib(dest)) / "ddtree_ops_dev.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # addsitedir, not a bare path: the editable install's own .pth (its import finder) must run too.
+    (Path(_purelib(dest)) / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
     return dest
 
 
@@ -331,6 +337,7 @@ def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300"
             host_key=host_key,
             authorized_keys=authorized,
             path_env=f"{bin_dir}:{prefix / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+            home=hdir / "home",
         )
         return FleetHost(
             name=name, gpu=gpu, server=server, prefix=prefix, bin_dir=bin_dir, run_dir=hdir / "run", server_port=free_port()

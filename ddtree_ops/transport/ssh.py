@@ -1,0 +1,591 @@
+"""SSHTransport: the Transport protocol over paramiko.
+
+Connection settings come from the inventory first, then ``~/.ssh/config`` (HostName,
+User, Port, IdentityFile, ProxyJump), so that hosts people already reach with ``ssh``
+work unchanged. One SSH connection per transport, opened on first use and reused for
+every command and file operation (commands are channels on it, files go through one
+SFTP session).
+
+Host keys are checked against ``~/.ssh/known_hosts`` plus the inventory's optional
+``known_hosts`` file. ``strict`` rejects unknown keys; ``accept-new`` records an unknown
+key (in the inventory's file when there is one, else ``~/.ssh/known_hosts``) but, like
+OpenSSH's ``StrictHostKeyChecking=accept-new``, never accepts a *changed* key.
+
+paramiko and socket exceptions are translated here, once, into ConnectError /
+AuthError / HostKeyError / CommandTimeout / CommandFailed / RemoteFileError.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import os
+import re
+import select
+import shlex
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paramiko
+
+from ddtree_ops.errors import (
+    AuthError,
+    CommandFailed,
+    CommandTimeout,
+    ConnectError,
+    HostKeyError,
+    RemoteFileError,
+    TransportError,
+)
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text
+
+KEEPALIVE_S = 15
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Appends to a known_hosts file from several per-host threads must not interleave.
+_KNOWN_HOSTS_LOCK = threading.Lock()
+
+
+def user_ssh_config_path() -> Path:
+    return Path("~/.ssh/config").expanduser()
+
+
+def user_known_hosts_path() -> Path:
+    return Path("~/.ssh/known_hosts").expanduser()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and as whom to connect, after the inventory and ~/.ssh/config are combined."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    key_files: tuple[str, ...]
+    proxy_jump: str | None
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+    def describe(self) -> str:
+        return f"{self.user}@{self.hostname}:{self.port}"
+
+
+def resolve_endpoint(
+    alias: str,
+    config: paramiko.SSHConfig | None,
+    *,
+    hostname: str | None = None,
+    port: int | None = None,
+    user: str | None = None,
+    key_file: str | None = None,
+) -> Endpoint:
+    """Inventory values win; ~/.ssh/config fills the gaps (looked up by ``alias``, which
+    is the inventory's ``ansible_host`` or, without one, the host's name — as Ansible does)."""
+    found: dict[str, Any] = dict(config.lookup(alias)) if config is not None else {}
+    cfg_port = found.get("port")
+    keys: tuple[str, ...]
+    if key_file:
+        keys = (os.path.expanduser(key_file),)
+    else:
+        keys = tuple(os.path.expanduser(k) for k in found.get("identityfile", []))
+    proxy = found.get("proxyjump")
+    if proxy and proxy.lower() == "none":
+        proxy = None
+    return Endpoint(
+        alias=alias,
+        hostname=hostname or found.get("hostname") or alias,
+        port=int(port or cfg_port or 22),
+        user=user or found.get("user") or getpass.getuser(),
+        key_files=keys,
+        proxy_jump=proxy,
+    )
+
+
+def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` (one hop of a ProxyJump list)."""
+    user = None
+    if "@" in spec:
+        user, spec = spec.rsplit("@", 1)
+    port = None
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        if rest.startswith(":"):
+            port = int(rest[1:])
+    elif spec.count(":") == 1:
+        host, port_s = spec.split(":")
+        port = int(port_s)
+    else:
+        host = spec
+    return user, host, port
+
+
+def _fingerprint(key: paramiko.PKey) -> str:
+    return key.fingerprint if hasattr(key, "fingerprint") else key.get_name()
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    def __init__(self, owner: SSHTransport, hop: str) -> None:
+        self.owner = owner
+        self.hop = hop
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        owner = self.owner
+        if owner.host_key_policy != "accept-new":
+            files = " or ".join(str(p) for p in owner.known_hosts_files)
+            raise HostKeyError(
+                f"unknown host key for {self.hop} {hostname} ({key.get_name()} {_fingerprint(key)}): not in {files}; "
+                f"check it and add it, or run with --host-key-policy accept-new",
+                host=owner.host,
+            )
+        target = owner.accept_new_file
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with _KNOWN_HOSTS_LOCK:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("a", encoding="utf-8") as fh:
+                fh.write(line)
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class SSHTransport:
+    """One host over SSH; see the module docstring for what it honours and guarantees."""
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        host_key_policy: str = "strict",
+        connect_timeout: float = 10.0,
+        counter: RoundTripCounter | None = None,
+        ssh_config: Path | None = None,
+        user_known_hosts: Path | None = None,
+        keepalive_s: int = KEEPALIVE_S,
+    ) -> None:
+        self.host = host.name
+        self.spec = host
+        self.host_key_policy = host_key_policy
+        self.connect_timeout = connect_timeout
+        self.counter = counter
+        self.keepalive_s = keepalive_s
+        self._ssh_config_path = ssh_config if ssh_config is not None else user_ssh_config_path()
+        self._user_known_hosts = user_known_hosts if user_known_hosts is not None else user_known_hosts_path()
+        self._lock = threading.RLock()
+        self._clients: list[paramiko.SSHClient] = []  # jump hosts first, the target last
+        self._sftp: paramiko.SFTPClient | None = None
+
+    # ------------------------------------------------------------------ connection
+
+    @property
+    def known_hosts_files(self) -> list[Path]:
+        files = [self._user_known_hosts]
+        if self.spec.ddtree.known_hosts:
+            files.append(Path(os.path.expanduser(self.spec.ddtree.known_hosts)))
+        return files
+
+    @property
+    def accept_new_file(self) -> Path:
+        """Where accept-new records keys: the inventory's file when it names one."""
+        if self.spec.ddtree.known_hosts:
+            return Path(os.path.expanduser(self.spec.ddtree.known_hosts))
+        return self._user_known_hosts
+
+    def _config(self) -> paramiko.SSHConfig | None:
+        try:
+            return paramiko.SSHConfig.from_path(str(self._ssh_config_path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, paramiko.SSHException) as exc:
+            raise ConnectError(f"cannot read {self._ssh_config_path}: {exc}", host=self.host) from exc
+
+    def endpoint(self) -> Endpoint:
+        h = self.spec
+        return resolve_endpoint(
+            h.address or h.name, self._config(), port=h.port, user=h.user, key_file=h.key_file
+        )
+
+    def _client(self) -> paramiko.SSHClient:
+        with self._lock:
+            if self._clients:
+                transport = self._clients[-1].get_transport()
+                if transport is not None and transport.is_active():
+                    return self._clients[-1]
+                self._close_clients()  # a dead connection (host restarted): reconnect once
+            self._connect()
+            return self._clients[-1]
+
+    def _connect(self) -> None:
+        config = self._config()
+        target = self.endpoint()
+        hops: list[Endpoint] = []
+        if target.proxy_jump:
+            for spec in target.proxy_jump.split(","):
+                juser, jhost, jport = _parse_jump(spec.strip())
+                # Jump hosts are ssh_config aliases too (their own HostName/User/IdentityFile).
+                hops.append(resolve_endpoint(jhost, config, port=jport, user=juser))
+        hops.append(target)
+        sock: Any = None
+        try:
+            for i, hop in enumerate(hops):
+                role = "host" if i == len(hops) - 1 else "jump host"
+                if sock is None:
+                    sock = self._open_socket(hop, role)
+                client = self._handshake(hop, sock, role)
+                self._clients.append(client)
+                if i < len(hops) - 1:
+                    nxt = hops[i + 1]
+                    sock = self._direct_tcpip(client, hop, nxt)
+        except BaseException:
+            if sock is not None and not self._clients:
+                sock.close()
+            self._close_clients()
+            raise
+
+    def _open_socket(self, hop: Endpoint, role: str) -> socket.socket:
+        where = f"{role} {hop.hostname}:{hop.port}" if role != "host" else f"{hop.hostname}:{hop.port}"
+        try:
+            return socket.create_connection((hop.hostname, hop.port), timeout=self.connect_timeout)
+        except socket.gaierror as exc:
+            raise ConnectError(f"cannot resolve {hop.hostname!r} ({role}): {exc.strerror}", host=self.host) from exc
+        except ConnectionRefusedError as exc:
+            raise ConnectError(f"connection refused by {where} (no SSH server listening?)", host=self.host) from exc
+        except (socket.timeout, TimeoutError) as exc:
+            raise ConnectError(f"connection to {where} timed out after {self.connect_timeout:g}s", host=self.host) from exc
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {where}: {exc.strerror or exc}", host=self.host) from exc
+
+    def _direct_tcpip(self, client: paramiko.SSHClient, via: Endpoint, nxt: Endpoint) -> paramiko.Channel:
+        transport = client.get_transport()
+        assert transport is not None
+        try:
+            return transport.open_channel(
+                "direct-tcpip", (nxt.hostname, nxt.port), ("127.0.0.1", 0), timeout=self.connect_timeout
+            )
+        except paramiko.ChannelException as exc:
+            raise ConnectError(
+                f"jump host {via.hostname}:{via.port} could not reach {nxt.hostname}:{nxt.port}: {exc.text}",
+                host=self.host,
+            ) from exc
+        except (paramiko.SSHException, OSError) as exc:
+            raise ConnectError(
+                f"jump host {via.hostname}:{via.port} could not open a channel to {nxt.hostname}:{nxt.port}: {exc}",
+                host=self.host,
+            ) from exc
+
+    def _handshake(self, hop: Endpoint, sock: Any, role: str) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        for path in self.known_hosts_files:
+            if path.is_file():
+                try:
+                    client.load_system_host_keys(str(path))
+                except (OSError, paramiko.SSHException) as exc:
+                    raise HostKeyError(f"cannot read known_hosts file {path}: {exc}", host=self.host) from exc
+        client.set_missing_host_key_policy(_HostKeyPolicy(self, role))
+        missing = [k for k in hop.key_files if not os.path.exists(k)]
+        if missing and len(missing) == len(hop.key_files):
+            raise AuthError(f"private key file not found: {missing[0]}", host=self.host)
+        try:
+            client.connect(
+                hop.hostname,
+                port=hop.port,
+                username=hop.user,
+                key_filename=[k for k in hop.key_files if os.path.exists(k)] or None,
+                look_for_keys=not hop.key_files,
+                allow_agent=not hop.key_files,
+                sock=sock,
+                timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout,
+                channel_timeout=self.connect_timeout,
+            )
+        except TransportError:
+            client.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise HostKeyError(
+                f"host key for {role} {hop.known_hosts_name} has CHANGED (now {exc.key.get_name()} "
+                f"{_fingerprint(exc.key)}, known {_fingerprint(exc.expected_key)}): possible man-in-the-middle; "
+                f"if the host was reinstalled, remove its old key from {' / '.join(map(str, self.known_hosts_files))}",
+                host=self.host,
+            ) from exc
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            keys = ", ".join(hop.key_files) or "agent/default keys"
+            raise AuthError(
+                f"authentication failed for {role} {hop.describe()} (tried {keys}): {exc}", host=self.host
+            ) from exc
+        except paramiko.PasswordRequiredException as exc:
+            client.close()
+            raise AuthError(f"private key for {hop.describe()} is encrypted and no passphrase is available", host=self.host) from exc
+        except (socket.timeout, TimeoutError) as exc:
+            client.close()
+            raise ConnectError(
+                f"{role} {hop.hostname}:{hop.port} accepted the connection but did not complete the SSH handshake "
+                f"within {self.connect_timeout:g}s",
+                host=self.host,
+            ) from exc
+        except paramiko.SSHException as exc:
+            client.close()
+            raise ConnectError(f"SSH handshake with {role} {hop.hostname}:{hop.port} failed: {exc}", host=self.host) from exc
+        except OSError as exc:
+            client.close()
+            raise ConnectError(f"connection to {role} {hop.hostname}:{hop.port} failed: {exc.strerror or exc}", host=self.host) from exc
+        transport = client.get_transport()
+        if transport is not None and self.keepalive_s:
+            transport.set_keepalive(self.keepalive_s)
+        return client
+
+    def _close_clients(self) -> None:
+        if self._sftp is not None:
+            try:
+                self._sftp.close()
+            except Exception:  # closing a broken session must not mask the real error
+                pass
+            self._sftp = None
+        for client in reversed(self._clients):
+            client.close()
+        self._clients = []
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_clients()
+
+    def __enter__(self) -> SSHTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _count(self, kind: str, what: str) -> None:
+        if self.counter is None:
+            return
+        if kind == "command":
+            self.counter.commands += 1
+        else:
+            self.counter.file_ops += 1
+        self.counter.log.append(f"{self.host} {kind}: {what}")
+
+    # ------------------------------------------------------------------ commands
+
+    def run(
+        self,
+        command: Command,
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+        cwd: str | None = None,
+    ) -> CommandResult:
+        text = command_text(command)
+        line = build_command_line(command, env=env, cwd=cwd)
+        stdin = (command.source + command.extra_stdin).encode() if isinstance(command, Script) else b""
+        self._count("command", text)
+        start = time.monotonic()
+        client = self._client()
+        transport = client.get_transport()
+        try:
+            assert transport is not None
+            chan = transport.open_session(timeout=self.connect_timeout)
+        except (paramiko.SSHException, OSError, AssertionError) as exc:
+            self.close()
+            raise ConnectError(f"cannot open a session channel: {exc}", host=self.host) from exc
+        try:
+            result = self._exchange(chan, line, stdin, timeout, text, start)
+        finally:
+            chan.close()
+        if check and result.returncode != 0:
+            raise CommandFailed(result.returncode, text, result.stderr, host=self.host)
+        return result
+
+    def _exchange(
+        self, chan: paramiko.Channel, line: str, stdin: bytes, timeout: float | None, text: str, start: float
+    ) -> CommandResult:
+        deadline = None if timeout is None else start + timeout
+
+        def timed_out() -> CommandTimeout:
+            return CommandTimeout(f"command did not finish within {timeout:g}s: {text[:200]}", host=self.host, timeout=timeout)
+
+        out: list[bytes] = []
+        err: list[bytes] = []
+        try:
+            chan.exec_command(line)
+            if stdin:
+                chan.settimeout(None if deadline is None else max(0.01, deadline - time.monotonic()))
+                chan.sendall(stdin)
+            chan.shutdown_write()
+            chan.settimeout(0.0)
+            while True:
+                while chan.recv_ready():
+                    out.append(chan.recv(65536))
+                while chan.recv_stderr_ready():
+                    err.append(chan.recv_stderr(65536))
+                if chan.exit_status_ready() and chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                wait = 1.0
+                if deadline is not None:
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        raise timed_out()
+                    wait = min(wait, 1.0)
+                select.select([chan], [], [], wait)
+        except (socket.timeout, TimeoutError) as exc:
+            raise timed_out() from exc
+        except paramiko.SSHException as exc:
+            self.close()
+            raise ConnectError(f"connection lost while running {text[:200]}: {exc}", host=self.host) from exc
+        except OSError as exc:
+            self.close()
+            raise ConnectError(f"connection lost while running {text[:200]}: {exc.strerror or exc}", host=self.host) from exc
+        if not chan.exit_status_ready():
+            # The channel closed without an exit status: the connection (or sshd) went away.
+            self.close()
+            raise ConnectError(f"connection lost while running {text[:200]}", host=self.host)
+        code = chan.recv_exit_status()
+        if code == -1:
+            code = 255  # killed by a signal: OpenSSH's client reports 255 too
+        return CommandResult(
+            code, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"), time.monotonic() - start
+        )
+
+    # ------------------------------------------------------------------ files
+
+    def _sftp_client(self) -> paramiko.SFTPClient:
+        with self._lock:
+            client = self._client()
+            if self._sftp is None:
+                try:
+                    self._sftp = client.open_sftp()
+                except (paramiko.SSHException, OSError) as exc:
+                    raise RemoteFileError(f"cannot open an SFTP session: {exc}", host=self.host) from exc
+            return self._sftp
+
+    def read_bytes(self, path: str) -> bytes:
+        self._count("read", path)
+        sftp = self._sftp_client()
+        try:
+            with sftp.open(sftp_path(path), "rb") as fh:
+                fh.prefetch()
+                return fh.read()
+        except OSError as exc:
+            raise RemoteFileError(f"cannot read {path}: {_io_reason(exc)}", host=self.host) from exc
+        except paramiko.SSHException as exc:
+            raise RemoteFileError(f"cannot read {path}: {exc}", host=self.host) from exc
+
+    def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self._count("write", path)
+        sftp = self._sftp_client()
+        remote = sftp_path(path)
+        parent, _, name = remote.rpartition("/")
+        tmp = f"{parent + '/' if parent else ''}.{name}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            if parent:
+                _sftp_makedirs(sftp, parent)
+            with sftp.open(tmp, "wb") as fh:
+                fh.set_pipelined(True)
+                fh.write(data)
+                fh.flush()
+                _sftp_fsync(sftp, fh)
+            sftp.chmod(tmp, mode)
+            sftp.posix_rename(tmp, remote)
+        except (OSError, paramiko.SSHException) as exc:
+            try:
+                sftp.remove(tmp)
+            except (OSError, paramiko.SSHException):
+                pass
+            raise RemoteFileError(f"cannot write {path}: {_io_reason(exc)}", host=self.host) from exc
+
+    def exists(self, path: str) -> bool:
+        self._count("stat", path)
+        sftp = self._sftp_client()
+        try:
+            sftp.lstat(sftp_path(path))
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return False
+            raise RemoteFileError(f"cannot stat {path}: {_io_reason(exc)}", host=self.host) from exc
+
+
+def build_command_line(command: Command, *, env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
+    """The exec request for ``command``: every value quoted with shlex, never interpolated.
+
+    ``~`` / ``~/x`` in ``cwd`` mean the home directory, as for the local transport.
+    """
+    argv = list(command.argv) if isinstance(command, Script) else list(command)
+    if not argv:
+        raise ValueError("empty command")
+    parts: list[str] = []
+    if env:
+        bad = [k for k in env if not _ENV_NAME.match(k)]
+        if bad:
+            raise ValueError(f"invalid environment variable name: {bad[0]!r}")
+        argv = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    if cwd:
+        parts.append(f"cd {_shell_path(cwd)} &&")
+    parts.append("exec " + shlex.join(argv))
+    return " ".join(parts)
+
+
+def _shell_path(path: str) -> str:
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def sftp_path(path: str) -> str:
+    """SFTP starts in the home directory, so ``~/x`` is the relative path ``x``."""
+    if path == "~":
+        return "."
+    if path.startswith("~/"):
+        return path[2:] or "."
+    return path
+
+
+def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
+    try:
+        sftp.stat(directory)
+        return
+    except FileNotFoundError:
+        pass
+    parent = directory.rpartition("/")[0]
+    if parent and parent != directory:
+        _sftp_makedirs(sftp, parent)
+    try:
+        sftp.mkdir(directory)
+    except OSError:
+        sftp.stat(directory)  # raced with another writer: fine if it exists now
+
+
+def _sftp_fsync(sftp: paramiko.SFTPClient, fh: paramiko.SFTPFile) -> None:
+    # paramiko has no fsync call; OpenSSH's sftp server offers it as an extension.
+    from paramiko.sftp import CMD_EXTENDED
+
+    try:
+        sftp._request(CMD_EXTENDED, "fsync@openssh.com", fh.handle)
+    except OSError as exc:
+        if "unsupported" not in str(exc).lower():
+            raise
+
+
+def _io_reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        if exc.errno == errno.ENOENT:
+            return "no such file or directory"
+        if exc.errno == errno.EACCES:
+            return "permission denied"
+        return exc.strerror or str(exc) or type(exc).__name__
+    return str(exc)
