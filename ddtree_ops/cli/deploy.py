@@ -1,0 +1,319 @@
+"""`ddtree-ops deploy / status / rollback`: the patch engine on the command line.
+
+Every host is worked on in parallel (``--max-parallel``, ``--serial``) and reported on
+its own row; one failing host never hides the others, and the exit code is non-zero if
+any host failed. All decisions live in :mod:`ddtree_ops.patching`; this module only
+selects hosts, renders, and picks the exit code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import typer
+from rich.table import Table
+
+from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, ServiceError
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.patching.bundle import Bundle, load_bundle
+from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
+from ddtree_ops.patching.gather import RemoteState
+from ddtree_ops.patching.overlay import load_overlay
+from ddtree_ops.patching.plan import HostPlan
+from ddtree_ops.patching.status import HostPatchStatus, host_status
+from ddtree_ops.transport import open_transport
+
+T = TypeVar("T")
+DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
+
+
+def _hosts(obj: AppContext, target: str) -> list[Host]:
+    from ddtree_ops.inventory import load_inventory
+
+    if not obj.inventory:
+        raise ConfigError("no inventory: pass -i FILE or set DDTREE_OPS_INVENTORY")
+    return load_inventory(obj.inventory).resolve(target)
+
+
+def fan_out(hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int) -> dict[str, T | BaseException]:
+    """Run ``fn`` per host, at most ``max_parallel`` at once; a host's exception is its result."""
+    try:
+        from ddtree_ops.fleet import run_on_hosts
+    except ModuleNotFoundError:
+        run_on_hosts = None
+    if run_on_hosts is not None:
+        return dict(run_on_hosts(hosts, fn, max_parallel=max_parallel))
+
+    def guarded(h: Host) -> T | BaseException:
+        try:
+            return fn(h)
+        except Exception as exc:  # reported per host, never lost
+            return exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(hosts)))) as pool:
+        results = list(pool.map(guarded, hosts))
+    return {h.name: r for h, r in zip(hosts, results)}
+
+
+def _parallel(obj: AppContext, max_parallel: int | None, serial: bool) -> int:
+    if serial:
+        return 1
+    return max_parallel or obj.max_parallel
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, DdtreeOpsError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _fmt_time(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _plan_json(plan: HostPlan) -> dict[str, Any]:
+    return {
+        "operation": plan.operation,
+        "outcome": plan.outcome,
+        "bundle": plan.bundle_name,
+        "identity": plan.bundle_identity,
+        "package_version": plan.package_version,
+        "reason": plan.reason,
+        "notes": list(plan.notes),
+        "files": [
+            {"path": a.path, "action": a.kind, "current_sha256": a.current_sha256, "new_sha256": a.new_sha256,
+             "reason": a.reason}
+            for a in plan.actions
+        ],
+    }
+
+
+def _outcome_json(o: HostOutcome) -> dict[str, Any]:
+    return {"host": o.host, "ok": True, "outcome": o.outcome, "message": o.message, "recovered": o.recovered,
+            "txn": o.txn, "plan": _plan_json(o.plan)}
+
+
+def _render_outcomes(obj: AppContext, title: str, results: dict[str, Any], *, show_files: bool) -> bool:
+    """Render per-host results; True if any host failed."""
+    failed = any(isinstance(r, BaseException) for r in results.values())
+    if obj.json:
+        rows = []
+        for name, r in results.items():
+            if isinstance(r, BaseException):
+                rows.append({"host": name, "ok": False, "error": _error_text(r), "error_type": type(r).__name__})
+            else:
+                rows.append(_outcome_json(r))
+        obj.console.print_json(json.dumps(rows))
+        return failed
+    table = Table(title=title, show_lines=False)
+    table.add_column("host", style="bold")
+    table.add_column("result")
+    table.add_column("bundle")
+    table.add_column("detail", overflow="fold")
+    for name, r in results.items():
+        if isinstance(r, BaseException):
+            table.add_row(name, "[red]failed[/]", "", _error_text(r))
+            continue
+        style = {"applied": "green", "rolled-back": "green", "noop": "dim", "planned": "cyan"}.get(r.outcome, "yellow")
+        bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
+        table.add_row(name, f"[{style}]{r.outcome}[/]", bundle, r.message)
+    obj.console.print(table)
+    if show_files:
+        for name, r in results.items():
+            if isinstance(r, BaseException) or not r.plan.actions:
+                continue
+            ft = Table(title=f"{name}: files", title_justify="left")
+            ft.add_column("path")
+            ft.add_column("action")
+            ft.add_column("now")
+            ft.add_column("after")
+            ft.add_column("why", overflow="fold")
+            for a in r.plan.actions:
+                ft.add_row(a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason)
+            obj.console.print(ft)
+    return failed
+
+
+def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
+    """Unified diffs of each replaced file, remote original vs bundle content (one read per file)."""
+    out: list[str] = []
+    if rs.package_dir is None:
+        return out
+    contents = {f.path: f.content for f in bundle.files}
+    with open_transport(host, host_key_policy=obj.host_key_policy) as t:
+        for a in plan.actions:
+            if a.path not in contents or a.current_sha256 is None or a.kind == "patched":
+                continue
+            old = t.read_bytes(f"{rs.package_dir}/{a.path}").decode("utf-8", "replace").splitlines(keepends=True)
+            new = contents[a.path].decode("utf-8", "replace").splitlines(keepends=True)
+            out.append("".join(difflib.unified_diff(old, new, f"{host.name}:{a.path}", f"bundle:{a.path}")))
+    return out
+
+
+@app.command("deploy")
+def deploy_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    bundle_dir: Optional[Path] = typer.Argument(None, help=f"Bundle directory (default {DEFAULT_BUNDLE})."),
+    from_dir: Optional[Path] = typer.Option(None, "--from", help="Overlay mode: local directory to copy over the package."),
+    to_dir: Optional[str] = typer.Option(None, "--to", help="Overlay mode: package subdirectory, e.g. srt/speculative."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
+    diff: bool = typer.Option(False, "--diff", help="Show unified diffs of replaced files vs the remote originals."),
+    force: bool = typer.Option(False, "--force", help="Back up drifted files and overwrite them."),
+    force_version: bool = typer.Option(False, "--force-version", help="Deploy to a package version the bundle was not made for."),
+    break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
+    lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
+    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1, help="Hosts at once (default: global option)."),
+    serial: bool = typer.Option(False, "--serial", help="One host at a time."),
+    restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
+    budget: int = typer.Option(16, "--budget", min=1, help="DDTree budget for --restart."),
+    topk: int = typer.Option(4, "--topk", min=1, help="DDTree top-k for --restart."),
+) -> None:
+    """Deploy a patch bundle (or a local overlay) into each host's SGLang site-packages."""
+    obj: AppContext = ctx.obj
+    if (from_dir is None) != (to_dir is None):
+        raise ConfigError("--from and --to go together (overlay mode)")
+    if from_dir is not None and bundle_dir is not None:
+        raise ConfigError("give either a bundle directory or --from/--to, not both")
+    restart_fn = _restart_hook(budget, topk) if restart and not dry_run else None
+    hosts = _hosts(obj, target)
+    opts = RunOptions(force=force, force_version=force_version, dry_run=dry_run or diff, break_lock=break_lock,
+                      lock_wait_s=lock_wait)
+    overlay = load_overlay(from_dir, to_dir) if from_dir is not None and to_dir is not None else None
+    bundle = None if overlay is not None else load_bundle(bundle_dir or DEFAULT_BUNDLE)
+    diffs: dict[str, list[str]] = {}
+
+    def one(h: Host) -> HostOutcome:
+        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+            if overlay is not None:
+                out = deploy(t, h, overlay.factory, opts, paths=overlay.paths)
+            else:
+                assert bundle is not None
+                out = deploy(t, h, bundle, opts)
+            if diff and out.state is not None:
+                b = bundle if bundle is not None else overlay.bundle_for(out.state)  # type: ignore[union-attr]
+                diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
+            if restart_fn is not None and out.outcome == "applied":
+                restart_fn(t, h, out.plan.package_version)
+            return out
+
+    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    title = "deploy (dry run)" if opts.dry_run else "deploy"
+    if bundle is not None:
+        title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
+    failed = _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0)
+    if diff and not obj.json:
+        for name, texts in diffs.items():
+            for text in texts:
+                obj.console.print(text, markup=False, highlight=False, end="")
+    if failed:
+        raise FleetError(f"deploy failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")
+
+
+def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], None]:
+    """The lifecycle restart, resolved before any host is touched so a missing module fails early."""
+    try:
+        from ddtree_ops.service.launch import RunConfig
+        from ddtree_ops.service.lifecycle import restart as service_restart
+    except ImportError as exc:
+        raise ServiceError(f"--restart is not available: the service lifecycle module cannot be imported ({exc})") from exc
+    run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
+
+    def hook(transport: Any, host: Host, version: str | None) -> None:
+        service_restart(transport, host, version, run)
+
+    return hook
+
+
+@app.command("rollback")
+def rollback_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be restored."),
+    force: bool = typer.Option(False, "--force", help="Restore originals even over drifted files (drifted content is backed up)."),
+    break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
+    lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
+    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1),
+    serial: bool = typer.Option(False, "--serial"),
+) -> None:
+    """Restore the original files on each host and clear the applied-bundle record."""
+    obj: AppContext = ctx.obj
+    hosts = _hosts(obj, target)
+    opts = RunOptions(force=force, dry_run=dry_run, break_lock=break_lock, lock_wait_s=lock_wait)
+
+    def one(h: Host) -> HostOutcome:
+        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+            return rollback(t, h, opts)
+
+    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    failed = _render_outcomes(obj, "rollback (dry run)" if dry_run else "rollback", results,
+                              show_files=dry_run or obj.verbose > 0)
+    if failed:
+        raise FleetError(f"rollback failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")
+
+
+@app.command("status")
+def status_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    bundle_dir: Optional[Path] = typer.Option(None, "--bundle", help="Also classify this bundle's files."),
+    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1),
+) -> None:
+    """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
+    obj: AppContext = ctx.obj
+    hosts = _hosts(obj, target)
+    bundle = load_bundle(bundle_dir) if bundle_dir is not None else None
+
+    def one(h: Host) -> HostPatchStatus:
+        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+            return host_status(t, h, bundle=bundle)
+
+    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
+    failed = any(isinstance(r, BaseException) for r in results.values())
+    if obj.json:
+        rows = [
+            {"host": n, "ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **r.to_json()}
+            for n, r in results.items()
+        ]
+        obj.console.print_json(json.dumps(rows))
+    else:
+        table = Table(title="patch status")
+        for col in ("host", "sglang", "bundle", "applied", "files", "leftovers"):
+            table.add_column(col, overflow="fold")
+        for n, r in results.items():
+            if isinstance(r, BaseException):
+                table.add_row(n, "", "", "", "[red]failed[/]", _error_text(r))
+                continue
+            bundle_txt = f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
+            applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
+            counts: dict[str, int] = {}
+            for f in r.files:
+                counts[f.state] = counts.get(f.state, 0) + 1
+            files_txt = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "-"
+            if any(f.state in ("drifted", "missing") for f in r.files):
+                files_txt = f"[yellow]{files_txt}[/]"
+            left = []
+            if r.journal:
+                left.append(f"journal {str(r.journal.get('txn', '?'))[:12]} ({r.journal.get('phase', '?')})")
+            if r.lock:
+                left.append(f"lock by {r.lock.get('user', '?')}@{r.lock.get('controller', '?')} pid {r.lock.get('pid', '?')}")
+            if r.state_error:
+                left.append(f"state unreadable: {r.state_error}")
+            table.add_row(n, r.package_version or "[red]not installed[/]", bundle_txt, applied, files_txt,
+                          "; ".join(left) or "-")
+        obj.console.print(table)
+        if obj.verbose:
+            for n, r in results.items():
+                if isinstance(r, BaseException):
+                    continue
+                for f in r.files:
+                    obj.console.print(f"  {n} {f.path}: {f.state} {(f.sha256 or 'absent')[:12]}", highlight=False)
+    if failed:
+        raise FleetError(f"status failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")

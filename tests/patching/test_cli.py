@@ -1,0 +1,140 @@
+"""The deploy / status / rollback commands, through the real entry point (argv in, exit code out).
+
+In-process (importing the CLI costs seconds per subprocess on a loaded machine); one test
+runs a real subprocess to prove the one-line error without traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from patching.conftest import BUNDLES, MiniHost, make_prefix
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _inventory(tmp_path: Path, prefixes: dict[str, Path]) -> Path:
+    hosts = {name: {"ddtree": {"python": str(p / "bin" / "python")}} for name, p in prefixes.items()}
+    inv = {"all": {"children": {"test": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    return path
+
+
+@dataclass(frozen=True)
+class Res:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Res]:
+    from ddtree_ops.cli import main
+
+    monkeypatch.setattr(main.console, "width", 250)
+    monkeypatch.setattr(main.err_console, "width", 250)
+
+    def call(inv: Path, *args: str) -> Res:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["ddtree-ops", "-i", str(inv), *args])
+        code = 0
+        try:
+            main.run()
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return Res(code, out.out, out.err)
+
+    return call
+
+
+def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    _cli = cli
+    other = make_prefix(tmp_path / "other")
+    inv = _inventory(tmp_path, {"h1": mini.prefix, "h2": other})
+    bundle = str(BUNDLES / "basic")
+
+    dry = _cli(inv, "--json", "deploy", "test", bundle, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    rows = json.loads(dry.stdout)
+    assert [r["outcome"] for r in rows] == ["planned", "planned"]
+    assert not (mini.state_dir / "state.json").exists()
+
+    first = _cli(inv, "deploy", "test", bundle)
+    assert first.returncode == 0, first.stderr
+    assert "applied" in first.stdout
+    again = _cli(inv, "--json", "deploy", "test", bundle)
+    assert [r["outcome"] for r in json.loads(again.stdout)] == ["noop", "noop"]
+    assert all("already applied" in r["message"] for r in json.loads(again.stdout))
+
+    st = json.loads(_cli(inv, "--json", "status", "test").stdout)
+    assert {r["bundle"]["name"] for r in st} == {"basic"}
+    assert all(f["state"] == "patched" for r in st for f in r["files"])
+
+    # A pip reinstall on h1 brings back the upstream worker: status shows it, deploy refuses to guess.
+    worker = mini.file("srt/speculative/dflash_worker_v2.py")
+    worker.write_text("# something else entirely\n")
+    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test").stdout)}
+    assert {f["path"]: f["state"] for f in st["h1"]["files"]}["srt/speculative/dflash_worker_v2.py"] == "drifted"
+    refused = _cli(inv, "deploy", "h1", bundle)
+    assert refused.returncode == 7
+    assert "drifted" in refused.stdout and "--force" in refused.stdout
+
+    back = _cli(inv, "rollback", "h2")
+    assert back.returncode == 0, back.stderr
+    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test").stdout)}
+    assert st["h2"]["bundle"] is None
+    noop = json.loads(_cli(inv, "--json", "rollback", "h2").stdout)
+    assert noop[0]["outcome"] == "noop" and "nothing applied" in noop[0]["message"]
+
+
+def test_bad_bundle_is_one_line_error(tmp_path: Path, mini: MiniHost) -> None:
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    res = subprocess.run(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "deploy", "h1", str(BUNDLES / "bad_traversal")],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert res.returncode == 2
+    assert "escapes the package directory" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_diff_shows_remote_original_against_bundle(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    _cli = cli
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    res = _cli(inv, "deploy", "h1", str(BUNDLES / "basic"), "--diff")
+    assert res.returncode == 0, res.stderr
+    assert "--- h1:srt/speculative/dflash_worker_v2.py" in res.stdout
+    assert '+PATCHED = "basic"' in res.stdout
+    assert not (mini.state_dir / "state.json").exists()
+
+
+def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    _cli = cli
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "dflash_info.py").write_text("X = 1\n")
+    (work / "new_mod.py").write_text("Y = 2\n")
+    res = _cli(inv, "--json", "deploy", "h1", "--from", str(work), "--to", "srt/speculative")
+    assert res.returncode == 0, res.stderr
+    acts = {f["path"]: f["action"] for f in json.loads(res.stdout)[0]["plan"]["files"]}
+    assert acts == {"srt/speculative/dflash_info.py": "replace", "srt/speculative/new_mod.py": "add"}
+    assert mini.file("srt/speculative/dflash_info.py").read_text() == "X = 1\n"
+    # Edit and overlay again: supersedes, the recorded original stays the upstream file.
+    (work / "dflash_info.py").write_text("X = 2\n")
+    res = _cli(inv, "--json", "deploy", "h1", "--from", str(work), "--to", "srt/speculative")
+    acts = {f["path"]: f["action"] for f in json.loads(res.stdout)[0]["plan"]["files"]}
+    assert acts["srt/speculative/dflash_info.py"] == "supersede"
+    assert _cli(inv, "rollback", "h1").returncode == 0
+    assert "class" in mini.file("srt/speculative/dflash_info.py").read_text()  # the upstream file is back
+    assert not mini.file("srt/speculative/new_mod.py").exists()
