@@ -1,0 +1,178 @@
+"""Report aggregation, best pick, compare, CSV schema and plots on hand-built ledgers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from report_rows import make_row
+
+from ddtree_ops import report as rep
+from ddtree_ops.bench.ledger import append_row
+from ddtree_ops.errors import ConfigError
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    for row in rows:
+        append_row(path, row)
+    return path
+
+
+def known_ledger(path: Path) -> Path:
+    """AR ~100, DFLASH ~200, DDTREE b=8 ~297, b=16 ~300 (within 1%), b=32 eager ~400."""
+    rows = []
+    for rep_i, (ar, df, b8, b16, b32) in enumerate([(100, 200, 297, 300, 400), (104, 190, 299, 290, 410), (98, 210, 295, 310, 390)]):
+        rows += [
+            make_row(algorithm="AR", repeat=rep_i, output_tok_s=ar),
+            make_row(algorithm="DFLASH", repeat=rep_i, output_tok_s=df),
+            make_row(budget=8, repeat=rep_i, output_tok_s=b8, accept_length=2.0 + rep_i),
+            make_row(budget=16, repeat=rep_i, output_tok_s=b16),
+            make_row(budget=32, repeat=rep_i, output_tok_s=b32, cuda_graph=False),
+        ]
+    return write(path, rows)
+
+
+def cell(tidy: pd.DataFrame, algorithm: str, budget: int | None = None) -> pd.Series:
+    sel = tidy[(tidy["algorithm"] == algorithm) & ((tidy["budget"] == budget) if budget else tidy["budget"].isna())]
+    assert len(sel) == 1
+    return sel.iloc[0]
+
+
+@pytest.mark.parametrize("use_arrow", [True, False])
+def test_aggregation_known_answers(tmp_path: Path, use_arrow: bool) -> None:
+    r = rep.build_report([known_ledger(tmp_path / "l.jsonl")], group_by="host", use_arrow=use_arrow)
+    tidy = r.tidy
+    ar = cell(tidy, "AR")
+    assert (ar["n"], ar["output_tok_s_median"], ar["output_tok_s_mad"]) == (3, 100.0, 2.0)  # |dev| = 0, 4, 2
+    assert (ar["output_tok_s_min"], ar["output_tok_s_max"]) == (98.0, 104.0)
+    b16 = cell(tidy, "DDTREE", 16)
+    assert b16["output_tok_s_mad"] == 10.0
+    assert b16["score"] == pytest.approx(300 - 1.4826 * 10)
+    assert b16["speedup_vs_ar"] == pytest.approx(3.0)
+    assert b16["speedup_vs_dflash"] == pytest.approx(1.5)
+    assert cell(tidy, "DDTREE", 8)["accept_length_median"] == 3.0
+    eager = cell(tidy, "DDTREE", 32)
+    # only graph-mode baselines exist: the speedup is given, flagged as mixed
+    assert not eager["cuda_graph"] and eager["modes_mixed"] and bool(eager["ar_cuda_graph"])
+    assert eager["speedup_vs_ar"] == pytest.approx(4.0)
+    assert not b16["modes_mixed"]
+
+
+def test_best_pick_tie_rule_and_eager_separation(tmp_path: Path) -> None:
+    r = rep.build_report([known_ledger(tmp_path / "l.jsonl")], group_by="host")
+    best = r.best.best.set_index("modes")
+    graph = best.loc["graph"]
+    # b=8 scores 297-1.4826*2 = 294.03; b=16 scores 285.17: b=8 is best outright
+    assert (graph["algorithm"], graph["budget"], graph["candidates"]) == ("DDTREE", 8, 4)
+    assert best.loc["eager", "budget"] == 32 and best.loc["eager", "candidates"] == 1
+
+    mixed = rep.best_configs(r.grouped, mix_modes=True).best
+    assert len(mixed) == 1 and mixed.iloc[0]["budget"] == 32 and mixed.iloc[0]["modes"] == "graph+eager"
+    assert "--mix-modes" in mixed.iloc[0]["note"]
+
+
+def test_tie_within_one_percent_prefers_smaller_budget(tmp_path: Path) -> None:
+    rows = []
+    for i in range(3):
+        rows += [make_row(budget=32, repeat=i, output_tok_s=1000.0), make_row(budget=16, repeat=i, output_tok_s=992.0),
+                 make_row(budget=8, repeat=i, output_tok_s=980.0)]
+    r = rep.build_report([write(tmp_path / "l.jsonl", rows)])
+    best = r.best.best.iloc[0]
+    assert best["budget"] == 16  # 0.8% below b=32: tie, smaller wins; b=8 is 2% below
+    assert "DDTREE b=32 k=4 scored +0.8% higher" in best["note"]
+
+
+def test_refusals_say_why(tmp_path: Path) -> None:
+    rows = [make_row(budget=8, repeat=i, output_tok_s=500.0, failed=1 if i == 0 else 0) for i in range(3)]
+    rows += [make_row(budget=16, repeat=i, output_tok_s=400.0) for i in range(2)]
+    rows += [make_row(budget=32, repeat=i, output_tok_s=300.0, status="failed" if i == 2 else "ok") for i in range(3)]
+    rows += [make_row(budget=64, repeat=i, output_tok_s=200.0) for i in range(3)]
+    r = rep.build_report([write(tmp_path / "l.jsonl", rows)])
+    reasons = dict(zip(r.best.refusals["cell"], r.best.refusals["reason"]))
+    assert reasons == {
+        "DDTREE b=8 k=4": "1 failed request(s)",
+        "DDTREE b=16 k=4": "n=2 < min repeats 3",
+        "DDTREE b=32 k=4": "1 failed repeat(s); n=2 < min repeats 3",
+    }
+    assert r.best.best.iloc[0]["budget"] == 64
+    none_left = rep.best_configs(r.grouped[r.grouped["budget"] != 64]).best.iloc[0]
+    assert none_left["algorithm"] is None and "all 3 refused" in none_left["note"]
+
+
+def test_group_by_gpu_pools_hosts(tmp_path: Path) -> None:
+    rows = [make_row(host=h, repeat=i, output_tok_s=v) for h, vals in (("a", (100, 110)), ("b", (120, 130))) for i, v in enumerate(vals)]
+    r = rep.build_report([write(tmp_path / "l.jsonl", rows)], group_by="gpu", min_repeats=1)
+    assert list(r.tidy["machine"]) == ["a", "b"]
+    pooled = r.grouped.iloc[0]
+    assert (pooled["machine"], pooled["hosts"], pooled["n"], pooled["output_tok_s_median"]) == ("RTX PRO 6000", "a,b", 4, 115.0)
+
+
+def test_bad_lines_counted_not_fatal(tmp_path: Path) -> None:
+    path = known_ledger(tmp_path / "l.jsonl")
+    with open(path, "ab") as fh:
+        fh.write(b"garbage\n" + json.dumps({**make_row(), "cuda_graph": None}).encode() + b"\n" + b'{"schema_version": 1, "ho')
+    for use_arrow in (True, False):
+        r = rep.build_report([tmp_path], use_arrow=use_arrow)
+        assert len(r.loaded.frame) == 15
+        assert [(n, reason.split(":")[0]) for _, n, reason in r.loaded.bad_lines] == [
+            (16, "not valid JSON"), (17, "missing field(s)"), (18, "truncated last line (a writer stopped mid-line)")]
+
+
+def test_empty_ledger_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no ledger"):
+        rep.build_report([tmp_path])
+    (tmp_path / "e.jsonl").write_text("{bad\n")
+    with pytest.raises(ConfigError, match=r"no valid ledger rows in 1 file.*e.jsonl:1: not valid JSON"):
+        rep.build_report([tmp_path])
+
+
+def test_tidy_csv_schema_is_stable(tmp_path: Path) -> None:
+    r = rep.build_report([known_ledger(tmp_path / "l.jsonl")])
+    assert {c: str(t) for c, t in r.tidy.dtypes.items()} == {c: ("str" if t == "object" and str(r.tidy[c].dtype) == "str" else t) for c, t in rep.TIDY_DTYPES.items()}
+    out = tmp_path / "t.csv"
+    r.tidy.to_csv(out, index=False)
+    back = pd.read_csv(out)
+    assert list(back.columns) == list(rep.TIDY_DTYPES)
+    assert list(r.best.best.columns) == list(rep.BEST_COLUMNS)
+    empty = rep.aggregate(r.loaded.frame.iloc[:0])
+    assert list(empty.columns) == list(rep.TIDY_DTYPES)
+
+
+def test_compare_flags_changes_beyond_spread(tmp_path: Path) -> None:
+    a = [make_row(budget=b, repeat=i, output_tok_s=v + d) for i, d in enumerate((0, 2, -2)) for b, v in ((8, 300), (16, 400), (32, 500))]
+    b = [make_row(budget=b, repeat=i, output_tok_s=v + d) for i, d in enumerate((0, 2, -2)) for b, v in ((8, 301), (16, 450), (64, 600))]
+    ta = rep.load_tidy([write(tmp_path / "a.jsonl", a)])
+    tb = rep.load_tidy([write(tmp_path / "b.jsonl", b)])
+    cmp = rep.compare(ta, tb).set_index("budget")
+    assert not cmp.loc[8, "changed"]  # +1 tok/s is inside 2*(2.97+2.97)
+    assert cmp.loc[16, "changed"] and cmp.loc[16, "direction"] == "faster"
+    assert cmp.loc[16, "ratio"] == pytest.approx(450 / 400)
+    assert (cmp.loc[32, "only_in"], cmp.loc[64, "only_in"]) == ("a", "b")
+
+
+def test_plots_written_and_non_empty(tmp_path: Path) -> None:
+    from ddtree_ops.report_plots import write_plots
+
+    r = rep.build_report([known_ledger(tmp_path / "l.jsonl")])
+    paths = write_plots(r.grouped, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["rtx-pro-6000-accept-length.png", "rtx-pro-6000-speedup-heatmap.png", "rtx-pro-6000-throughput.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_cli_end_to_end(tmp_path: Path) -> None:
+    ledger = known_ledger(tmp_path / "l.jsonl")
+    cmd = [sys.executable, "-m", "ddtree_ops", "report", str(ledger), "--csv", str(tmp_path / "t.csv"),
+           "--csv-best", str(tmp_path / "b.csv"), "--compare", str(ledger), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert len(out["cells"]) == 5 and len(out["best"]) == 2 and not any(c["changed"] for c in out["compare"])
+    assert pd.read_csv(tmp_path / "b.csv")["budget"].tolist() == [32, 8]
+    missing = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "nope: no such ledger" in missing.stderr and "Traceback" not in missing.stderr
