@@ -186,7 +186,7 @@ def action_start(p):
     old = _read_launch(run_dir)
     if old and _alive(old.get("pid"), old.get("pstart")):
         return {"error": "running", "pid": old.get("pid")}
-    if _port_open(p["probe_host"], p["port"]):
+    if p.get("check_port", True) and _port_open(p["probe_host"], p["port"]):
         return {"error": "port_busy"}
     log_path = os.path.join(run_dir, LOG_FILE)
     if os.path.exists(log_path):

@@ -63,6 +63,8 @@ def capture_failure(tracker: PhaseTracker, *, alive: bool) -> str | None:
 
 
 def _message(line: str) -> str:
-    # Drop SGLang's "[time TPn] " prefix; keep the message short enough for one line.
-    text = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+    # The matching line may be SGLang's own log line or the traceback's "Exception: ..."
+    # line; keep what follows the marker, short enough for one line.
+    idx = line.lower().find("capture cuda graph failed:")
+    text = line[idx + len("capture cuda graph failed:"):] if idx >= 0 else line
     return text.strip()[:200]

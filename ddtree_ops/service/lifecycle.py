@@ -41,7 +41,7 @@ from ddtree_ops.service.logphases import (
     PhaseTracker,
 )
 from ddtree_ops.service.manager import Launched, StopResult
-from ddtree_ops.service.readiness import DeadlinePolicy, judge, wait_loop
+from ddtree_ops.service.readiness import DeadlinePolicy, WaitOutcome, judge, wait_loop
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
 
@@ -149,13 +149,10 @@ def restart(
     while True:
         attempt_no += 1
         launched = manager.start(transport, host, spec)
-        attempt = _Attempt(spec=spec, launched=launched, tracker=PhaseTracker(host.name, attempt=attempt_no))
         emit(PhaseEvent(host.name, "starting", 0.0, attempt=attempt_no, note="CUDA graphs" if spec.cuda_graph else "eager"))
-        outcome = wait_loop(
-            lambda elapsed: _step(transport, host, attempt, elapsed, emit),
-            deadline_s=deadline_s,
-            interval_s=poll_interval_s,
-            cancel=cancel,
+        outcome, attempt = wait_ready(
+            transport, host, spec, launched, deadline_s=deadline_s, attempt_no=attempt_no,
+            on_phase=emit, cancel=cancel, poll_interval_s=poll_interval_s,
         )
         durations = attempt.tracker.finish(outcome.elapsed_s)
         if outcome.reason == "ready":
@@ -221,12 +218,43 @@ def restart(
         )
 
 
+def wait_ready(
+    transport: Transport,
+    host: Host,
+    spec: LaunchSpec,
+    launched: Launched,
+    *,
+    deadline_s: float,
+    attempt_no: int = 1,
+    on_phase: PhaseCallback | None = None,
+    on_poll: Callable[[dict[str, Any], str], None] | None = None,
+    cancel: threading.Event | None = None,
+    poll_interval_s: float = 0.5,
+) -> tuple[WaitOutcome, _Attempt]:
+    """Wait until ``launched`` provably serves, dies, fails capture, or the deadline passes.
+
+    ``on_poll(poll, detail)`` sees every probe answer with the loop's reading of it.
+    """
+    attempt = _Attempt(spec=spec, launched=launched, tracker=PhaseTracker(host.name, attempt=attempt_no))
+    emit = on_phase or (lambda _e: None)
+
+    def step(elapsed: float) -> tuple[str | None, str]:
+        decision, detail = _step(transport, host, attempt, elapsed, emit)
+        if on_poll is not None:
+            on_poll(attempt.last_poll, detail)
+        return decision, detail
+
+    outcome = wait_loop(step, deadline_s=deadline_s, interval_s=poll_interval_s, cancel=cancel)
+    return outcome, attempt
+
+
 def _step(transport: Transport, host: Host, attempt: _Attempt, elapsed: float, emit: PhaseCallback) -> tuple[str | None, str]:
     """One poll: read new log lines, advance phases, judge. Never raises (a failed poll
     is reported as 'unreachable' and counted by the wait loop)."""
     try:
         data = manager.poll(transport, host, attempt.launched, attempt.offset)
     except DdtreeOpsError as exc:
+        attempt.last_poll = {}
         return "unreachable", str(exc)
     attempt.last_poll = data
     attempt.offset = int(data.get("offset", attempt.offset))

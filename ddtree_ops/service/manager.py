@@ -80,9 +80,14 @@ def port_open(transport: Transport, host: Host) -> bool:
     return bool(call_agent(transport, host, "portcheck", base_payload(host), timeout=30)["port_open"])
 
 
-def start(transport: Transport, host: Host, spec: LaunchSpec) -> Launched:
-    """Launch ``spec`` in a new session. Refuses if our last process lives or the port is taken."""
+def start(transport: Transport, host: Host, spec: LaunchSpec, *, check_port: bool = True) -> Launched:
+    """Launch ``spec`` in a new session. Refuses if our last process lives or the port is taken.
+
+    ``check_port=False`` launches next to whatever holds the port: that is the race real
+    deployments hit when a restart does not wait, and the readiness tests recreate it.
+    """
     payload = base_payload(host) | {
+        "check_port": check_port,
         "argv": list(spec.argv),
         "env": dict(spec.env),
         "argv_hash": spec.argv_hash,

@@ -14,6 +14,7 @@ other 200 — the old process draining, a stray server on the port — is "stale
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ def judge(poll: dict[str, Any], spec: LaunchSpec, started_at: float) -> Verdict:
     info = poll.get("server_info") or {}
     if not isinstance(info, dict) or info.get("status") != 200:
         return Verdict(False, f"/server_info unavailable: {info.get('error') if isinstance(info, dict) else info}")
-    if info.get("launch_command") != spec.launch_command:
+    if not launch_command_matches(info.get("launch_command"), spec.server_args):
         return Verdict(False, "stale: /server_info launch_command is not what we launched", stale=True)
     if poll.get("listener_ours") is False:
         return Verdict(False, "stale: the listening socket belongs to another process", stale=True)
@@ -69,6 +70,19 @@ def judge(poll: dict[str, Any], spec: LaunchSpec, started_at: float) -> Verdict:
     if isinstance(startup, (int, float)) and not isinstance(startup, bool) and startup < started_at - _STARTUP_SKEW_S:
         return Verdict(False, "stale: startup_time predates our launch", stale=True)
     return Verdict(True, "ready")
+
+
+def launch_command_matches(reported: object, server_args: tuple[str, ...]) -> bool:
+    """Does ``/server_info.launch_command`` describe the flags we launched?
+
+    SGLang 0.5.23 reports ``" ".join(sys.argv[1:])`` of ``launch_server``; a wrapper may
+    report the whole command line shell-quoted. Both are accepted when they end with
+    exactly our flags; a different flag anywhere is a mismatch.
+    """
+    if not isinstance(reported, str):
+        return False
+    plain, quoted = " ".join(server_args), shlex.join(server_args)
+    return reported in (plain, quoted) or reported.endswith(" " + plain) or reported.endswith(" " + quoted)
 
 
 @dataclass(frozen=True)

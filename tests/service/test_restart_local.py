@@ -1,0 +1,226 @@
+"""restart/stop against the real simulator over the local transport.
+
+Every scenario of the lifecycle issue runs real processes: the simulator loads (with a
+small SIM_LOAD_S and a fast SIM_TIME_SCALE), logs SGLang's lines, serves HTTP on
+loopback, drains on SIGTERM, and crashes CUDA-graph capture on the b300 profile for
+DDTree budgets above 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ddtree_ops.errors import Interrupted, PortBusy, ReadinessTimeout, ServerCrashed
+from ddtree_ops.service import RunConfig, lifecycle, manager
+from ddtree_ops.service.launch import build_launch_spec
+from ddtree_ops.service.logphases import LOADING_WEIGHTS, PhaseEvent
+from ddtree_ops.service.readiness import DeadlinePolicy
+from ddtree_ops.state import StateStore
+from ddtree_ops.transport.local import LocalTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+DDTREE16 = RunConfig("DDTREE", budget=16, topk=4)
+FAST = dict(poll_interval_s=0.2, stop_grace_s=5.0)
+
+
+def phases(events: list[PhaseEvent]) -> list[str]:
+    return [e.phase for e in events]
+
+
+def server_info(host) -> dict:  # type: ignore[no-untyped-def]
+    return httpx.get(f"http://127.0.0.1:{host.ddtree.server.port}/server_info", timeout=5).json()
+
+
+def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(make_sim_host, tmp_path: Path) -> None:
+    host = make_sim_host(gpu="rtx-pro-6000")
+    state = StateStore()
+    events: list[PhaseEvent] = []
+    with LocalTransport(host.name) as t:
+        first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+        assert first.cuda_graph is True and first.fallback_reason is None and first.attempts == 1
+        assert first.deadline_source == "inventory"
+        seen = phases(events)
+        for phase in ("stopping", "starting", "loading_weights", "capturing_cuda_graphs", "ready"):
+            assert phase in seen
+        assert seen.index("loading_weights") < seen.index("capturing_cuda_graphs") < seen.index("ready")
+        info = server_info(host)
+        assert info["speculative_ddtree_budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
+        assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.ready_s)
+        assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
+
+        policy = DeadlinePolicy(factor=3.0, floor_s=0.5)
+        second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, policy=policy, **FAST)
+        assert second.deadline_source == "learned"
+        assert second.deadline_s == pytest.approx(first.ready_s * 3.0)
+        assert second.pid != first.pid
+        assert second.stopped is not None and second.stopped.was_running and second.stopped.pid == first.pid
+        # The stopped process is really gone: its kernel start-time record no longer matches.
+        assert not Path(f"/proc/{first.pid}").exists() or first.pid != second.pid
+
+
+def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) -> None:
+    host = make_sim_host(gpu="b300", name="b300")
+    state = StateStore()
+    with LocalTransport(host.name) as t:
+        events: list[PhaseEvent] = []
+        first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+        assert first.cuda_graph is False and first.attempts == 2
+        assert "illegal memory access" in (first.fallback_reason or "")
+        assert phases(events).count("starting") == 2 and "fallback_eager" in phases(events)
+        assert server_info(host)["cuda_graph_backend_decode"] == "disabled"
+        (record,) = state.fallbacks()
+        assert (record.key.host, record.key.gpu_arch, record.key.sglang_version) == ("b300", "b300", "0.5.23")
+        assert (record.key.algorithm, record.key.budget, record.key.topk) == ("DDTREE", 16, 4)
+
+        events.clear()
+        second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+        assert second.cuda_graph is False and second.attempts == 1
+        assert phases(events).count("starting") == 1 and "capturing_cuda_graphs" not in phases(events)
+        assert (second.fallback_reason or "").startswith("recorded fallback:")
+
+        # Budget 8 is a different config: the record does not apply to it.
+        assert state.fallback_for(replace(record.key, budget=8)) is None
+
+        # --retry-cuda-graph re-tests: it fails again, falls back again, and keeps the record.
+        retried = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, retry_cuda_graph=True, **FAST)
+        assert retried.attempts == 2 and retried.cuda_graph is False
+        assert len(state.fallbacks()) == 1
+
+
+def test_forced_graphs_do_not_fall_back(make_sim_host) -> None:
+    host = make_sim_host(gpu="b300")
+    run = RunConfig("DDTREE", budget=16, topk=4, cuda_graph="on")
+    with LocalTransport(host.name) as t, pytest.raises(ServerCrashed, match="illegal memory access.*forced on"):
+        lifecycle.restart(t, host, "0.5.23", run, state=StateStore(), **FAST)
+
+
+def test_crash_during_load_fails_fast_with_log_tail(make_sim_host) -> None:
+    host = make_sim_host(load_s=600.0)
+
+    def kill_when_loading(event: PhaseEvent) -> None:
+        if event.phase == LOADING_WEIGHTS:
+            pid = json.loads(Path(host.ddtree.run_dir, "launch.json").read_text())["pid"]
+            os.killpg(pid, signal.SIGKILL)
+
+    with LocalTransport(host.name) as t, pytest.raises(ServerCrashed) as info:
+        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=100, on_phase=kill_when_loading, **FAST)
+    message = str(info.value)
+    assert message.startswith("sim: server exited during loading_weights")
+    assert "Load weight begin." in message  # the log tail
+
+
+def test_never_ready_times_out_naming_the_phase(make_sim_host) -> None:
+    host = make_sim_host(load_s=600.0)
+    with LocalTransport(host.name) as t, pytest.raises(ReadinessTimeout) as info:
+        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=10.0, **FAST)
+    message = str(info.value)
+    assert "stuck in phase loading_weights" in message and "Load weight begin." in message
+    assert "server left running" in message
+
+
+def test_port_held_by_someone_else_is_waited_for(make_sim_host) -> None:
+    host = make_sim_host()
+    port = host.ddtree.server.port
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    released_at: list[float] = []
+    events: list[PhaseEvent] = []
+
+    def release_after_we_wait(event: PhaseEvent) -> None:
+        events.append(event)
+        if event.phase == "waiting_for_port":
+            def later() -> None:
+                time.sleep(1.0)
+                released_at.append(time.time())
+                holder.close()
+
+            threading.Thread(target=later, daemon=True).start()
+
+    with LocalTransport(host.name) as t:
+        result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), on_phase=release_after_we_wait, **FAST)
+    record = json.loads(Path(host.ddtree.run_dir, "launch.json").read_text())
+    assert "waiting_for_port" in phases(events)
+    assert released_at and record["started_at"] >= released_at[0]  # launched only after the port was freed
+    assert result.attempts == 1 and result.cuda_graph is True
+
+
+def test_port_never_freed_is_port_busy_and_nothing_launched(make_sim_host) -> None:
+    host = make_sim_host()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", host.ddtree.server.port))
+        holder.listen()
+        with LocalTransport(host.name) as t, pytest.raises(PortBusy, match="still in use after 1s.*nothing launched"):
+            lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), port_wait_s=1.0, **FAST)
+    assert not Path(host.ddtree.run_dir, "launch.json").exists()
+
+
+def test_drain_race_is_never_reported_ready(make_sim_host) -> None:
+    """The old process (same flags) answers 200 while draining; the new one was launched
+    next to it. Every 200 before the new process owns the port must read as stale."""
+    host = make_sim_host(
+        extra_env={"SIM_SHUTDOWN_DRAIN_S": "30", "SGLANG_WAIT_PORT_TIMEOUT": "300"}, load_s=0.5
+    )
+    state = StateStore()
+    with LocalTransport(host.name) as t:
+        old = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, **FAST)
+        old_info = server_info(host)
+        os.killpg(old.pid, signal.SIGTERM)  # starts the 3 s (scaled) drain; port keeps answering 200
+        time.sleep(0.3)
+        assert httpx.get(f"http://127.0.0.1:{host.ddtree.server.port}/health_generate", timeout=5).status_code == 200
+        # Forget the old process so that start() does not refuse; launch next to it.
+        Path(host.ddtree.run_dir, "launch.json").unlink()
+        spec = build_launch_spec(host, RunConfig("AR"), "0.5.23", cuda_graph=True)
+        assert spec.launch_command == old.launch_command  # identical flags: only identity tells them apart
+        launched = manager.start(t, host, spec, check_port=False)
+        seen: list[tuple[dict, str]] = []
+        outcome, _attempt = lifecycle.wait_ready(
+            t, host, spec, launched, deadline_s=60, poll_interval_s=0.2, on_poll=lambda p, d: seen.append((p, d))
+        )
+    assert outcome.reason == "ready"
+    stale = [d for p, d in seen if p.get("health") == 200 and d != "ready"]
+    assert stale and all(d.startswith("stale") for d in stale)  # the race really happened
+    assert server_info(host)["startup_time"] > old_info["startup_time"]
+    assert not Path(f"/proc/{old.pid}").exists() or Path(f"/proc/{old.pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_hostile_extra_args_stay_data(make_sim_host, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    hostile = f"x; touch {marker} $(touch {marker}2) `touch {marker}3` ' \""
+    host = make_sim_host(extra_args=("--served-model-name", hostile))
+    with LocalTransport(host.name) as t:
+        result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+    assert server_info(host)["served_model_name"] == hostile
+    assert result.argv[-1] == hostile
+    assert not any(tmp_path.glob("pwned*"))
+
+
+def test_cancel_stops_waiting_and_describes_the_host(make_sim_host) -> None:
+    host = make_sim_host(load_s=600.0)
+    cancel = threading.Event()
+
+    def cancel_when_loading(event: PhaseEvent) -> None:
+        if event.phase == LOADING_WEIGHTS:
+            cancel.set()
+
+    with LocalTransport(host.name) as t:
+        with pytest.raises(Interrupted, match="cancelled during loading_weights.*left running.*ddtree-ops stop sim"):
+            lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), cancel=cancel,
+                              on_phase=cancel_when_loading, timeout=100, **FAST)
+        status = lifecycle.service_status(t, host)
+        assert status.running and status.port_open is False
+        stopped = lifecycle.stop(t, host, grace_s=2.0)
+        assert stopped.was_running and stopped.exited
+        assert lifecycle.service_status(t, host).running is False
