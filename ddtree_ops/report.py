@@ -214,7 +214,7 @@ def _fast_block(block: bytes, arrow: Any) -> pd.DataFrame | None:
     try:
         table = pj.read_json(
             pa.BufferReader(block),
-            read_options=pj.ReadOptions(block_size=max(1 << 20, min(len(block) + 1, 16 << 20))),
+            read_options=pj.ReadOptions(block_size=4 << 20),
             parse_options=pj.ParseOptions(explicit_schema=_arrow_schema(pa), unexpected_field_behavior="ignore"),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
@@ -253,7 +253,9 @@ def _coerce(frame: pd.DataFrame) -> pd.DataFrame:
     out: dict[str, pd.Series] = {}
     for c in _STR_COLS:
         col = frame[c]
-        out[c] = col.astype(object).where(col.notna(), None)
+        # Arrow-backed strings stay as they are (converting a million to objects costs
+        # seconds); mixed or all-null columns become plain objects.
+        out[c] = col if pd.api.types.is_string_dtype(col) and col.dtype != object else col.astype(object).where(col.notna(), None)
     for c in _INT_COLS + _FLOAT_COLS:
         out[c] = pd.to_numeric(frame[c], errors="coerce").astype("float64")
     for c in _BOOL_COLS:
