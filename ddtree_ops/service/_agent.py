@@ -353,7 +353,20 @@ def action_logs(p):
     return {"lines": chunk[:cut].decode("utf-8", "replace").splitlines(), "offset": int(offset) + cut, "exists": True}
 
 
+def action_version(p):
+    """SGLang's installed version from package metadata, without importing sglang."""
+    try:
+        from importlib import metadata
+    except ImportError:
+        return {"sglang_version": None}
+    try:
+        return {"sglang_version": metadata.version("sglang")}
+    except Exception:
+        return {"sglang_version": None}
+
+
 ACTIONS = {
+    "version": action_version,
     "start": action_start,
     "poll": action_poll,
     "stop": action_stop,

@@ -139,6 +139,11 @@ def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any
     return call_agent(transport, host, "status", base_payload(host) | {"lines": lines}, timeout=30)
 
 
+def sglang_version(transport: Transport, host: Host) -> str | None:
+    """The remote SGLang version from package metadata (no import of sglang)."""
+    return call_agent(transport, host, "version", {}, timeout=30).get("sglang_version")
+
+
 def read_logs(transport: Transport, host: Host, *, lines: int = 50, offset: int | None = None) -> dict[str, Any]:
     return call_agent(transport, host, "logs", base_payload(host) | {"lines": lines, "offset": offset}, timeout=30)
 
@@ -150,6 +155,7 @@ __all__ = [
     "poll",
     "port_open",
     "read_logs",
+    "sglang_version",
     "start",
     "status",
     "stop",
