@@ -1,0 +1,503 @@
+"""Run a planned sweep on every target host and append one ledger row per (host, cell, repeat).
+
+Hosts run in parallel, one worker thread per host (each host has its own server), and a
+host's cells run one after another, grouped by server configuration so the server is
+restarted only when algorithm/budget/top-k change (through the lifecycle's ``restart``,
+which also decides eager fallback; every row records ``cuda_graph`` and
+``fallback_reason``).
+
+Failures are rows, not exceptions: a host that cannot be reached, a server that crashes
+or never gets ready, a server killed mid-cell — each is written as ``status: failed`` with
+its error on the affected rows, and the other hosts carry on. After a cell with failed
+requests the server is checked and restarted before the next cell if it is gone.
+``fail_fast`` stops every host after its current row at the first failed row.
+
+Interruption (Ctrl-C in the CLI sets ``cancel``): each worker finishes the row it is
+measuring, writes it, stops the server it started and returns. ``resume`` skips runs whose
+ledger key (host, configuration, workload hash, repeat) already has an ``ok`` row.
+
+How the client reaches the server: directly over HTTP at the host's inventory address
+(``127.0.0.1`` for local hosts) and the server's port — so on a real fleet the server
+must bind an address the operator's machine can reach (``ddtree.server.bind_host``). No
+SSH tunnel is opened: a tunnel would put SSH's own channel scheduling between the client
+and the server and distort ITL at high concurrency.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ddtree_ops.bench import ledger
+from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load
+from ddtree_ops.bench.metrics import calculate_metrics
+from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, plan_sweep
+from ddtree_ops.bench.prompts import WorkloadPrompts
+from ddtree_ops.bench.sweep import SweepSpec
+from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport.base import Transport
+
+LEDGER_ALGORITHM = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
+# Errors after which nothing more can be done on the host in this sweep.
+_HOST_LOST = (ConnectError, AuthError, HostKeyError)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One event for the progress display: what a host is doing and how far it is."""
+
+    host: str
+    done: int
+    total: int
+    phase: str  # "probing" | "restarting" | "running" | "row" | "finished" | "failed"
+    cell: str = ""
+    repeat: int = 0
+    status: str = ""
+    eta_s: float | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class HostSummary:
+    host: str
+    planned: int
+    skipped: int
+    ok_rows: int
+    failed_rows: int
+    restarts: int
+    error: str | None = None
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    run_id: str
+    ledger: Path
+    hosts: tuple[HostSummary, ...]
+    bad_ledger_lines: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return any(h.failed_rows or h.error for h in self.hosts)
+
+    @property
+    def interrupted(self) -> bool:
+        return any(h.interrupted for h in self.hosts)
+
+
+@dataclass(frozen=True)
+class Services:
+    """The lifecycle and transport functions the runner calls; swapped only by tests that
+    need to count calls, never to fake a server."""
+
+    open_transport: Callable[[Host], Transport]
+    restart: Callable[..., Any]
+    stop: Callable[..., Any]
+    status: Callable[..., Any]
+    probe: Callable[[Transport, Host], Any] | None = None
+    patch_status: Callable[[Transport, Host], Any] | None = None
+
+
+def default_services(*, host_key_policy: str = "strict") -> Services:
+    from ddtree_ops.service import lifecycle
+    from ddtree_ops.transport import open_transport
+
+    probe = None
+    try:
+        from ddtree_ops.probe import probe_host as probe
+    except ImportError:  # provenance degrades to what the patch status knows
+        pass
+    patch_status = None
+    try:
+        from ddtree_ops.patching.status import host_status as patch_status
+    except ImportError:
+        pass
+    return Services(
+        open_transport=lambda h: open_transport(h, host_key_policy=host_key_policy),
+        restart=lifecycle.restart,
+        stop=lifecycle.stop,
+        status=lifecycle.service_status,
+        probe=probe,
+        patch_status=patch_status,
+    )
+
+
+def server_url(host: Host) -> str:
+    address = host.address if host.connection == "ssh" and host.address else "127.0.0.1"
+    if ":" in address:
+        address = f"[{address}]"
+    return f"http://{address}:{host.ddtree.server.port}"
+
+
+def run_config(server: ServerConfig) -> Any:
+    from ddtree_ops.service.launch import RunConfig
+
+    algo = LEDGER_ALGORITHM[server.algorithm]
+    return RunConfig(algorithm=algo, budget=server.budget, topk=server.topk)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class _Provenance:
+    gpu_name: str | None = None
+    gpu_arch: str | None = None
+    gpu_count: int | None = None
+    driver: str | None = None
+    sglang_version: str | None = None
+    bundle_name: str | None = None
+    bundle_hash: str | None = None
+    facts: Any = None
+
+
+def _provenance(transport: Transport, host: Host, services: Services) -> _Provenance:
+    """GPU, SGLang version and deployed bundle, best effort: provenance that cannot be
+    learned is null on the rows, it does not stop the benchmark."""
+    facts = None
+    if services.probe is not None:
+        try:
+            facts = services.probe(transport, host)
+        except DdtreeOpsError:
+            facts = None
+    gpus = tuple(getattr(facts, "gpus", ()) or ())
+    gpu = gpus[0] if gpus else None
+    cap = getattr(gpu, "compute_cap", None)
+    arch = f"sm_{str(cap).replace('.', '')}" if cap else None
+    version = getattr(facts, "sglang_version", None)
+    bundle_name = bundle_hash = None
+    if services.patch_status is not None:
+        try:
+            st = services.patch_status(transport, host)
+            bundle_name, bundle_hash = st.bundle_name, st.bundle_identity
+            version = version or st.package_version
+        except DdtreeOpsError:
+            pass
+    return _Provenance(
+        gpu_name=getattr(gpu, "name", None),
+        gpu_arch=arch,
+        gpu_count=len(gpus) or None,
+        driver=getattr(gpu, "driver_version", None),
+        sglang_version=version,
+        bundle_name=bundle_name,
+        bundle_hash=bundle_hash,
+        facts=facts,
+    )
+
+
+@dataclass
+class _Shared:
+    cancel: threading.Event
+    stop_all: threading.Event
+    on_progress: Callable[[Progress], None]
+
+
+@dataclass
+class _HostRun:
+    """Mutable bookkeeping of one host's worker."""
+
+    host: Host
+    pending: list[tuple[Cell, int]]
+    planned: int
+    skipped: int
+    done: int = 0
+    ok_rows: int = 0
+    failed_rows: int = 0
+    restarts: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def eta(self) -> float | None:
+        if not self.done:
+            return None
+        per = (time.monotonic() - self.started) / self.done
+        return per * (len(self.pending) - self.done)
+
+
+class SweepRunner:
+    """Carries out one sweep. Build it, then :meth:`run` (blocking; threads inside)."""
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        hosts: Sequence[Host],
+        workload: WorkloadPrompts,
+        *,
+        ledger_path: Path,
+        resume: bool = False,
+        fail_fast: bool = False,
+        keep_server: bool = False,
+        restart_timeout: float | None = None,
+        services: Services | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        cancel: threading.Event | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.hosts = tuple(hosts)
+        self.workload = workload
+        self.ledger_path = Path(ledger_path)
+        self.resume = resume
+        self.fail_fast = fail_fast
+        self.keep_server = keep_server
+        self.restart_timeout = restart_timeout
+        self.services = services or default_services()
+        self.shared = _Shared(
+            cancel=cancel or threading.Event(), stop_all=threading.Event(), on_progress=on_progress or (lambda _p: None)
+        )
+        self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+        self.bad_lines: tuple[tuple[int, str], ...] = ()
+
+    # -- planning ---------------------------------------------------------------------
+
+    def key_fields(self, host: str, cell: Cell, repeat: int) -> dict[str, Any]:
+        """The ledger's identity fields of one run (see ``ledger.KEY_FIELDS``)."""
+        return {
+            "host": host,
+            "algorithm": LEDGER_ALGORITHM[cell.server.algorithm],
+            "budget": cell.server.budget,
+            "topk": cell.server.topk,
+            "temperature": cell.sampling.temperature,
+            "top_p": cell.sampling.top_p,
+            "top_k": cell.sampling.top_k,
+            "concurrency": cell.concurrency,
+            "request_rate": self.spec.request_rate,
+            "workload_hash": self.workload.workload_hash,
+            "repeat": repeat,
+        }
+
+    def pending_runs(self, host: str, plan: SweepPlan, done: set[str]) -> list[tuple[Cell, int]]:
+        return [
+            (cell, r)
+            for cell in plan.cells
+            for r in range(plan.repeats)
+            if ledger.row_key(self.key_fields(host, cell, r)) not in done
+        ]
+
+    def done_keys(self) -> set[str]:
+        if not self.resume:
+            return set()
+        read = ledger.read_ledger(self.ledger_path)
+        self.bad_lines = tuple(read.bad_lines)
+        return ledger.completed_keys(read.rows)
+
+    # -- running ----------------------------------------------------------------------
+
+    def run(self) -> SweepOutcome:
+        plan = plan_sweep(self.spec)
+        done = self.done_keys()
+        runs = []
+        for host in self.hosts:
+            pending = self.pending_runs(host.name, plan, done)
+            runs.append(_HostRun(host, pending, planned=plan.runs, skipped=plan.runs - len(pending)))
+        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="bench") as pool:
+            summaries = list(pool.map(self._run_host, runs))
+        return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines)
+
+    def _emit(self, hr: _HostRun, phase: str, **kw: Any) -> None:
+        self.shared.on_progress(
+            Progress(host=hr.host.name, done=hr.done, total=len(hr.pending), phase=phase, eta_s=hr.eta(), **kw)
+        )
+
+    def _stopping(self) -> bool:
+        return self.shared.cancel.is_set() or self.shared.stop_all.is_set()
+
+    def _run_host(self, hr: _HostRun) -> HostSummary:
+        host = hr.host
+        if not hr.pending:
+            self._emit(hr, "finished", message="nothing left to run")
+            return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
+        error: str | None = None
+        started_server = False
+        transport: Transport | None = None
+        try:
+            transport = self.services.open_transport(host)
+            self._emit(hr, "probing")
+            prov = _provenance(transport, host, self.services)
+            error, started_server = self._run_groups(hr, transport, prov)
+        except DdtreeOpsError as exc:
+            # Not even provenance: every pending run of this host fails with the reason.
+            error = str(exc)
+            self._fail_rest(hr, _Provenance(), None, hr.pending[hr.done :], error)
+        finally:
+            if transport is not None:
+                if started_server and (self.shared.cancel.is_set() or not self.keep_server):
+                    try:
+                        self.services.stop(transport, host)
+                    except DdtreeOpsError:
+                        pass  # the host may be the one that went away; its rows say so
+                transport.close()
+        interrupted = self.shared.cancel.is_set() and hr.done < len(hr.pending)
+        self._emit(hr, "failed" if error else "finished", message=error or "")
+        return HostSummary(host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted)
+
+    def _run_groups(self, hr: _HostRun, transport: Transport, prov: _Provenance) -> tuple[str | None, bool]:
+        """Run the host's pending cells server group by server group. Returns (host-level
+        error, whether a server was started)."""
+        host = hr.host
+        started = False
+        by_server: dict[ServerConfig, list[tuple[Cell, int]]] = {}
+        for cell, rep in hr.pending:
+            by_server.setdefault(cell.server, []).append((cell, rep))
+        for server, runs in by_server.items():
+            if self._stopping():
+                return None, started
+            self._emit(hr, "restarting", cell=server.key)
+            try:
+                restart = self._restart(hr, transport, prov, server)
+                started = True
+            except _HOST_LOST as exc:
+                self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
+                return str(exc), started
+            except Interrupted:
+                return None, started
+            except DdtreeOpsError as exc:
+                self._fail_rest(hr, prov, None, runs, f"server did not start: {exc}")
+                continue
+            for cell, rep in runs:
+                if self._stopping():
+                    return None, started
+                row = self._measure(hr, prov, restart, cell, rep)
+                if row["status"] == "failed" and not self._serving(transport, host):
+                    self._emit(hr, "restarting", cell=server.key, message="server gone; restarting")
+                    try:
+                        restart = self._restart(hr, transport, prov, server)
+                    except _HOST_LOST as exc:
+                        self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
+                        return str(exc), started
+                    except Interrupted:
+                        return None, started
+                    except DdtreeOpsError as exc:
+                        rest = runs[runs.index((cell, rep)) + 1 :]
+                        self._fail_rest(hr, prov, None, rest, f"server did not restart: {exc}")
+                        break
+        return None, started
+
+    def _restart(self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig) -> Any:
+        hr.restarts += 1
+        return self.services.restart(
+            transport,
+            hr.host,
+            prov.facts if prov.facts is not None else prov.sglang_version,
+            run_config(server),
+            timeout=self.restart_timeout,
+            cancel=self.shared.cancel,
+        )
+
+    def _serving(self, transport: Transport, host: Host) -> bool:
+        try:
+            st = self.services.status(transport, host)
+        except DdtreeOpsError:
+            return False
+        return bool(getattr(st, "running", False)) and getattr(st, "health", None) == 200
+
+    def _measure(self, hr: _HostRun, prov: _Provenance, restart: Any, cell: Cell, rep: int) -> dict[str, Any]:
+        host = hr.host
+        self._emit(hr, "running", cell=cell.key, repeat=rep)
+        started_at = _now_iso()
+        url = server_url(host)
+        flush_cache(url)
+        load = run_load(
+            url,
+            LoadSpec(
+                prompts=self.workload.prompts,
+                max_new_tokens=self.workload.max_new_tokens,
+                sampling=cell.sampling.as_params(),
+                ignore_eos=self.workload.ignore_eos,
+                concurrency=cell.concurrency,
+                request_rate=self.spec.request_rate,
+                warmup=self.spec.warmup,
+                seed=self.spec.workload.seed + rep,
+                api=self.spec.api,  # type: ignore[arg-type]
+                timeout_s=self.spec.request_timeout_s,
+            ),
+        )
+        metrics = calculate_metrics(load.results, duration_s=load.duration_s)
+        error = None
+        if metrics.failed:
+            error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
+        row = self._row(hr, prov, restart, cell, rep, started_at, error=error)
+        flat = metrics.flat()
+        row.update(
+            completed=metrics.completed,
+            failed=metrics.failed,
+            duration_s=metrics.duration_s,
+            output_tok_s=metrics.output_tok_s,
+            request_s=metrics.request_s,
+            total_input_tokens=metrics.input_tokens,
+            total_output_tokens=metrics.output_tokens,
+            accept_length=metrics.accept_length,
+            verify_ct=metrics.verify_steps or None,
+            **{k: v for k, v in flat.items() if k[:3] in ("ttf", "itl", "tpo", "e2e")},
+        )
+        self._append(hr, row)
+        return row
+
+    def _row(
+        self, hr: _HostRun, prov: _Provenance, restart: Any, cell: Cell, rep: int, started_at: str, *, error: str | None
+    ) -> dict[str, Any]:
+        wl = self.spec.workload
+        name = wl.prompt_set or "+".join(p.stem for p in wl.prompt_files)
+        row = self.key_fields(hr.host.name, cell, rep)
+        row.update(
+            run_id=self.run_id,
+            sweep=self.spec.name,
+            started_at=started_at,
+            finished_at=_now_iso(),
+            gpu_name=prov.gpu_name,
+            gpu_arch=prov.gpu_arch,
+            gpu_count=prov.gpu_count,
+            driver=prov.driver,
+            sglang_version=prov.sglang_version,
+            bundle_name=prov.bundle_name,
+            bundle_hash=prov.bundle_hash,
+            server_argv=list(getattr(restart, "argv", ()) or ()),
+            cuda_graph=bool(getattr(restart, "cuda_graph", False)),
+            fallback_reason=getattr(restart, "fallback_reason", None),
+            readiness_s=dict(getattr(restart, "phase_durations", {}) or {}),
+            workload_name=name,
+            workload_num_prompts=len(self.workload.prompts),
+            workload_max_new_tokens=self.workload.max_new_tokens,
+            workload_ignore_eos=self.workload.ignore_eos,
+            workload_seed=wl.seed,
+            status="failed" if error else "ok",
+            error=error,
+        )
+        return row
+
+    def _append(self, hr: _HostRun, row: Mapping[str, Any]) -> None:
+        ledger.append_row(self.ledger_path, row)
+        hr.done += 1
+        if row["status"] == "ok":
+            hr.ok_rows += 1
+        else:
+            hr.failed_rows += 1
+            if self.fail_fast:
+                self.shared.stop_all.set()
+        self._emit(hr, "row", cell=str(row.get("algorithm")), status=str(row["status"]), message=row.get("error") or "")
+
+    def _fail_rest(
+        self, hr: _HostRun, prov: _Provenance, restart: Any, runs: Sequence[tuple[Cell, int]], error: str
+    ) -> None:
+        for cell, rep in runs:
+            self._append(hr, self._row(hr, prov, restart, cell, rep, _now_iso(), error=error))
+
+
+def run_sweep(
+    spec: SweepSpec,
+    hosts: Sequence[Host],
+    workload: WorkloadPrompts,
+    *,
+    ledger_path: Path,
+    **options: Any,
+) -> SweepOutcome:
+    """Convenience wrapper: ``SweepRunner(...).run()``."""
+    return SweepRunner(spec, hosts, workload, ledger_path=ledger_path, **options).run()

@@ -1,0 +1,196 @@
+"""`ddtree-ops bench --sweep FILE`: run a benchmark sweep across hosts into a JSONL ledger.
+
+All decisions live in :mod:`ddtree_ops.bench`; this module loads the sweep and the
+inventory, renders the plan (``--dry-run``) or the progress, handles Ctrl-C (first press:
+finish the current rows, stop the servers, exit 130; the ledger is complete up to there
+and ``--resume`` continues) and picks the exit code (7 when any row failed).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ddtree_ops.bench.plan import SweepPlan, estimate_seconds, plan_sweep
+from ddtree_ops.bench.prompts import build_workload
+from ddtree_ops.bench.runner import Progress as RunProgress
+from ddtree_ops.bench.runner import SweepOutcome, SweepRunner, default_services
+from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
+from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.errors import ConfigError, FleetError, Interrupted
+from ddtree_ops.inventory_types import Host
+
+
+def _hosts(obj: AppContext, spec: SweepSpec, target: str | None) -> list[Host]:
+    from ddtree_ops.inventory import load_inventory
+
+    if not obj.inventory:
+        raise ConfigError("no inventory: pass -i FILE or set DDTREE_OPS_INVENTORY")
+    inventory = load_inventory(obj.inventory)
+    if target:
+        return inventory.resolve(target)
+    check_targets(spec, inventory.resolve)
+    seen: dict[str, Host] = {}
+    for t in spec.targets:
+        for h in inventory.resolve(t):
+            seen.setdefault(h.name, h)
+    return list(seen.values())
+
+
+def _plan_json(spec: SweepSpec, plan: SweepPlan, hosts: list[Host], estimates: dict[str, float]) -> dict[str, Any]:
+    return {
+        "sweep": spec.name,
+        "hosts": [h.name for h in hosts],
+        "restarts_per_host": plan.restarts,
+        "rows_per_host": plan.runs,
+        "estimated_s": estimates,
+        "groups": [
+            {"server": g.server.key, "cells": [c.key for c in g.cells], "baseline": any(c.baseline for c in g.cells)}
+            for g in plan.groups
+        ],
+    }
+
+
+def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[Host]) -> None:
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    estimates: dict[str, float] = {}
+    for h in hosts:
+        learned = state.learned_load_s(h.name, h.ddtree.server.model_path or "")
+        load_s = learned if learned is not None else h.ddtree.server.expected_load_s
+        estimates[h.name] = estimate_seconds(
+            plan, load_s=load_s, num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens
+        )
+    if obj.json:
+        obj.console.print_json(json.dumps(_plan_json(spec, plan, hosts, estimates)))
+        return
+    table = Table(title=f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host")
+    for col in ("#", "server", "cells", "temperatures", "concurrency"):
+        table.add_column(col)
+    for i, g in enumerate(plan.groups, 1):
+        temps = sorted({c.sampling.temperature for c in g.cells})
+        conc = sorted({c.concurrency for c in g.cells})
+        label = g.server.key + (" (baseline)" if any(c.baseline for c in g.cells) else "")
+        table.add_row(str(i), label, str(len(g.cells)), ", ".join(f"{t:g}" for t in temps), ", ".join(map(str, conc)))
+    obj.console.print(table)
+    for name, secs in estimates.items():
+        obj.console.print(f"{name}: estimated {secs / 60:.1f} min (learned or expected load time per launch)")
+
+
+def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
+    if obj.json:
+        obj.console.print_json(
+            json.dumps(
+                {
+                    "run_id": outcome.run_id,
+                    "ledger": str(outcome.ledger),
+                    "hosts": [h.__dict__ for h in outcome.hosts],
+                    "bad_ledger_lines": [list(b) for b in outcome.bad_ledger_lines],
+                }
+            )
+        )
+        return
+    for lineno, reason in outcome.bad_ledger_lines:
+        obj.console.print(f"[yellow]ledger {outcome.ledger}:{lineno}: {reason} (ignored)[/]")
+    table = Table(title=f"run {outcome.run_id} -> {outcome.ledger}")
+    for col in ("host", "ok rows", "failed rows", "skipped (resume)", "launches", "error"):
+        table.add_column(col)
+    for h in outcome.hosts:
+        err = h.error or ("interrupted" if h.interrupted else "")
+        table.add_row(h.host, str(h.ok_rows), str(h.failed_rows), str(h.skipped), str(h.restarts), err)
+    obj.console.print(table)
+
+
+@app.command("bench")
+def bench(
+    ctx: typer.Context,
+    sweep: Path = typer.Option(..., "--sweep", "-s", help="Sweep file (YAML), e.g. bench_configs/demo.yaml."),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="Hosts/groups to run on instead of the sweep's targets."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Ledger file. Default: results/<sweep name>.jsonl."),
+    resume: bool = typer.Option(False, "--resume", help="Skip runs that already have an ok row in the ledger."),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop every host at the first failed row."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (cells, launches, estimated time) and exit."),
+    keep_server: bool = typer.Option(False, "--keep-server", help="Leave the last server running when done."),
+    restart_timeout: Optional[float] = typer.Option(
+        None, "--restart-timeout", min=1, help="Seconds to wait for each server launch (default: learned load time)."
+    ),
+) -> None:
+    """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
+    obj: AppContext = ctx.obj
+    spec = load_sweep(sweep)
+    hosts = _hosts(obj, spec, target)
+    plan = plan_sweep(spec)
+    if dry_run:
+        _render_plan(obj, spec, plan, hosts)
+        return
+    workload = build_workload(spec.workload, search=(spec.source.parent,))
+    ledger_path = out or Path("results") / f"{spec.name}.jsonl"
+    cancel = threading.Event()
+    holder: dict[str, Any] = {}
+
+    with Progress(
+        TextColumn("{task.fields[host]:<12}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        console=obj.console,
+        disable=obj.json,
+        transient=False,
+    ) as bar:
+        tasks: dict[str, TaskID] = {h.name: bar.add_task("waiting", total=plan.runs, host=h.name) for h in hosts}
+
+        def on_progress(p: RunProgress) -> None:
+            desc = p.phase if not p.cell else f"{p.phase} {p.cell}"
+            if p.message:
+                desc += f" — {p.message[:80]}"
+            bar.update(tasks[p.host], completed=p.done, total=max(p.total, 1), description=desc)
+
+        runner = SweepRunner(
+            spec,
+            hosts,
+            workload,
+            ledger_path=ledger_path,
+            resume=resume,
+            fail_fast=fail_fast,
+            keep_server=keep_server,
+            restart_timeout=restart_timeout,
+            services=default_services(host_key_policy=obj.host_key_policy),
+            on_progress=on_progress,
+            cancel=cancel,
+        )
+
+        def work() -> None:
+            try:
+                holder["outcome"] = runner.run()
+            except BaseException as exc:  # re-raised in the main thread
+                holder["error"] = exc
+
+        thread = threading.Thread(target=work, name="bench-runner", daemon=True)
+        thread.start()
+        interrupts = 0
+        while thread.is_alive():
+            try:
+                thread.join(0.2)
+            except KeyboardInterrupt:
+                interrupts += 1
+                cancel.set()
+                if interrupts > 1:
+                    raise
+                obj.console.print("[yellow]interrupt: finishing the current rows and stopping servers (Ctrl-C again to abort)[/]")
+    if "error" in holder:
+        raise holder["error"]
+    outcome: SweepOutcome = holder["outcome"]
+    _render_outcome(obj, outcome)
+    if outcome.interrupted or cancel.is_set():
+        raise Interrupted(f"interrupted; rows so far are in {ledger_path} — rerun with --resume to finish")
+    if outcome.failed:
+        failed = [h.host for h in outcome.hosts if h.failed_rows or h.error]
+        raise FleetError(f"failed rows on {', '.join(failed)} (see the ledger's error column)")
