@@ -133,3 +133,23 @@ def test_mask_is_ancestor_closure(du: ModuleType, tree: tuple[list[int], list[fl
             ancestors.add(j)
             j = parents[j]
         assert {c for c, v in enumerate(mask[i]) if v} == ancestors
+
+
+@pytest.mark.parametrize("n", [255, 256, 257, 700])
+def test_mask_on_large_trees_both_strategies(du: ModuleType, n: int) -> None:
+    """Sizes on both sides of the bitset / level-walk switch, numbered in any order."""
+    g = torch.Generator().manual_seed(n)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    perm = [0] + (torch.randperm(n - 1, generator=g) + 1).tolist()
+    relabelled = [-1] * n
+    for old in range(1, n):
+        relabelled[perm[old]] = perm[parents[old]]
+    mask = du.tree_attention_mask(relabelled)
+    expected = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            expected[i, j] = True
+            j = relabelled[j]
+    assert mask.is_contiguous() and mask.dtype == torch.bool
+    assert torch.equal(mask, expected)

@@ -146,6 +146,15 @@ def _validated_depths(parents: Sequence[int]) -> list[int]:
         raise ValueError("a tree needs at least the root node")
     if parents[0] != -1:
         raise ValueError(f"parents[0] must be -1 (root), got {parents[0]}")
+    depths = [0] * n
+    # Fast path: builder trees list every parent before its children.
+    for i in range(1, n):
+        p = parents[i]
+        if not 0 <= p < i:
+            break
+        depths[i] = depths[p] + 1
+    else:
+        return depths
     depths = [-1] * n
     depths[0] = 0
     for i in range(1, n):
@@ -212,29 +221,49 @@ def compile_ddtree_retrieve(
     )
 
 
-def tree_attention_mask(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """``[n, n]`` bool mask: row i is True at i and at every ancestor of i.
+# Below this many nodes, python bitsets + one unpack beat per-level tensor indexing;
+# above it, unpacking n*n bits costs more than walking a shallow tree level by level
+# (benchmarks/tree_build.py measures both sides).
+_MASK_BITSET_MAX_NODES = 256
+_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 
-    Built by walking all nodes up one level per step (tree depth steps of vectorised
-    work) instead of per-node row copies, which matters for budgets in the hundreds.
-    """
+
+def tree_attention_mask(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """``[n, n]`` bool mask: row i is True at i and at every ancestor of i."""
     plist = parents.tolist() if isinstance(parents, torch.Tensor) else [int(p) for p in parents]
-    _validated_depths(plist)
+    depths = _validated_depths(plist)
+    n = len(plist)
+    if n > _MASK_BITSET_MAX_NODES:
+        return _mask_by_levels(plist)
+    rows = [0] * n
+    # Parents before children (by depth, so arbitrarily numbered trees work too):
+    # a child's row is its parent's row plus its own bit.
+    for i in sorted(range(n), key=depths.__getitem__):
+        p = plist[i]
+        rows[i] = (rows[p] if p >= 0 else 0) | (1 << i)
+    nbytes = (n + 7) // 8
+    packed = bytearray(b"".join(r.to_bytes(nbytes, "little") for r in rows))
+    bits = torch.frombuffer(packed, dtype=torch.uint8).reshape(n, nbytes, 1)
+    unpacked = (bits & torch.tensor(_BIT_VALUES, dtype=torch.uint8)).ne(0)
+    return unpacked.reshape(n, nbytes * 8)[:, :n].contiguous()
+
+
+def _mask_by_levels(plist: list[int]) -> torch.Tensor:
+    """Same mask, every node climbing one ancestor per step (tree-depth steps)."""
     n = len(plist)
     p = torch.tensor(plist, dtype=torch.int64)
     mask = torch.eye(n, dtype=torch.bool)
     rows = torch.arange(n)
     cur = p.clone()
     while True:
-        # Drop walks that went above the root; the rest climb one level per step.
+        # Drop walks that went above the root; the rest climb one level.
         live = cur >= 0
         rows = rows[live]
         cur = cur[live]
         if rows.numel() == 0:
-            break
+            return mask
         mask[rows, cur] = True
         cur = p[cur]
-    return mask
 
 
 def tree_positions(depths: Sequence[int] | torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
