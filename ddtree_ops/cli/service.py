@@ -88,6 +88,13 @@ def _facts(transport: Any, host: Host) -> Any:
     return facts
 
 
+def _print_json(obj: AppContext, results: dict[str, Any]) -> None:
+    obj.console.print_json(json.dumps({
+        n: ({"ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **asdict(r)})
+        for n, r in results.items()
+    }, default=str))
+
+
 def _error_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, DdtreeOpsError) else f"{type(exc).__name__}: {exc}"
 
@@ -186,9 +193,7 @@ def _render_restart(obj: AppContext, results: dict[str, Any]) -> None:
             if isinstance(r, BaseException):
                 out[name] = {"ok": False, "error": _error_text(r)}
             else:
-                row = asdict(r)
-                row["phase_durations"] = dict(r.phase_durations)
-                out[name] = {"ok": True, **row}
+                out[name] = {"ok": True, **r.as_dict()}
         obj.console.print_json(json.dumps(out, default=str))
         return
     table = Table(title="restart results")
@@ -234,10 +239,7 @@ def stop(
 
     results = _fan_out(hosts, one, max_parallel=obj.max_parallel)
     if obj.json:
-        obj.console.print_json(json.dumps({
-            n: ({"ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **asdict(r)})
-            for n, r in results.items()
-        }))
+        _print_json(obj, results)
     else:
         table = Table(title="stop")
         for col in ("host", "result", "pid", "signal", "waited"):
@@ -268,10 +270,7 @@ def service_status_cmd(
 
     results = _fan_out(hosts, one, max_parallel=obj.max_parallel)
     if obj.json:
-        obj.console.print_json(json.dumps({
-            n: ({"ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **asdict(r)})
-            for n, r in results.items()
-        }))
+        _print_json(obj, results)
     else:
         table = Table(title="service")
         for col in ("host", "running", "pid", "run", "cuda graphs", "ready", "detail"):

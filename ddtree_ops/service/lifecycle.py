@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -69,6 +69,14 @@ class RestartResult:
     ready_at: float
     ready_line_ts: float | None
     stopped: StopResult | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (``dataclasses.asdict`` cannot copy the read-only mapping)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["argv"] = list(self.argv)
+        out["phase_durations"] = dict(self.phase_durations)
+        out["stopped"] = asdict(self.stopped) if self.stopped is not None else None
+        return out
 
 
 @dataclass(frozen=True)

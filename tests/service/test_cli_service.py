@@ -1,0 +1,92 @@
+"""The service commands end to end: a real inventory file, the real CLI process, the simulator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port
+from fleetlib import cached_prefix_template, find_wheel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def cli(inventory: Path, *args: str, env_state: Path) -> subprocess.CompletedProcess[str]:
+    import os
+
+    env = dict(os.environ, DDTREE_OPS_STATE=str(env_state), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), *args],
+        capture_output=True, text=True, env=env, timeout=150,
+    )
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    """A prefix holding the real SGLang 0.5.23 files, so the version is found as on a host."""
+    return str(cached_prefix_template(find_wheel()) / "bin" / "python")
+
+
+@pytest.fixture
+def inventory(tmp_path: Path, sglang_python: str) -> Path:
+    data = {
+        "all": {
+            "hosts": {
+                "sim-a": {
+                    "ansible_connection": "local",
+                    "ddtree": {
+                        "python": sglang_python,
+                        "run_dir": str(tmp_path / "run-a"),
+                        "gpu": "b300",
+                        "server": {
+                            "command": "{python} -m ddtree_ops.sim",
+                            "model_path": "sim/qwen3-8b",
+                            "draft_model_path": "sim/qwen3-8b-dflash",
+                            "port": free_port(),
+                            "expected_load_s": 5,
+                            "env": {"SIM_GPU": "b300", "SIM_LOAD_S": "2", "SIM_TIME_SCALE": "0.1"},
+                        },
+                    },
+                }
+            }
+        }
+    }
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    try:
+        out = cli(inventory, "--json", "restart", "all", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4", env_state=state)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)["sim-a"]
+        assert result["ok"] and result["cuda_graph"] is False and result["attempts"] == 2
+        assert "illegal memory access" in result["fallback_reason"]
+        assert json.loads(state.read_text())["fallbacks"]  # recorded for the next restart
+
+        out = cli(inventory, "logs", "sim-a", "--lines", "3", env_state=state)
+        assert out.returncode == 0 and "The server is fired up and ready to roll!" in out.stdout
+
+        out = cli(inventory, "--json", "service-status", "sim-a", env_state=state)
+        status = json.loads(out.stdout)["sim-a"]
+        assert status["running"] and status["health"] == 200 and status["serving_ours"] is True
+        assert status["cuda_graph"] is False
+    finally:
+        out = cli(inventory, "--json", "stop", "all", "--grace", "5", env_state=state)
+    stopped = json.loads(out.stdout)["sim-a"]
+    assert stopped["was_running"] and stopped["exited"]
+
+
+def test_bad_input_is_one_line_and_exit_2(inventory: Path, tmp_path: Path) -> None:
+    out = cli(inventory, "restart", "all", "--algorithm", "EAGLE", env_state=tmp_path / "s.json")
+    assert out.returncode == 2
+    assert "algorithm must be one of AR, DFLASH, DDTREE" in out.stderr and "Traceback" not in out.stderr
+    out = cli(inventory, "restart", "nosuchhost", env_state=tmp_path / "s.json")
+    assert out.returncode == 2 and "nosuchhost" in out.stderr and "Traceback" not in out.stderr
