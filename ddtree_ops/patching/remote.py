@@ -17,7 +17,6 @@ from ddtree_ops.errors import (
     CommandFailed,
     DdtreeOpsError,
     DriftError,
-    LockError,
     PatchError,
     RemoteFileError,
     VerifyError,

@@ -1,0 +1,301 @@
+"""The executor on real files through LocalTransport: happy path, refusals, and every fault.
+
+The invariant checked after every fault: each target file is all-original or all-patched
+(never a mix), and after the next run the host converges to the bundle with no journal,
+lock or stray temp file left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.errors import ConnectError, DriftError, LockError, RemoteFileError, UnsupportedVersion, VerifyError
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.patching.bundle import Bundle, load_bundle
+from ddtree_ops.patching.executor import RunOptions, deploy, rollback
+from ddtree_ops.patching.remote import run_step
+from ddtree_ops.patching.status import host_status
+from ddtree_ops.transport.base import RoundTripCounter
+from ddtree_ops.transport.local import LocalTransport
+from patching.conftest import BUNDLES, MiniHost, make_prefix
+from patching.faults import CuttingTransport, PausingTransport
+
+
+@pytest.fixture
+def basic() -> Bundle:
+    return load_bundle(BUNDLES / "basic")
+
+
+def _t(mini: MiniHost, counter: RoundTripCounter | None = None) -> LocalTransport:
+    return LocalTransport(mini.host.name, counter=counter)
+
+
+def _file_states(mini: MiniHost, bundle: Bundle) -> set[str]:
+    st = host_status(_t(mini), mini.host, bundle=bundle)
+    return {f.state for f in st.files}
+
+
+def _assert_not_mixed(mini: MiniHost, bundle: Bundle) -> str:
+    states = _file_states(mini, bundle)
+    assert states in ({"patched"}, {"original"}), f"mixed file set: {states}"
+    return states.pop()
+
+
+def _assert_clean(mini: MiniHost) -> None:
+    sd = mini.state_dir
+    assert not (sd / "journal.json").exists()
+    assert not (sd / "lock").exists()
+    temps = [p for p in mini.pkg.rglob(".ddtree-tmp-*")]
+    assert temps == []
+
+
+def test_fresh_deploy_three_round_trips_noop_one(mini: MiniHost, basic: Bundle) -> None:
+    c = RoundTripCounter()
+    out = deploy(_t(mini, c), mini.host, basic)
+    assert out.outcome == "applied" and c.total == 3
+    assert _assert_not_mixed(mini, basic) == "patched"
+    assert mini.file("srt/speculative/dflash_worker_v2.py").read_text().endswith('PATCHED = "basic"\n')
+    # byte-compiled with the host interpreter
+    assert list((mini.pkg / "srt/speculative/__pycache__").glob("ddtree_mini.*.pyc"))
+    c2 = RoundTripCounter()
+    again = deploy(_t(mini, c2), mini.host, basic)
+    assert again.outcome == "noop" and "already applied" in again.message and c2.total == 1
+    state = json.loads((mini.state_dir / "state.json").read_text())
+    assert state["identity"] == basic.identity and state["name"] == "basic"
+    _assert_clean(mini)
+
+
+def test_rollback_restores_originals_and_twice_is_noop(mini: MiniHost, basic: Bundle) -> None:
+    before = {rel: mini.file(rel).read_bytes() for rel in ("srt/speculative/dflash_worker_v2.py", "srt/speculative/dflash_info.py")}
+    deploy(_t(mini), mini.host, basic)
+    out = rollback(_t(mini), mini.host)
+    assert out.outcome == "rolled-back"
+    for rel, data in before.items():
+        assert mini.file(rel).read_bytes() == data
+    assert not mini.file("srt/speculative/ddtree_mini.py").exists()
+    assert not (mini.state_dir / "state.json").exists()
+    assert not list((mini.state_dir).rglob("backups/*"))
+    assert rollback(_t(mini), mini.host).outcome == "noop"
+    _assert_clean(mini)
+
+
+def test_unsupported_version_refused_and_force_version_says_so(tmp_path: Path, basic: Bundle) -> None:
+    prefix = make_prefix(tmp_path / "old", version="0.5.22")
+    host = Host(name="old", connection="local", ddtree=DdtreeSettings(python=str(prefix / "bin" / "python")))
+    with pytest.raises(UnsupportedVersion, match="0.5.22 is not a version.*--force-version"):
+        deploy(LocalTransport("old"), host, basic)
+    out = deploy(LocalTransport("old"), host, basic, RunOptions(force_version=True))
+    assert out.outcome == "applied"
+    assert "proceeding because of --force-version" in out.message
+
+
+def test_drift_refused_then_forced_with_backup_then_rollback_restores_drifted(mini: MiniHost, basic: Bundle) -> None:
+    worker = mini.file("srt/speculative/dflash_worker_v2.py")
+    worker.write_text("# hand-edited on the host\n")
+    with pytest.raises(DriftError, match="dflash_worker_v2.py: drifted.*--force"):
+        deploy(_t(mini), mini.host, basic)
+    assert worker.read_text() == "# hand-edited on the host\n"  # nothing changed
+    assert not mini.file("srt/speculative/ddtree_mini.py").exists()
+    out = deploy(_t(mini), mini.host, basic, RunOptions(force=True))
+    assert out.outcome == "applied" and "--force" in out.message
+    rollback(_t(mini), mini.host)
+    assert worker.read_text() == "# hand-edited on the host\n"  # the backed-up drifted content came back
+
+
+def test_verify_failure_rolls_back(mini: MiniHost, tmp_path: Path) -> None:
+    d = tmp_path / "b"
+    subprocess.run(["cp", "-r", str(BUNDLES / "basic"), str(d)], check=True)
+    text = (d / "patch.yaml").read_text().split("verify:")[0]
+    (d / "patch.yaml").write_text(text + 'verify:\n  - ["-c", "import sys; sys.exit(\'smoke check says no\')"]\n')
+    before = mini.file("srt/speculative/dflash_info.py").read_bytes()
+    with pytest.raises(VerifyError, match="smoke check says no"):
+        deploy(_t(mini), mini.host, load_bundle(d))
+    assert mini.file("srt/speculative/dflash_info.py").read_bytes() == before
+    assert _assert_not_mixed(mini, load_bundle(d)) == "original"
+    _assert_clean(mini)
+
+
+def test_syntax_error_in_bundle_rolls_back(mini: MiniHost, tmp_path: Path) -> None:
+    d = tmp_path / "b"
+    subprocess.run(["cp", "-r", str(BUNDLES / "basic"), str(d)], check=True)
+    (d / "files/srt/speculative/dflash_info.py").write_text("def broken(:\n")
+    with pytest.raises(VerifyError, match="does not compile"):
+        deploy(_t(mini), mini.host, load_bundle(d))
+    assert _assert_not_mixed(mini, load_bundle(d)) == "original"
+
+
+def _ro_mount(path: Path) -> bool:
+    ok = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode == 0
+    if ok and subprocess.run(["mount", "-o", "remount,ro,bind", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", str(path)], capture_output=True)
+        return False
+    return ok
+
+
+def test_read_only_package_dir_changes_nothing(mini: MiniHost, basic: Bundle) -> None:
+    spec = mini.pkg / "srt" / "speculative"
+    before = {p.name: p.read_bytes() for p in spec.iterdir() if p.is_file()}
+    if not _ro_mount(spec):
+        pytest.skip("cannot make a read-only bind mount here (needs root and mount)")
+    try:
+        with pytest.raises(RemoteFileError, match="Read-only file system"):
+            deploy(_t(mini), mini.host, basic)
+    finally:
+        subprocess.run(["umount", str(spec)], check=True)
+    assert {p.name: p.read_bytes() for p in spec.iterdir() if p.is_file()} == before
+    assert not (mini.state_dir / "state.json").exists()
+    assert not list(mini.state_dir.rglob("backups/*"))
+    _assert_clean(mini)
+
+
+def test_disk_full_changes_nothing(mini: MiniHost, basic: Bundle) -> None:
+    spec = mini.pkg / "srt" / "speculative"
+    saved = {p.name: p.read_bytes() for p in spec.iterdir() if p.is_file()}
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(spec)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tiny tmpfs here (needs root)")
+    try:
+        for name, data in saved.items():
+            (spec / name).write_bytes(data)
+        fd = os.open(spec / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the quota to the last byte, in shrinking chunks
+            for chunk in (1 << 16, 1 << 12, 1):
+                try:
+                    while True:
+                        os.write(fd, b"\0" * chunk)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+        with pytest.raises(RemoteFileError, match="No space left"):
+            deploy(_t(mini), mini.host, basic)
+        assert {p.name: p.read_bytes() for p in spec.iterdir() if p.is_file() and p.name != "filler"} == saved
+        assert not (mini.state_dir / "state.json").exists()
+        _assert_clean(mini)
+    finally:
+        subprocess.run(["umount", str(spec)], check=True)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("step", [0, 1, 2], ids=["gather", "prepare", "commit"])
+def test_connection_cut_at_every_step_then_rerun_converges(mini: MiniHost, basic: Bundle, step: int, when: str) -> None:
+    with pytest.raises(ConnectError):
+        deploy(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host, basic)
+    _assert_not_mixed(mini, basic)
+    out = deploy(_t(mini), mini.host, basic)
+    assert out.outcome in ("applied", "noop")
+    if step == 1 and when == "after":
+        assert out.recovered == "rolled-back"  # the prepared transaction was found and undone first
+    assert _assert_not_mixed(mini, basic) == "patched"
+    _assert_clean(mini)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("step", [0, 1, 2], ids=["gather", "prepare", "commit"])
+def test_rollback_cut_at_every_step_then_rerun_converges(mini: MiniHost, basic: Bundle, step: int, when: str) -> None:
+    deploy(_t(mini), mini.host, basic)
+    with pytest.raises(ConnectError):
+        rollback(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host)
+    _assert_not_mixed(mini, basic)
+    assert rollback(_t(mini), mini.host).outcome in ("rolled-back", "noop")
+    assert _assert_not_mixed(mini, basic) == "original"
+    _assert_clean(mini)
+
+
+@pytest.mark.parametrize("renamed", [0, 1, 2, 3])
+def test_process_killed_mid_commit_is_recovered(mini: MiniHost, basic: Bundle, renamed: int) -> None:
+    """A journal in phase 'committing' with only some renames done (the host process died)."""
+    with pytest.raises(ConnectError):
+        deploy(CuttingTransport(_t(mini), cut_at=2, when="before"), mini.host, basic)
+    jpath = mini.state_dir / "journal.json"
+    journal = json.loads(jpath.read_text())
+    journal["phase"] = "committing"
+    for e in journal["entries"][:renamed]:
+        Path(e["temp"]).replace(e["target"])
+    jpath.write_text(json.dumps(journal))
+    if 0 < renamed < 3:
+        assert _file_states(mini, basic) == {"patched", "original"}  # the mixed state the journal must repair
+    out2 = deploy(_t(mini), mini.host, basic)
+    assert out2.recovered == "rolled-back" and out2.outcome == "applied"
+    assert _assert_not_mixed(mini, basic) == "patched"
+    _assert_clean(mini)
+
+
+def test_state_written_but_journal_left_is_completed_not_undone(mini: MiniHost, basic: Bundle) -> None:
+    deploy(_t(mini), mini.host, basic)
+    state = json.loads((mini.state_dir / "state.json").read_text())
+    # As if the commit step died after writing the state record, before dropping its journal.
+    (mini.state_dir / "journal.json").write_text(json.dumps({"txn": state["txn"], "phase": "committing", "entries": []}))
+    (mini.state_dir / "lock").mkdir()
+    (mini.state_dir / "lock" / "info.json").write_text(json.dumps({"txn": state["txn"], "controller": "elsewhere", "pid": 1}))
+    with pytest.raises(LockError, match="--break-lock"):
+        deploy(_t(mini), mini.host, basic)
+    out = deploy(_t(mini), mini.host, basic, RunOptions(break_lock=True))
+    assert out.recovered == "completed" and out.outcome == "noop"
+    _assert_clean(mini)
+
+
+def test_lock_of_dead_local_process_is_taken_over(mini: MiniHost, basic: Bundle) -> None:
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (mini.state_dir / "lock").mkdir(parents=True)
+    (mini.state_dir / "lock" / "info.json").write_text(
+        json.dumps({"txn": "deadbeef", "controller": socket.gethostname(), "pid": int(dead.stdout), "user": "x"})
+    )
+    out = deploy(_t(mini), mini.host, basic)
+    assert out.recovered == "lock-released" and out.outcome == "applied"
+
+
+def test_concurrent_deploys_never_interleave(mini: MiniHost, basic: Bundle) -> None:
+    first = PausingTransport(_t(mini), pause_at=2)  # holds the lock between prepare and commit
+    results: dict[str, object] = {}
+    t1 = threading.Thread(target=lambda: results.setdefault("first", deploy(first, mini.host, basic)))
+    t1.start()
+    assert first.reached.wait(60)
+    try:
+        with pytest.raises(LockError, match="locked by"):
+            deploy(_t(mini), mini.host, basic)
+        assert _file_states(mini, basic) == {"original"}  # the refused run touched nothing
+        waiter = threading.Thread(
+            target=lambda: results.setdefault("second", deploy(_t(mini), mini.host, basic, RunOptions(lock_wait_s=60)))
+        )
+        waiter.start()
+    finally:
+        first.release.set()
+    t1.join(60)
+    waiter.join(60)
+    assert results["first"].outcome == "applied"  # type: ignore[attr-defined]
+    assert results["second"].outcome == "noop"  # type: ignore[attr-defined]
+    assert _assert_not_mixed(mini, basic) == "patched"
+
+
+def test_next_bundle_version_supersedes_and_restores(mini: MiniHost, basic: Bundle) -> None:
+    info_before = mini.file("srt/speculative/dflash_info.py").read_bytes()
+    deploy(_t(mini), mini.host, basic)
+    v2 = load_bundle(BUNDLES / "v2")
+    out = deploy(_t(mini), mini.host, v2)
+    assert {a.path: a.kind for a in out.plan.changes} == {
+        "srt/speculative/dflash_worker_v2.py": "supersede", "srt/speculative/dflash_info.py": "restore"}
+    assert mini.file("srt/speculative/dflash_info.py").read_bytes() == info_before
+    rollback(_t(mini), mini.host)
+    assert _assert_not_mixed(mini, basic) == "original"
+
+
+def test_changed_between_plan_and_prepare_is_refused(mini: MiniHost, basic: Bundle) -> None:
+    from ddtree_ops.patching.executor import controller_identity
+
+    with pytest.raises(DriftError, match="changed since the plan"):
+        run_step(_t(mini), mini.host.python, "prepare", {
+            "package": "sglang", "txn": "t1", "holder": {"txn": "t1", **controller_identity()},
+            "files": [{"path": "srt/speculative/dflash_info.py", "expect_sha": "0" * 64, "new_sha": "1" * 64,
+                       "content_b64": ""}],
+            "new_state": None,
+        })
+    _assert_clean(mini)
