@@ -1,0 +1,181 @@
+"""`ddtree-ops selftest`: the bundle's selftest.py run by real interpreters against
+deployed files — locally, through the CLI, and on the SSH test fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree_ops.cli.selftest import (
+    DEFAULT_BUNDLE,
+    SelftestResult,
+    parse_report,
+    run_selftest,
+    selftest_source,
+)
+from ddtree_ops.errors import CommandFailed, PatchError
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.patching.bundle import load_bundle
+from ddtree_ops.transport.local import LocalTransport
+
+REPO = Path(__file__).resolve().parents[2]
+EXPECTED_CHECKS = {"golden_encoding", "builder_encoding_properties", "greedy_walk", "reference_sampler_exact"}
+
+
+def _fake_site(root: Path, *, deployed: bool) -> Path:
+    """A site dir holding a `sglang` package laid out like a deploy leaves it, and an
+    interpreter wrapper that sees it (so the host's python is a real, separate process)."""
+    pkg = root / "site" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    if deployed:
+        for f in load_bundle(DEFAULT_BUNDLE).files:
+            dest = pkg / f.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(f.content)
+    wrapper = root / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root / "site"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _host(python: Path, name: str = "selftest-local") -> Host:
+    return Host(name=name, connection="local", ddtree=DdtreeSettings(python=str(python)), source="<test>")
+
+
+def test_selftest_passes_on_deployed_files(tmp_path: Path) -> None:
+    host = _host(_fake_site(tmp_path, deployed=True))
+    with LocalTransport(host.name) as t:
+        result = run_selftest(t, host, source=selftest_source())
+    assert result.ok, result.as_dict()
+    assert set(result.checks) == EXPECTED_CHECKS
+    assert result.kernel.startswith("not available")
+    assert result.ddtree_utils == str(tmp_path / "site" / "sglang" / "srt" / "speculative" / "ddtree_utils.py")
+
+
+def test_selftest_says_bundle_not_deployed(tmp_path: Path) -> None:
+    host = _host(_fake_site(tmp_path, deployed=False))
+    with LocalTransport(host.name) as t, pytest.raises(PatchError) as info:
+        run_selftest(t, host, source=selftest_source())
+    assert "bundle not deployed" in str(info.value)
+    assert str(info.value).startswith(f"{host.name}: ")
+
+
+def test_selftest_reports_a_broken_deployed_core_as_failed_checks(tmp_path: Path) -> None:
+    # A deployed core whose retrieve encoding is wrong must fail the golden check, not pass.
+    host = _host(_fake_site(tmp_path, deployed=True))
+    core = tmp_path / "site" / "sglang" / "srt" / "speculative" / "ddtree_utils.py"
+    core.write_text(
+        core.read_text()
+        + "\n_orig = compile_ddtree_retrieve\n"
+        "def compile_ddtree_retrieve(parents, node_logws, *, offset=0):\n"
+        "    i, n, s = _orig(parents, node_logws, offset=offset)\n"
+        "    return i, n, s.flip(0)\n"
+    )
+    with LocalTransport(host.name) as t:
+        result = run_selftest(t, host, source=selftest_source())
+    assert not result.ok
+    assert "golden_encoding" in result.failed_checks
+
+
+def test_parse_report_without_json_is_a_command_failure() -> None:
+    with pytest.raises(CommandFailed) as info:
+        parse_report("h1", 1, "Traceback...\nboom\n", "SyntaxError: x", ["python3", "-"])
+    assert "no JSON report" in str(info.value) and "h1" in str(info.value)
+
+
+def test_parse_report_marks_any_failed_check() -> None:
+    report = {
+        "ok": True,  # a script bug claiming ok must not hide a failed check
+        "deployed": True,
+        "kernel": "available",
+        "checks": {"golden_encoding": {"ok": True, "detail": "x"}, "kernel_vs_reference": {"ok": False, "detail": "y"}},
+    }
+    result = parse_report("h", 0, json.dumps(report), "", ["p", "-"])
+    assert isinstance(result, SelftestResult)
+    assert not result.ok and result.failed_checks == ["kernel_vs_reference"]
+
+
+def _inventory(path: Path, hosts: dict[str, Path]) -> Path:
+    doc = {
+        "all": {
+            "children": {
+                "lab": {
+                    "vars": {"ansible_connection": "local"},
+                    "hosts": {name: {"ddtree": {"python": str(py)}} for name, py in hosts.items()},
+                }
+            }
+        }
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_cli_selftest_json_and_exit_code(tmp_path: Path) -> None:
+    good = _fake_site(tmp_path / "good", deployed=True)
+    bare = _fake_site(tmp_path / "bare", deployed=False)
+    inv = _inventory(tmp_path / "inv.yaml", {"good-host": good, "bare-host": bare})
+    cli = [sys.executable, "-c", "from ddtree_ops.cli.main import run; run()"]
+    proc = subprocess.run(
+        [*cli, "-i", str(inv), "--json", "selftest", "all"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert proc.returncode == 7, proc.stderr  # FleetError: one host failed
+    rows = {r["host"]: r for r in json.loads(proc.stdout)}
+    assert rows["good-host"]["ok"] is True
+    assert set(rows["good-host"]["checks"]) == EXPECTED_CHECKS
+    assert rows["bare-host"]["ok"] is False and "bundle not deployed" in rows["bare-host"]["error"]
+    assert "Traceback" not in proc.stderr
+    assert "bare-host" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.fleet
+def test_selftest_on_the_ssh_fleet_after_deploy(ssh_fleet) -> None:  # type: ignore[no-untyped-def]
+    """Deploy the bundle's files into each fleet host's real SGLang 0.5.23 prefix over SSH
+    (write_atomic), then selftest there with each host's interpreter."""
+    from ddtree_ops.transport import open_transport
+
+    inventory = ssh_fleet.load()
+    hosts = [inventory.hosts[name] for name in ssh_fleet.names]
+    bundle = load_bundle(DEFAULT_BUNDLE)
+    source = selftest_source()
+    for fh, host in zip(ssh_fleet.hosts, hosts):
+        with open_transport(host) as t:
+            # Before deploying, the host must say so clearly.
+            with pytest.raises(PatchError, match="bundle not deployed"):
+                run_selftest(t, host, source=source)
+            for f in bundle.files:
+                t.write_atomic(str(fh.sglang_dir / f.path), f.content)
+            result = run_selftest(t, host, source=source)
+        assert result.ok, (host.name, result.as_dict())
+        assert result.kernel.startswith("not available")
+        assert result.ddtree_utils == str(fh.sglang_dir / "srt" / "speculative" / "ddtree_utils.py")
+
+
+def test_table_rendering_names_each_host_and_its_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddtree_ops.cli.main import AppContext
+    from ddtree_ops.cli.selftest import CheckResult, _render
+
+    obj = AppContext(json=False)
+    monkeypatch.setattr(obj.console, "width", 200)  # no cell wrapping in the assertions
+    good = SelftestResult(
+        host="a", ok=True, kernel="not available (no CUDA)", torch="2.13.0",
+        checks={"golden_encoding": CheckResult(True, "exact")}, seconds=1.5,
+    )
+    bad = SelftestResult(
+        host="b", ok=False, kernel="available", checks={"kernel_vs_reference": CheckResult(False, "mismatch")},
+    )
+    with obj.console.capture() as cap:
+        failed = _render(obj, {"a": good, "b": bad, "c": PatchError("bundle not deployed: x", host="c")})
+    out = cap.get()
+    assert failed is True
+    assert "1 checks passed" in out and "failed: kernel_vs_reference" in out
+    assert "c: bundle not deployed: x" in out
+    with obj.console.capture() as cap:
+        assert _render(obj, {"a": good}) is False
