@@ -8,6 +8,7 @@ and which token the bonus draw picks.
 
 from __future__ import annotations
 
+import struct
 from types import ModuleType
 
 import pytest
@@ -173,3 +174,139 @@ def test_signature_matches_sglang_wrapper(du: ModuleType) -> None:
         "uniform_samples_for_final_sampling", "target_probs", "draft_probs",
         "threshold_single", "threshold_acc", "deterministic",
     ]
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _sequential_kernel(case: dict) -> dict:
+    """Line-by-line transcription of the CUDA kernel's per-request loop (one thread's
+    view, float32 arithmetic emulated with struct), used as an independent oracle."""
+    bs, n = case["candidates"].shape
+    s = case["accept_index"].shape[1]
+    vocab = case["target_probs"].shape[2]
+    tp = case["target_probs"].reshape(-1).tolist()
+    dp = case["draft_probs"].reshape(-1).tolist()
+    cand = case["candidates"].reshape(-1).tolist()
+    ri = case["retrive_index"].reshape(-1).tolist()
+    nt = case["retrive_next_token"].reshape(-1).tolist()
+    ns = case["retrive_next_sibling"].reshape(-1).tolist()
+    us = case["uniform_samples"].reshape(-1).tolist()
+    uf = case["uniform_samples_for_final_sampling"].tolist()
+    pred = case["predicts"].tolist()
+    acc = case["accept_index"].reshape(-1).tolist()
+    num_out = []
+    thr_single = _f32(case["threshold_single"])
+    thr_acc = max(_f32(case["threshold_acc"]), _f32(1e-9))
+    for bx in range(bs):
+        prob_acc = 0.0
+        off = bx * n * vocab
+        coin = us[bx * n]
+        last = ri[bx * n]
+        acc[bx * s] = last
+        num = 0
+        cur = 0
+        for _ in range(1, s):
+            cur = nt[bx * n + cur]
+            while cur != -1:
+                draft_index = ri[bx * n + cur]
+                tok = cand[bx * n + cur]
+                q = tp[off + tok]
+                prob_acc = _f32(prob_acc + q)
+                if q > 0 and (coin < _f32(prob_acc / thr_acc) or q >= thr_single):
+                    prob_acc = 0.0
+                    off = (bx * n + cur) * vocab
+                    coin = us[bx * n + cur]
+                    pred[last] = tok
+                    num += 1
+                    acc[bx * s + num] = draft_index
+                    last = draft_index
+                    break
+                dp[off + tok] = tp[off + tok]
+                cur = ns[bx * n + cur]
+            if cur == -1:
+                break
+        num_out.append(num)
+        relu = [max(_f32(tp[off + v] - (dp[off + v] if num != s - 1 else 0.0)), 0.0) for v in range(vocab)]
+        total = 0.0
+        for r in relu:
+            total = _f32(total + r)
+        u = _f32(uf[bx] * total)
+        sampled, running, last_valid = vocab, 0.0, -1
+        for v, r in enumerate(relu):
+            running = _f32(running + r)
+            if r > 0:
+                last_valid = v
+                if running > u and sampled == vocab:
+                    sampled = v
+        if sampled == vocab:
+            sampled = last_valid if last_valid != -1 else vocab - 1
+        pred[last] = sampled
+    return {
+        "predicts": pred,
+        "accept_index": [acc[b * s:(b + 1) * s] for b in range(bs)],
+        "accept_token_num": num_out,
+        "draft_probs": dp,
+    }
+
+
+def _random_case(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda hi: int(torch.randint(0, hi, (1,), generator=g))  # noqa: E731
+    bs, n, vocab = 1 + rnd(6), 2 + rnd(12), 4 + rnd(13)
+    s = 1 + rnd(6)
+    cand = torch.randint(0, vocab, (bs, n), generator=g)
+    nt = torch.full((bs, n), -1, dtype=torch.int64)
+    ns = torch.full((bs, n), -1, dtype=torch.int64)
+    for b in range(bs):
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            kids[rnd(i)].append(i)
+        for p in range(n):
+            order = [kids[p][j] for j in torch.randperm(len(kids[p]), generator=g).tolist()]
+            if order:
+                nt[b, p] = order[0]
+                for a, c in zip(order, order[1:]):
+                    ns[b, a] = c
+    probs = torch.rand(bs, n, vocab, generator=g) * (torch.rand(bs, n, vocab, generator=g) < 0.6)
+    probs[..., 0] += 1e-3  # every row keeps some mass
+    probs = probs / probs.sum(-1, keepdim=True)
+    draft = torch.zeros_like(probs) if rnd(2) else torch.rand(bs, n, vocab, generator=g) * 0.2
+    return {
+        "predicts": torch.full((bs * n,), -5, dtype=torch.int32),
+        "accept_index": torch.full((bs, s), -1, dtype=torch.int32),
+        "accept_token_num": torch.zeros(bs, dtype=torch.int32),
+        "candidates": cand,
+        "retrive_index": torch.arange(bs * n).reshape(bs, n),
+        "retrive_next_token": nt,
+        "retrive_next_sibling": ns,
+        "uniform_samples": torch.rand(bs, n, generator=g),
+        "uniform_samples_for_final_sampling": torch.rand(bs, generator=g),
+        "target_probs": probs,
+        "draft_probs": draft,
+        "threshold_single": [1.0, 0.3, 0.0][rnd(3)],
+        "threshold_acc": [1.0, 0.5, 0.0][rnd(3)],
+    }
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_vectorised_reference_equals_sequential_kernel_loop(du: ModuleType, seed: int) -> None:
+    case = _random_case(seed)
+    expected = _sequential_kernel({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()})
+    du.reference_tree_speculative_sampling(**case)
+    assert case["accept_token_num"].tolist() == expected["accept_token_num"]
+    assert case["accept_index"].tolist() == expected["accept_index"]
+    assert case["predicts"].tolist() == expected["predicts"]
+    assert case["draft_probs"].reshape(-1).tolist() == expected["draft_probs"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_without_cuda_the_kernel_is_unavailable_and_forcing_it_fails(du: ModuleType) -> None:
+    assert du.kernel_available() is False
+    tree = du.build_ddtree_tree_from_topk([[1, 2]], [[-0.1, -0.5]], 2)
+    logits = torch.zeros(1, 3, 4)
+    with pytest.raises(RuntimeError, match="not available"):
+        du.sample_tree_paths([tree], logits, [1.0], [-1], [1.0], use_kernel=True)
+    accepted, proposed = du.sample_tree_paths([tree], logits, [1.0], [-1], [1.0], use_kernel="auto")[0]
+    assert accepted[0] == 0 and len(proposed) == len(accepted)
