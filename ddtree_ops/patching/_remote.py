@@ -140,7 +140,26 @@ def lock_info():
         info["age_s"] = time.time() - os.stat(lock).st_mtime
     except OSError:
         pass
+    info["remote_alive"] = pid_alive(info.get("remote_pid"))
     return info
+
+
+def pid_alive(pid):
+    """Whether a step process that held the lock still runs here (its connection may be gone, it may not)."""
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            # A reused pid is some other program; our steps run `python -c <bootstrap naming ddtree-ops>`.
+            return b"<ddtree-ops>" in fh.read()
+    except OSError:
+        return True  # no /proc: assume alive, the safe side
 
 
 def acquire_lock(holder, break_txn):
@@ -156,13 +175,17 @@ def acquire_lock(holder, break_txn):
             os.mkdir(lock)
         else:
             raise Refused("locked", "host is locked by another deploy", holder=current)
-    write_json_atomic(os.path.join(lock, "info.json"), holder)
+    write_json_atomic(os.path.join(lock, "info.json"), dict(holder, remote_pid=os.getpid()))
 
 
 def check_lock(txn):
     info = lock_info()
     if info is None or info.get("txn") != txn:
         raise Refused("lost_lock", "the deploy lock is no longer ours (held by %r)" % (info,))
+    info.pop("age_s", None)
+    info.pop("remote_alive", None)
+    info["remote_pid"] = os.getpid()
+    write_json_atomic(os.path.join(state_dir(), "lock", "info.json"), info)
 
 
 def release_lock():
@@ -450,6 +473,10 @@ def do_recover(p):
     lock = lock_info()
     if lock is not None and lock.get("txn") != p.get("break_txn"):
         raise Refused("locked", "host is locked by another deploy", holder=lock)
+    if lock is not None and lock.get("remote_alive"):
+        # Its controller is gone but the step itself still runs here: let it finish first.
+        raise Refused("busy", "a step of that deploy is still running on the host (pid %s)" % lock.get("remote_pid"),
+                      holder=lock)
     if journal is None:
         release_lock()
         return {"outcome": "lock-released" if lock is not None else "nothing"}

@@ -97,6 +97,8 @@ def _holder(txn: str, command: str) -> dict[str, Any]:
 
 def lock_is_stale(lock: Mapping[str, Any]) -> bool:
     """True only when the holder is provably gone: same controller machine, dead pid or ended run."""
+    if lock.get("remote_alive"):
+        return False  # its controller may be gone, but a step of it still runs on the host
     if lock.get("controller") != socket.gethostname():
         return False
     pid = lock.get("pid")
@@ -168,6 +170,12 @@ class _Run:
             try:
                 ans = self.step("recover", {"package": package, "break_txn": lock.get("txn") if lock else None})
             except RemoteRefusal as exc:
+                if exc.kind == "busy" and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                if exc.kind == "busy":
+                    raise LockError(f"{exc.message}; wait for it (--lock-wait) and re-run", host=self.t.host) from exc
                 if exc.kind == "locked":
                     continue  # taken by someone else between gather and recover: look again
                 raise PatchError(f"recovery failed: {exc.message}", host=self.t.host) from exc

@@ -299,3 +299,22 @@ def test_changed_between_plan_and_prepare_is_refused(mini: MiniHost, basic: Bund
             "new_state": None,
         })
     _assert_clean(mini)
+
+
+def test_orphaned_remote_step_still_running_blocks_takeover(mini: MiniHost, basic: Bundle) -> None:
+    """The controller died, but its step process on the host still runs: never recover under its feet."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    step = subprocess.Popen([sys.executable, "-c", "import time  # <ddtree-ops>\ntime.sleep(120)"])
+    try:
+        (mini.state_dir / "lock").mkdir(parents=True)
+        (mini.state_dir / "lock" / "info.json").write_text(json.dumps(
+            {"txn": "t0", "controller": socket.gethostname(), "pid": int(dead.stdout), "remote_pid": step.pid}))
+        with pytest.raises(LockError, match="still running on the host"):
+            deploy(_t(mini), mini.host, basic, RunOptions(break_lock=True))
+    finally:
+        step.kill()
+        step.wait()
+    out = deploy(_t(mini), mini.host, basic)
+    assert out.recovered == "lock-released" and out.outcome == "applied"
