@@ -1,0 +1,216 @@
+"""The sweep runner against real simulated servers: local hosts and the real sshd fleet.
+
+Faults are real: the server process is SIGKILLed mid-cell, a host's sshd is stopped
+mid-sweep, the runner itself is SIGKILLed and resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree_ops.bench import ledger
+from ddtree_ops.bench.plan import plan_sweep
+from ddtree_ops.bench.prompts import build_workload
+from ddtree_ops.bench.runner import Progress, SweepRunner, default_services
+from ddtree_ops.bench.sweep import parse_sweep
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.service import lifecycle
+from ddtree_ops.transport import open_transport
+from ddtree_ops.transport.local import LocalTransport
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sim_server(gpu: str, *, time_scale: float = 0.2, port: int | None = None) -> ServerSettings:
+    return ServerSettings(
+        model_path="sim/qwen3-8b",
+        draft_model_path="sim/qwen3-8b-dflash",
+        port=port or free_port(),
+        env={"SIM_GPU": gpu, "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": str(time_scale)},
+        expected_load_s=2.0,
+        command="{python} -m ddtree_ops.sim",
+    )
+
+
+def local_host(tmp_path: Path, name: str, *, gpu: str = "rtx-pro-6000", time_scale: float = 0.2) -> Host:
+    return Host(
+        name=name,
+        connection="local",
+        ddtree=DdtreeSettings(python=sys.executable, run_dir=str(tmp_path / name), gpu=gpu,
+                              server=sim_server(gpu, time_scale=time_scale)),
+        source="<test>",
+    )
+
+
+def sweep(tmp_path: Path, **overrides: object):
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"def f{i}(x): return x + {i}"}) + "\n" for i in range(4))
+    )
+    doc = {
+        "name": "t",
+        "targets": ["all"],
+        "baselines": ["autoregressive"],
+        "grid": {"algorithm": ["ddtree"], "budget": [4], "topk": [2], "temperature": [0.0, 0.6], "concurrency": [2]},
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 16},
+        "warmup": 0,
+        "request_timeout_s": 60,
+    } | overrides
+    return parse_sweep(doc, tmp_path / "s.yaml")
+
+
+def rows_of(path: Path) -> list[dict]:
+    read = ledger.read_ledger(path)
+    assert read.bad_lines == []
+    return read.rows
+
+
+def stop_all(hosts: list[Host]) -> None:
+    for h in hosts:
+        with open_transport(h, host_key_policy="strict") as t:
+            try:
+                lifecycle.stop(t, h, grace_s=2.0)
+            except Exception:
+                pass
+
+
+def test_server_killed_mid_cell_fails_that_row_and_is_restarted(tmp_path: Path) -> None:
+    host = local_host(tmp_path, "sim-a", time_scale=1.0)
+    spec = sweep(tmp_path, grid={"algorithm": ["autoregressive"], "temperature": [0.0, 0.6], "concurrency": [1]},
+                 baselines=[], workload={"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 64})
+    workload = build_workload(spec.workload)
+    killed = threading.Event()
+
+    def kill_soon() -> None:
+        time.sleep(0.4)
+        st = lifecycle.service_status(LocalTransport(host.name), host)
+        os.kill(st.pid, signal.SIGKILL)
+        killed.set()
+
+    def on_progress(p: Progress) -> None:
+        if p.phase == "running" and p.done == 0 and not killed.is_set():
+            threading.Thread(target=kill_soon, daemon=True).start()
+
+    out = tmp_path / "ledger.jsonl"
+    try:
+        outcome = SweepRunner(spec, [host], workload, ledger_path=out, on_progress=on_progress).run()
+    finally:
+        stop_all([host])
+    rows = rows_of(out)
+    assert killed.is_set()
+    assert [r["status"] for r in rows] == ["failed", "ok"]
+    assert "requests failed" in rows[0]["error"]
+    assert rows[1]["completed"] == 4 and rows[1]["total_output_tokens"] == 4 * 64
+    summary = outcome.hosts[0]
+    assert summary.restarts == 2 and summary.failed_rows == 1 and summary.ok_rows == 1
+
+
+def test_runner_sigkilled_then_resume_completes_only_missing_rows(tmp_path: Path) -> None:
+    host = local_host(tmp_path, "sim-r")
+    inv = tmp_path / "inv.yaml"
+    srv = host.ddtree.server
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"sim-r": {"ansible_connection": "local", "ddtree": {
+        "python": sys.executable, "run_dir": str(tmp_path / "run"),
+        "server": {"command": srv.command, "model_path": srv.model_path, "draft_model_path": srv.draft_model_path,
+                   "port": srv.port, "env": dict(srv.env), "expected_load_s": 2}}}}}}))
+    spec = sweep(tmp_path, grid={"algorithm": ["ddtree"], "budget": [4, 8], "topk": [2],
+                                 "temperature": [0.0, 0.6], "concurrency": [1, 2]})
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({
+        "name": "t", "targets": ["sim-r"], "baselines": ["autoregressive"],
+        "grid": {"algorithm": ["ddtree"], "budget": [4, 8], "topk": [2], "temperature": [0.0, 0.6], "concurrency": [1, 2]},
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 16}, "warmup": 0}))
+    out = tmp_path / "ledger.jsonl"
+    cli = [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(tmp_path / "s.yaml"),
+           "--out", str(out)]
+    env = dict(os.environ)
+    proc = subprocess.Popen(cli, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(out.read_bytes().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # A crash mid-write leaves a partial line; resume must tolerate it.
+        with out.open("ab") as fh:
+            fh.write(b'{"schema_version": 1, "host": "sim-r", "stat')
+        before = ledger.read_ledger(out)
+        assert [b[1] for b in before.bad_lines] == ["truncated last line (a writer stopped mid-line)"]
+        first = [r for r in before.rows if r["status"] == "ok"]
+        assert 3 <= len(first) < 12
+        done = subprocess.run(cli + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_all([host])
+    after = ledger.read_ledger(out)
+    assert len(after.bad_lines) == 1  # the partial line stays a reported bad line
+    keys = Counter(ledger.row_key(r) for r in after.rows if r["status"] == "ok")
+    expected = plan_sweep(spec).runs
+    assert len(keys) == expected and set(keys.values()) == {1}  # every run exactly once
+    assert len(after.rows) == expected  # nothing re-run that was already done
+    assert len({r["run_id"] for r in after.rows}) == 2
+
+
+@pytest.mark.fleet
+def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) -> None:
+    inventory = ssh_fleet.load()
+    fh_ct, fh_b3 = ssh_fleet.hosts[0], ssh_fleet.hosts[1]
+    assert (fh_ct.gpu, fh_b3.gpu) == ("rtx-pro-6000", "b300")
+
+    def with_sim(fleet_host) -> Host:
+        h = inventory.hosts[fleet_host.name]
+        server = sim_server(fleet_host.gpu, port=fleet_host.server_port)
+        return dataclasses.replace(h, ddtree=dataclasses.replace(h.ddtree, server=server))
+
+    cut, survivor = with_sim(fh_ct), with_sim(fh_b3)
+    # AR first, then DDTree budget 16: the B300 profile cannot capture CUDA graphs there.
+    spec = sweep(tmp_path, grid={"algorithm": ["ddtree"], "budget": [16], "topk": [4], "temperature": [0.0],
+                                 "concurrency": [2]})
+    workload = build_workload(spec.workload)
+    stopped = threading.Event()
+
+    def on_progress(p: Progress) -> None:
+        if p.host == cut.name and p.phase == "row" and not stopped.is_set():
+            ssh_fleet.stop(cut.name)
+            stopped.set()
+
+    out = tmp_path / "ledger.jsonl"
+    try:
+        outcome = SweepRunner(spec, [cut, survivor], workload, ledger_path=out, on_progress=on_progress,
+                              services=default_services(host_key_policy="strict")).run()
+    finally:
+        ssh_fleet.start(cut.name)
+        stop_all([cut, survivor])
+    rows = rows_of(out)
+    by_host = {h: [r for r in rows if r["host"] == h] for h in (cut.name, survivor.name)}
+    assert [r["status"] for r in by_host[survivor.name]] == ["ok", "ok"]
+    eager = [r for r in by_host[survivor.name] if r["algorithm"] == "DDTREE"][0]
+    assert eager["cuda_graph"] is False and "capture" in eager["fallback_reason"].lower()
+    assert eager["sglang_version"] == "0.5.23" and eager["server_argv"]
+    assert [r["status"] for r in by_host[cut.name]] == ["ok", "failed"]
+    assert by_host[cut.name][1]["error"]
+    summary = {h.host: h for h in outcome.hosts}
+    assert summary[cut.name].error and not summary[survivor.name].error
