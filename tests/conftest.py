@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
-from fleetlib import Fleet, build_fleet
+from fleetlib import Fleet, build_fleet, fast_root
 
 FLEET_SIZE = int(os.environ.get("DDTREE_OPS_FLEET_SIZE", "3"))
 
@@ -22,11 +23,16 @@ def ssh_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     a host's sshd must start it again (use the ``fleet_host_restored`` pattern: try/finally).
     """
     gpus = ("rtx-pro-6000", "b300", None, *([None] * max(0, FLEET_SIZE - 3)))[:FLEET_SIZE]
-    fleet = build_fleet(tmp_path_factory.mktemp("fleet"), gpus)
+    root, owned = fast_root(tmp_path_factory.mktemp("fleet"))
     try:
-        yield fleet
+        fleet = build_fleet(root / "fleet", gpus)
+        try:
+            yield fleet
+        finally:
+            fleet.close()
     finally:
-        fleet.close()
+        if owned:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ torch and ddtree_ops import there) and its own PATH (set by sshd's ``SetEnv``), 
 some hosts find an ``nvidia-smi`` stand-in printing what the real tool prints for an RTX
 PRO 6000 Blackwell or a B300, and one host finds none.
 
-The slow part is the prefixes: one template per session (``pip install --no-compile``),
-copied per host. sshd itself starts in milliseconds, so tests may stop and start a host's
+The slow part is the prefixes: one template (``pip install --no-compile``), cached under
+``.cache/fleet-prefix`` across sessions, copied per host. sshd itself starts in milliseconds, so tests may stop and start a host's
 sshd freely (fault tests cut a host mid-run).
 """
 
@@ -190,19 +190,41 @@ class SshdServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """End the listener and every connection it serves."""
+        """End the listener and every connection it serves (what a crashed or rebooted
+        host looks like to a client). sshd puts each connection in its own session, so the
+        listener's process group is not enough: its descendants are collected first (once
+        the listener is gone they would be re-parented and untraceable) and killed too."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
+        victims = [self.proc.pid, *_descendants(self.proc.pid)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=5)
         self.proc = None
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 @dataclass
@@ -268,6 +290,24 @@ class Fleet:
             host.server.stop()
 
 
+def fast_root(fallback: Path) -> tuple[Path, bool]:
+    """A directory on tmpfs when there is one (copying the prefixes there takes under a
+    second instead of ~10 s on a busy disk), else ``fallback``. Returns (dir, owned): an
+    owned dir must be removed by whoever made it. Leftovers of killed sessions (their pid
+    is gone) are removed here, since tmpfs is memory.
+    """
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return fallback, False
+    for stale in shm.glob("ddtree-ops-fleet-*"):
+        pid = stale.name.rsplit("-", 2)[-2] if stale.name.count("-") >= 4 else ""
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"ddtree-ops-fleet-{os.getpid()}-", dir=shm)), True
+
+
 def _purelib(prefix: Path) -> str:
     return sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)})
 
@@ -297,9 +337,38 @@ def build_prefix_template(dest: Path, wheel: Path) -> Path:
          "--disable-pip-version-check", str(wheel)],
         check=True,
     )
-    # addsitedir, not a bare path: the editable install's own .pth (its import finder) must run too.
-    (Path(_purelib(dest)) / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    # addsitedir (not a bare path) so that the editable install's own .pth is processed too.
+    line = f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n"
+    (Path(_purelib(dest)) / "ddtree_ops_dev.pth").write_text(line)
     return dest
+
+
+def cached_prefix_template(wheel: Path, cache_root: Path = REPO / ".cache" / "fleet-prefix") -> Path:
+    """The template, built once per wheel and interpreter and then reused by every session.
+
+    Built under a temporary name and renamed into place, so a session killed halfway (or
+    two sessions at once) never leaves a half-built template behind for the next one.
+    """
+    key = f"{wheel.stem}-py{sys.version_info.major}{sys.version_info.minor}-{_digest(sysconfig.get_path('purelib'))}"
+    final = cache_root / key
+    if (final / ".ready").exists():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = cache_root / f".{key}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_prefix_template(staging, wheel)
+    (staging / ".ready").touch()
+    try:
+        staging.rename(final)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another session won the race
+    return final
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def write_nvidia_smi(bin_dir: Path, gpu: str, count: int = 8) -> Path:
@@ -317,7 +386,7 @@ def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300"
     client_key = keygen(root / "client" / "id_ed25519", "ddtree-ops-test-client")
     authorized = root / "client" / "authorized_keys"
     authorized.write_text(Path(f"{client_key}.pub").read_text())
-    template = build_prefix_template(root / "prefix-template", wheel)
+    template = cached_prefix_template(wheel)
 
     names = [f"fleet-{i}" for i in range(len(gpus))]
 
@@ -325,7 +394,7 @@ def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300"
         name, gpu = names[i], gpus[i]
         hdir = root / name
         prefix = hdir / "prefix"
-        shutil.copytree(template, prefix, symlinks=True)
+        shutil.copytree(template, prefix, symlinks=True, ignore=shutil.ignore_patterns(".ready"))
         bin_dir = hdir / "bin"
         bin_dir.mkdir(parents=True)
         if gpu is not None:
@@ -345,7 +414,6 @@ def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300"
 
     with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
         hosts = list(pool.map(make_host, range(len(gpus))))
-    shutil.rmtree(template)
 
     known_hosts = root / "client" / "known_hosts"
     known_hosts.write_text("".join(known_hosts_line(h.port, h.server.host_key) + "\n" for h in hosts))

@@ -32,8 +32,11 @@ class CommandResult:
 class Script:
     """A program fed on stdin to ``argv`` (e.g. ``["python3", "-"]`` or ``["sh", "-s", "--", arg1]``).
 
-    Values reach the program as argv entries or through ``stdin_data``; the program text
-    itself is a constant of ours.
+    Values reach the program as argv entries or through ``extra_stdin`` (sent right after
+    ``source``); the program text itself is a constant of ours. With ``extra_stdin`` the
+    interpreter must not read ahead past its program: ``bash -s`` is fine, but ``sh -s``
+    (dash) and ``python -`` read ahead and would treat the data as code — for those, use
+    a small ``-c`` bootstrap that reads all of stdin and splits it at a separator.
     """
 
     argv: tuple[str, ...]
@@ -90,6 +93,14 @@ class RoundTripCounter:
     def total(self) -> int:
         return self.commands + self.file_ops
 
+    def record(self, host: str, kind: str, what: str) -> None:
+        """``kind`` is "command" for a remote command, anything else is a file operation."""
+        if kind == "command":
+            self.commands += 1
+        else:
+            self.file_ops += 1
+        self.log.append(f"{host} {kind}: {what}")
+
 
 def command_text(command: Command) -> str:
     """The command as one shell-quoted line, for logs, error messages and the SSH exec request."""
@@ -98,3 +109,18 @@ def command_text(command: Command) -> str:
     if isinstance(command, Script):
         return shlex.join(command.argv)
     return shlex.join(list(command))
+
+
+def os_error_reason(exc: BaseException) -> str:
+    """The same short reason for a failed file operation, whichever transport hit it."""
+    import errno
+
+    if isinstance(exc, OSError):
+        if exc.errno == errno.ENOENT:
+            return "no such file or directory"
+        if exc.errno == errno.EACCES:
+            return "permission denied"
+        if exc.errno == errno.ENOTDIR:
+            return "a parent is not a directory"
+        return exc.strerror or str(exc) or type(exc).__name__
+    return str(exc)

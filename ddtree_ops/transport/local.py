@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
-from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text
+from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
 
 
 class LocalTransport:
@@ -38,13 +38,8 @@ class LocalTransport:
         """Nothing is held open between calls."""
 
     def _count(self, kind: str, what: str) -> None:
-        if self.counter is None:
-            return
-        if kind == "command":
-            self.counter.commands += 1
-        else:
-            self.counter.file_ops += 1
-        self.counter.log.append(f"{self.host} {kind}: {what}")
+        if self.counter is not None:
+            self.counter.record(self.host, kind, what)
 
     def run(
         self,
@@ -108,7 +103,7 @@ class LocalTransport:
         try:
             return Path(expand_path(path)).read_bytes()
         except OSError as exc:
-            raise RemoteFileError(f"cannot read {path}: {exc.strerror or exc}", host=self.host) from exc
+            raise RemoteFileError(f"cannot read {path}: {os_error_reason(exc)}", host=self.host) from exc
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
@@ -126,7 +121,7 @@ class LocalTransport:
             tmp_name = None
             _fsync_dir(target.parent)
         except OSError as exc:
-            raise RemoteFileError(f"cannot write {path}: {exc.strerror or exc}", host=self.host) from exc
+            raise RemoteFileError(f"cannot write {path}: {os_error_reason(exc)}", host=self.host) from exc
         finally:
             if tmp_name is not None:
                 try:

@@ -44,7 +44,7 @@ from ddtree_ops.errors import (
     TransportError,
 )
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text
+from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
 
 KEEPALIVE_S = 15
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -237,6 +237,7 @@ class SSHTransport:
                 role = "host" if i == len(hops) - 1 else "jump host"
                 if sock is None:
                     sock = self._open_socket(hop, role)
+                    self._await_banner(sock, hop, role)
                 client = self._handshake(hop, sock, role)
                 self._clients.append(client)
                 if i < len(hops) - 1:
@@ -260,6 +261,19 @@ class SSHTransport:
             raise ConnectError(f"connection to {where} timed out after {self.connect_timeout:g}s", host=self.host) from exc
         except OSError as exc:
             raise ConnectError(f"cannot connect to {where}: {exc.strerror or exc}", host=self.host) from exc
+
+    def _await_banner(self, sock: socket.socket, hop: Endpoint, role: str) -> None:
+        """An SSH server speaks first. A port that accepts TCP and then stays silent (a hung
+        host, a black-holed service) is told apart here, with a message that says so;
+        paramiko would report it as an unrelated "No existing session"."""
+        readable, _, _ = select.select([sock], [], [], self.connect_timeout)
+        if not readable:
+            sock.close()
+            raise ConnectError(
+                f"{role} {hop.hostname}:{hop.port} accepted the connection but did not complete the SSH handshake "
+                f"within {self.connect_timeout:g}s (no SSH banner)",
+                host=self.host,
+            )
 
     def _direct_tcpip(self, client: paramiko.SSHClient, via: Endpoint, nxt: Endpoint) -> paramiko.Channel:
         transport = client.get_transport()
@@ -365,13 +379,8 @@ class SSHTransport:
         self.close()
 
     def _count(self, kind: str, what: str) -> None:
-        if self.counter is None:
-            return
-        if kind == "command":
-            self.counter.commands += 1
-        else:
-            self.counter.file_ops += 1
-        self.counter.log.append(f"{self.host} {kind}: {what}")
+        if self.counter is not None:
+            self.counter.record(self.host, kind, what)
 
     # ------------------------------------------------------------------ commands
 
@@ -389,14 +398,7 @@ class SSHTransport:
         stdin = (command.source + command.extra_stdin).encode() if isinstance(command, Script) else b""
         self._count("command", text)
         start = time.monotonic()
-        client = self._client()
-        transport = client.get_transport()
-        try:
-            assert transport is not None
-            chan = transport.open_session(timeout=self.connect_timeout)
-        except (paramiko.SSHException, OSError, AssertionError) as exc:
-            self.close()
-            raise ConnectError(f"cannot open a session channel: {exc}", host=self.host) from exc
+        chan = self._open_session()
         try:
             result = self._exchange(chan, line, stdin, timeout, text, start)
         finally:
@@ -404,6 +406,22 @@ class SSHTransport:
         if check and result.returncode != 0:
             raise CommandFailed(result.returncode, text, result.stderr, host=self.host)
         return result
+
+    def _open_session(self) -> paramiko.Channel:
+        """A channel for one command. A connection that died since its last use (the host
+        rebooted, sshd restarted) is replaced once: nothing was sent on it yet, so retrying
+        is safe; if the host is still down, connecting raises the precise ConnectError."""
+        for attempt in (1, 2):
+            transport = self._client().get_transport()
+            try:
+                if transport is None:
+                    raise paramiko.SSHException("no transport")
+                return transport.open_session(timeout=self.connect_timeout)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                self.close()
+                if attempt == 2:
+                    raise ConnectError(f"cannot open a session channel: {exc or type(exc).__name__}", host=self.host) from exc
+        raise AssertionError("unreachable")
 
     def _exchange(
         self, chan: paramiko.Channel, line: str, stdin: bytes, timeout: float | None, text: str, start: float
@@ -440,9 +458,9 @@ class SSHTransport:
                 select.select([chan], [], [], wait)
         except (socket.timeout, TimeoutError) as exc:
             raise timed_out() from exc
-        except paramiko.SSHException as exc:
+        except (paramiko.SSHException, EOFError) as exc:
             self.close()
-            raise ConnectError(f"connection lost while running {text[:200]}: {exc}", host=self.host) from exc
+            raise ConnectError(f"connection lost while running {text[:200]}: {exc or type(exc).__name__}", host=self.host) from exc
         except OSError as exc:
             self.close()
             raise ConnectError(f"connection lost while running {text[:200]}: {exc.strerror or exc}", host=self.host) from exc
@@ -477,9 +495,10 @@ class SSHTransport:
                 fh.prefetch()
                 return fh.read()
         except OSError as exc:
-            raise RemoteFileError(f"cannot read {path}: {_io_reason(exc)}", host=self.host) from exc
-        except paramiko.SSHException as exc:
-            raise RemoteFileError(f"cannot read {path}: {exc}", host=self.host) from exc
+            raise RemoteFileError(f"cannot read {path}: {os_error_reason(exc)}", host=self.host) from exc
+        except (paramiko.SSHException, EOFError) as exc:
+            self.close()
+            raise RemoteFileError(f"cannot read {path}: connection lost ({exc or type(exc).__name__})", host=self.host) from exc
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
@@ -497,12 +516,12 @@ class SSHTransport:
                 _sftp_fsync(sftp, fh)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, remote)
-        except (OSError, paramiko.SSHException) as exc:
+        except (OSError, paramiko.SSHException, EOFError) as exc:
             try:
                 sftp.remove(tmp)
-            except (OSError, paramiko.SSHException):
+            except (OSError, paramiko.SSHException, EOFError):
                 pass
-            raise RemoteFileError(f"cannot write {path}: {_io_reason(exc)}", host=self.host) from exc
+            raise RemoteFileError(f"cannot write {path}: {os_error_reason(exc)}", host=self.host) from exc
 
     def exists(self, path: str) -> bool:
         self._count("stat", path)
@@ -515,7 +534,7 @@ class SSHTransport:
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return False
-            raise RemoteFileError(f"cannot stat {path}: {_io_reason(exc)}", host=self.host) from exc
+            raise RemoteFileError(f"cannot stat {path}: {os_error_reason(exc)}", host=self.host) from exc
 
 
 def build_command_line(command: Command, *, env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
@@ -579,13 +598,3 @@ def _sftp_fsync(sftp: paramiko.SFTPClient, fh: paramiko.SFTPFile) -> None:
     except OSError as exc:
         if "unsupported" not in str(exc).lower():
             raise
-
-
-def _io_reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError):
-        if exc.errno == errno.ENOENT:
-            return "no such file or directory"
-        if exc.errno == errno.EACCES:
-            return "permission denied"
-        return exc.strerror or str(exc) or type(exc).__name__
-    return str(exc)

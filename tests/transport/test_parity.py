@@ -1,0 +1,151 @@
+"""Transport parity: each test runs on LocalTransport and on SSHTransport against real sshd."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
+from ddtree_ops.transport import Script
+
+HOSTILE = [
+    "two words",
+    "it's",
+    'say "hi"',
+    "$(touch /tmp/ddtree-ops-pwned)",
+    "`touch /tmp/ddtree-ops-pwned`",
+    "a; touch /tmp/ddtree-ops-pwned",
+    "x && false || true",
+    "$HOME ${PATH} \\n *",
+    "-n",
+    "",
+    "tab\there",
+    "ünïcödé ✓",
+]
+
+
+def test_argv_reaches_the_command_as_data(any_transport) -> None:
+    t = any_transport.transport
+    result = t.run(["printf", "%s\\n", *HOSTILE])
+    assert result.returncode == 0
+    assert result.stdout.split("\n")[:-1] == HOSTILE
+    assert not os.path.exists("/tmp/ddtree-ops-pwned")
+
+
+def test_script_on_stdin_with_hostile_argv(any_transport) -> None:
+    src = "import json, sys\nprint(json.dumps(sys.argv[1:]))\n"
+    result = any_transport.transport.run(Script((any_transport.python, "-", *HOSTILE), src), check=True)
+    import json
+
+    assert json.loads(result.stdout) == HOSTILE
+
+
+def test_shell_script_with_extra_stdin(any_transport) -> None:
+    # `bash -s` reads its program from a pipe line by line, so the program can read the
+    # rest of stdin as data. (dash and python read ahead: see Script's docstring.)
+    script = Script(("bash", "-s", "--", "arg one"), 'printf "%s|" "$1"; read -r line; printf "%s\\n" "$line"\n', "data $(x)\n")
+    result = any_transport.transport.run(script, check=True)
+    assert result.stdout == "arg one|data $(x)\n"
+
+
+def test_exit_codes_and_check(any_transport) -> None:
+    t = any_transport.transport
+    result = t.run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert not result.ok
+    with pytest.raises(CommandFailed) as info:
+        t.run(["sh", "-c", "echo first >&2; echo 'the reason' >&2; exit 4"], check=True)
+    assert info.value.returncode == 4
+    assert "the reason" in str(info.value) and "exit code 4" in str(info.value)
+    assert str(info.value).startswith(f"{t.host}: ")
+
+
+def test_missing_executable_is_127(any_transport) -> None:
+    result = any_transport.transport.run(["ddtree-ops-no-such-binary", "x"])
+    assert result.returncode == 127
+
+
+def test_env_and_cwd(any_transport) -> None:
+    t = any_transport.transport
+    result = t.run(
+        ["sh", "-c", 'printf "%s\\n" "$DDT_A" "$DDT_B"; pwd'],
+        env={"DDT_A": "v $(id) ;", "DDT_B": "2"},
+        cwd=any_transport.scratch,
+    )
+    assert result.stdout.split("\n")[:3] == ["v $(id) ;", "2", os.path.realpath(any_transport.scratch)]
+    home = t.run(["pwd"], cwd="~").stdout.strip()
+    assert os.path.realpath(home) == os.path.realpath(any_transport.home)
+
+
+def test_timeout_then_transport_still_works(any_transport) -> None:
+    t = any_transport.transport
+    with pytest.raises(CommandTimeout) as info:
+        t.run(["sleep", "30"], timeout=0.5)
+    assert info.value.timeout == 0.5
+    assert t.run(["echo", "alive"]).stdout == "alive\n"
+
+
+def test_large_output_on_both_streams(any_transport) -> None:
+    # Enough to fill every pipe/window buffer: a reader that waits for exit would deadlock.
+    src = "import sys\nsys.stdout.write('o' * 3_000_000)\nsys.stderr.write('e' * 3_000_000)\n"
+    result = any_transport.transport.run(Script((any_transport.python, "-"), src), timeout=60)
+    assert len(result.stdout) == 3_000_000 and len(result.stderr) == 3_000_000
+
+
+def test_write_atomic_read_back_mode_and_replace(any_transport) -> None:
+    t = any_transport.transport
+    path = f"{any_transport.scratch}/deep/er/file with 'quotes' $(x).bin"
+    payload = bytes(range(256)) * 1000
+    t.write_atomic(path, payload, mode=0o600)
+    assert t.read_bytes(path) == payload
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    t.write_atomic(path, b"second", mode=0o755)
+    assert t.read_bytes(path) == b"second"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+    # Nothing but the file itself is left in the directory (no temp files).
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
+def test_write_atomic_never_shows_a_partial_file(any_transport) -> None:
+    """The old inode stays intact while the new content is written: a reader holding it
+    open sees the complete old content, never a truncated mix."""
+    t = any_transport.transport
+    path = f"{any_transport.scratch}/f.txt"
+    t.write_atomic(path, b"old" * 1000)
+    with open(path, "rb") as held:
+        t.write_atomic(path, b"new" * 5000)
+        assert held.read() == b"old" * 1000
+    assert t.read_bytes(path) == b"new" * 5000
+
+
+def test_tilde_paths_mean_home(any_transport) -> None:
+    t = any_transport.transport
+    t.write_atomic("~/.ddtree-ops-test/x.txt", b"at home")
+    assert (any_transport.home / ".ddtree-ops-test" / "x.txt").read_bytes() == b"at home"
+    assert t.exists("~/.ddtree-ops-test/x.txt")
+    assert t.read_bytes("~/.ddtree-ops-test/x.txt") == b"at home"
+
+
+def test_missing_files(any_transport) -> None:
+    t = any_transport.transport
+    missing = f"{any_transport.scratch}/nope.txt"
+    assert not t.exists(missing)
+    with pytest.raises(RemoteFileError, match=r"cannot read .*nope\.txt: no such file"):
+        t.read_bytes(missing)
+    Path(any_transport.scratch, "afile").write_text("x")
+    with pytest.raises(RemoteFileError, match="cannot write"):
+        t.write_atomic(f"{any_transport.scratch}/afile/child.txt", b"x")  # parent is a file
+
+
+def test_counter_counts_commands_and_file_ops(any_transport) -> None:
+    t, counter = any_transport.transport, any_transport.counter
+    t.run(["true"])
+    t.run(Script(("sh", "-s"), "true\n"))
+    t.write_atomic(f"{any_transport.scratch}/c", b"1")
+    t.read_bytes(f"{any_transport.scratch}/c")
+    t.exists(f"{any_transport.scratch}/c")
+    assert (counter.commands, counter.file_ops) == (2, 3)
+    assert counter.log[0] == f"{t.host} command: true"

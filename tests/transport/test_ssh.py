@@ -1,0 +1,196 @@
+"""SSH-only behaviour against real sshd: reuse, ssh_config, ProxyJump, host keys, failures."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.errors import AuthError, ConnectError, HostKeyError
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.transport.ssh import SSHTransport, build_command_line, resolve_endpoint
+from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
+
+pytestmark = pytest.mark.fleet
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HOME: no ~/.ssh/config or ~/.ssh/known_hosts of the machine's user leaks in."""
+    h = tmp_path / "home"
+    (h / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(h))
+    return h
+
+
+def fleet_host(fleet: Fleet, index: int = 0) -> Host:
+    return fleet.load().hosts[fleet.hosts[index].name]
+
+
+def test_one_connection_is_reused(ssh_fleet: Fleet, home: Path) -> None:
+    # The client's source port (in $SSH_CLIENT) is the same for every command: one connection.
+    with SSHTransport(fleet_host(ssh_fleet)) as t:
+        seen = {t.run(["sh", "-c", "echo $SSH_CLIENT"]).stdout.split()[1] for _ in range(3)}
+        t.write_atomic(f"{ssh_fleet.hosts[0].run_dir}/reuse.txt", b"x")
+        seen.add(t.run(["sh", "-c", "echo $SSH_CLIENT"]).stdout.split()[1])
+    assert len(seen) == 1
+
+
+def test_reconnects_after_the_host_came_back(ssh_fleet: Fleet, home: Path) -> None:
+    name = ssh_fleet.hosts[2].name
+    with SSHTransport(fleet_host(ssh_fleet, 2)) as t:
+        assert t.run(["true"]).ok
+        ssh_fleet.stop(name)
+        with pytest.raises(ConnectError, match=rf"^{name}: connection refused by 127\.0\.0\.1:"):
+            t.run(["true"])
+        ssh_fleet.start(name)
+        assert t.run(["echo", "back"]).stdout == "back\n"
+
+
+def test_ssh_config_alias(ssh_fleet: Fleet, home: Path) -> None:
+    fh = ssh_fleet.hosts[1]
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-b300\n  HostName 127.0.0.1\n  Port {fh.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n"
+    )
+    host = Host("gpu-b300", ddtree=DdtreeSettings(known_hosts=str(ssh_fleet.known_hosts)))
+    with SSHTransport(host) as t:
+        assert t.run(["sh", "-c", "echo $HOME"]).stdout.strip() == str(fh.server.home)
+
+
+def test_inventory_values_win_over_ssh_config() -> None:
+    import paramiko
+
+    cfg = paramiko.SSHConfig.from_text("Host h\n  HostName 10.0.0.9\n  Port 2200\n  User alice\n  IdentityFile ~/k\n")
+    ep = resolve_endpoint("h", cfg, port=2222, user="bob")
+    assert (ep.hostname, ep.port, ep.user) == ("10.0.0.9", 2222, "bob")
+    assert ep.key_files[0].endswith("/k") and not ep.key_files[0].startswith("~")
+    assert resolve_endpoint("other", cfg).hostname == "other"
+
+
+def test_command_line_quotes_everything() -> None:
+    line = build_command_line(["echo", "$(id)", "a b"], env={"X": "; rm -rf /"}, cwd="~/my dir")
+    assert line == "cd \"$HOME\"/'my dir' && exec env 'X=; rm -rf /' echo '$(id)' 'a b'"
+    with pytest.raises(ValueError, match="invalid environment variable name"):
+        build_command_line(["true"], env={"A B": "1"})
+
+
+@pytest.fixture
+def bastion(ssh_fleet: Fleet, tmp_path: Path) -> Iterator[SshdServer]:
+    key = keygen(tmp_path / "bastion_host_key", "bastion")
+    server = SshdServer(
+        root=tmp_path / "bastion", port=free_port(), host_key=key, authorized_keys=ssh_fleet.client_key.parent / "authorized_keys"
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_proxyjump_through_a_bastion(ssh_fleet: Fleet, home: Path, bastion: SshdServer, tmp_path: Path) -> None:
+    fh = ssh_fleet.hosts[0]
+    known = tmp_path / "known_hosts"
+    known.write_text(ssh_fleet.known_hosts.read_text() + known_hosts_line(bastion.port, bastion.host_key) + "\n")
+    (home / ".ssh" / "config").write_text(
+        f"Host jumpbox\n  HostName 127.0.0.1\n  Port {bastion.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n\n"
+        f"Host behind\n  HostName 127.0.0.1\n  Port {fh.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n"
+        f"  ProxyJump jumpbox\n"
+    )
+    host = Host("behind", ddtree=DdtreeSettings(known_hosts=str(known)))
+    with SSHTransport(host) as t:
+        assert t.run(["sh", "-c", "echo $HOME"]).stdout.strip() == str(fh.server.home)
+        t.write_atomic(f"{fh.run_dir}/via-bastion.txt", b"jumped")
+        assert (fh.run_dir / "via-bastion.txt").read_bytes() == b"jumped"
+    # The path really goes through the bastion: without it, the (running) target is unreachable.
+    bastion.stop()
+    with SSHTransport(host, connect_timeout=3) as t, pytest.raises(ConnectError, match=r"jump host 127\.0\.0\.1:\d+"):
+        t.run(["true"])
+
+
+def test_connection_refused(home: Path) -> None:
+    port = free_port()  # nothing listens there
+    with SSHTransport(Host("down", address="127.0.0.1", port=port, user="root")) as t:
+        with pytest.raises(ConnectError, match=rf"down: connection refused by 127\.0\.0\.1:{port}"):
+            t.run(["true"])
+
+
+def test_silent_server_times_out(home: Path) -> None:
+    # A listener that accepts TCP but never speaks SSH: a hung host or a black-holed service.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(5)
+    port = sock.getsockname()[1]
+    try:
+        with SSHTransport(Host("hung", address="127.0.0.1", port=port, user="root"), connect_timeout=1) as t:
+            with pytest.raises(ConnectError, match=r"hung: .*did not complete the SSH handshake within 1s"):
+                t.run(["true"])
+    finally:
+        sock.close()
+
+
+def test_wrong_key_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
+    stranger = keygen(tmp_path / "stranger")
+    host = replace(fleet_host(ssh_fleet), key_file=str(stranger))
+    with SSHTransport(host) as t, pytest.raises(AuthError, match=r"authentication failed for host root@127\.0\.0\.1"):
+        t.run(["true"])
+    missing = replace(fleet_host(ssh_fleet), key_file=str(tmp_path / "nope"))
+    with SSHTransport(missing) as t, pytest.raises(AuthError, match="private key file not found"):
+        t.run(["true"])
+
+
+def test_host_key_unknown_then_accept_new_then_changed(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
+    fh = ssh_fleet.hosts[1]
+    known = tmp_path / "inv_known_hosts"
+    host = replace(fleet_host(ssh_fleet, 1), ddtree=DdtreeSettings(known_hosts=str(known)))
+    with SSHTransport(host) as t, pytest.raises(HostKeyError, match=r"unknown host key .*--host-key-policy accept-new"):
+        t.run(["true"])
+    assert not known.exists()
+
+    with SSHTransport(host, host_key_policy="accept-new") as t:
+        assert t.run(["true"]).ok
+    assert known.read_text() == known_hosts_line(fh.port, fh.server.host_key) + "\n"
+    with SSHTransport(host) as t:  # now known: strict accepts it
+        assert t.run(["true"]).ok
+
+    # Same address and port, another key: what a man-in-the-middle looks like.
+    impostor_key = keygen(tmp_path / "impostor_host_key")
+    ssh_fleet.stop(fh.name)
+    impostor = SshdServer(
+        root=tmp_path / "impostor", port=fh.port, host_key=impostor_key, authorized_keys=fh.server.authorized_keys
+    )
+    impostor.start()
+    try:
+        for policy in ("strict", "accept-new"):
+            with SSHTransport(host, host_key_policy=policy) as t, pytest.raises(HostKeyError, match="has CHANGED"):
+                t.run(["true"])
+        assert known.read_text().count("\n") == 1  # the changed key was not recorded
+    finally:
+        impostor.stop()
+        ssh_fleet.start(fh.name)
+
+
+def test_parallel_accept_new_records_each_key_once(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
+    known = tmp_path / "kh"
+    hosts = [replace(h, ddtree=DdtreeSettings(known_hosts=str(known))) for h in ssh_fleet.load().hosts.values()]
+    errors: list[BaseException] = []
+
+    def go(h: Host) -> None:
+        try:
+            with SSHTransport(h, host_key_policy="accept-new") as t:
+                t.run(["true"])
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(h,)) for h in hosts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert sorted(known.read_text().splitlines()) == sorted(
+        known_hosts_line(fh.port, fh.server.host_key) for fh in ssh_fleet.hosts
+    )
