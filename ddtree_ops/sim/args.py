@@ -65,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ddtree_ops.sim",
         description="Simulated SGLang 0.5.23 server (no GPU; all numbers are simulated).",
-        allow_abbrev=False,
     )
     parser.add_argument("--model-path", "--model", dest="model_path", type=str, required=True)
     parser.add_argument("--served-model-name", type=str, default=None)
@@ -86,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph-backend-decode", choices=CUDA_GRAPH_BACKENDS, default=None)
     parser.add_argument("--cuda-graph-backend-prefill", choices=CUDA_GRAPH_BACKENDS, default=None)
     parser.add_argument("--cuda-graph-max-bs-decode", type=_positive_int, default=None)
+    # Both per-phase spellings exist, so argparse (abbreviations on, as in SGLang) calls
+    # the removed --cuda-graph-max-bs ambiguous and exits 2, exactly like 0.5.23 does.
+    parser.add_argument("--cuda-graph-max-bs-prefill", type=_positive_int, default=None)
     parser.add_argument("--disable-cuda-graph", action=_DeprecatedStoreTrue)
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--max-running-requests", type=_positive_int, default=None)

@@ -158,6 +158,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._counter = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._generator = torch.Generator().manual_seed(hash_ints(settings.seed, 77))
         self.total_verify_ct = 0
         self.total_completion_tokens = 0
         self.last_step_ms = 0.0
@@ -293,7 +294,8 @@ class Engine:
                 out.append([int(greedy[i])])
                 continue
             probs = _target_probs(logits[i : i + 1], p)
-            out.append([int(torch.multinomial(probs[0], 1, generator=req.generator).item())])
+            gen = req.generator if p.sampling_seed is not None else self._generator
+            out.append([int(torch.multinomial(probs[0], 1, generator=gen).item())])
         return out
 
     def _prefill(self, batch: Sequence[GenRequest]) -> list[list[int]]:
@@ -347,11 +349,23 @@ class Engine:
             argmax = logits[greedy_idx].argmax(dim=-1)
             for row, b in enumerate(greedy_idx):
                 results[b] = core.follow_verified_tree(trees[b].parents, trees[b].token_ids, argmax[row])
+        # Requests that carry a sampling_seed verify alone, with their own generator, so
+        # their output never depends on who shares the batch (SGLang's promise for
+        # sampling_seed). The rest verify in one batched call on the engine's generator
+        # (seeded from SIM_SEED): far cheaper per step, deterministic for a fixed order.
+        shared = [b for b, r in enumerate(batch) if results[b] is None and r.params.sampling_seed is None]
+        if shared:
+            ps = [batch[b].params for b in shared]
+            outs = core.sample_tree_paths(
+                [trees[b] for b in shared], logits[shared],
+                [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                generator=self._generator, use_kernel=False,
+            )
+            for b, res in zip(shared, outs):
+                results[b] = res
         for b, req in enumerate(batch):
             if results[b] is not None:
                 continue
-            # One call per sampling request, with its own generator: the coins a request
-            # sees must not depend on which other requests share its batch.
             p = req.params
             results[b] = core.sample_tree_paths(
                 [trees[b]], logits[b : b + 1], p.temperature, p.top_k, p.top_p,

@@ -1,0 +1,97 @@
+"""Drive the simulator's engine without HTTP or sleeping, for calibration and tests.
+
+The same ``Engine`` methods the server's scheduler loop calls produce the tokens; the
+step times are summed from the cost model instead of slept. This is how the
+acceptance/throughput table in the sim README is produced and how the trend tests
+check it, without paying wall-clock time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ddtree_ops.sim.args import ServerArgs, SimSettings, parse_server_args
+from ddtree_ops.sim.engine import Engine, SamplingParams
+from ddtree_ops.sim.language import classify_prompt, tokenize
+
+# A fixed prompt set with all three categories (used by the README table and tests).
+PROMPTS: tuple[str, ...] = (
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "class Stack: def push(self, item): self.items.append(item)",
+    "import numpy as np; write a function that returns the mean",
+    "Solve the equation 3x + 7 = 22 and explain each step",
+    "Compute the sum of the first 100 odd numbers",
+    "What is the integral of x squared from 0 to 3",
+    "Tell me a short story about a lighthouse keeper",
+    "How do I make a good cup of tea at home",
+    "Write a friendly note to a neighbour about a lost cat",
+)
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    """Aggregate over the prompt set, one request at a time (batch size 1)."""
+
+    accept_length: float
+    tokens: int
+    verify_steps: int
+    sim_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Simulated decode throughput of one stream (tokens / simulated seconds)."""
+        return self.tokens / self.sim_seconds if self.sim_seconds > 0 else 0.0
+
+
+def server_args(flags: Sequence[str]) -> ServerArgs:
+    args, _ = parse_server_args(["--model-path", "sim", *flags])
+    return args
+
+
+def run_offline(
+    args: ServerArgs,
+    settings: SimSettings,
+    *,
+    temperature: float,
+    max_new_tokens: int = 96,
+    prompts: Sequence[str] = PROMPTS,
+    sampling_seed: int = 1,
+    top_k: int = -1,
+    top_p: float = 1.0,
+) -> OfflineResult:
+    """Generate every prompt alone and sum the modelled decode-step times."""
+    torch.set_num_threads(1)  # tiny tensors; see __main__
+    engine = Engine(args, replace(settings, time_scale=0.0))
+    total_tokens = verify = 0
+    sim_ms = 0.0
+    draft = args.speculative_num_draft_tokens or 0
+    for i, text in enumerate(prompts):
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=True,
+            sampling_seed=sampling_seed + i,
+        )
+        req = engine.submit(tokenize(text), classify_prompt(text), params)
+        engine._waiting.clear()
+        engine._commit(req, engine._prefill([req])[0])
+        first = len(req.output_ids)
+        while req.finish_reason is None:
+            outs, verify_tokens = engine._decode([req])
+            sim_ms += engine.profile.step_ms(
+                batch=1, verify_tokens=verify_tokens, draft_positions=draft, cuda_graph=args.decode_cuda_graph
+            )
+            engine._commit(req, outs[0])
+            verify += 1
+        total_tokens += len(req.output_ids) - first
+    return OfflineResult(
+        accept_length=total_tokens / verify if verify else 0.0,
+        tokens=total_tokens,
+        verify_steps=verify,
+        sim_seconds=sim_ms / 1000.0,
+    )
