@@ -53,3 +53,5 @@ def test_sample_tree_paths_all_greedy_is_the_greedy_walk(du: ModuleType) -> None
     for node, tok in enumerate([10, 20, 30, 39, 0, 0]):
         logits[0, node, tok] = 5.0
     assert du.sample_tree_paths([tree], logits, [0.0], [-1], [1.0]) == [([0, 1, 2, 3], [10, 20, 30, 39])]
+    # SGLang's own greedy encoding: temperature 1, top_k 1.
+    assert du.sample_tree_paths([tree], logits, [1.0], [1], [1.0]) == [([0, 1, 2, 3], [10, 20, 30, 39])]

@@ -176,7 +176,7 @@ def test_lossy_threshold_is_detected(du: ModuleType) -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
-    """T=0 rows in a mixed batch go through the sampler, and must equal the greedy walk."""
+    """Greedy rows in a mixed batch go through the sampler, and must equal the greedy walk."""
     g = torch.Generator().manual_seed(100 + seed)
     trees, logits = [], []
     vocab, n_rows = 24, 17
@@ -194,9 +194,11 @@ def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
         trees.append(tree)
         logits.append(rows)
     target = torch.stack(logits)
-    temps = [0.0, 1.0] * 4
-    out = du.sample_tree_paths(trees, target, temps, [-1] * 8, [1.0] * 8, generator=g, use_kernel=False)
-    greedy_rows = [b for b in range(8) if temps[b] == 0.0]
+    # SGLang encodes greedy as top_k == 1 at temperature 1: rows 2 and 6 use that form.
+    temps = [0.0, 1.0, 1.0, 1.0] * 2
+    top_ks = [-1, -1, 1, -1] * 2
+    out = du.sample_tree_paths(trees, target, temps, top_ks, [1.0] * 8, generator=g, use_kernel=False)
+    greedy_rows = [0, 2, 4, 6]
     lengths = []
     for b in greedy_rows:
         expected = du.follow_verified_tree(trees[b].parents, trees[b].token_ids, target[b].argmax(dim=-1))

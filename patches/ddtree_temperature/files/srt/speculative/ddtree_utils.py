@@ -575,8 +575,12 @@ def sample_tree_paths(
     ``tree_speculative_sampling_target_only`` (flat retrieve offset ``b*N``, zeroed
     draft probs, one uniform coin per node, one for the bonus) so the kernel and the
     reference see the same thing. Returns one ``(accepted, proposed)`` per request,
-    the same contract as :func:`follow_verified_tree`; all-greedy batches (every
-    temperature 0) take the greedy walk directly.
+    the same contract as :func:`follow_verified_tree`; all-greedy batches (every row
+    temperature 0 or top-k 1) take the greedy walk directly.
+
+    ``use_kernel``: "auto" uses the kernel for CUDA logits when it imports; True
+    requires it (CPU logits are moved to CUDA); False always runs the reference, on
+    the logits' device, which is how to compare both on identical target probs.
 
     Coins are drawn on the CPU from ``generator`` (then moved), so a seeded run gives
     the same coins whichever implementation consumes them.
@@ -595,21 +599,24 @@ def sample_tree_paths(
     if max(len(t) for t in trees) > n:
         raise ValueError(f"target_logits has {n} rows per request, the largest tree has "
                          f"{max(len(t) for t in trees)} nodes")
-    dev = target_logits.device
     temps = _per_row(temperatures, bs, torch.float32, torch.device("cpu"), "temperatures")
+    ks = _per_row(top_ks, bs, torch.int64, torch.device("cpu"), "top_ks")
 
-    if bool((temps <= 0).all()):
+    # SGLang marks greedy requests as top_k == 1 (temperature 1); T == 0 means the same.
+    if bool(((temps <= 0) | (ks == 1)).all()):
         argmax = target_logits.argmax(dim=-1).cpu()
         return [follow_verified_tree(t.parents, t.token_ids, argmax[b]) for b, t in enumerate(trees)]
 
     if use_kernel == "auto":
-        kernel = _load_kernel() if dev.type == "cuda" else None
+        kernel = _load_kernel() if target_logits.device.type == "cuda" else None
     elif use_kernel:
         kernel = _load_kernel()
         if kernel is None:
             raise RuntimeError("SGLang's tree_speculative_sampling_target_only kernel is not available here")
+        target_logits = target_logits.cuda()
     else:
         kernel = None
+    dev = target_logits.device
 
     cand = torch.zeros((bs, n), dtype=torch.int64)
     r_index = torch.empty((bs, n), dtype=torch.int64)
