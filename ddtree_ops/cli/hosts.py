@@ -1,0 +1,64 @@
+"""`ddtree-ops hosts [TARGET]`: what the inventory resolves to, before anything connects."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from ddtree_ops.cli.common import emit_json, load_hosts
+from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.inventory_types import Host
+
+
+def _address(host: Host) -> str:
+    if host.connection == "local":
+        return "local"
+    where = host.address or f"{host.name} (ssh_config)"
+    user = f"{host.user}@" if host.user else ""
+    port = f":{host.port}" if host.port else ""
+    return f"{user}{where}{port}"
+
+
+@app.command("hosts")
+def hosts_cmd(
+    ctx: typer.Context,
+    target: str = typer.Argument("all", help="Group, host, 'all', or a comma list."),
+) -> None:
+    """List the resolved hosts and their settings (no connection is made)."""
+    obj: AppContext = ctx.obj
+    hosts = load_hosts(obj, target)
+    if obj.json:
+        emit_json([{"name": h.name, **_as_dict(h)} for h in hosts])
+        return
+    table = Table(title=f"hosts: {target}", title_justify="left")
+    for header in ("host", "groups", "connect", "python", "gpu", "server", "model", "run_dir"):
+        table.add_column(header, overflow="fold")
+    for h in hosts:
+        s = h.ddtree.server
+        table.add_row(
+            h.name,
+            ",".join(h.groups),
+            _address(h),
+            h.python,
+            h.ddtree.gpu or "-",
+            f"{s.bind_host}:{s.port}",
+            s.model_path or "-",
+            h.ddtree.run_dir,
+        )
+    obj.console.print(table)
+    if obj.verbose:
+        for h in hosts:
+            s = h.ddtree.server
+            obj.console.print(
+                f"[bold]{h.name}[/] ({h.source}): command={s.command!r} draft={s.draft_model_path!r} "
+                f"extra_args={list(s.extra_args)} env={dict(s.env)} expected_load_s={s.expected_load_s:g}",
+                highlight=False,
+            )
+
+
+def _as_dict(host: Host) -> dict[str, object]:
+    from ddtree_ops.cli.common import to_jsonable
+
+    data = to_jsonable(host)
+    data.pop("name", None)
+    return data

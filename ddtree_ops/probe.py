@@ -1,0 +1,220 @@
+"""Remote facts about a host, gathered in ONE round trip.
+
+A small stdlib-only Python program is sent on stdin to the host's configured interpreter
+and answers one JSON line: Python version, SGLang version and package directory (found
+with ``importlib.util.find_spec`` / ``importlib.metadata`` — importing SGLang takes
+seconds and may fail for reasons unrelated to whether it is installed), torch and CUDA,
+GPUs from ``nvidia-smi`` (compute capability included: the B300 CUDA-graph fault is
+specific to sm_103), free disk at the package directory, and whether the configured
+server port is taken. Many hosts times many checks would otherwise be many SSH round
+trips; here it is one per host, which a test counts.
+
+:func:`probe_host` never raises: an unreachable host is a fact (``error``), so that a
+fleet-wide doctor always reports every host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ddtree_ops.errors import DdtreeOpsError, stderr_tail
+from ddtree_ops.fleet import run_on_hosts
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport import RoundTripCounter, Script, Transport, open_transport
+
+MARKER = "DDTREE-OPS-FACTS "
+PROBE_TIMEOUT_S = 120.0
+
+# Runs on the host with only the standard library (Python >= 3.8). Values arrive as argv.
+PROBE_SOURCE = r'''
+import json, os, platform, shutil, socket, subprocess, sys
+
+def main(port, bind_host):
+    out = {"python_version": platform.python_version(), "python_executable": sys.executable}
+    sglang_dir = sglang_version = None
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("sglang")
+        if spec is not None:
+            if spec.submodule_search_locations:
+                sglang_dir = list(spec.submodule_search_locations)[0]
+            elif spec.origin:
+                sglang_dir = os.path.dirname(spec.origin)
+    except Exception as exc:
+        out["sglang_error"] = "find_spec failed: %s" % exc
+    try:
+        import importlib.metadata as md
+        try:
+            sglang_version = md.version("sglang")
+        except md.PackageNotFoundError:
+            pass
+        try:
+            out["torch_version"] = md.version("torch")
+        except md.PackageNotFoundError:
+            out["torch_version"] = None
+    except ImportError:
+        out["torch_version"] = None
+    out["sglang_dir"] = sglang_dir
+    out["sglang_version"] = sglang_version
+
+    gpus = []
+    smi = shutil.which("nvidia-smi")
+    out["gpu_error"] = None
+    if smi:
+        try:
+            res = subprocess.run(
+                [smi, "--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv,noheader"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+            if res.returncode == 0:
+                for line in res.stdout.splitlines():
+                    parts = [p.strip() for p in line.split(",")]
+                    if len(parts) >= 4 and parts[0]:
+                        gpus.append({"name": parts[0], "driver_version": parts[1],
+                                     "memory_total": parts[2], "compute_cap": parts[3]})
+            else:
+                out["gpu_error"] = "nvidia-smi exit %d: %s" % (res.returncode, (res.stderr or res.stdout).strip()[-300:])
+        except Exception as exc:
+            out["gpu_error"] = "nvidia-smi failed: %s" % exc
+    out["gpus"] = gpus
+
+    out["cuda_available"] = None
+    if out["torch_version"] and gpus:
+        # Only worth the (seconds-long) torch import when there is a GPU to find; in a child
+        # so that a hanging CUDA init cannot hang the probe.
+        try:
+            res = subprocess.run(
+                [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+            out["cuda_available"] = res.stdout.strip().endswith("1") if res.returncode == 0 else False
+        except Exception:
+            out["cuda_available"] = False
+    elif out["torch_version"]:
+        out["cuda_available"] = False
+
+    where = sglang_dir or os.path.expanduser("~")
+    try:
+        out["disk_free_bytes"] = shutil.disk_usage(where).free
+    except OSError:
+        out["disk_free_bytes"] = None
+
+    out["port"] = port
+    in_use = None
+    if port:
+        sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET)
+        # Same options as the server's own listener, so "free" here means it could bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind_host, port))
+            in_use = False
+        except OSError:
+            in_use = True
+        finally:
+            sock.close()
+    out["port_in_use"] = in_use
+    return out
+
+print("DDTREE-OPS-FACTS " + json.dumps(main(int(sys.argv[1]), sys.argv[2])))
+'''
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    name: str
+    driver_version: str
+    memory_total: str
+    compute_cap: str
+
+    @property
+    def sm(self) -> str:
+        """``12.0`` -> ``sm_120``: the form CUDA errors and kernels speak."""
+        return "sm_" + self.compute_cap.replace(".", "")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    host: str
+    reachable: bool = False
+    python: str = ""
+    python_version: str | None = None
+    python_executable: str | None = None
+    sglang_version: str | None = None
+    sglang_dir: str | None = None
+    torch_version: str | None = None
+    cuda_available: bool | None = None
+    gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
+    gpu_error: str | None = None
+    disk_free_bytes: int | None = None
+    port: int | None = None
+    port_in_use: bool | None = None
+    error: str | None = None
+    error_type: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEOUT_S) -> HostFacts:
+    """One remote command; every failure is returned as ``error``, never raised."""
+    port = host.ddtree.server.port
+    script = Script((host.python, "-", str(port), host.ddtree.server.bind_host), PROBE_SOURCE)
+    try:
+        result = transport.run(script, timeout=timeout)
+    except DdtreeOpsError as exc:
+        return HostFacts(host=host.name, python=host.python, port=port, error=exc.message or str(exc), error_type=type(exc).__name__)
+    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(MARKER)), None)
+    if line is None:
+        if result.returncode in (126, 127):
+            why = f"remote interpreter {host.python!r} not found or not executable (ddtree.python)"
+        else:
+            why = f"probe with {host.python} failed (exit {result.returncode})"
+        tail = stderr_tail(result.stderr)
+        return HostFacts(
+            host=host.name,
+            reachable=True,
+            python=host.python,
+            port=port,
+            error=f"{why}: {tail}" if tail else why,
+            error_type="CommandFailed",
+            duration_s=result.duration,
+        )
+    data = json.loads(line[len(MARKER) :])
+    return HostFacts(
+        host=host.name,
+        reachable=True,
+        python=host.python,
+        python_version=data.get("python_version"),
+        python_executable=data.get("python_executable"),
+        sglang_version=data.get("sglang_version"),
+        sglang_dir=data.get("sglang_dir"),
+        torch_version=data.get("torch_version"),
+        cuda_available=data.get("cuda_available"),
+        gpus=tuple(GpuInfo(**g) for g in data.get("gpus", [])),
+        gpu_error=data.get("gpu_error"),
+        disk_free_bytes=data.get("disk_free_bytes"),
+        port=data.get("port"),
+        port_in_use=data.get("port_in_use"),
+        duration_s=result.duration,
+    )
+
+
+def probe_hosts(
+    hosts: Sequence[Host],
+    *,
+    host_key_policy: str = "strict",
+    connect_timeout: float = 10.0,
+    max_parallel: int = 8,
+    counters: dict[str, RoundTripCounter] | None = None,
+) -> dict[str, HostFacts | BaseException]:
+    """``probe_host`` on every host in parallel; ``counters`` (host -> counter) lets a
+    caller count the remote round trips per host."""
+
+    def one(host: Host) -> HostFacts:
+        counter = counters.get(host.name) if counters is not None else None
+        with open_transport(host, host_key_policy=host_key_policy, connect_timeout=connect_timeout, counter=counter) as t:
+            return probe_host(t, host)
+
+    return run_on_hosts(hosts, one, max_parallel=max_parallel)
