@@ -3,11 +3,12 @@
 A small stdlib-only Python program is sent on stdin to the host's configured interpreter
 and answers one JSON line: Python version, SGLang version and package directory (found
 with ``importlib.util.find_spec`` / ``importlib.metadata`` — importing SGLang takes
-seconds and may fail for reasons unrelated to whether it is installed), torch and CUDA,
-GPUs from ``nvidia-smi`` (compute capability included: the B300 CUDA-graph fault is
-specific to sm_103), free disk at the package directory, and whether the configured
-server port is taken. Many hosts times many checks would otherwise be many SSH round
-trips; here it is one per host, which a test counts.
+seconds and may fail for reasons unrelated to whether it is installed), torch and the
+CUDA version it was built for (read from its version file, not imported), GPUs from
+``nvidia-smi`` (compute capability included: the B300 CUDA-graph fault is specific to
+sm_103), free disk at the package directory, and whether the configured server port is
+taken. Many hosts times many checks would otherwise be many SSH round trips; here it is
+one per host, which a test counts.
 
 :func:`probe_host` never raises: an unreachable host is a fact (``error``), so that a
 fleet-wide doctor always reports every host.
@@ -79,19 +80,24 @@ def main(port, bind_host):
             out["gpu_error"] = "nvidia-smi failed: %s" % exc
     out["gpus"] = gpus
 
+    # Importing torch to ask torch.cuda.is_available() takes seconds per host; its
+    # version.py says which CUDA it was built for, and nvidia-smi says whether a GPU and
+    # driver are there. Both together is what "CUDA available" means for a server launch.
+    out["torch_cuda"] = None
     out["cuda_available"] = None
-    if out["torch_version"] and gpus:
-        # Only worth the (seconds-long) torch import when there is a GPU to find; in a child
-        # so that a hanging CUDA init cannot hang the probe.
+    if out["torch_version"]:
         try:
-            res = subprocess.run(
-                [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
-            out["cuda_available"] = res.stdout.strip().endswith("1") if res.returncode == 0 else False
+            tspec = importlib.util.find_spec("torch")
+            vfile = os.path.join(list(tspec.submodule_search_locations)[0], "version.py")
+            with open(vfile) as fh:
+                for vline in fh:
+                    if vline.startswith("cuda"):
+                        value = vline.split("=", 1)[1].strip().strip("'\"")
+                        out["torch_cuda"] = None if value == "None" else value
+                        break
         except Exception:
-            out["cuda_available"] = False
-    elif out["torch_version"]:
-        out["cuda_available"] = False
+            pass
+        out["cuda_available"] = bool(out["torch_cuda"] and gpus)
 
     where = sglang_dir or os.path.expanduser("~")
     try:
@@ -142,6 +148,7 @@ class HostFacts:
     sglang_version: str | None = None
     sglang_dir: str | None = None
     torch_version: str | None = None
+    torch_cuda: str | None = None  # the CUDA version torch was built for; None for CPU builds
     cuda_available: bool | None = None
     gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
     gpu_error: str | None = None
@@ -191,6 +198,7 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
         sglang_version=data.get("sglang_version"),
         sglang_dir=data.get("sglang_dir"),
         torch_version=data.get("torch_version"),
+        torch_cuda=data.get("torch_cuda"),
         cuda_available=data.get("cuda_available"),
         gpus=tuple(GpuInfo(**g) for g in data.get("gpus", [])),
         gpu_error=data.get("gpu_error"),

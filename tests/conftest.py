@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,8 +51,6 @@ def _fleet_hosts_running(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture
 def local_host(tmp_path: Path) -> Host:
     """A local-connection host whose run_dir is in the test's tmp dir and python is ours."""
-    import sys
-
     return Host(
         name="local-test",
         connection="local",
@@ -63,3 +63,39 @@ def local_host(tmp_path: Path) -> Host:
 def _isolated_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's ddtree-ops state file."""
     monkeypatch.setenv("DDTREE_OPS_STATE", str(tmp_path / "state.json"))
+
+
+@dataclass(frozen=True)
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliResult]:
+    """Run ``ddtree-ops ARGS`` in-process through the real entry point (error rendering and
+    exit codes included), much faster than a subprocess per call."""
+    from ddtree_ops.cli import main as cli_main
+
+    def invoke(*args: str) -> CliResult:
+        monkeypatch.setattr(sys, "argv", ["ddtree-ops", *args])
+        capsys.readouterr()
+        code = 0
+        try:
+            cli_main.run()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return invoke
+
+
+@pytest.fixture
+def clean_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty HOME, so the machine user's ~/.ssh/config and known_hosts stay out of tests."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    return home

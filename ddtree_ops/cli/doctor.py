@@ -35,8 +35,11 @@ def _sglang(f: HostFacts) -> Text | str:
 def _torch(f: HostFacts) -> Text | str:
     if not f.torch_version:
         return Text("no torch", style="yellow")
-    cuda = {True: "CUDA ok", False: "no CUDA", None: "CUDA ?"}[f.cuda_available]
-    return f"{f.torch_version}, {cuda}"
+    if not f.torch_cuda:
+        return f"{f.torch_version}, CPU-only build"
+    if not f.cuda_available:
+        return Text(f"{f.torch_version}, CUDA {f.torch_cuda} build but no GPU visible", style="yellow")
+    return f"{f.torch_version}, CUDA {f.torch_cuda}"
 
 
 def _disk(f: HostFacts) -> str | None:

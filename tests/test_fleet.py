@@ -1,0 +1,59 @@
+"""run_on_hosts: every host answered, in order, failures kept as values, bounded parallelism."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ddtree_ops.errors import ConnectError
+from ddtree_ops.fleet import failed_hosts, run_on_hosts
+from ddtree_ops.inventory_types import Host
+
+HOSTS = [Host(f"h{i}", address=f"10.0.0.{i}") for i in range(7)]
+
+
+def test_results_in_host_order_with_failures_as_values() -> None:
+    def fn(h: Host) -> str:
+        if h.name == "h2":
+            raise ConnectError("connection refused", host=h.name)
+        if h.name == "h5":
+            raise RuntimeError("a bug")
+        time.sleep(0.01 * (7 - int(h.name[1:])))  # later hosts finish first
+        return h.name.upper()
+
+    results = run_on_hosts(HOSTS, fn, max_parallel=4)
+    assert list(results) == [h.name for h in HOSTS]
+    assert results["h0"] == "H0" and results["h6"] == "H6"
+    assert isinstance(results["h2"], ConnectError) and str(results["h2"]) == "h2: connection refused"
+    assert isinstance(results["h5"], RuntimeError)
+    assert failed_hosts(results) == ["h2", "h5"]
+
+
+@pytest.mark.parametrize("limit", [1, 3, 8])
+def test_never_more_than_max_parallel_at_once(limit: int) -> None:
+    lock = threading.Lock()
+    active = 0
+    peak = 0
+
+    def fn(h: Host) -> None:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.02)
+        with lock:
+            active -= 1
+
+    run_on_hosts(HOSTS, fn, max_parallel=limit)
+    assert peak <= limit
+    assert peak == min(limit, len(HOSTS)) or limit == 1
+
+
+def test_empty_and_invalid() -> None:
+    assert run_on_hosts([], lambda h: 1) == {}
+    with pytest.raises(ValueError):
+        run_on_hosts(HOSTS, lambda h: 1, max_parallel=0)
+    with pytest.raises(ValueError, match="duplicate"):
+        run_on_hosts([HOSTS[0], HOSTS[0]], lambda h: 1)
