@@ -353,6 +353,48 @@ def action_logs(p):
     return {"lines": chunk[:cut].decode("utf-8", "replace").splitlines(), "offset": int(offset) + cut, "exists": True}
 
 
+def action_lock(p):
+    """Take the restart lock (O_EXCL file). An expired lock is taken over."""
+    path = os.path.join(_run_dir(p), "restart.lock")
+    now = time.time()
+    record = {"token": p["token"], "owner": p.get("owner"), "taken_at": now, "expires_at": now + float(p["ttl_s"])}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            try:
+                with open(path) as fh:
+                    held = json.load(fh)
+            except (OSError, ValueError):
+                held = {}
+            if float(held.get("expires_at", 0)) > now:
+                return {"ok": False, "held": held}
+            try:
+                os.unlink(path)  # expired (or unreadable): the holder is gone
+            except OSError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh)
+        return {"ok": True}
+    return {"ok": False, "held": {}}
+
+
+def action_unlock(p):
+    path = os.path.join(_run_dir(p), "restart.lock")
+    try:
+        with open(path) as fh:
+            held = json.load(fh)
+    except (OSError, ValueError):
+        return {"ok": False}
+    if held.get("token") != p["token"]:
+        return {"ok": False}
+    os.unlink(path)
+    return {"ok": True}
+
+
 def action_version(p):
     """SGLang's installed version from package metadata, without importing sglang."""
     try:
@@ -366,6 +408,8 @@ def action_version(p):
 
 
 ACTIONS = {
+    "lock": action_lock,
+    "unlock": action_unlock,
     "version": action_version,
     "start": action_start,
     "poll": action_poll,

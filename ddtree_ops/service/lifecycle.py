@@ -149,81 +149,84 @@ def restart(
     # Build the first spec before touching the host: bad config fails with nothing stopped.
     spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
 
-    emit(PhaseEvent(host.name, "stopping", 0.0))
-    stopped = manager.stop(transport, host, grace_s=stop_grace_s)
-    _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+    # Long enough for the worst case of this restart; a killed client's lock then expires.
+    lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
+    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s):
+        emit(PhaseEvent(host.name, "stopping", 0.0))
+        stopped = manager.stop(transport, host, grace_s=stop_grace_s)
+        _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
 
-    attempt_no = 0
-    while True:
-        attempt_no += 1
-        launched = manager.start(transport, host, spec)
-        emit(PhaseEvent(host.name, "starting", 0.0, attempt=attempt_no, note="CUDA graphs" if spec.cuda_graph else "eager"))
-        outcome, attempt = wait_ready(
-            transport, host, spec, launched, deadline_s=deadline_s, attempt_no=attempt_no,
-            on_phase=emit, cancel=cancel, poll_interval_s=poll_interval_s,
-        )
-        durations = attempt.tracker.finish(outcome.elapsed_s)
-        if outcome.reason == "ready":
-            ready_at = time.time()
-            ready_s = ready_at - launched.started_at
-            state.record_load_time(host.name, model, ready_s)
-            if spec.cuda_graph and retry_cuda_graph:
-                state.clear_fallback(key)
-            emit(PhaseEvent(host.name, READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
-            return RestartResult(
+        attempt_no = 0
+        while True:
+            attempt_no += 1
+            launched = manager.start(transport, host, spec)
+            emit(PhaseEvent(host.name, "starting", 0.0, attempt=attempt_no, note="CUDA graphs" if spec.cuda_graph else "eager"))
+            outcome, attempt = wait_ready(
+                transport, host, spec, launched, deadline_s=deadline_s, attempt_no=attempt_no,
+                on_phase=emit, cancel=cancel, poll_interval_s=poll_interval_s,
+            )
+            durations = attempt.tracker.finish(outcome.elapsed_s)
+            if outcome.reason == "ready":
+                ready_at = time.time()
+                ready_s = ready_at - launched.started_at
+                state.record_load_time(host.name, model, ready_s)
+                if spec.cuda_graph and retry_cuda_graph:
+                    state.clear_fallback(key)
+                emit(PhaseEvent(host.name, READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
+                return RestartResult(
+                    host=host.name,
+                    pid=launched.pid,
+                    argv=spec.argv,
+                    cuda_graph=spec.cuda_graph,
+                    fallback_reason=fallback_reason,
+                    phase_durations=MappingProxyType(durations),
+                    ready_s=ready_s,
+                    load_s=ready_s,
+                    deadline_s=deadline_s,
+                    deadline_source=deadline_source,
+                    attempts=attempt_no,
+                    launch_command=spec.launch_command,
+                    log_path=launched.log_path,
+                    ready_at=ready_at,
+                    ready_line_ts=attempt.tracker.ready_line_ts,
+                    stopped=stopped,
+                )
+            tail = _tail_text(attempt)
+            phase = attempt.tracker.phase
+            if outcome.reason == "capture_failed":
+                reason = capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail
+                manager.stop(transport, host, grace_s=stop_grace_s)
+                if run.cuda_graph == "auto" and spec.cuda_graph:
+                    state.record_fallback(key, reason)
+                    fallback_reason = reason
+                    emit(PhaseEvent(host.name, "fallback_eager", outcome.elapsed_s, attempt=attempt_no, note=reason))
+                    spec = build_launch_spec(host, run, version, cuda_graph=False)
+                    _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                    continue
+                raise ServerCrashed(f"{reason} (CUDA graphs forced on); log tail: {tail}", host=host.name)
+            if outcome.reason == "died":
+                raise ServerCrashed(
+                    f"server exited during {phase} after {outcome.elapsed_s:.1f}s; log tail: {tail}", host=host.name
+                )
+            if outcome.reason == "port_in_use":
+                manager.stop(transport, host, grace_s=stop_grace_s)
+                raise PortBusy(f"server reports its port is already in use; log tail: {tail}", host=host.name)
+            if outcome.reason == "cancelled":
+                raise Interrupted(
+                    f"wait cancelled during {phase} after {outcome.elapsed_s:.1f}s; server left running "
+                    f"(pid {launched.pid}, not yet ready) — `ddtree-ops stop {host.name}` stops it",
+                    host=host.name,
+                )
+            if outcome.reason == "unreachable":
+                raise ServiceError(
+                    f"lost contact while waiting for readiness ({outcome.detail}); server pid {launched.pid} state unknown",
+                    host=host.name,
+                )
+            raise ReadinessTimeout(
+                f"not ready after {deadline_s:.0f}s ({deadline_source} deadline), stuck in phase {phase} "
+                f"({outcome.detail}); server left running (pid {launched.pid}); log tail: {tail}",
                 host=host.name,
-                pid=launched.pid,
-                argv=spec.argv,
-                cuda_graph=spec.cuda_graph,
-                fallback_reason=fallback_reason,
-                phase_durations=MappingProxyType(durations),
-                ready_s=ready_s,
-                load_s=ready_s,
-                deadline_s=deadline_s,
-                deadline_source=deadline_source,
-                attempts=attempt_no,
-                launch_command=spec.launch_command,
-                log_path=launched.log_path,
-                ready_at=ready_at,
-                ready_line_ts=attempt.tracker.ready_line_ts,
-                stopped=stopped,
             )
-        tail = _tail_text(attempt)
-        phase = attempt.tracker.phase
-        if outcome.reason == "capture_failed":
-            reason = capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail
-            manager.stop(transport, host, grace_s=stop_grace_s)
-            if run.cuda_graph == "auto" and spec.cuda_graph:
-                state.record_fallback(key, reason)
-                fallback_reason = reason
-                emit(PhaseEvent(host.name, "fallback_eager", outcome.elapsed_s, attempt=attempt_no, note=reason))
-                spec = build_launch_spec(host, run, version, cuda_graph=False)
-                _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
-                continue
-            raise ServerCrashed(f"{reason} (CUDA graphs forced on); log tail: {tail}", host=host.name)
-        if outcome.reason == "died":
-            raise ServerCrashed(
-                f"server exited during {phase} after {outcome.elapsed_s:.1f}s; log tail: {tail}", host=host.name
-            )
-        if outcome.reason == "port_in_use":
-            manager.stop(transport, host, grace_s=stop_grace_s)
-            raise PortBusy(f"server reports its port is already in use; log tail: {tail}", host=host.name)
-        if outcome.reason == "cancelled":
-            raise Interrupted(
-                f"wait cancelled during {phase} after {outcome.elapsed_s:.1f}s; server left running "
-                f"(pid {launched.pid}, not yet ready) — `ddtree-ops stop {host.name}` stops it",
-                host=host.name,
-            )
-        if outcome.reason == "unreachable":
-            raise ServiceError(
-                f"lost contact while waiting for readiness ({outcome.detail}); server pid {launched.pid} state unknown",
-                host=host.name,
-            )
-        raise ReadinessTimeout(
-            f"not ready after {deadline_s:.0f}s ({deadline_source} deadline), stuck in phase {phase} "
-            f"({outcome.detail}); server left running (pid {launched.pid}); log tail: {tail}",
-            host=host.name,
-        )
 
 
 def wait_ready(

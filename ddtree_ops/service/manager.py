@@ -13,11 +13,17 @@ systemd in the test machines), and an untested restart path is worse than none.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.errors import PortBusy, ServiceError
+from ddtree_ops.errors import DdtreeOpsError, PortBusy, ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import LaunchSpec
 from ddtree_ops.transport.base import Script, Transport
@@ -139,6 +145,35 @@ def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any
     return call_agent(transport, host, "status", base_payload(host) | {"lines": lines}, timeout=30)
 
 
+@contextmanager
+def restart_lock(transport: Transport, host: Host, *, ttl_s: float) -> Iterator[None]:
+    """Hold the host's restart lock (``run_dir/restart.lock``) for the body.
+
+    Two operators (or a benchmark and a person) restarting one host at once would stop
+    each other's fresh process; the lock turns that into one clear refusal. It expires
+    after ``ttl_s`` so a killed client cannot block the host for ever.
+    """
+    token = uuid.uuid4().hex
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    data = call_agent(transport, host, "lock", base_payload(host) | {"token": token, "owner": owner, "ttl_s": ttl_s})
+    if not data.get("ok"):
+        held = data.get("held") or {}
+        since = held.get("taken_at")
+        when = time.strftime("%H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+        raise ServiceError(
+            f"another restart is in progress on this host (by {held.get('owner', '?')} since {when}); "
+            f"lock file {host.ddtree.run_dir}/restart.lock",
+            host=host.name,
+        )
+    try:
+        yield
+    finally:
+        try:
+            call_agent(transport, host, "unlock", base_payload(host) | {"token": token})
+        except DdtreeOpsError:
+            pass  # the lock expires by itself; the restart's own outcome matters more
+
+
 def sglang_version(transport: Transport, host: Host) -> str | None:
     """The remote SGLang version from package metadata (no import of sglang)."""
     return call_agent(transport, host, "version", {}, timeout=30).get("sglang_version")
@@ -155,6 +190,7 @@ __all__ = [
     "poll",
     "port_open",
     "read_logs",
+    "restart_lock",
     "sglang_version",
     "start",
     "status",

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ddtree_ops.errors import Interrupted, PortBusy, ReadinessTimeout, ServerCrashed
+from ddtree_ops.errors import Interrupted, PortBusy, ReadinessTimeout, ServerCrashed, ServiceError
 from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.launch import build_launch_spec
 from ddtree_ops.service.logphases import LOADING_WEIGHTS, PhaseEvent
@@ -123,7 +123,7 @@ def test_crash_during_load_fails_fast_with_log_tail(make_sim_host) -> None:
 def test_never_ready_times_out_naming_the_phase(make_sim_host) -> None:
     host = make_sim_host(load_s=600.0)
     with LocalTransport(host.name) as t, pytest.raises(ReadinessTimeout) as info:
-        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=10.0, **FAST)
+        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=12.0, **FAST)
     message = str(info.value)
     assert "stuck in phase loading_weights" in message and "Load weight begin." in message
     assert "server left running" in message
@@ -224,3 +224,40 @@ def test_cancel_stops_waiting_and_describes_the_host(make_sim_host) -> None:
         stopped = lifecycle.stop(t, host, grace_s=2.0)
         assert stopped.was_running and stopped.exited
         assert lifecycle.service_status(t, host).running is False
+
+
+def test_concurrent_restart_is_refused_and_lock_released(make_sim_host) -> None:
+    host = make_sim_host(load_s=600.0)
+    cancel, loading = threading.Event(), threading.Event()
+    outcome: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with LocalTransport(host.name) as t1:
+                lifecycle.restart(t1, host, "0.5.23", RunConfig("AR"), state=StateStore(), cancel=cancel, timeout=100,
+                                  on_phase=lambda e: loading.set() if e.phase == LOADING_WEIGHTS else None, **FAST)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    try:
+        assert loading.wait(60)
+        with LocalTransport(host.name) as t2, pytest.raises(ServiceError, match="another restart is in progress"):
+            lifecycle.restart(t2, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+    finally:
+        cancel.set()
+        worker.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], Interrupted)
+    assert not Path(host.ddtree.run_dir, "restart.lock").exists()
+
+
+def test_expired_restart_lock_is_taken_over(tmp_path: Path, make_sim_host) -> None:
+    host = make_sim_host()
+    lock = Path(host.ddtree.run_dir, "restart.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(json.dumps({"token": "gone", "owner": "elsewhere:1", "taken_at": 1.0, "expires_at": 2.0}))
+    with LocalTransport(host.name) as t:
+        with manager.restart_lock(t, host, ttl_s=60):
+            assert json.loads(lock.read_text())["token"] != "gone"
+    assert not lock.exists()

@@ -1,0 +1,97 @@
+"""Readiness overhead: time from the server's "ready to roll" line to our "ready".
+
+Restarts the simulator N times on a local host through ``lifecycle.restart`` and, for
+each launch, watches the server log from this process every 5 ms to note when the
+ready line appears (SGLang's own log stamp has 1 s resolution, too coarse for this).
+The overhead is then ``RestartResult.ready_at - <ready line seen>``: what our
+polling (interval, the agent round trip, /health_generate + /server_info + the socket
+ownership check) adds on top of the server being ready.
+
+    .venv/bin/python benchmarks/readiness_overhead.py --restarts 10 --poll-interval 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.service import RunConfig, lifecycle
+from ddtree_ops.service.logphases import PhaseEvent
+from ddtree_ops.state import StateStore
+from ddtree_ops.transport.local import LocalTransport
+
+READY_TEXT = "The server is fired up and ready to roll!"
+
+
+def watch_for_ready(log: Path, seen: list[float], stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            if READY_TEXT in log.read_text(errors="replace"):
+                seen.append(time.time())
+                return
+        except OSError:
+            pass
+        time.sleep(0.005)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--restarts", type=int, default=10)
+    parser.add_argument("--poll-interval", type=float, default=0.5)
+    parser.add_argument("--load-s", type=float, default=1.0, help="SIM_LOAD_S (simulated seconds)")
+    parser.add_argument("--port", type=int, default=30950)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="readiness-bench-"))
+    server = ServerSettings(
+        model_path="sim/qwen3-8b", port=args.port, expected_load_s=5.0, command="{python} -m ddtree_ops.sim",
+        env={"SIM_GPU": "h200", "SIM_LOAD_S": str(args.load_s), "SIM_TIME_SCALE": "0.2"},
+    )
+    host = Host(name="bench", connection="local", ddtree=DdtreeSettings(python=sys.executable, run_dir=str(work / "run"), server=server))
+    log = work / "run" / "server.log"
+    state = StateStore(work / "state.json")
+    overheads: list[float] = []
+    polls_note: list[float] = []
+    with LocalTransport(host.name) as t:
+        for i in range(args.restarts):
+            seen: list[float] = []
+            halt = threading.Event()
+            watcher: list[threading.Thread] = []
+
+            def on_phase(event: PhaseEvent) -> None:
+                if event.phase == "starting":
+                    th = threading.Thread(target=watch_for_ready, args=(log, seen, halt), daemon=True)
+                    th.start()
+                    watcher.append(th)
+
+            result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, on_phase=on_phase,
+                                       poll_interval_s=args.poll_interval, stop_grace_s=5.0)
+            halt.set()
+            for th in watcher:
+                th.join(1)
+            if not seen:
+                print(f"restart {i + 1}: ready line not observed", file=sys.stderr)
+                continue
+            overhead = result.ready_at - seen[0]
+            overheads.append(overhead)
+            polls_note.append(result.ready_s)
+            print(f"restart {i + 1:2d}: launch->ready {result.ready_s:6.2f}s  ready line->our ready {overhead * 1000:7.1f} ms")
+        lifecycle.stop(t, host, grace_s=5.0)
+    if overheads:
+        ms = sorted(o * 1000 for o in overheads)
+        print(
+            f"\nreadiness overhead over {len(ms)} restarts (poll interval {args.poll_interval}s, local transport): "
+            f"median {statistics.median(ms):.0f} ms, mean {statistics.mean(ms):.0f} ms, "
+            f"min {ms[0]:.0f} ms, max {ms[-1]:.0f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
