@@ -24,33 +24,26 @@ def hosts_cmd(
     ctx: typer.Context,
     target: str = typer.Argument("all", help="Group, host, 'all', or a comma list."),
 ) -> None:
-    """List the resolved hosts and their settings (no connection is made)."""
+    """List the resolved hosts and their settings (no connection is made; -v for every setting)."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     if obj.json:
         emit_json([{"name": h.name, **_as_dict(h)} for h in hosts])
         return
     table = Table(title=f"hosts: {target}", title_justify="left")
-    for header in ("host", "groups", "connect", "python", "gpu", "server", "model", "run_dir"):
+    table.add_column("host", no_wrap=True, style="bold")
+    for header in ("groups", "connect", "gpu", "server", "model"):
         table.add_column(header, overflow="fold")
     for h in hosts:
         s = h.ddtree.server
-        table.add_row(
-            h.name,
-            ",".join(h.groups),
-            _address(h),
-            h.python,
-            h.ddtree.gpu or "-",
-            f"{s.bind_host}:{s.port}",
-            s.model_path or "-",
-            h.ddtree.run_dir,
-        )
+        table.add_row(h.name, ",".join(h.groups), _address(h), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}", s.model_path or "-")
     obj.console.print(table)
     if obj.verbose:
         for h in hosts:
             s = h.ddtree.server
             obj.console.print(
-                f"[bold]{h.name}[/] ({h.source}): command={s.command!r} draft={s.draft_model_path!r} "
+                f"[bold]{h.name}[/] ({h.source}): python={h.python!r} run_dir={h.ddtree.run_dir!r} "
+                f"command={s.command!r} draft={s.draft_model_path!r} "
                 f"extra_args={list(s.extra_args)} env={dict(s.env)} expected_load_s={s.expected_load_s:g}",
                 highlight=False,
             )

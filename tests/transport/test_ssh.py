@@ -19,12 +19,9 @@ pytestmark = pytest.mark.fleet
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def home(clean_home: Path) -> Path:
     """An empty HOME: no ~/.ssh/config or ~/.ssh/known_hosts of the machine's user leaks in."""
-    h = tmp_path / "home"
-    (h / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(h))
-    return h
+    return clean_home
 
 
 def fleet_host(fleet: Fleet, index: int = 0) -> Host:

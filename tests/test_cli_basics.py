@@ -1,0 +1,185 @@
+"""The CLI as a user meets it: help, version, and bad input -> one clear line, an exit code, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_entry_point_help_and_version() -> None:
+    env = {**os.environ, "COLUMNS": "200"}
+    helped = subprocess.run([sys.executable, "-m", "ddtree_ops", "--help"], capture_output=True, text=True, env=env)
+    assert helped.returncode == 0
+    for command in ("hosts", "doctor"):
+        assert command in helped.stdout
+    version = subprocess.run([sys.executable, "-m", "ddtree_ops", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("ddtree-ops ")
+
+
+def test_entry_point_error_is_one_line(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(tmp_path / "missing.yaml"), "hosts"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert "inventory file not found" in one_error_line(res.stderr)
+
+
+def test_hosts_lists_the_shipped_inventories(cli, clean_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
+    res = cli("--json", "hosts")  # default: every inventories/*.yaml
+    assert res.exit_code == 0, res.stderr
+    names = [h["name"] for h in json.loads(res.stdout)]
+    assert {"ct200-a", "ct200-b", "b300-a", "sim-ct200", "sim-b300"} <= set(names)
+    table = cli("-i", "inventories/local.yaml", "hosts", "local")
+    assert table.exit_code == 0 and "sim-ct200" in table.stdout and "ct200-a" not in table.stdout
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "inv.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("all:\n  hosts:\n    a: {ansible_host: x}\n    b: ansible_host: y\n", r"inv\.yaml:4:\d+: YAML syntax error"),
+        (
+            "all:\n  hosts:\n    a:\n      ansible_host: x\n      ddtree: {server: {modle_path: /m}}\n",
+            r"inv\.yaml: all\.hosts\.a\.ddtree\.server\.modle_path: unknown key \(did you mean 'model_path'\?",
+        ),
+        (
+            "all:\n  hosts:\n    a:\n      ansible_host: x\n      ddtree: {server: {port: abc}}\n",
+            r"inv\.yaml: all\.hosts\.a\.ddtree\.server\.port: expected a port number .*got 'abc'",
+        ),
+        ("all:\n  hosts:\n    lonely: {}\n", r"host 'lonely' has no ansible_host and .*ssh/config has no 'Host lonely' entry"),
+    ],
+    ids=["yaml-syntax", "unknown-key", "wrong-type", "no-address"],
+)
+def test_bad_inventory(cli, clean_home: Path, tmp_path: Path, text: str, expected: str) -> None:
+    import re
+
+    res = cli("-i", str(write(tmp_path, text)), "doctor", "all")
+    assert res.exit_code == 2
+    assert re.search(expected, one_error_line(res.stderr))
+
+
+def test_missing_inventory_and_unknown_target(cli, clean_home: Path, tmp_path: Path) -> None:
+    res = cli("-i", str(tmp_path / "nope.yaml"), "hosts")
+    assert res.exit_code == 2 and "inventory file not found" in one_error_line(res.stderr)
+    inv = write(tmp_path, "all:\n  children:\n    gpus: {hosts: {a: {ansible_host: x}}}\n")
+    res = cli("-i", str(inv), "doctor", "gpu")
+    assert res.exit_code == 2
+    assert "unknown target 'gpu' (did you mean 'gpus'?); known groups: all, gpus" in one_error_line(res.stderr)
+
+
+def test_refused_vs_timeout_per_host_while_others_succeed(
+    ssh_fleet: Fleet, clean_home: Path, tmp_path: Path, cli
+) -> None:
+    silent = socket.socket()  # accepts TCP, never speaks: a hung host
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(5)
+    doc = yaml.safe_load(ssh_fleet.inventory.read_text())
+    hosts = doc["all"]["children"]["fleet"]["hosts"]
+    hosts["refusing"] = {"ansible_host": "127.0.0.1", "ansible_port": free_port()}
+    hosts["hanging"] = {"ansible_host": "127.0.0.1", "ansible_port": silent.getsockname()[1]}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    try:
+        res = cli("-i", str(inv), "--json", "doctor", "all", "--connect-timeout", "2")
+    finally:
+        silent.close()
+    assert res.exit_code == 7
+    rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
+    assert "connection refused" in rows["refusing"]["error"]
+    assert "did not complete the SSH handshake within 2s" in rows["hanging"]["error"]
+    assert all(rows[n]["ok"] and rows[n]["result"]["sglang_version"] == "0.5.23" for n in ssh_fleet.names)
+    assert "Traceback" not in res.stderr
+
+
+def test_wrong_key_is_reported_as_auth_failure(ssh_fleet: Fleet, clean_home: Path, tmp_path: Path, cli) -> None:
+    doc = yaml.safe_load(ssh_fleet.inventory.read_text())
+    doc["all"]["children"]["fleet"]["vars"]["ansible_ssh_private_key_file"] = str(keygen(tmp_path / "wrong"))
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    res = cli("-i", str(inv), "--json", "doctor", ssh_fleet.names[0])
+    assert res.exit_code == 7
+    row = json.loads(res.stdout)["hosts"][0]
+    assert row["result"]["error_type"] == "AuthError" and "authentication failed" in row["error"]
+
+
+def test_host_key_policies_via_cli(ssh_fleet: Fleet, clean_home: Path, tmp_path: Path, cli) -> None:
+    fh = ssh_fleet.hosts[2]
+    doc = yaml.safe_load(ssh_fleet.inventory.read_text())
+    known = tmp_path / "known_hosts"
+    doc["all"]["children"]["fleet"]["vars"]["ddtree"]["known_hosts"] = str(known)
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+
+    res = cli("-i", str(inv), "--json", "doctor", fh.name)
+    assert res.exit_code == 7
+    row = json.loads(res.stdout)["hosts"][0]
+    assert row["result"]["error_type"] == "HostKeyError" and "unknown host key" in row["error"]
+
+    res = cli("-i", str(inv), "--host-key-policy", "accept-new", "--json", "doctor", fh.name)
+    assert res.exit_code == 0, res.stdout
+    assert known.read_text() == known_hosts_line(fh.port, fh.server.host_key) + "\n"
+
+    ssh_fleet.stop(fh.name)
+    impostor = SshdServer(
+        root=tmp_path / "impostor", port=fh.port, host_key=keygen(tmp_path / "other_key"),
+        authorized_keys=fh.server.authorized_keys,
+    )
+    impostor.start()
+    try:
+        res = cli("-i", str(inv), "--host-key-policy", "accept-new", "--json", "doctor", fh.name)
+    finally:
+        impostor.stop()
+        ssh_fleet.start(fh.name)
+    assert res.exit_code == 7
+    row = json.loads(res.stdout)["hosts"][0]
+    assert row["result"]["error_type"] == "HostKeyError" and "has CHANGED" in row["error"]
+
+
+def test_bad_host_key_policy_value(cli, clean_home: Path) -> None:
+    res = cli("--host-key-policy", "yolo", "hosts")
+    assert res.exit_code == 2 and "strict" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_hostile_python_path_reaches_the_host_as_data(ssh_fleet: Fleet, clean_home: Path, tmp_path: Path, cli) -> None:
+    """A path with spaces, quotes, $(...) and ; is one argv entry on the host: the probe
+    reports that exact interpreter missing, and nothing in it was executed."""
+    canary = tmp_path / "pwned"
+    hostile = f"/opt/my env/it's \"x\"/$(touch {canary}); touch {canary}; `touch {canary}`/python"
+    doc = yaml.safe_load(ssh_fleet.inventory.read_text())
+    doc["all"]["children"]["fleet"]["hosts"][ssh_fleet.names[0]]["ddtree"]["python"] = hostile
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    res = cli("-i", str(inv), "--json", "doctor", ssh_fleet.names[0])
+    assert res.exit_code == 7
+    row = json.loads(res.stdout)["hosts"][0]
+    assert "remote interpreter" in row["error"] and hostile in row["error"]
+    assert not canary.exists()
