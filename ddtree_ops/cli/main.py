@@ -133,7 +133,8 @@ def run() -> None:
     except Exception as exc:  # click usage errors arrive here in standalone_mode=False
         import click
 
-        if isinstance(exc, click.exceptions.ClickException):
+        # typer >= 0.20 vendors click: its usage errors derive from typer.TyperException.
+        if isinstance(exc, (click.exceptions.ClickException, typer.TyperException)) and hasattr(exc, "show"):
             exc.show()
             sys.exit(exc.exit_code)
         raise
