@@ -23,11 +23,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SimSettingsError as exc:
         main_logger.error(f"Invalid simulator setting: {exc}", extra={"prefix": ""})
         return 2
-    import torch
-
-    # The simulator's tensors are tiny: extra intra-op threads only fight the other
-    # processes on the machine (a 2-core box ran the sampler 10x slower with them).
-    torch.set_num_threads(1)
     from ddtree_ops.sim.server import serve
 
     launch_command = shlex.join(["python3", "-m", "sglang.launch_server", *argv])

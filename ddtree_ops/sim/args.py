@@ -215,6 +215,7 @@ class SimSettings:
     shutdown_drain_s: float = 0.0
     seed: int = 0
     port_wait_s: float = 30.0
+    warmup_s: float = 2.0
 
     def scaled(self, sim_seconds: float) -> float:
         """Real seconds to sleep for ``sim_seconds`` of simulated time."""
@@ -239,7 +240,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
-    """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_PORT_WAIT_S."""
+    """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S
+    and SGLang's own SGLANG_WAIT_PORT_TIMEOUT."""
     env = os.environ if env is None else env
     gpu = env.get("SIM_GPU", "h200") or "h200"
     if gpu not in PROFILES:
@@ -258,4 +260,5 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         shutdown_drain_s=_env_float(env, "SIM_SHUTDOWN_DRAIN_S", 0.0),
         seed=seed,
         port_wait_s=port_wait,
+        warmup_s=_env_float(env, "SIM_WARMUP_S", 2.0),
     )

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from ddtree_ops.sim.args import ServerArgs, SimSettings, parse_server_args
-from ddtree_ops.sim.engine import Engine, SamplingParams
-from ddtree_ops.sim.language import classify_prompt, tokenize
+from ddtree_ops.sim.engine import Engine
+from ddtree_ops.sim.params import SamplingParams
+from ddtree_ops.sim.text import classify_prompt, tokenize
 
 # A fixed prompt set with all three categories (used by the README table and tests).
 PROMPTS: tuple[str, ...] = (
@@ -63,7 +62,6 @@ def run_offline(
     top_p: float = 1.0,
 ) -> OfflineResult:
     """Generate every prompt alone and sum the modelled decode-step times."""
-    torch.set_num_threads(1)  # tiny tensors; see __main__
     engine = Engine(args, replace(settings, time_scale=0.0))
     total_tokens = verify = 0
     sim_ms = 0.0

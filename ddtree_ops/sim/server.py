@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -30,10 +30,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
-from ddtree_ops.sim.engine import Engine, GenRequest, RequestError, SamplingParams
-from ddtree_ops.sim.language import classify_prompt, detokenize, tokenize
+from ddtree_ops.sim.params import RequestError, SamplingParams
+from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
 from ddtree_ops.sim.logs import log_ranks, main_logger
 from ddtree_ops.sim.profiles import PROFILES
+
+if TYPE_CHECKING:  # the engine imports torch; the server loads it during "Load weight"
+    from ddtree_ops.sim.engine import Engine, GenRequest
 
 SIM_VERSION = "0.5.23-sim"
 
@@ -474,7 +477,12 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     # 2. Weights, KV cache, CUDA graphs (port still closed).
     avail = profile.gpu_mem_gb - 1.5
     log_ranks(tp, logging.INFO, f"Load weight begin. avail mem={avail:.2f} GB")
-    await asyncio.sleep(settings.scaled(settings.load_s))
+    load_started = loop.time()
+    # Real work (importing torch, building the synthetic model) counts as loading time.
+    from ddtree_ops.sim.engine import Engine
+
+    engine = Engine(args, settings)
+    await asyncio.sleep(max(0.0, load_started + settings.scaled(settings.load_s) - loop.time()))
     weights_gb = avail * 0.55
     avail -= weights_gb
     log_ranks(
@@ -541,7 +549,6 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
 
     # 3. HTTP up, warmup, ready.
     state = State(args, settings, launch_command)
-    engine = Engine(args, settings)
     state.engine = engine
     engine.start()
     app = build_app(state)
@@ -567,8 +574,13 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     main_logger.info(f"Simulated SGLang {SIM_VERSION} (profile {profile.name}, {profile.gpu_name}); no GPU is used.",
                      extra={"prefix": ""})
     main_logger.info(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)", extra={"prefix": ""})
-    warm = engine.submit([1, 2, 3], "chat", SamplingParams(temperature=0.0, max_new_tokens=1))
-    warm_task = asyncio.create_task(_run_to_end(warm))
+    async def warmup() -> None:
+        # SGLang's internal warmup request (plus first-run JIT work) takes seconds, and
+        # health says 503 meanwhile: a readiness check must wait through that window.
+        await asyncio.sleep(settings.scaled(settings.warmup_s))
+        await _run_to_end(engine.submit([1, 2, 3], "chat", SamplingParams(temperature=0.0, max_new_tokens=1)))
+
+    warm_task = asyncio.create_task(warmup())
     done, _ = await asyncio.wait({warm_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if warm_task in done:
         main_logger.info("End of prefill warmup with status 200, resp: simulated", extra={"prefix": ""})
