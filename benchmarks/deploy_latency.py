@@ -1,0 +1,216 @@
+"""Deploy latency over slow links: round trips, 1 host vs N in parallel, vs naive scp+ssh per file.
+
+Starts N real sshd test hosts on loopback (tests/fleetlib.py) and puts a user-space
+delaying TCP proxy in front of each (``tc netem`` is not available here): every chunk is
+forwarded ``--rtt-ms / 2`` after it arrived, in each direction, without limiting
+bandwidth. Then it measures, for the real ``patches/ddtree_temperature`` bundle:
+
+- remote round trips per host for a fresh deploy and for a no-op re-deploy;
+- wall time of a fresh deploy to 1 host vs N hosts in parallel (target: within 1.5x);
+- the naive way: one ``scp`` plus one ``ssh`` (byte-compile) per file, to 1 host.
+
+The bundle's verify commands are left out of the timed deploys (they import torch, which
+costs seconds of CPU unrelated to the link); ``--with-verify`` keeps them.
+
+    .venv/bin/python benchmarks/deploy_latency.py --hosts 4 --rtt-ms 50 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from fleetlib import Fleet, build_fleet, known_hosts_line  # noqa: E402
+
+from ddtree_ops.cli.deploy import fan_out  # noqa: E402
+from ddtree_ops.inventory_types import Host  # noqa: E402
+from ddtree_ops.patching.bundle import Bundle, load_bundle  # noqa: E402
+from ddtree_ops.patching.executor import deploy, rollback  # noqa: E402
+from ddtree_ops.transport import open_transport  # noqa: E402
+from ddtree_ops.transport.base import RoundTripCounter  # noqa: E402
+
+
+class DelayProxy:
+    """Loopback TCP proxies that add a fixed one-way delay per direction, in one event-loop thread."""
+
+    def __init__(self, one_way_s: float) -> None:
+        self.delay = one_way_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def add(self, target_port: int) -> int:
+        async def start() -> int:
+            server = await asyncio.start_server(lambda r, w: self._handle(r, w, target_port), "127.0.0.1", 0)
+            return int(server.sockets[0].getsockname()[1])
+
+        return asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter, port: int) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            cw.close()
+            return
+        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def sender() -> None:
+            while True:
+                due, data = await q.get()
+                wait = due - self.loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not data:
+                    w.close()
+                    return
+                w.write(data)
+                await w.drain()
+
+        task = asyncio.create_task(sender())
+        try:
+            while True:
+                data = await r.read(1 << 16)
+                q.put_nowait((self.loop.time() + self.delay, data))
+                if not data:
+                    break
+        finally:
+            await task
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def naive_deploy(fleet: Fleet, fh_index: int, port: int, bundle: Bundle) -> None:
+    """What people do by hand: scp each file, then ssh to byte-compile it; new connection each time."""
+    fh = fleet.hosts[fh_index]
+    common = ["-i", str(fleet.client_key), "-o", f"UserKnownHostsFile={fleet.known_hosts}",
+              "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"]
+    for f in bundle.files:
+        target = f"{fh.sglang_dir}/{f.path}"
+        subprocess.run(["scp", "-q", *common, "-P", str(port), f.source, f"root@127.0.0.1:{target}"], check=True)
+        subprocess.run(["ssh", *common, "-p", str(port), "root@127.0.0.1", str(fh.python), "-m", "py_compile", target],
+                       check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--rtt-ms", type=float, default=50.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--with-verify", action="store_true")
+    ap.add_argument("--bundle", type=Path, default=REPO / "patches" / "ddtree_temperature")
+    args = ap.parse_args()
+
+    bundle = load_bundle(args.bundle)
+    if not args.with_verify:
+        bundle = dataclasses.replace(bundle, verify=())
+    root = Path(tempfile.mkdtemp(prefix="ddtree-deploy-bench-"))
+    fleet = build_fleet(root, [None] * args.hosts)
+    proxy = DelayProxy(args.rtt_ms / 2000.0)
+    try:
+        inv = fleet.load()
+        hosts: list[Host] = []
+        ports: list[int] = []
+        with fleet.known_hosts.open("a") as kh:
+            for fh in fleet.hosts:
+                pport = proxy.add(fh.port)
+                ports.append(pport)
+                kh.write(known_hosts_line(pport, fh.server.host_key) + "\n")
+                hosts.append(dataclasses.replace(inv.hosts[fh.name], port=pport))
+
+        def fresh(hs: list[Host]) -> dict[str, Any]:
+            def one(h: Host) -> Any:
+                with open_transport(h) as t:
+                    out = deploy(t, h, bundle)
+                assert out.outcome == "applied", out
+                return out
+
+            res = fan_out(hs, one, max_parallel=len(hs))
+            bad = [r for r in res.values() if isinstance(r, BaseException)]
+            if bad:
+                raise bad[0]
+            return res
+
+        def undo(hs: list[Host]) -> None:
+            def one(h: Host) -> Any:
+                with open_transport(h) as t:
+                    return rollback(t, h)
+
+            fan_out(hs, one, max_parallel=len(hs))
+
+        # Round trips.
+        c_fresh, c_noop = RoundTripCounter(), RoundTripCounter()
+        with open_transport(hosts[0], counter=c_fresh) as t:
+            deploy(t, hosts[0], bundle)
+        with open_transport(hosts[0], counter=c_noop) as t:
+            noop_s = timed(lambda: deploy(t, hosts[0], bundle))
+        undo(hosts[:1])
+
+        one_host, n_hosts, naive = [], [], []
+        for _ in range(args.repeat):
+            one_host.append(timed(lambda: fresh(hosts[:1])))
+            undo(hosts[:1])
+            n_hosts.append(timed(lambda: fresh(hosts)))
+            undo(hosts)
+            naive.append(timed(lambda: naive_deploy(fleet, 0, ports[0], bundle)))
+            # Put the upstream files back so the next fresh deploy starts from the same state.
+            for f in bundle.files:
+                target = fleet.hosts[0].sglang_dir / f.path
+                if f.op == "add":
+                    target.unlink(missing_ok=True)
+            template = next((REPO / ".cache" / "fleet-prefix").glob("sglang-*"))
+            for f in bundle.files:
+                if f.op == "replace":
+                    rel = fleet.hosts[0].sglang_dir.relative_to(fleet.hosts[0].prefix)
+                    shutil.copy2(template / rel / f.path, fleet.hosts[0].sglang_dir / f.path)
+
+        med = statistics.median
+        print(f"bundle {bundle.name} {bundle.short_identity}: {len(bundle.files)} files, "
+              f"{sum(len(f.content) for f in bundle.files) / 1024:.0f} KiB, verify {'on' if bundle.verify else 'off'}")
+        print(f"link: +{args.rtt_ms:g} ms RTT via user-space proxy; {args.repeat} repeats, medians")
+        print(f"round trips per host: fresh deploy {c_fresh.commands} commands + {c_fresh.file_ops} file ops; "
+              f"no-op re-deploy {c_noop.commands} + {c_noop.file_ops} ({noop_s:.2f} s)")
+        print(f"fresh deploy, 1 host:            {med(one_host):6.2f} s  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
+        print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s  ratio {med(n_hosts) / med(one_host):.2f}x"
+              f"  (all: {', '.join(f'{x:.2f}' for x in n_hosts)})")
+        print(f"naive scp+ssh per file, 1 host:  {med(naive):6.2f} s  ({2 * len(bundle.files)} connections; "
+              f"{med(naive) / med(one_host):.1f}x slower, and no lock/backup/verify/atomicity)")
+    finally:
+        proxy.close()
+        fleet.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
