@@ -1,0 +1,162 @@
+"""The HTTP API of a running simulator, checked against SGLang 0.5.23's shapes."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+
+def _sse(resp: httpx.Response) -> list[str]:
+    """Payloads of ``data: ...`` events, in order (blank separator lines dropped)."""
+    out = []
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        out.append(line[len("data: "):])
+    return out
+
+
+def test_server_info_is_flat_and_says_simulated(ddtree_server) -> None:
+    info = httpx.get(ddtree_server.url + "/server_info").json()
+    assert info["version"] == "0.5.23-sim"
+    assert info["speculative_algorithm"] == "DDTREE"
+    assert info["speculative_ddtree_budget"] == 16
+    assert info["speculative_ddtree_topk"] == 4
+    assert info["speculative_num_draft_tokens"] == 16
+    assert info["launch_command"].startswith("python3 -m sglang.launch_server")
+    assert "--speculative-ddtree-budget 16" in info["launch_command"]
+    assert isinstance(info["startup_time"], float)
+    assert "avg_spec_accept_length" in info["internal_states"][0]
+    assert httpx.get(ddtree_server.url + "/get_server_info").json()["startup_time"] == info["startup_time"]
+    models = httpx.get(ddtree_server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "sim-model"
+    assert httpx.get(ddtree_server.url + "/model_info").json()["model_path"] == "sim-model"
+    assert httpx.get(ddtree_server.url + "/health_generate").status_code == 200
+
+
+def test_generate_non_stream_spec_fields_consistent(ddtree_server) -> None:
+    r = httpx.post(
+        ddtree_server.url + "/generate",
+        json={"text": "def add(a, b): return a + b", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    body = r.json()
+    meta = body["meta_info"]
+    assert meta["completion_tokens"] == 40 == len(body["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": 40}
+    assert meta["prompt_tokens"] == 7
+    assert meta["spec_verify_ct"] >= 1
+    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
+    assert meta["spec_accept_length"] > 1.0  # a tree never does worse than one token per verify
+    assert 0.0 <= meta["spec_accept_rate"] <= 1.0
+    assert meta["e2e_latency"] > 0
+    assert isinstance(body["text"], str) and body["text"]
+
+
+def test_generate_stream_chunks_are_cumulative_and_end_with_done(ddtree_server) -> None:
+    with httpx.stream(
+        "POST", ddtree_server.url + "/generate",
+        json={"input_ids": [5, 6, 7, 8], "stream": True,
+              "sampling_params": {"max_new_tokens": 24, "temperature": 0.8, "sampling_seed": 3, "ignore_eos": True}},
+        timeout=30,
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = _sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    lengths = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 24
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sampling_seed_makes_outputs_repeatable(ddtree_server) -> None:
+    def run(seed: int) -> list[int]:
+        r = httpx.post(
+            ddtree_server.url + "/generate",
+            json={"text": "tell me about the sea", "sampling_params": {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}},
+            timeout=30,
+        )
+        return r.json()["output_ids"]
+
+    a, b, c = run(11), run(11), run(12)
+    assert a == b
+    assert a != c
+
+
+def test_chat_completions_stream_reports_usage_when_asked(ddtree_server) -> None:
+    payload = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", ddtree_server.url + "/v1/chat/completions", json=payload, timeout=30) as resp:
+        assert resp.status_code == 200
+        events = _sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage_chunks = [c for c in chunks if c.get("usage")]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert usage_chunks[0]["choices"] == []
+    usage = usage_chunks[0]["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert content.strip()
+    # Without include_usage there is no usage chunk.
+    payload["stream_options"] = {"include_usage": False}
+    with httpx.stream("POST", ddtree_server.url + "/v1/chat/completions", json=payload, timeout=30) as resp:
+        plain = [json.loads(e) for e in _sse(resp)[:-1]]
+    assert not any(c.get("usage") for c in plain)
+
+
+def test_completions_non_stream(ddtree_server) -> None:
+    r = httpx.post(ddtree_server.url + "/v1/completions",
+                   json={"model": "sim-model", "prompt": "count to ten", "max_tokens": 8, "temperature": 0}, timeout=30)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "route, payload, needle",
+    [
+        ("/generate", {"sampling_params": {"max_new_tokens": 4}}, "Either text or input_ids"),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+        ("/generate", {"text": "x", "sampling_params": {"top_k": 0}}, "top_k"),
+        ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
+        ("/generate", "not json", "Invalid JSON"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+    ],
+)
+def test_malformed_requests_get_400_not_500(ddtree_server, route: str, payload: object, needle: str) -> None:
+    if isinstance(payload, str):
+        r = httpx.post(ddtree_server.url + route, content=payload.encode(), timeout=10)
+    else:
+        r = httpx.post(ddtree_server.url + route, json=payload, timeout=10)
+    assert r.status_code == 400, r.text
+    assert needle in r.text
+    assert "Traceback" not in r.text
+
+
+def test_flush_cache_when_idle(ddtree_server) -> None:
+    r = httpx.post(ddtree_server.url + "/flush_cache", timeout=10)
+    assert r.status_code == 200
+    assert r.text.startswith("Cache flushed.")
