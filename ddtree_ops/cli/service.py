@@ -66,11 +66,20 @@ def _run_interruptible(
     """Fan out in a worker thread so Ctrl-C reaches us; on Ctrl-C set ``cancel`` and
     wait for every host to report how it was left."""
     box: dict[str, dict[str, T | BaseException]] = {}
-    worker = threading.Thread(target=lambda: box.setdefault("r", _fan_out(hosts, fn, max_parallel=max_parallel)), daemon=True)
-    worker.start()
-    while worker.is_alive():
+    done = threading.Event()
+
+    def work() -> None:
         try:
-            worker.join(0.2)
+            box["r"] = _fan_out(hosts, fn, max_parallel=max_parallel)
+        finally:
+            done.set()
+
+    # An Event rather than Thread.join: a join interrupted by Ctrl-C can leave the thread
+    # looking finished while it still runs (CPython issue 90882).
+    threading.Thread(target=work, daemon=True).start()
+    while not done.is_set():
+        try:
+            done.wait(0.2)
         except KeyboardInterrupt:
             cancel.set()
     return box["r"]
@@ -172,7 +181,7 @@ def restart(
                     on_phase=board.on_phase, cancel=cancel, stop_grace_s=grace,
                 )
             except BaseException as exc:
-                board.done(host.name, "failed")
+                board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
                 raise exc
             board.done(host.name, "ready")
             return result

@@ -91,3 +91,37 @@ def test_bad_input_is_one_line_and_exit_2(inventory: Path, tmp_path: Path) -> No
     assert "algorithm must be one of AR, DFLASH, DDTREE" in out.stderr and "Traceback" not in out.stderr
     out = cli(inventory, "restart", "nosuchhost", env_state=tmp_path / "s.json")
     assert out.returncode == 2 and "nosuchhost" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ctrl_c_during_wait_reports_the_host_and_exits_130(inventory: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    data = yaml.safe_load(inventory.read_text())
+    host = data["all"]["hosts"]["sim-a"]["ddtree"]
+    host["server"]["env"]["SIM_LOAD_S"] = "6000"  # never finishes loading
+    inventory.write_text(yaml.safe_dump(data))
+    log = Path(host["run_dir"]) / "server.log"
+    env = dict(os.environ, DDTREE_OPS_STATE=str(tmp_path / "state.json"), COLUMNS="200")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), "restart", "sim-a"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        for _ in range(600):
+            if log.exists() and "Load weight begin." in log.read_text():
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("server never started loading")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (stdout[-2000:], stderr[-2000:])
+        assert "wait cancelled during" in stdout and "server left running" in stdout
+        assert "Traceback" not in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = cli(inventory, "--json", "stop", "all", "--grace", "5", env_state=tmp_path / "state.json")
+    assert json.loads(out.stdout)["sim-a"]["was_running"] is True
