@@ -191,3 +191,39 @@ def test_parallel_accept_new_records_each_key_once(ssh_fleet: Fleet, home: Path,
     assert sorted(known.read_text().splitlines()) == sorted(
         known_hosts_line(fh.port, fh.server.host_key) for fh in ssh_fleet.hosts
     )
+
+
+@pytest.fixture
+def blackhole_address() -> Iterator[str]:
+    """An address whose packets vanish: a veth pair into a network namespace whose end is
+    down (a host that lost power or network). Needs root and iproute2, as CI has."""
+    import os
+    import subprocess
+
+    tag = f"{os.getpid() % 100000}{threading.get_ident() % 100}"
+    ns, near, far = f"ddtbh{tag}", f"vbh{tag}a", f"vbh{tag}b"
+    octet = os.getpid() % 250 + 1
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", near, "type", "veth", "peer", "name", far],
+        ["ip", "link", "set", far, "netns", ns],
+        ["ip", "addr", "add", f"10.213.{octet}.1/30", "dev", near],
+        ["ip", "link", "set", near, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"10.213.{octet}.2/30", "dev", far],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", far, "down"],
+    ]
+    try:
+        for step in steps:
+            res = subprocess.run(step, capture_output=True, text=True)
+            if res.returncode != 0:
+                pytest.skip(f"cannot build a black-holed address here ({' '.join(step)}: {res.stderr.strip()})")
+        yield f"10.213.{octet}.2"
+    finally:
+        subprocess.run(["ip", "link", "del", near], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_blackholed_host_times_out(blackhole_address: str, home: Path) -> None:
+    with SSHTransport(Host("gone", address=blackhole_address, user="root"), connect_timeout=1.5) as t:
+        with pytest.raises(ConnectError, match=rf"gone: connection to {blackhole_address}:22 timed out after 1\.5s"):
+            t.run(["true"])
