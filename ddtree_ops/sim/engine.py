@@ -64,6 +64,11 @@ class GenRequest:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+# How far behind its planned timeline the loop may fall and still catch up; beyond it
+# the simulator is overloaded and restarts the timeline rather than bursting.
+_CATCH_UP_S = 0.05
+
+
 class Engine:
     """Scheduler loop + model stand-in; one per server process."""
 
@@ -81,6 +86,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._counter = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._planned_end = 0.0
         self._generator = torch.Generator().manual_seed(hash_ints(settings.seed, 77))
         self.total_verify_ct = 0
         self.total_completion_tokens = 0
@@ -152,7 +158,11 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            t0 = loop.time()
+            # Steps run on an absolute timeline: when the previous step just ended, this
+            # one starts at its *planned* end, so the event loop waking a little late
+            # (timer granularity, a busy machine) is paid back instead of accumulating.
+            now = loop.time()
+            t0 = self._planned_end if 0.0 <= now - self._planned_end < _CATCH_UP_S else now
             room = self.args.max_running_requests - len(self._running)
             if self._waiting and room > 0:
                 batch = self._waiting[:room]
@@ -176,8 +186,8 @@ class Engine:
                     cuda_graph=self.args.decode_cuda_graph,
                 )
             self.last_step_ms = ms
-            delay = t0 + self.settings.scaled(ms / 1000.0) - loop.time()
-            await asyncio.sleep(max(0.0, delay))
+            self._planned_end = t0 + self.settings.scaled(ms / 1000.0)
+            await asyncio.sleep(max(0.0, self._planned_end - loop.time()))
             for req, new_ids in zip(batch, outputs):
                 self._commit(req, new_ids)
             self._running = [r for r in self._running if r.finish_reason is None]
