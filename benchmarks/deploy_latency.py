@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from fleetlib import Fleet, build_fleet, known_hosts_line  # noqa: E402
 
-from ddtree_ops.cli.deploy import fan_out  # noqa: E402
+from ddtree_ops.fleet import run_on_hosts  # noqa: E402
 from ddtree_ops.inventory_types import Host  # noqa: E402
 from ddtree_ops.patching.bundle import Bundle, load_bundle  # noqa: E402
 from ddtree_ops.patching.executor import deploy, rollback  # noqa: E402
@@ -156,7 +156,7 @@ def main() -> None:
                 assert out.outcome == "applied", out
                 return out
 
-            res = fan_out(hs, one, max_parallel=len(hs))
+            res = run_on_hosts(hs, one, max_parallel=len(hs))
             bad = [r for r in res.values() if isinstance(r, BaseException)]
             if bad:
                 raise bad[0]
@@ -167,7 +167,7 @@ def main() -> None:
                 with open_transport(h) as t:
                     return rollback(t, h)
 
-            fan_out(hs, one, max_parallel=len(hs))
+            run_on_hosts(hs, one, max_parallel=len(hs))
 
         # Round trips.
         c_fresh, c_noop = RoundTripCounter(), RoundTripCounter()

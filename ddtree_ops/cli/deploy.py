@@ -9,18 +9,18 @@ selects hosts, renders, and picks the exit code.
 from __future__ import annotations
 
 import difflib
-import json
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import typer
 from rich.table import Table
 
+from ddtree_ops.cli.common import emit_json, error_text, load_hosts, raise_if_failed, transport_for
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, ServiceError
+from ddtree_ops.errors import ConfigError, ServiceError
+from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
@@ -28,50 +28,23 @@ from ddtree_ops.patching.gather import RemoteState
 from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
-from ddtree_ops.transport import open_transport
-
 T = TypeVar("T")
 DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
 
 
-def _hosts(obj: AppContext, target: str) -> list[Host]:
-    from ddtree_ops.inventory import load_inventory
-
-    if not obj.inventory:
-        raise ConfigError("no inventory: pass -i FILE or set DDTREE_OPS_INVENTORY")
-    return load_inventory(obj.inventory).resolve(target)
+# Imported by other command modules; the real helpers live in cli/common.py and fleet.py.
+_hosts = load_hosts
 
 
 def fan_out(hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int) -> dict[str, T | BaseException]:
-    """Run ``fn`` per host, at most ``max_parallel`` at once; a host's exception is its result."""
-    try:
-        from ddtree_ops.fleet import run_on_hosts
-    except ModuleNotFoundError:
-        run_on_hosts = None
-    if run_on_hosts is not None:
-        return dict(run_on_hosts(hosts, fn, max_parallel=max_parallel))
-
-    def guarded(h: Host) -> T | BaseException:
-        try:
-            return fn(h)
-        except Exception as exc:  # reported per host, never lost
-            return exc
-
-    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(hosts)))) as pool:
-        results = list(pool.map(guarded, hosts))
-    return {h.name: r for h, r in zip(hosts, results)}
+    """Kept for callers that imported it from here; the fan-out lives in :mod:`ddtree_ops.fleet`."""
+    return dict(run_on_hosts(hosts, fn, max_parallel=max_parallel))
 
 
 def _parallel(obj: AppContext, max_parallel: int | None, serial: bool) -> int:
     if serial:
         return 1
     return max_parallel or obj.max_parallel
-
-
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, DdtreeOpsError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _fmt_time(ts: float | None) -> str:
@@ -107,10 +80,10 @@ def _render_outcomes(obj: AppContext, title: str, results: dict[str, Any], *, sh
         rows = []
         for name, r in results.items():
             if isinstance(r, BaseException):
-                rows.append({"host": name, "ok": False, "error": _error_text(r), "error_type": type(r).__name__})
+                rows.append({"host": name, "ok": False, "error": error_text(r), "error_type": type(r).__name__})
             else:
                 rows.append(_outcome_json(r))
-        obj.console.print_json(json.dumps(rows))
+        emit_json(rows)
         return failed
     table = Table(title=title, show_lines=False)
     table.add_column("host", style="bold")
@@ -119,7 +92,7 @@ def _render_outcomes(obj: AppContext, title: str, results: dict[str, Any], *, sh
     table.add_column("detail", overflow="fold")
     for name, r in results.items():
         if isinstance(r, BaseException):
-            table.add_row(name, "[red]failed[/]", "", _error_text(r))
+            table.add_row(name, "[red]failed[/]", "", error_text(r))
             continue
         style = {"applied": "green", "rolled-back": "green", "noop": "dim", "planned": "cyan"}.get(r.outcome, "yellow")
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
@@ -147,7 +120,7 @@ def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: H
     if rs.package_dir is None:
         return out
     contents = {f.path: f.content for f in bundle.files}
-    with open_transport(host, host_key_policy=obj.host_key_policy) as t:
+    with transport_for(obj, host) as t:
         for a in plan.actions:
             if a.path not in contents or a.current_sha256 is None or a.kind == "patched":
                 continue
@@ -183,7 +156,7 @@ def deploy_cmd(
     if from_dir is not None and bundle_dir is not None:
         raise ConfigError("give either a bundle directory or --from/--to, not both")
     restart_fn = _restart_hook(budget, topk) if restart and not dry_run else None
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
     opts = RunOptions(force=force, force_version=force_version, dry_run=dry_run or diff, break_lock=break_lock,
                       lock_wait_s=lock_wait)
     overlay = load_overlay(from_dir, to_dir) if from_dir is not None and to_dir is not None else None
@@ -191,7 +164,7 @@ def deploy_cmd(
     diffs: dict[str, list[str]] = {}
 
     def one(h: Host) -> HostOutcome:
-        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, h) as t:
             if overlay is not None:
                 out = deploy(t, h, overlay.factory, opts, paths=overlay.paths)
             else:
@@ -204,7 +177,7 @@ def deploy_cmd(
                 restart_fn(t, h, out.plan.package_version)
             return out
 
-    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
@@ -214,7 +187,7 @@ def deploy_cmd(
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
     if failed:
-        raise FleetError(f"deploy failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")
+        raise_if_failed("deploy", results)
 
 
 def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], None]:
@@ -245,18 +218,18 @@ def rollback_cmd(
 ) -> None:
     """Restore the original files on each host and clear the applied-bundle record."""
     obj: AppContext = ctx.obj
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
     opts = RunOptions(force=force, dry_run=dry_run, break_lock=break_lock, lock_wait_s=lock_wait)
 
     def one(h: Host) -> HostOutcome:
-        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, h) as t:
             return rollback(t, h, opts)
 
-    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
     failed = _render_outcomes(obj, "rollback (dry run)" if dry_run else "rollback", results,
                               show_files=dry_run or obj.verbose > 0)
     if failed:
-        raise FleetError(f"rollback failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")
+        raise_if_failed("rollback", results)
 
 
 @app.command("status")
@@ -268,28 +241,28 @@ def status_cmd(
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
     obj: AppContext = ctx.obj
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
     bundle = load_bundle(bundle_dir) if bundle_dir is not None else None
 
     def one(h: Host) -> HostPatchStatus:
-        with open_transport(h, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, h) as t:
             return host_status(t, h, bundle=bundle)
 
-    results = fan_out(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
+    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
     failed = any(isinstance(r, BaseException) for r in results.values())
     if obj.json:
         rows = [
-            {"host": n, "ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **r.to_json()}
+            {"host": n, "ok": False, "error": error_text(r)} if isinstance(r, BaseException) else {"ok": True, **r.to_json()}
             for n, r in results.items()
         ]
-        obj.console.print_json(json.dumps(rows))
+        emit_json(rows)
     else:
         table = Table(title="patch status")
         for col in ("host", "sglang", "bundle", "applied", "files", "leftovers"):
             table.add_column(col, overflow="fold")
         for n, r in results.items():
             if isinstance(r, BaseException):
-                table.add_row(n, "", "", "", "[red]failed[/]", _error_text(r))
+                table.add_row(n, "", "", "", "[red]failed[/]", error_text(r))
                 continue
             bundle_txt = f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
             applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
@@ -316,4 +289,4 @@ def status_cmd(
                 for f in r.files:
                     obj.console.print(f"  {n} {f.path}: {f.state} {(f.sha256 or 'absent')[:12]}", highlight=False)
     if failed:
-        raise FleetError(f"status failed on {sum(isinstance(r, BaseException) for r in results.values())} of {len(results)} host(s)")
+        raise_if_failed("status", results)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ddtree_ops.cli.deploy import fan_out
+from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.errors import TransportError
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import RunOptions, deploy, rollback
@@ -53,7 +53,7 @@ def test_real_bundle_on_every_fleet_host(ssh_fleet: Fleet) -> None:
             with open_transport(h) as t:
                 return deploy(t, h, bundle)
 
-        results = fan_out(hosts, apply, max_parallel=8)
+        results = run_on_hosts(hosts, apply, max_parallel=8)
         assert all(not isinstance(r, BaseException) and r.outcome == "applied" for r in results.values()), results
 
         def again(h: Any) -> tuple[str, int]:
@@ -61,7 +61,7 @@ def test_real_bundle_on_every_fleet_host(ssh_fleet: Fleet) -> None:
             with open_transport(h, counter=c) as t:
                 return deploy(t, h, bundle).outcome, c.commands
 
-        assert set(fan_out(hosts, again, max_parallel=8).values()) == {("noop", 1)}
+        assert set(run_on_hosts(hosts, again, max_parallel=8).values()) == {("noop", 1)}
         for h in hosts:
             with open_transport(h) as t:
                 st = host_status(t, h, bundle=bundle)
@@ -72,7 +72,7 @@ def test_real_bundle_on_every_fleet_host(ssh_fleet: Fleet) -> None:
             with open_transport(h) as t:
                 return rollback(t, h).outcome
 
-        assert set(fan_out(hosts, undo, max_parallel=8).values()) == {"rolled-back"}
+        assert set(run_on_hosts(hosts, undo, max_parallel=8).values()) == {"rolled-back"}
         for h in hosts:
             with open_transport(h) as t:
                 st = host_status(t, h, bundle=bundle)
