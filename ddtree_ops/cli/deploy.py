@@ -236,12 +236,16 @@ def rollback_cmd(
 def status_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
-    bundle_dir: Optional[Path] = typer.Option(None, "--bundle", help="Also classify this bundle's files."),
+    bundle_dir: Optional[Path] = typer.Option(
+        None, "--bundle", help=f"Also classify this bundle's files (default {DEFAULT_BUNDLE} when it exists)."
+    ),
     max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1),
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
+    if bundle_dir is None and (DEFAULT_BUNDLE / "patch.yaml").is_file():
+        bundle_dir = DEFAULT_BUNDLE
     bundle = load_bundle(bundle_dir) if bundle_dir is not None else None
 
     def one(h: Host) -> HostPatchStatus:

@@ -76,14 +76,14 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
     assert [r["outcome"] for r in json.loads(again.stdout)] == ["noop", "noop"]
     assert all("already applied" in r["message"] for r in json.loads(again.stdout))
 
-    st = json.loads(_cli(inv, "--json", "status", "test").stdout)
+    st = json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)
     assert {r["bundle"]["name"] for r in st} == {"basic"}
     assert all(f["state"] == "patched" for r in st for f in r["files"])
 
     # A pip reinstall on h1 brings back the upstream worker: status shows it, deploy refuses to guess.
     worker = mini.file("srt/speculative/dflash_worker_v2.py")
     worker.write_text("# something else entirely\n")
-    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test").stdout)}
+    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
     assert {f["path"]: f["state"] for f in st["h1"]["files"]}["srt/speculative/dflash_worker_v2.py"] == "drifted"
     refused = _cli(inv, "deploy", "h1", bundle)
     assert refused.returncode == 7
@@ -91,7 +91,7 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
 
     back = _cli(inv, "rollback", "h2")
     assert back.returncode == 0, back.stderr
-    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test").stdout)}
+    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
     assert st["h2"]["bundle"] is None
     noop = json.loads(_cli(inv, "--json", "rollback", "h2").stdout)
     assert noop[0]["outcome"] == "noop" and "nothing applied" in noop[0]["message"]
@@ -138,3 +138,37 @@ def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
     assert _cli(inv, "rollback", "h1").returncode == 0
     assert "class" in mini.file("srt/speculative/dflash_info.py").read_text()  # the upstream file is back
     assert not mini.file("srt/speculative/new_mod.py").exists()
+
+
+def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    """`--restart` hands over to the service lifecycle: the simulated server comes up serving DDTREE."""
+    import socket
+    import sysconfig
+
+    import httpx
+
+    from ddtree_ops.inventory import load_inventory
+    from ddtree_ops.service import manager
+    from ddtree_ops.transport.local import LocalTransport
+
+    # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
+    (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
+              "draft_model_path": "sim/qwen3-8b-dflash", "port": port, "expected_load_s": 5,
+              "env": {"SIM_LOAD_S": "0.2", "SIM_GPU": "h200"}}
+    hosts = {"h1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
+                               "server": server}}}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"t": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}))
+    host = load_inventory([inv]).hosts["h1"]
+    try:
+        res = cli(inv, "deploy", "h1", str(BUNDLES / "basic"), "--restart", "--budget", "8", "--topk", "2")
+        assert res.returncode == 0, res.stdout + res.stderr
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
+        assert info["speculative_algorithm"] == "DDTREE"
+    finally:
+        manager.stop(LocalTransport("h1"), host, grace_s=5)
