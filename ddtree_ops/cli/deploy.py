@@ -274,7 +274,8 @@ def status_cmd(
             for f in r.files:
                 counts[f.state] = counts.get(f.state, 0) + 1
             files_txt = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "-"
-            if any(f.state in ("drifted", "missing") for f in r.files):
+            if any(f.state in ("drifted", "missing") for f in r.files) or (r.bundle_name and not r.consistent):
+                # A recorded bundle whose files are not all patched was changed outside ddtree-ops.
                 files_txt = f"[yellow]{files_txt}[/]"
             left = []
             if r.journal:
