@@ -69,6 +69,8 @@ def _start(flags: list[str], scale: float, gpu: str) -> tuple[subprocess.Popen[b
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"simulator exited with {proc.returncode} (b300 + DDTREE budget > 8 fails capture by design)")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -105,7 +107,7 @@ async def _level(url: str, concurrency: int, tokens: int) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu", default="b300")
+    ap.add_argument("--gpu", default="h200")
     ap.add_argument("--scales", default="1,0.1")
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("--modes", default="AR,DDTREE-16")

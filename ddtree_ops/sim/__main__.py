@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shlex
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from ddtree_ops.sim.server import serve
 
-    launch_command = shlex.join(["python3", "-m", "sglang.launch_server", *argv])
+    # SGLang reports the flags it was given, space-joined (server_args.py, prepare_server_args).
+    launch_command = " ".join(argv)
     main_logger.info(f"server_args={args!r}", extra={"prefix": ""})
     return asyncio.run(serve(args, settings, launch_command))
 

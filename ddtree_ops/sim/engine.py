@@ -260,16 +260,19 @@ class Engine:
             core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, root_token=int(lasts[b]))
             for b in range(len(batch))
         ]
-        n = max(len(t) for t in trees)
+        n = max(len(t.parents) for t in trees)
         # Target logits after every node: (position of the node's child, node token).
-        row_keys, row_pos, row_last, row_cats = [], [], [], []
-        for b, (req, tree) in enumerate(zip(batch, trees)):
-            for i in range(n):
-                j = i if i < len(tree) else 0  # padding rows are unreachable
-                row_keys.append(req.key)
-                row_pos.append(req.position + tree.depths[j])
-                row_last.append(tree.token_ids[j])
-                row_cats.append(req.category)
+        row_keys: list[int] = []
+        row_pos: list[int] = []
+        row_last: list[int] = []
+        row_cats: list[Category] = []
+        for req, tree in zip(batch, trees):
+            pad = n - len(tree.parents)  # padding rows repeat the root; they are unreachable
+            base = req.position
+            row_keys.extend([req.key] * n)
+            row_pos.extend([base + d for d in tree.depths] + [base] * pad)
+            row_last.extend(tree.token_ids + [tree.token_ids[0]] * pad)
+            row_cats.extend([req.category] * n)
         logits = self.language.target_logits(
             torch.tensor(row_keys, dtype=torch.int64),
             torch.tensor(row_pos, dtype=torch.int64),

@@ -56,7 +56,7 @@ CATEGORIES: dict[str, Category] = {
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 31-bit integer hash on int64 tensors (products stay below 2**62: no overflow)."""
     x = x % _MOD
-    for mul, add in ((1103515245, 12345), (1664525, 1013904223), (22695477, 1)):
+    for mul, add in ((1103515245, 12345), (1664525, 1013904223)):
         x = (x * mul + add) % _MOD
         x = x ^ (x >> 13)
     return x
@@ -73,8 +73,9 @@ class SyntheticLanguage:
         self.table[:, EOS_TOKEN] -= 4.0
         self.seed = seed
 
-    def _rows(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.table[(_mix(keys + self.seed) % TABLE_ROWS)]
+    def _rows(self, mixed_keys: torch.Tensor) -> torch.Tensor:
+        """Table rows for already-hashed keys (hashing twice would only cost time)."""
+        return self.table[mixed_keys % TABLE_ROWS]
 
     def target_logits(
         self,
@@ -86,6 +87,11 @@ class SyntheticLanguage:
         """Logits ``[M, VOCAB]`` for rows (request key, position, previous token)."""
         beta = torch.tensor([c.beta for c in categories], dtype=torch.float32)[:, None]
         w = torch.tensor([c.position_weight for c in categories], dtype=torch.float32)[:, None]
+        return self._logits(keys, positions, last_tokens, beta, w)
+
+    def _logits(
+        self, keys: torch.Tensor, positions: torch.Tensor, last_tokens: torch.Tensor, beta: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
         pos_key = _mix(keys * 7919 + positions)
         path_key = _mix(pos_key * 131 + last_tokens + 1)
         return beta * (w * self._rows(pos_key) + (1.0 - w) * self._rows(path_key))
@@ -105,6 +111,8 @@ class SyntheticLanguage:
         the drafter assumes is its own greedy chain, which is what a block drafter that
         never sees the verified path effectively conditions on.
         """
+        beta = torch.tensor([c.beta for c in categories], dtype=torch.float32)[:, None]
+        w = torch.tensor([c.position_weight for c in categories], dtype=torch.float32)[:, None]
         noise = torch.tensor([c.draft_noise for c in categories], dtype=torch.float32)[:, None]
         growth = torch.tensor([c.noise_growth for c in categories], dtype=torch.float32)[:, None]
         ids_out = []
@@ -112,7 +120,7 @@ class SyntheticLanguage:
         last = last_tokens
         for d in range(depth):
             pos = start_positions + d
-            logits = self.target_logits(keys, pos, last, categories)
+            logits = self._logits(keys, pos, last, beta, w)
             noise_rows = self._rows(_mix(keys * 104729 + pos * 17 + 3))
             logits = logits + noise * (1.0 + growth * d) * noise_rows
             logprobs = torch.log_softmax(logits, dim=-1)

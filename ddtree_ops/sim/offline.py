@@ -93,3 +93,40 @@ def run_offline(
         verify_steps=verify,
         sim_seconds=sim_ms / 1000.0,
     )
+
+
+def acceptance_table(
+    gpus: Sequence[str] = ("b300", "rtx-pro-6000"),
+    temperatures: Sequence[float] = (0.0, 1.0),
+    budgets: Sequence[int] = (4, 8, 16, 32, 64, 128),
+    max_new_tokens: int = 64,
+) -> list[str]:
+    """Markdown rows: simulated accept length and single-stream tok/s per config."""
+    rows = [
+        "| profile | T | algorithm | budget | accept length | tok/s (sim) | vs AR |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for gpu in gpus:
+        settings = SimSettings(gpu=gpu, seed=0)
+        for temp in temperatures:
+            ar = run_offline(server_args([]), settings, temperature=temp, max_new_tokens=max_new_tokens)
+            rows.append(f"| {gpu} | {temp:g} | AR | - | 1.00 | {ar.tokens_per_s:.0f} | 1.00x |")
+            configs: list[tuple[str, str, list[str]]] = [("DFLASH", "16 (chain)", ["--speculative-algorithm", "DFLASH"])]
+            configs += [
+                ("DDTREE", str(b), ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b),
+                                    "--speculative-ddtree-topk", "4"])
+                for b in budgets
+            ]
+            for algo, budget, flags in configs:
+                r = run_offline(server_args(flags), settings, temperature=temp, max_new_tokens=max_new_tokens)
+                rows.append(
+                    f"| {gpu} | {temp:g} | {algo} | {budget} | {r.accept_length:.2f} | {r.tokens_per_s:.0f} | "
+                    f"{r.tokens_per_s / ar.tokens_per_s:.2f}x |"
+                )
+    return rows
+
+
+if __name__ == "__main__":
+    # python -m ddtree_ops.sim.offline  -> the README's acceptance table (simulated figures)
+    for row in acceptance_table():
+        print(row, flush=True)

@@ -28,7 +28,7 @@ def classify_prompt(text: str) -> str:
 def _mix_int(x: int) -> int:
     """Scalar twin of :func:`_mix` (same constants, same result)."""
     x %= _MOD
-    for mul, add in ((1103515245, 12345), (1664525, 1013904223), (22695477, 1)):
+    for mul, add in ((1103515245, 12345), (1664525, 1013904223)):
         x = (x * mul + add) % _MOD
         x ^= x >> 13
     return x

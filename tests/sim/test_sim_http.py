@@ -26,7 +26,7 @@ def test_server_info_is_flat_and_says_simulated(ddtree_server) -> None:
     assert info["speculative_ddtree_budget"] == 16
     assert info["speculative_ddtree_topk"] == 4
     assert info["speculative_num_draft_tokens"] == 16
-    assert info["launch_command"].startswith("python3 -m sglang.launch_server")
+    assert info["launch_command"].startswith("--model-path sim-model")
     assert "--speculative-ddtree-budget 16" in info["launch_command"]
     assert isinstance(info["startup_time"], float)
     assert "avg_spec_accept_length" in info["internal_states"][0]
