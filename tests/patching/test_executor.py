@@ -318,3 +318,15 @@ def test_orphaned_remote_step_still_running_blocks_takeover(mini: MiniHost, basi
         step.wait()
     out = deploy(_t(mini), mini.host, basic)
     assert out.recovered == "lock-released" and out.outcome == "applied"
+
+
+def test_files_copied_by_hand_are_adopted_and_rollback_says_what_to_do(mini: MiniHost, basic: Bundle) -> None:
+    """The old workflow (scp the files) leaves no backup: adopt the files, and be honest on rollback."""
+    for f in basic.files:
+        mini.file(f.path).write_bytes(f.content)
+    out = deploy(_t(mini), mini.host, basic)
+    assert out.outcome == "applied" and out.plan.changes == ()
+    assert "state record only" in out.message
+    assert host_status(_t(mini), mini.host, bundle=basic).bundle_identity == basic.identity
+    with pytest.raises(DriftError, match="no backup of the original was recorded; reinstall the package"):
+        rollback(_t(mini), mini.host, RunOptions(force=True))
