@@ -8,56 +8,28 @@ each host stops waiting cleanly and reports the state it was left in.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 import typer
 from rich.live import Live
 from rich.table import Table
 
+from ddtree_ops.cli.common import error_text, load_hosts, raise_if_failed, render_host_results, transport_for
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
+from ddtree_ops.errors import DdtreeOpsError, FleetError, Interrupted
+from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.probe import probe_host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.state import StateStore
-from ddtree_ops.transport import open_transport
 
 T = TypeVar("T")
-
-
-def _hosts(obj: AppContext, target: str) -> list[Host]:
-    from ddtree_ops.inventory import load_inventory
-
-    if not obj.inventory:
-        raise ConfigError("no inventory: pass -i FILE or set DDTREE_OPS_INVENTORY")
-    return load_inventory(obj.inventory).resolve(target)
-
-
-def _fan_out(hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int) -> dict[str, T | BaseException]:
-    """``fleet.run_on_hosts`` where available; the same contract with a thread pool otherwise."""
-    try:
-        from ddtree_ops.fleet import run_on_hosts
-    except ModuleNotFoundError:
-        run_on_hosts = None
-    if run_on_hosts is not None:
-        return dict(run_on_hosts(hosts, fn, max_parallel=max_parallel))
-
-    def guarded(h: Host) -> T | BaseException:
-        try:
-            return fn(h)
-        except Exception as exc:  # one host's failure is its row, never lost
-            return exc
-
-    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(hosts)))) as pool:
-        results = list(pool.map(guarded, hosts))
-    return {h.name: r for h, r in zip(hosts, results)}
 
 
 def _run_interruptible(
@@ -70,7 +42,7 @@ def _run_interruptible(
 
     def work() -> None:
         try:
-            box["r"] = _fan_out(hosts, fn, max_parallel=max_parallel)
+            box["r"] = run_on_hosts(hosts, fn, max_parallel=max_parallel)
         finally:
             done.set()
 
@@ -86,26 +58,11 @@ def _run_interruptible(
 
 
 def _facts(transport: Any, host: Host) -> Any:
-    """The probe's HostFacts (version + GPUs) if that module exists, else the version alone."""
-    try:
-        from ddtree_ops.probe import probe_host
-    except ModuleNotFoundError:
-        return manager.sglang_version(transport, host)
+    """The probe's HostFacts (SGLang version + GPUs); the version alone if the probe found none."""
     facts = probe_host(transport, host)
     if getattr(facts, "sglang_version", None) is None:
         return manager.sglang_version(transport, host)
     return facts
-
-
-def _print_json(obj: AppContext, results: dict[str, Any]) -> None:
-    obj.console.print_json(json.dumps({
-        n: ({"ok": False, "error": _error_text(r)} if isinstance(r, BaseException) else {"ok": True, **asdict(r)})
-        for n, r in results.items()
-    }, default=str))
-
-
-def _error_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, DdtreeOpsError) else f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -167,13 +124,13 @@ def restart(
         cuda_graph="off" if eager else "auto",
         extra_args=tuple(extra_arg or ()),
     )
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
     state = StateStore()
     cancel = threading.Event()
     board = _Live([h.name for h in hosts])
 
     def one(host: Host) -> lifecycle.RestartResult:
-        with open_transport(host, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, host) as t:
             facts = _facts(t, host)
             try:
                 result = lifecycle.restart(
@@ -192,44 +149,33 @@ def restart(
         with Live(board, console=obj.console, refresh_per_second=4, transient=False):
             results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
     _render_restart(obj, results)
-    _finish(results, cancel)
+    _finish("restart", results, cancel)
 
 
 def _render_restart(obj: AppContext, results: dict[str, Any]) -> None:
+    columns = [
+        ("pid", lambda r: r.pid),
+        ("cuda graphs", lambda r: "on" if r.cuda_graph else "off (eager)"),
+        ("why eager", lambda r: r.fallback_reason),
+        ("ready after", lambda r: f"{r.ready_s:.1f}s ({r.attempts} launch{'es' if r.attempts > 1 else ''})"),
+        ("deadline", lambda r: f"{r.deadline_s:.0f}s ({r.deadline_source})"),
+        ("phases", lambda r: ", ".join(f"{k} {v:.1f}s" for k, v in r.phase_durations.items())),
+    ]
+    render_host_results(obj, "restart", results, columns)
     if obj.json:
-        out: dict[str, Any] = {}
-        for name, r in results.items():
-            if isinstance(r, BaseException):
-                out[name] = {"ok": False, "error": _error_text(r)}
-            else:
-                out[name] = {"ok": True, **r.as_dict()}
-        obj.console.print_json(json.dumps(out, default=str))
         return
-    table = Table(title="restart results")
-    for col in ("host", "result", "pid", "cuda graphs", "ready", "deadline", "detail"):
-        table.add_column(col, overflow="fold")
-    for name, r in results.items():
-        if isinstance(r, BaseException):
-            table.add_row(name, "[red]failed[/]", "", "", "", "", _error_text(r))
-            continue
-        graphs = "[green]on[/]" if r.cuda_graph else "[yellow]off (eager)[/]"
-        why = f"eager: {r.fallback_reason}" if r.fallback_reason else ""
-        table.add_row(
-            name, "[green]ready[/]", str(r.pid), graphs, f"{r.ready_s:.1f}s",
-            f"{r.deadline_s:.0f}s ({r.deadline_source})", why,
-        )
-    obj.console.print(table)
     for name, r in results.items():
         if not isinstance(r, BaseException) and r.attempts > 1 and not r.cuda_graph:
-            obj.console.print(f"[bold yellow]{name}: CUDA-graph capture failed; now serving in EAGER mode[/] — {r.fallback_reason}")
+            obj.console.print(
+                f"[bold yellow]{name}: CUDA-graph capture failed; now serving in EAGER mode[/] — {r.fallback_reason}",
+                highlight=False,
+            )
 
 
-def _finish(results: dict[str, Any], cancel: threading.Event) -> None:
-    failed = [n for n, r in results.items() if isinstance(r, BaseException)]
-    if cancel.is_set():
+def _finish(what: str, results: dict[str, Any], cancel: threading.Event | None = None) -> None:
+    if cancel is not None and cancel.is_set():
         raise Interrupted("interrupted; each host's state is shown above")
-    if failed:
-        raise FleetError(f"{len(failed)} of {len(results)} hosts failed: {', '.join(failed)}")
+    raise_if_failed(what, results)
 
 
 @app.command()
@@ -240,28 +186,21 @@ def stop(
 ) -> None:
     """Stop the SGLang server ddtree-ops launched (SIGTERM to its process group, SIGKILL after --grace)."""
     obj: AppContext = ctx.obj
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
 
     def one(host: Host) -> manager.StopResult:
-        with open_transport(host, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, host) as t:
             return lifecycle.stop(t, host, grace_s=grace)
 
-    results = _fan_out(hosts, one, max_parallel=obj.max_parallel)
-    if obj.json:
-        _print_json(obj, results)
-    else:
-        table = Table(title="stop")
-        for col in ("host", "result", "pid", "signal", "waited"):
-            table.add_column(col, overflow="fold")
-        for n, r in results.items():
-            if isinstance(r, BaseException):
-                table.add_row(n, "[red]failed[/]", "", "", _error_text(r))
-            elif not r.was_running:
-                table.add_row(n, "not running", str(r.pid or ""), "", "")
-            else:
-                table.add_row(n, "[green]stopped[/]", str(r.pid), r.signal or "", f"{r.waited_s:.1f}s")
-        obj.console.print(table)
-    _finish(results, threading.Event())
+    results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
+    columns = [
+        ("result", lambda r: ("stopped" if r.exited else "still running") if r.was_running else "not running"),
+        ("pid", lambda r: r.pid),
+        ("signal", lambda r: r.signal),
+        ("waited", lambda r: f"{r.waited_s:.1f}s"),
+    ]
+    render_host_results(obj, "stop", results, columns)
+    _finish("stop", results)
 
 
 @app.command("service-status")
@@ -271,29 +210,28 @@ def service_status_cmd(
 ) -> None:
     """Is the server we launched running, does it hold the port, does it answer generation?"""
     obj: AppContext = ctx.obj
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
 
     def one(host: Host) -> lifecycle.ServiceStatus:
-        with open_transport(host, host_key_policy=obj.host_key_policy) as t:
+        with transport_for(obj, host) as t:
             return lifecycle.service_status(t, host)
 
-    results = _fan_out(hosts, one, max_parallel=obj.max_parallel)
-    if obj.json:
-        _print_json(obj, results)
-    else:
-        table = Table(title="service")
-        for col in ("host", "running", "pid", "run", "cuda graphs", "ready", "detail"):
-            table.add_column(col, overflow="fold")
-        for n, r in results.items():
-            if isinstance(r, BaseException):
-                table.add_row(n, "[red]?[/]", "", "", "", "", _error_text(r))
-                continue
-            ready = "yes" if r.health == 200 and r.serving_ours is not False else ("stale" if r.health == 200 else "no")
-            graphs = "" if r.cuda_graph is None else ("on" if r.cuda_graph else "off")
-            table.add_row(n, "yes" if r.running else "no", str(r.pid or ""), r.run or "", graphs, ready,
-                          (r.log_tail[-1] if r.log_tail else "")[:100])
-        obj.console.print(table)
-    _finish(results, threading.Event())
+    def ready(r: lifecycle.ServiceStatus) -> str:
+        if r.health != 200:
+            return "no"
+        return "stale (port held by another process)" if r.serving_ours is False else "yes"
+
+    results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
+    columns = [
+        ("running", lambda r: "yes" if r.running else "no"),
+        ("pid", lambda r: r.pid),
+        ("run", lambda r: r.run),
+        ("cuda graphs", lambda r: None if r.cuda_graph is None else ("on" if r.cuda_graph else "off")),
+        ("ready", ready),
+        ("log", lambda r: r.log_tail[-1] if r.log_tail else None),
+    ]
+    render_host_results(obj, "service", results, columns)
+    _finish("service-status", results)
 
 
 @app.command()
@@ -305,9 +243,9 @@ def logs(
 ) -> None:
     """Show the server log of each host (the file the process manager writes in run_dir)."""
     obj: AppContext = ctx.obj
-    hosts = _hosts(obj, target)
+    hosts = load_hosts(obj, target)
     prefix = len(hosts) > 1
-    transports = {h.name: open_transport(h, host_key_policy=obj.host_key_policy) for h in hosts}
+    transports = {h.name: transport_for(obj, h) for h in hosts}
     offsets: dict[str, int] = {}
     failed: list[str] = []
     try:
@@ -315,7 +253,7 @@ def logs(
             try:
                 data = manager.read_logs(transports[h.name], h, lines=lines)
             except DdtreeOpsError as exc:
-                obj.console.print(f"[red]{_error_text(exc)}[/]", highlight=False)
+                obj.console.print(f"[red]{error_text(exc)}[/]", highlight=False)
                 failed.append(h.name)
                 continue
             offsets[h.name] = int(data.get("offset", 0))

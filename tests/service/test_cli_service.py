@@ -26,6 +26,13 @@ def cli(inventory: Path, *args: str, env_state: Path) -> subprocess.CompletedPro
     )
 
 
+def host_result(out: subprocess.CompletedProcess[str], name: str) -> dict:
+    """The ``result`` of one host in the shared --json document of every fleet command."""
+    (row,) = [r for r in json.loads(out.stdout)["hosts"] if r["host"] == name]
+    assert row["ok"], row["error"]
+    return row["result"]
+
+
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
     """A prefix holding the real SGLang 0.5.23 files, so the version is found as on a host."""
@@ -67,8 +74,8 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
         # b300 budget 8 is below the capture-failure threshold: graphs on, one launch.
         out = cli(inventory, "--json", "restart", "all", "--algorithm", "DDTREE", "--budget", "8", "--topk", "4", env_state=state)
         assert out.returncode == 0, out.stderr
-        result = json.loads(out.stdout)["sim-a"]
-        assert result["ok"] and result["cuda_graph"] is True and result["attempts"] == 1
+        result = host_result(out, "sim-a")
+        assert result["cuda_graph"] is True and result["attempts"] == 1
         assert result["argv"][-4:] == ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk", "4"]
         assert json.loads(state.read_text())["load_times"]  # learned for the next restart
 
@@ -76,12 +83,12 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
         assert out.returncode == 0 and "The server is fired up and ready to roll!" in out.stdout
 
         out = cli(inventory, "--json", "service-status", "sim-a", env_state=state)
-        status = json.loads(out.stdout)["sim-a"]
+        status = host_result(out, "sim-a")
         assert status["running"] and status["health"] == 200 and status["serving_ours"] is True
         assert status["cuda_graph"] is True
     finally:
         out = cli(inventory, "--json", "stop", "all", "--grace", "5", env_state=state)
-    stopped = json.loads(out.stdout)["sim-a"]
+    stopped = host_result(out, "sim-a")
     assert stopped["was_running"] and stopped["exited"]
 
 
@@ -113,6 +120,8 @@ def test_ctrl_c_during_wait_reports_the_host_and_exits_130(inventory: Path, tmp_
             if log.exists() and "Load weight begin." in log.read_text():
                 break
             time.sleep(0.1)
+            if proc.poll() is not None:
+                pytest.fail(f"restart ended early: {proc.communicate()}")
         else:
             pytest.fail("server never started loading")
         proc.send_signal(signal.SIGINT)
@@ -124,4 +133,4 @@ def test_ctrl_c_during_wait_reports_the_host_and_exits_130(inventory: Path, tmp_
         if proc.poll() is None:
             proc.kill()
         out = cli(inventory, "--json", "stop", "all", "--grace", "5", env_state=tmp_path / "state.json")
-    assert json.loads(out.stdout)["sim-a"]["was_running"] is True
+    assert host_result(out, "sim-a")["was_running"] is True
