@@ -480,16 +480,22 @@ def do_recover(p):
     if journal is None:
         release_lock()
         return {"outcome": "lock-released" if lock is not None else "nothing"}
-    if "unreadable" in journal:
-        raise Refused("recover", "journal %s is unreadable: %s" % (jpath, journal["unreadable"]))
-    state = read_json(os.path.join(sd, "state.json")) or {}
-    if state.get("txn") == journal["txn"]:
-        _finish(journal, committed=True)
-        return {"outcome": "completed", "txn": journal["txn"]}
-    problems = _rollback_entries(journal["entries"])
-    if problems:
-        raise Refused("recover", "cannot recover journal %s: %s" % (journal["txn"], "; ".join(problems)))
-    _finish(journal, committed=False)
+    # Recovery holds the lock itself, so no deploy can start while files are put back.
+    acquire_lock(p["holder"], lock.get("txn") if lock is not None else None)
+    try:
+        if "unreadable" in journal:
+            raise Refused("recover", "journal %s is unreadable: %s" % (jpath, journal["unreadable"]))
+        state = read_json(os.path.join(sd, "state.json")) or {}
+        if state.get("txn") == journal["txn"]:
+            _finish(journal, committed=True)
+            return {"outcome": "completed", "txn": journal["txn"]}
+        problems = _rollback_entries(journal["entries"])
+        if problems:
+            raise Refused("recover", "cannot recover journal %s: %s" % (journal["txn"], "; ".join(problems)))
+        _finish(journal, committed=False)
+    except BaseException:
+        release_lock()  # the journal stays and says what is left to do
+        raise
     return {"outcome": "rolled-back", "txn": journal["txn"], "phase": journal.get("phase")}
 
 

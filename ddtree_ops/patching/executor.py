@@ -168,7 +168,8 @@ class _Run:
                     "; if no deploy is running there, re-run with --break-lock")
                 raise LockError(f"locked by {describe_lock(lock)}{hint}", host=self.t.host)
             try:
-                ans = self.step("recover", {"package": package, "break_txn": lock.get("txn") if lock else None})
+                ans = self.step("recover", {"package": package, "holder": self.holder,
+                                            "break_txn": lock.get("txn") if lock else None})
             except RemoteRefusal as exc:
                 if exc.kind == "busy" and time.monotonic() < deadline:
                     time.sleep(delay)

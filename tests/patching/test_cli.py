@@ -140,6 +140,7 @@ def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
     assert not mini.file("srt/speculative/new_mod.py").exists()
 
 
+@pytest.mark.slow
 def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
     """`--restart` hands over to the service lifecycle: the simulated server comes up serving DDTREE."""
     import socket

@@ -330,3 +330,14 @@ def test_files_copied_by_hand_are_adopted_and_rollback_says_what_to_do(mini: Min
     assert host_status(_t(mini), mini.host, bundle=basic).bundle_identity == basic.identity
     with pytest.raises(DriftError, match="no backup of the original was recorded; reinstall the package"):
         rollback(_t(mini), mini.host, RunOptions(force=True))
+
+
+def test_journal_without_lock_is_recovered_under_a_lock(mini: MiniHost, basic: Bundle) -> None:
+    with pytest.raises(ConnectError):
+        deploy(CuttingTransport(_t(mini), cut_at=1, when="after"), mini.host, basic)
+    import shutil
+
+    shutil.rmtree(mini.state_dir / "lock")  # someone removed the lock by hand; the journal remains
+    out = deploy(_t(mini), mini.host, basic)
+    assert out.recovered == "rolled-back" and out.outcome == "applied"
+    _assert_clean(mini)

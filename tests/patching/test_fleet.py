@@ -24,7 +24,7 @@ from patching.conftest import BUNDLES
 
 REAL_BUNDLE = Path(__file__).resolve().parents[2] / "patches" / "ddtree_temperature"
 
-pytestmark = pytest.mark.fleet
+pytestmark = [pytest.mark.fleet, pytest.mark.slow]
 
 
 def _reset(fh: FleetHost, bundle: Bundle) -> None:
@@ -124,7 +124,7 @@ def test_sshd_session_killed_mid_upload_then_rerun_converges(ssh_fleet: Fleet, t
     d = tmp_path / "big"
     shutil.copytree(BUNDLES / "basic", d)
     # A large added file makes the upload take long enough for the kill to land during it.
-    (d / "files/srt/speculative/ddtree_big.bin").write_bytes(os.urandom(24 << 20))
+    (d / "files/srt/speculative/ddtree_big.bin").write_bytes(os.urandom(16 << 20))
     text = (d / "patch.yaml").read_text().replace(
         "files:\n", "files:\n  - {op: add, path: srt/speculative/ddtree_big.bin}\n", 1)
     (d / "patch.yaml").write_text(text)
