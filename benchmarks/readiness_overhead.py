@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
-from ddtree_ops.service import RunConfig, lifecycle
+from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
@@ -57,7 +57,6 @@ def main() -> int:
     log = work / "run" / "server.log"
     state = StateStore(work / "state.json")
     overheads: list[float] = []
-    polls_note: list[float] = []
     with LocalTransport(host.name) as t:
         for i in range(args.restarts):
             seen: list[float] = []
@@ -80,8 +79,14 @@ def main() -> int:
                 continue
             overhead = result.ready_at - seen[0]
             overheads.append(overhead)
-            polls_note.append(result.ready_s)
             print(f"restart {i + 1:2d}: launch->ready {result.ready_s:6.2f}s  ready line->our ready {overhead * 1000:7.1f} ms")
+        # What one readiness poll costs on its own (agent round trip + HTTP + /proc scan).
+        launched = manager.Launched(pid=result.pid, pstart=None, started_at=result.ready_at, log_path=str(log))
+        poll_s = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            manager.poll(t, host, launched, 0)
+            poll_s.append(time.perf_counter() - t0)
         lifecycle.stop(t, host, grace_s=5.0)
     if overheads:
         ms = sorted(o * 1000 for o in overheads)
@@ -90,6 +95,8 @@ def main() -> int:
             f"median {statistics.median(ms):.0f} ms, mean {statistics.mean(ms):.0f} ms, "
             f"min {ms[0]:.0f} ms, max {ms[-1]:.0f} ms"
         )
+        print(f"one poll round trip (20 polls of the ready server): median {statistics.median(poll_s) * 1000:.0f} ms, "
+              f"max {max(poll_s) * 1000:.0f} ms")
     return 0
 
 

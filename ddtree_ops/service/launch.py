@@ -106,6 +106,11 @@ class LaunchSpec:
         return shlex.join(self.argv)
 
 
+def probe_address(bind_host: str) -> str:
+    """Where the host itself reaches the server: a wildcard bind is reached on loopback."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """Leading numeric components of a version string: ``"0.5.23-sim"`` -> ``(0, 5, 23)``."""
     match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", text)
@@ -193,14 +198,13 @@ def build_launch_spec(
     args += server.extra_args
     args += run.extra_args
     env = MappingProxyType(dict(server.env))
-    probe_host = "127.0.0.1" if server.bind_host in ("0.0.0.0", "", "::") else server.bind_host
     return LaunchSpec(
         host=host.name,
         argv=launcher_argv(host) + tuple(args),
         server_args=tuple(args),
         env=env,
         port=server.port,
-        probe_host=probe_host,
+        probe_host=probe_address(server.bind_host),
         cuda_graph=cuda_graph,
         model=server.model_path,
         run=run,

@@ -25,7 +25,7 @@ from typing import Any
 
 from ddtree_ops.errors import DdtreeOpsError, PortBusy, ServiceError
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.service.launch import LaunchSpec
+from ddtree_ops.service.launch import LaunchSpec, probe_address
 from ddtree_ops.transport.base import Script, Transport
 
 AGENT_SOURCE = (Path(__file__).with_name("_agent.py")).read_text()
@@ -77,8 +77,7 @@ def call_agent(
 
 def base_payload(host: Host) -> dict[str, Any]:
     server = host.ddtree.server
-    probe_host = "127.0.0.1" if server.bind_host in ("0.0.0.0", "", "::") else server.bind_host
-    return {"run_dir": host.ddtree.run_dir, "port": server.port, "probe_host": probe_host}
+    return {"run_dir": host.ddtree.run_dir, "port": server.port, "probe_host": probe_address(server.bind_host)}
 
 
 def port_open(transport: Transport, host: Host) -> bool:
