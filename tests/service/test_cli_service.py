@@ -134,3 +134,12 @@ def test_ctrl_c_during_wait_reports_the_host_and_exits_130(inventory: Path, tmp_
             proc.kill()
         out = cli(inventory, "--json", "stop", "all", "--grace", "5", env_state=tmp_path / "state.json")
     assert host_result(out, "sim-a")["was_running"] is True
+
+
+def test_stop_and_logs_on_a_host_never_started(inventory: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    out = cli(inventory, "--json", "stop", "sim-a", env_state=state)
+    assert out.returncode == 0, out.stderr
+    assert host_result(out, "sim-a")["was_running"] is False
+    out = cli(inventory, "logs", "sim-a", env_state=state)
+    assert out.returncode == 0 and "sim-a: no server log yet" in out.stdout
