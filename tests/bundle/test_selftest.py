@@ -137,25 +137,31 @@ def test_cli_selftest_json_and_exit_code(tmp_path: Path) -> None:
 
 @pytest.mark.fleet
 def test_selftest_on_the_ssh_fleet_after_deploy(ssh_fleet) -> None:  # type: ignore[no-untyped-def]
-    """Deploy the bundle's files into each fleet host's real SGLang 0.5.23 prefix over SSH
-    (write_atomic), then selftest there with each host's interpreter."""
+    """Deploy the bundle with the patch engine into each fleet host's real SGLang 0.5.23
+    prefix over SSH (which also runs the manifest's verify commands there), selftest
+    with each host's interpreter, then roll back so the shared fleet stays pristine."""
+    from ddtree_ops.patching.executor import deploy, rollback
     from ddtree_ops.transport import open_transport
 
     inventory = ssh_fleet.load()
-    hosts = [inventory.hosts[name] for name in ssh_fleet.names]
     bundle = load_bundle(DEFAULT_BUNDLE)
     source = selftest_source()
-    for fh, host in zip(ssh_fleet.hosts, hosts):
+    for fh in ssh_fleet.hosts:
+        host = inventory.hosts[fh.name]
         with open_transport(host) as t:
-            # Before deploying, the host must say so clearly.
             with pytest.raises(PatchError, match="bundle not deployed"):
                 run_selftest(t, host, source=source)
-            for f in bundle.files:
-                t.write_atomic(str(fh.sglang_dir / f.path), f.content)
-            result = run_selftest(t, host, source=source)
-        assert result.ok, (host.name, result.as_dict())
-        assert result.kernel.startswith("not available")
-        assert result.ddtree_utils == str(fh.sglang_dir / "srt" / "speculative" / "ddtree_utils.py")
+            outcome = deploy(t, host, bundle)
+            try:
+                assert outcome.outcome == "applied", outcome
+                result = run_selftest(t, host, source=source)
+            finally:
+                rollback(t, host)
+            assert result.ok, (host.name, result.as_dict())
+            assert result.kernel.startswith("not available")
+            assert result.ddtree_utils == str(fh.sglang_dir / "srt" / "speculative" / "ddtree_utils.py")
+            with pytest.raises(PatchError, match="bundle not deployed"):
+                run_selftest(t, host, source=source)
 
 
 def test_table_rendering_names_each_host_and_its_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
