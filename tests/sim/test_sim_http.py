@@ -160,3 +160,17 @@ def test_flush_cache_when_idle(ddtree_server) -> None:
     r = httpx.post(ddtree_server.url + "/flush_cache", timeout=10)
     assert r.status_code == 200
     assert r.text.startswith("Cache flushed.")
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}])
+def test_top_k_and_top_p_reshape_the_verified_distribution(ddtree_server, filters: dict[str, float]) -> None:
+    """top_k=1 (or a vanishing top_p) leaves only the argmax, so sampling at T=1 must
+    reproduce greedy decoding token for token: the filters reach verification."""
+    def run(params: dict[str, object]) -> list[int]:
+        body = {"text": "solve 12 + 30 step by step",
+                "sampling_params": {"max_new_tokens": 32, "ignore_eos": True, **params}}
+        return httpx.post(ddtree_server.url + "/generate", json=body, timeout=30).json()["output_ids"]
+
+    greedy = run({"temperature": 0})
+    assert run({"temperature": 1.0, "sampling_seed": 4, **filters}) == greedy
+    assert run({"temperature": 1.0, "sampling_seed": 4}) != greedy  # without the filter, T=1 wanders
