@@ -51,7 +51,12 @@ TAIL_LINES = 12
 
 @dataclass(frozen=True)
 class RestartResult:
-    """A server that was proven to be the one we launched and to answer generation."""
+    """A server that was proven to be the one we launched and to answer generation.
+
+    ``ready_s`` (= ``load_s``, what is learned for the next deadline) and
+    ``phase_durations`` describe the final launch; ``attempts`` counts launches, so an
+    eager fallback shows as 2.
+    """
 
     host: str
     pid: int
