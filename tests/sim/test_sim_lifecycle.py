@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 STARTUP_LINES = [
     "Load weight begin.",
     "Load weight end. elapsed=",
