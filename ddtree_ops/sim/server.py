@@ -583,7 +583,6 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     warm_task = asyncio.create_task(warmup())
     done, _ = await asyncio.wait({warm_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if warm_task in done:
-        main_logger.info("End of prefill warmup with status 200, resp: simulated", extra={"prefix": ""})
         state.ready = True
         main_logger.info("The server is fired up and ready to roll!", extra={"prefix": ""})
         await stop.wait()
