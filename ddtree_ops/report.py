@@ -5,17 +5,20 @@ algorithm/budget/top-k is fastest, by how much over autoregressive decoding and 
 plain DFlash, and how sure are we. Everything here is pure pandas on a loaded frame;
 the CLI renders, :mod:`ddtree_ops.report_plots` draws.
 
-Loading is the only part that has to be fast (ledgers grow to millions of rows): lines
-are read in large blocks and parsed by pyarrow's JSON reader with an explicit schema
-(only the columns the report needs); a block that pyarrow rejects — a bad line, a
-truncated last line, an old schema version — is re-read line by line with the ledger's
-own parser, so bad lines are counted with their line numbers and never fatal. Without
-pyarrow every block takes the line-by-line path (correct, slower).
+Loading is the costly part (ledgers grow to millions of rows, ~1.7 KB each): the file
+is memory-mapped and cut into blocks of whole lines, each parsed in place by pyarrow's
+JSON reader (its threads use every core) with an explicit schema of only the columns the
+report needs. A block pyarrow refuses — a bad line, an old schema version, anything that
+is not exactly one object per line — is split in halves and retried, down to a small
+slice that is re-read line by line with the ledger's own parser, so bad lines are
+counted with their line numbers, never fatal, and a row reads the same on either path.
+Without pyarrow every block takes the line-by-line path (correct, slower).
 """
 
 from __future__ import annotations
 
-import io
+import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +38,13 @@ MAD_TO_SIGMA = 1.4826
 TIE_TOLERANCE = 0.01
 DEFAULT_MIN_REPEATS = 3
 
-_STR_COLS = ("sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status")
-_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "completed", "failed", "verify_ct")
+_STR_COLS = ("host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status")
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "failed")
 _FLOAT_COLS = (
     "temperature",
     "top_p",
     "request_rate",
     "output_tok_s",
-    "request_s",
     "accept_length",
     "ttft_ms_median",
     "ttft_ms_p99",
@@ -52,7 +54,8 @@ _FLOAT_COLS = (
     "e2e_ms_median",
 )
 _BOOL_COLS = ("cuda_graph",)
-#: Ledger columns the report reads; everything else in a row is skipped while parsing.
+#: Ledger columns the report reads; everything else in a row is skipped while parsing
+#: (each column read costs parse time on every row, so only what aggregation uses).
 LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS
 #: A row lacking any of these cannot be placed in a cell: it is a bad line.
 _NEEDED = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
@@ -140,7 +143,13 @@ BEST_COLUMNS: tuple[str, ...] = (
     "note",
 )
 
-_BLOCK_BYTES = 32 << 20
+#: Bytes handed to one pyarrow call: large enough that its worker threads stay busy,
+#: small enough that a refused block is cheap to split and re-read.
+_BLOCK_BYTES = 64 << 20
+#: pyarrow's own unit of parallel parsing inside one call.
+_ARROW_CHUNK_BYTES = 4 << 20
+#: A refused slice smaller than this goes line by line instead of being split again.
+_CAREFUL_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -193,38 +202,50 @@ def find_ledgers(paths: Sequence[Path | str], *, default_dir: Path = Path("resul
 def _arrow() -> Any:
     try:
         import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.json as pj
     except ImportError:
         return None
-    return pa, pj
+    return pa, pc, pj
 
 
 def _arrow_schema(pa: Any) -> Any:
+    # Integer fields are parsed as float64 directly: the frame holds them as float64
+    # anyway (see _coerce), and a cast afterwards costs a pass over every column. It
+    # also reads 16.0 like the careful path does (as 16) instead of refusing the block.
     return pa.schema(
         [(c, pa.string()) for c in _STR_COLS]
-        + [(c, pa.int64()) for c in _INT_COLS]
-        + [(c, pa.float64()) for c in _FLOAT_COLS]
+        + [(c, pa.float64()) for c in _INT_COLS + _FLOAT_COLS]
         + [(c, pa.bool_()) for c in _BOOL_COLS]
     )
 
 
-def _fast_block(block: bytes, arrow: Any) -> pd.DataFrame | None:
-    """Parse a block with pyarrow; None when any line needs the careful path."""
-    pa, pj = arrow
+def _fast_block(block: Any, lines: int, arrow: Any) -> Any | None:
+    """Parse a run of complete lines with pyarrow; None when any line needs the careful path.
+
+    ``block`` is a zero-copy view of the file's bytes. Besides pyarrow's own errors, the
+    block is refused when it does not give exactly one row per line: pyarrow skips blank
+    lines and accepts two objects on one line, where the careful parser skips the first
+    and reports the second, so only a one-object-per-line block keeps line numbers and
+    verdicts identical on both paths.
+    """
+    pa, pc, pj = arrow
     try:
         table = pj.read_json(
-            pa.BufferReader(block),
-            read_options=pj.ReadOptions(block_size=4 << 20),
+            pa.BufferReader(pa.py_buffer(block)),
+            read_options=pj.ReadOptions(block_size=_ARROW_CHUNK_BYTES),
             parse_options=pj.ParseOptions(explicit_schema=_arrow_schema(pa), unexpected_field_behavior="ignore"),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         return None
+    if table.num_rows != lines:
+        return None
     version = table.column("schema_version")
-    if version.null_count or not pa.compute.all(pa.compute.equal(version, SCHEMA_VERSION)).as_py():
+    if version.null_count or not pc.all(pc.equal(version, SCHEMA_VERSION)).as_py():
         return None
     if any(table.column(c).null_count for c in _NEEDED):
         return None
-    return table.to_pandas()
+    return table
 
 
 def _careful_block(
@@ -257,10 +278,114 @@ def _coerce(frame: pd.DataFrame) -> pd.DataFrame:
         # seconds); mixed or all-null columns become plain objects.
         out[c] = col if pd.api.types.is_string_dtype(col) and col.dtype != object else col.astype(object).where(col.notna(), None)
     for c in _INT_COLS + _FLOAT_COLS:
-        out[c] = pd.to_numeric(frame[c], errors="coerce").astype("float64")
+        col = frame[c]
+        out[c] = col if col.dtype == np.float64 else pd.to_numeric(col, errors="coerce").astype("float64")
     for c in _BOOL_COLS:
-        out[c] = frame[c].astype(bool)
-    return pd.DataFrame(out, index=frame.index)
+        col = frame[c]
+        out[c] = col if col.dtype == bool else col.astype(bool)
+    return pd.DataFrame(out, index=frame.index, copy=False)
+
+
+def _tables_to_frame(tables: list[Any], arrow: Any) -> pd.DataFrame:
+    """Fast-path tables -> one pandas frame, in one conversion.
+
+    Per-block frames would cost a second full copy in ``pd.concat``; ``split_blocks``
+    skips pandas' consolidation of same-typed columns into one 2-D block (a third copy
+    that nothing downstream needs).
+    """
+    pa = arrow[0]
+    table = pa.concat_tables(tables).select(list(LOAD_COLUMNS))
+    return table.to_pandas(split_blocks=True, self_destruct=True)
+
+
+class _LedgerFile:
+    """One ledger, read in blocks of whole lines, each parsed by the fastest path that is
+    exact for it. Parts keep file order (``first()`` per cell depends on it).
+
+    The file is memory-mapped: pyarrow parses the mapped pages in place (reading into
+    fresh buffers cost a copy and a page fault per page of every block), and each block's
+    pages are dropped from the mapping once parsed so resident memory stays one block,
+    not the whole file.
+    """
+
+    def __init__(self, path: Path, arrow: Any, bad: list[tuple[str, int, str]]) -> None:
+        self.name = str(path)
+        self.path = path
+        self.arrow = arrow
+        self.bad = bad
+        self.parts: list[Any] = []  # pyarrow tables and pandas frames, in file order
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if not size:
+                    return
+                with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                    self._read_mapped(mm, size)
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot read the ledger: {exc.strerror or exc}") from exc
+
+    def _read_mapped(self, mm: mmap.mmap, size: int) -> None:
+        lineno, pos = 1, 0
+        while pos < size:
+            end = min(pos + _BLOCK_BYTES, size)
+            if end < size:
+                cut = mm.rfind(b"\n", pos, end) + 1
+                if cut <= pos:  # one line longer than a block
+                    cut = mm.find(b"\n", end) + 1 or size
+            else:
+                cut = size
+            if mm[cut - 1 : cut] != b"\n":
+                # the file ends without a newline: only there is a line "truncated"
+                tail = mm.rfind(b"\n", pos, cut) + 1 or pos
+                if tail > pos:
+                    lineno = self._block(mm, pos, tail, lineno)
+                self._careful([mm[tail:cut]], lineno, at_eof=True)
+                break
+            lineno = self._block(mm, pos, cut, lineno)
+            if cut - pos >= mmap.PAGESIZE:
+                # The parsed pages are not needed again (the tables own their memory);
+                # only whole pages before the cut can go, the next block starts there.
+                drop = (cut // mmap.PAGESIZE) * mmap.PAGESIZE
+                start = (pos // mmap.PAGESIZE) * mmap.PAGESIZE
+                if drop > start:
+                    mm.madvise(mmap.MADV_DONTNEED, start, drop - start)
+            pos = cut
+
+    def _block(self, mm: mmap.mmap, start: int, end: int, lineno: int) -> int:
+        """Parse the whole lines in mm[start:end]; returns the next line number."""
+        lines = _count_newlines(mm, start, end)
+        self._range(mm, start, end, lines, lineno)
+        return lineno + lines
+
+    def _range(self, mm: mmap.mmap, start: int, end: int, lines: int, lineno: int) -> None:
+        """Fast path over mm[start:end]; on refusal split in two and retry each half, so
+        one bad line costs a few re-parses of shrinking halves and a line-by-line pass
+        over a small slice, not the whole block."""
+        if self.arrow is not None:
+            table = _fast_block(memoryview(mm)[start:end], lines, self.arrow)
+            if table is not None:
+                self.parts.append(table)
+                return
+            if end - start > _CAREFUL_BYTES and lines > 1:
+                mid = mm.rfind(b"\n", start, start + (end - start) // 2) + 1
+                if mid <= start:
+                    mid = mm.find(b"\n", start, end - 1) + 1
+                if start < mid < end:
+                    head = _count_newlines(mm, start, mid)
+                    self._range(mm, start, mid, head, lineno)
+                    self._range(mm, mid, end, lines - head, lineno + head)
+                    return
+        self._careful(mm[start:end].splitlines(keepends=True), lineno, at_eof=False)
+
+    def _careful(self, lines: list[bytes], lineno: int, *, at_eof: bool) -> None:
+        self.parts.append(_careful_block(lines, name=self.name, first_lineno=lineno, at_eof=at_eof, bad=self.bad))
+
+
+def _count_newlines(mm: mmap.mmap, start: int, end: int) -> int:
+    # numpy counts in place; slicing the map into bytes first would copy every block.
+    return int(np.count_nonzero(np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start) == 10))
 
 
 def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) -> LoadedLedgers:
@@ -270,35 +395,27 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
     """
     files = find_ledgers(paths)
     arrow = _arrow() if use_arrow is not False else None
-    frames: list[pd.DataFrame] = []
+    parts: list[Any] = []
     bad: list[tuple[str, int, str]] = []
     for path in files:
-        try:
-            fh = open(path, "rb")
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from exc
-        with fh:
-            lineno, carry = 1, b""
-            while True:
-                chunk = fh.read(_BLOCK_BYTES)
-                at_eof = not chunk
-                data = carry + chunk
-                if not at_eof:
-                    cut = data.rfind(b"\n") + 1
-                    data, carry = data[:cut], data[cut:]
-                    if not data:
-                        continue
-                if data:
-                    df = _fast_block(data, arrow) if arrow is not None and data.endswith(b"\n") else None
-                    if df is None:
-                        df = _careful_block(
-                            data.splitlines(keepends=True), name=str(path), first_lineno=lineno, at_eof=at_eof, bad=bad
-                        )
-                    frames.append(df)
-                    lineno += data.count(b"\n")
-                if at_eof:
-                    break
-    if frames:
+        reader = _LedgerFile(path, arrow, bad)
+        reader.read()
+        parts.extend(reader.parts)
+    frames: list[pd.DataFrame] = []
+    tables: list[Any] = []
+    for part in parts:
+        if isinstance(part, pd.DataFrame):
+            if tables:
+                frames.append(_tables_to_frame(tables, arrow))
+                tables = []
+            frames.append(part)
+        else:
+            tables.append(part)
+    if tables:
+        frames.append(_tables_to_frame(tables, arrow))
+    if len(frames) == 1:
+        frame = _coerce(frames[0])
+    elif frames:
         frame = _coerce(pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True))
     else:
         frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
