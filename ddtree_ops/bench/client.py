@@ -23,8 +23,10 @@ directly (loopback, or the host's address on the fleet network).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +64,8 @@ class LoadResult:
     results: tuple[RequestResult, ...]
     duration_s: float
     warmup_failures: int = 0
+    # Process CPU time spent during the measured part (what the client itself costs).
+    cpu_s: float = 0.0
 
 
 def _error_text(exc: BaseException) -> str:
@@ -116,20 +120,26 @@ class _Events:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise _Failed(f"HTTP {resp.status_code}: {text.strip()[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    self.done = True
-                    return
+            # SSE frames are split by hand on raw bytes: httpx's text line decoder costs
+            # more CPU per chunk than the JSON parse itself.
+            buf = b""
+            async for raw in resp.aiter_bytes():
+                buf += raw
+                *frames, buf = buf.split(b"\n")
                 now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    err = obj["error"]
-                    msg = err.get("message", err) if isinstance(err, Mapping) else err
-                    raise _Failed(f"server error: {msg}"[:300])
-                yield now, obj
+                for frame in frames:
+                    if not frame.startswith(b"data:"):
+                        continue
+                    data = frame[5:].strip()
+                    if data == b"[DONE]":
+                        self.done = True
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        err = obj["error"]
+                        msg = err.get("message", err) if isinstance(err, Mapping) else err
+                        raise _Failed(f"server error: {msg}"[:300])
+                    yield now, obj
 
 
 async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
@@ -164,6 +174,7 @@ async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: Load
         return RequestResult(ok=False, start=start, end=end, error="stream ended before [DONE]")
     verify = meta.get("spec_verify_ct")
     accept = meta.get("spec_accept_length")
+    server_e2e = meta.get("e2e_latency")
     return RequestResult(
         ok=True,
         start=start,
@@ -175,6 +186,7 @@ async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: Load
         spec_verify_ct=int(verify) if verify is not None else None,
         spec_accept_length=float(accept) if accept is not None else None,
         chunks=chunks,
+        server_e2e=float(server_e2e) if isinstance(server_e2e, (int, float)) else None,
     )
 
 
@@ -225,9 +237,17 @@ async def send_request(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec
     return await _stream_generate(client, prompt, spec)
 
 
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    # Loading the CA bundle costs ~70 ms of CPU; httpx would do it for every client (every
+    # cell), which would dominate the client's CPU per token in short cells.
+    return ssl.create_default_context()
+
+
 def make_client(base_url: str, *, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=base_url,
+        verify=_tls_context(),
         timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
         limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
         trust_env=False,
@@ -271,10 +291,10 @@ async def run_load_async(
             warm_results = await _run(client, warm, spec, None, None)
             warm_failed = sum(not r.ok for r in warm_results)
         rng = random.Random(spec.seed) if spec.request_rate else None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = await _run(client, spec.prompts, spec, rng, on_done)
-        duration = time.perf_counter() - t0
-    return LoadResult(results=tuple(results), duration_s=duration, warmup_failures=warm_failed)
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return LoadResult(results=tuple(results), duration_s=duration, warmup_failures=warm_failed, cpu_s=cpu)
 
 
 def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
@@ -286,7 +306,7 @@ def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
     """``POST /flush_cache`` so one cell's prefix cache does not speed up the next.
     Returns (ok, detail) and never raises: a failed flush is worth a note, not a crash."""
     try:
-        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False) as c:
+        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
             r = c.post("/flush_cache")
         return (r.status_code == 200, f"HTTP {r.status_code}")
     except httpx.HTTPError as exc:

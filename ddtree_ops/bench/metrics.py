@@ -33,6 +33,8 @@ class RequestResult:
     spec_verify_ct: int | None = None
     chunks: int = 0
     error: str | None = None
+    # The server's own e2e (``meta_info.e2e_latency``), kept to check the client's clock.
+    server_e2e: float | None = None
 
     @property
     def e2e(self) -> float:
