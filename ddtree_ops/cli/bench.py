@@ -167,18 +167,24 @@ def bench(
             cancel=cancel,
         )
 
+        finished = threading.Event()
+
         def work() -> None:
             try:
                 holder["outcome"] = runner.run()
             except BaseException as exc:  # re-raised in the main thread
                 holder["error"] = exc
+            finally:
+                finished.set()
 
-        thread = threading.Thread(target=work, name="bench-runner", daemon=True)
-        thread.start()
+        # The sweep runs in a worker thread so that Ctrl-C reaches this loop, which asks the
+        # runner to wind down. An Event, not Thread.join: a join interrupted by
+        # KeyboardInterrupt can report the thread finished while it still runs.
+        threading.Thread(target=work, name="bench-runner", daemon=True).start()
         interrupts = 0
-        while thread.is_alive():
+        while not finished.is_set():
             try:
-                thread.join(0.2)
+                finished.wait(0.2)
             except KeyboardInterrupt:
                 interrupts += 1
                 cancel.set()

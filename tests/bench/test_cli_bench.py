@@ -1,0 +1,115 @@
+"""`ddtree-ops bench` as a user runs it: a subprocess, real inventory and sweep files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree_ops.bench import ledger
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddtree_ops", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def write_inventory(tmp_path: Path, port: int) -> Path:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim-x": {
+        "ansible_connection": "local",
+        "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run"), "server": {
+            "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
+            "port": port, "expected_load_s": 2,
+            "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5"}}}}}}}}}))
+    return inv
+
+
+def write_sweep(tmp_path: Path, **extra: object) -> Path:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "general kenobi"}\n')
+    path = tmp_path / "s.yaml"
+    doc = {"name": "cli", "targets": ["local"], "grid": {"algorithm": ["autoregressive"],
+           "temperature": [0.0, 0.6, 1.0], "concurrency": [1, 2]},
+           "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 48}, "warmup": 0} | extra
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_dry_run_plan_as_json(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path, baselines=["dflash"], grid={"algorithm": ["ddtree"], "budget": [4, 8],
+                                                              "temperature": [0.0, 0.6]})
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 3 and plan["rows_per_host"] == 6
+    assert [g["server"] for g in plan["groups"]] == ["dflash", "ddtree-b4-k4", "ddtree-b8-k4"]
+    assert plan["estimated_s"]["sim-x"] > 3 * 2  # at least the expected load time per launch
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"grid": {"budget": [0]}}, "grid.budget: must be a positive integer"),
+        ({"targets": ["nowhere"]}, "unknown target 'nowhere'"),
+        ({"colour": "blue"}, "colour: unknown key"),
+    ],
+)
+def test_bad_sweep_is_one_line_exit_2(tmp_path: Path, extra: dict, needle: str) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path, **extra)
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2
+    assert needle in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_bad_prompt_line_names_file_and_line(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(tmp_path / "l.jsonl"), cwd=tmp_path)
+    assert done.returncode == 2 and f"{tmp_path / 'p.jsonl'}:2: not valid JSON" in done.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
+    port = free_port()
+    inv = write_inventory(tmp_path, port)
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "ledger.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep),
+                             "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "--resume" in err and "Traceback" not in err
+    read = ledger.read_ledger(out)
+    assert read.bad_lines == [] and 1 <= len(read.rows) < 6  # whole rows only, sweep not finished
+    with socket.socket() as s:  # the server it started is stopped
+        assert s.connect_ex(("127.0.0.1", port)) != 0
