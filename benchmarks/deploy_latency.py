@@ -50,12 +50,15 @@ class DelayProxy:
     def __init__(self, one_way_s: float) -> None:
         self.delay = one_way_s
         self.loop = asyncio.new_event_loop()
+        self.servers: list[asyncio.base_events.Server] = []
+        self.writers: set[asyncio.StreamWriter] = set()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
     def add(self, target_port: int) -> int:
         async def start() -> int:
             server = await asyncio.start_server(lambda r, w: self._handle(r, w, target_port), "127.0.0.1", 0)
+            self.servers.append(server)
             return int(server.sockets[0].getsockname()[1])
 
         return asyncio.run_coroutine_threadsafe(start(), self.loop).result()
@@ -66,7 +69,9 @@ class DelayProxy:
         except OSError:
             cw.close()
             return
+        self.writers.update((cw, uw))
         await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
+        self.writers.difference_update((cw, uw))
 
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
@@ -91,14 +96,17 @@ class DelayProxy:
                 if not data:
                     break
         finally:
-            await task
+            q.put_nowait((0.0, b""))  # a reset connection ends the sender too
+            await asyncio.gather(task, return_exceptions=True)
 
     def close(self) -> None:
         async def shutdown() -> None:
+            for server in self.servers:
+                server.close()
+            for w in list(self.writers):
+                w.close()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=5) if tasks else None
 
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
