@@ -80,7 +80,7 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def bundle_identity(manifest_bytes: bytes, files: Sequence[FileOp]) -> str:
+def compute_identity(manifest_bytes: bytes, files: Sequence[FileOp]) -> str:
     """sha256 over the manifest and each file's path and content hash, in path order.
 
     Paths are included so that moving a file changes the identity even when its bytes
@@ -92,6 +92,11 @@ def bundle_identity(manifest_bytes: bytes, files: Sequence[FileOp]) -> str:
     for f in sorted(files, key=lambda f: f.path):
         h.update(b"\0" + f.path.encode() + b"\0" + f.sha256.encode())
     return h.hexdigest()
+
+
+def bundle_identity(bundle: Bundle | Path | str) -> str:
+    """The identity of a loaded bundle or of the bundle directory at a path (what status and ledgers show)."""
+    return bundle.identity if isinstance(bundle, Bundle) else load_bundle(bundle).identity
 
 
 def normalize_target_path(raw: object, *, where: str) -> str:
@@ -224,7 +229,7 @@ def parse_manifest(doc: Mapping[str, Any], raw: bytes, *, bundle_dir: Path, wher
         versions=tuple(str(v) for v in versions),
         files=tuple(files),
         verify=tuple(verify),
-        identity=bundle_identity(raw, files),
+        identity=compute_identity(raw, files),
         origin=str(bundle_dir),
     )
 
@@ -256,6 +261,6 @@ def synthetic_bundle(
         versions=tuple(versions),
         files=tuple(files),
         verify=(),
-        identity=bundle_identity(raw, files),
+        identity=compute_identity(raw, files),
         origin=origin,
     )

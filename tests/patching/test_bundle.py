@@ -104,3 +104,10 @@ def test_real_ddtree_temperature_bundle_loads() -> None:
     b = load_bundle(path)
     assert b.name == "ddtree_temperature" and "0.5.23" in b.versions
     assert any(f.op == "replace" for f in b.files)
+
+
+def test_bundle_identity_of_path_and_of_loaded_bundle_agree() -> None:
+    from ddtree_ops.patching import bundle_identity
+
+    assert bundle_identity(BUNDLES / "basic") == bundle_identity(load_bundle(BUNDLES / "basic"))
+    assert bundle_identity(BUNDLES / "basic") != bundle_identity(BUNDLES / "v2")
