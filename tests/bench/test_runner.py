@@ -211,6 +211,7 @@ def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) 
     eager = [r for r in by_host[survivor.name] if r["algorithm"] == "DDTREE"][0]
     assert eager["cuda_graph"] is False and "capture" in eager["fallback_reason"].lower()
     assert eager["sglang_version"] == "0.5.23" and eager["server_argv"]
+    assert "B300" in eager["gpu_name"] and eager["gpu_arch"] == "sm_103" and eager["gpu_count"] == 8
     assert [r["status"] for r in by_host[cut.name]] == ["ok", "failed"]
     assert by_host[cut.name][1]["error"]
     summary = {h.host: h for h in outcome.hosts}
