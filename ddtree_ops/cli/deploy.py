@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ddtree_ops.cli.common import emit_json, error_text, load_hosts, raise_if_failed, transport_for
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError, ServiceError
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, ServiceError
 from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
@@ -138,7 +138,7 @@ def deploy_cmd(
     from_dir: Optional[Path] = typer.Option(None, "--from", help="Overlay mode: local directory to copy over the package."),
     to_dir: Optional[str] = typer.Option(None, "--to", help="Overlay mode: package subdirectory, e.g. srt/speculative."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
-    diff: bool = typer.Option(False, "--diff", help="Show unified diffs of replaced files vs the remote originals."),
+    diff: bool = typer.Option(False, "--diff", help="Show unified diffs of replaced files vs the remote originals (implies --dry-run)."),
     force: bool = typer.Option(False, "--force", help="Back up drifted files and overwrite them."),
     force_version: bool = typer.Option(False, "--force-version", help="Deploy to a package version the bundle was not made for."),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
@@ -174,7 +174,12 @@ def deploy_cmd(
                 b = bundle if bundle is not None else overlay.bundle_for(out.state)  # type: ignore[union-attr]
                 diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
             if restart_fn is not None and out.outcome == "applied":
-                restart_fn(t, h, out.plan.package_version)
+                try:
+                    restart_fn(t, h, out.plan.package_version)
+                except DdtreeOpsError as exc:
+                    # The files are in place and recorded; only the restart needs another go.
+                    exc.message = f"patch applied, but the restart failed: {exc.message}"
+                    raise
             return out
 
     results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
