@@ -17,7 +17,9 @@ Without pyarrow every block takes the line-by-line path (correct, slower).
 
 from __future__ import annotations
 
+import itertools
 import mmap
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,10 +42,8 @@ DEFAULT_MIN_REPEATS = 3
 
 _STR_COLS = ("host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status")
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "failed")
-_FLOAT_COLS = (
-    "temperature",
-    "top_p",
-    "request_rate",
+#: Per-row metrics whose per-cell median the tidy table reports.
+_MEDIAN_COLS: tuple[str, ...] = (
     "output_tok_s",
     "accept_length",
     "ttft_ms_median",
@@ -53,6 +53,7 @@ _FLOAT_COLS = (
     "tpot_ms_median",
     "e2e_ms_median",
 )
+_FLOAT_COLS = ("temperature", "top_p", "request_rate", *_MEDIAN_COLS)
 _BOOL_COLS = ("cuda_graph",)
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
 #: (each column read costs parse time on every row, so only what aggregation uses).
@@ -150,6 +151,7 @@ _BLOCK_BYTES = 64 << 20
 _ARROW_CHUNK_BYTES = 4 << 20
 #: A refused slice smaller than this goes line by line instead of being split again.
 _CAREFUL_BYTES = 1 << 20
+_COUNT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -220,13 +222,13 @@ def _arrow_schema(pa: Any) -> Any:
     )
 
 
-def _fast_block(block: Any, lines: int, arrow: Any) -> Any | None:
-    """Parse a run of complete lines with pyarrow; None when any line needs the careful path.
+def _fast_block(block: Any, arrow: Any) -> Any | None:
+    """Parse a run of complete lines with pyarrow; None when a line needs the careful path.
 
-    ``block`` is a zero-copy view of the file's bytes. Besides pyarrow's own errors, the
-    block is refused when it does not give exactly one row per line: pyarrow skips blank
-    lines and accepts two objects on one line, where the careful parser skips the first
-    and reports the second, so only a one-object-per-line block keeps line numbers and
+    ``block`` is a zero-copy view of the file's bytes. The caller must also refuse a
+    table whose row count is not the block's line count: pyarrow skips blank lines and
+    accepts two objects on one line, where the careful parser skips the first and
+    reports the second, so only a one-object-per-line block keeps line numbers and
     verdicts identical on both paths.
     """
     pa, pc, pj = arrow
@@ -237,8 +239,6 @@ def _fast_block(block: Any, lines: int, arrow: Any) -> Any | None:
             parse_options=pj.ParseOptions(explicit_schema=_arrow_schema(pa), unexpected_field_behavior="ignore"),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-        return None
-    if table.num_rows != lines:
         return None
     version = table.column("schema_version")
     if version.null_count or not pc.all(pc.equal(version, SCHEMA_VERSION)).as_py():
@@ -355,17 +355,22 @@ class _LedgerFile:
 
     def _block(self, mm: mmap.mmap, start: int, end: int, lineno: int) -> int:
         """Parse the whole lines in mm[start:end]; returns the next line number."""
+        # Parse before counting lines: pyarrow's threads then take the page faults of
+        # first touching the block in parallel, and the count runs over resident pages.
+        table = _fast_block(memoryview(mm)[start:end], self.arrow) if self.arrow is not None else None
         lines = _count_newlines(mm, start, end)
-        self._range(mm, start, end, lines, lineno)
+        self._range(mm, start, end, lines, lineno, table)
         return lineno + lines
 
-    def _range(self, mm: mmap.mmap, start: int, end: int, lines: int, lineno: int) -> None:
-        """Fast path over mm[start:end]; on refusal split in two and retry each half, so
-        one bad line costs a few re-parses of shrinking halves and a line-by-line pass
-        over a small slice, not the whole block."""
+    def _range(self, mm: mmap.mmap, start: int, end: int, lines: int, lineno: int, table: Any = None) -> None:
+        """Fast path over mm[start:end] (``table``: its parse, when already done); on
+        refusal split in two and retry each half, so one bad line costs a few re-parses
+        of shrinking halves and a line-by-line pass over a small slice, not the whole
+        block."""
         if self.arrow is not None:
-            table = _fast_block(memoryview(mm)[start:end], lines, self.arrow)
-            if table is not None:
+            if table is None:
+                table = _fast_block(memoryview(mm)[start:end], self.arrow)
+            if table is not None and table.num_rows == lines:
                 self.parts.append(table)
                 return
             if end - start > _CAREFUL_BYTES and lines > 1:
@@ -384,8 +389,13 @@ class _LedgerFile:
 
 
 def _count_newlines(mm: mmap.mmap, start: int, end: int) -> int:
-    # numpy counts in place; slicing the map into bytes first would copy every block.
-    return int(np.count_nonzero(np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start) == 10))
+    # numpy counts in place (slicing the map into bytes would copy every block), in
+    # slices so that the comparison's temporary stays small and cache-resident.
+    total = 0
+    for lo in range(start, end, _COUNT_BYTES):
+        n = min(_COUNT_BYTES, end - lo)
+        total += int(np.count_nonzero(np.frombuffer(mm, dtype=np.uint8, count=n, offset=lo) == 10))
+    return total
 
 
 def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) -> LoadedLedgers:
@@ -434,44 +444,108 @@ def _machine_column(frame: pd.DataFrame, by: GroupBy) -> pd.Series:
     raise ConfigError(f"--group-by must be 'host' or 'gpu', not {by!r}")
 
 
+#: The finest grouping: every coarser machine grouping is a function of these keys.
+_FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", *CELL_KEYS)
+_FIRST_COLS: tuple[str, ...] = ("gpu_name", "gpu_arch", "workload_name", "fallback_reason")
+
+
 def aggregate(frame: pd.DataFrame, *, by: GroupBy = "host") -> pd.DataFrame:
     """One tidy row per (machine, cell), repeats pooled over ``ok`` rows.
 
     ``by="host"`` gives the per-host table; ``by="gpu"`` pools hosts of one GPU type.
     Failed rows still create their cell (n=0) so that refusals can name them.
     """
+    return aggregate_levels(frame, (by,))[by]
+
+
+def aggregate_levels(frame: pd.DataFrame, levels: Sequence[GroupBy]) -> dict[GroupBy, pd.DataFrame]:
+    """:func:`aggregate` for several machine groupings, sharing the costly row grouping.
+
+    Rows are grouped once at the finest level (host, GPU name, cell); each requested
+    grouping is then a mapping of those few thousand groups, so the per-row work left per
+    level is a handful of integer-keyed reductions. Medians are order statistics and
+    cannot be pooled from per-host medians: they are still taken over the rows.
+    """
+    for by in levels:
+        if by not in ("host", "gpu"):
+            raise ConfigError(f"--group-by must be 'host' or 'gpu', not {by!r}")
     if frame.empty:
-        return pd.DataFrame({c: pd.Series(dtype=t) for c, t in TIDY_DTYPES.items()})
-    frame = frame.assign(machine=_machine_column(frame, by))
+        return {by: pd.DataFrame({c: pd.Series(dtype=t) for c, t in TIDY_DTYPES.items()}) for by in levels}
+    fine_gid = frame.groupby(list(_FINE_KEYS), dropna=False, sort=False).ngroup().to_numpy()
+    n_fine = int(fine_gid.max()) + 1
+    positions = np.arange(len(frame))
+    fine = frame.iloc[_first_position(positions, fine_gid, n_fine)][list(_FINE_KEYS)].reset_index(drop=True)
+    # Row position of each fine group's first non-null value, per column; a coarser
+    # group's first() is then the smallest of its fine groups' positions.
+    first_pos = {}
+    for c in _FIRST_COLS:
+        valid = frame[c].notna().to_numpy()
+        first_pos[c] = _first_position(positions[valid], fine_gid[valid], n_fine, missing=len(frame))
+    failed_rows = (frame["status"] != "ok").to_numpy()
+    ok = ~failed_rows
+    fine_failed = np.bincount(fine_gid, weights=failed_rows, minlength=n_fine)
+    ok_gid = fine_gid[ok]
+    ok_vals = frame.loc[ok, ["failed", *_MEDIAN_COLS]].reset_index(drop=True)
+    return {
+        by: _aggregate_level(frame, fine, fine_gid, fine_failed, first_pos, ok_gid, ok_vals, by) for by in levels
+    }
+
+
+def _first_position(positions: np.ndarray, gid: np.ndarray, n: int, *, missing: int = -1) -> np.ndarray:
+    """Smallest of increasing ``positions`` per group id (``missing`` where none)."""
+    # Callers pass increasing positions, so each id's first occurrence is its minimum.
+    out = np.full(n, missing, dtype=np.int64)
+    ids, first = np.unique(gid, return_index=True)
+    out[ids] = positions[first]
+    return out
+
+
+def _aggregate_level(
+    frame: pd.DataFrame,
+    fine: pd.DataFrame,
+    fine_gid: np.ndarray,
+    fine_failed: np.ndarray,
+    first_pos: dict[str, np.ndarray],
+    ok_gid: np.ndarray,
+    ok_vals: pd.DataFrame,
+    by: GroupBy,
+) -> pd.DataFrame:
     keys = ["machine", *CELL_KEYS]
-    gid = frame.groupby(keys, dropna=False, sort=True).ngroup().to_numpy()
-    frame = frame.assign(_gid=gid)
-    first = frame.drop_duplicates("_gid").set_index("_gid").sort_index()
-    cells = first[keys].copy()
+    fine = fine.assign(machine=_machine_column(fine, by))
+    # Same sorted, NA-keeping grouping as over the rows: the distinct key tuples are the same.
+    level_of_fine = fine.groupby(keys, dropna=False, sort=True).ngroup().to_numpy()
+    n = int(level_of_fine.max()) + 1
+    cells = fine.iloc[_first_position(np.arange(len(fine)), level_of_fine, n)][keys].reset_index(drop=True)
 
-    g_all = frame.groupby("_gid")
-    cells["hosts"] = g_all["host"].agg(lambda s: ",".join(sorted(set(s))))
-    for c in ("gpu_name", "gpu_arch", "workload_name", "fallback_reason"):
-        cells[c] = g_all[c].first()
-    failed_rows = frame["status"] != "ok"
-    cells["n_failed_rows"] = failed_rows.groupby(gid).sum()
+    # Host lists from the few thousand fine groups, in plain Python: a pandas per-group
+    # lambda costs more than the join itself.
+    pairs = sorted(set(zip(level_of_fine.tolist(), fine["host"].tolist())))
+    hosts = [""] * n
+    for g_id, members in itertools.groupby(pairs, key=operator.itemgetter(0)):
+        hosts[g_id] = ",".join(host for _, host in members)
+    cells["hosts"] = hosts
+    for c in _FIRST_COLS:
+        pos = pd.Series(first_pos[c]).groupby(level_of_fine).min().to_numpy()
+        found = pos < len(frame)
+        values = np.full(n, None, dtype=object)
+        values[found] = frame[c].iloc[pos[found]].to_numpy(dtype=object)
+        cells[c] = values
+    cells["n_failed_rows"] = np.bincount(level_of_fine, weights=fine_failed, minlength=n)
 
-    ok = frame[~failed_rows]
-    g = ok.groupby("_gid")
-    tok = ok["output_tok_s"]
-    cells["n"] = g.size()
-    cells["failed_requests"] = g["failed"].sum(min_count=1)
-    med = g["output_tok_s"].median()
-    cells["output_tok_s_median"] = med
-    dev = (tok - med.reindex(ok["_gid"]).to_numpy()).abs()
-    cells["output_tok_s_mad"] = dev.groupby(ok["_gid"]).median()
-    cells["output_tok_s_min"] = g["output_tok_s"].min()
-    cells["output_tok_s_max"] = g["output_tok_s"].max()
-    cells["accept_length_median"] = g["accept_length"].median()
-    for c in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_median", "itl_ms_p99", "tpot_ms_median", "e2e_ms_median"):
-        cells[c] = g[c].median()
-    cells["n"] = cells["n"].fillna(0)
-    cells["failed_requests"] = cells["failed_requests"].fillna(0)
+    gid = level_of_fine[ok_gid]
+    g = ok_vals.groupby(gid, sort=True)
+    med = g[list(_MEDIAN_COLS)].median().reindex(range(n))
+    tok = ok_vals["output_tok_s"]
+    dev = (tok - med["output_tok_s"].to_numpy()[gid]).abs()
+    cells["n"] = np.bincount(gid, minlength=n)
+    cells["failed_requests"] = g["failed"].sum(min_count=1).reindex(range(n)).fillna(0).to_numpy()
+    cells["output_tok_s_median"] = med["output_tok_s"].to_numpy()
+    cells["output_tok_s_mad"] = dev.groupby(gid).median().reindex(range(n)).to_numpy()
+    cells["output_tok_s_min"] = g["output_tok_s"].min().reindex(range(n)).to_numpy()
+    cells["output_tok_s_max"] = g["output_tok_s"].max().reindex(range(n)).to_numpy()
+    cells["accept_length_median"] = med["accept_length"].to_numpy()
+    for c in _MEDIAN_COLS[2:]:  # latency columns keep their names
+        cells[c] = med[c].to_numpy()
     cells["score"] = cells["output_tok_s_median"] - MAD_TO_SIGMA * cells["output_tok_s_mad"]
 
     cells = _add_speedups(cells.reset_index(drop=True))
@@ -704,8 +778,8 @@ def build_report(
             raise ConfigError(f"no ledger (*.jsonl) found in {where}; run `ddtree-ops bench --sweep ...` first")
         detail = f" ({len(loaded.bad_lines)} bad line(s), first: {loaded.bad_lines[0][0]}:{loaded.bad_lines[0][1]}: {loaded.bad_lines[0][2]})" if loaded.bad_lines else ""
         raise ConfigError(f"no valid ledger rows in {len(loaded.files)} file(s) under {where}{detail}")
-    tidy = aggregate(loaded.frame, by="host")
-    grouped = tidy if group_by == "host" else aggregate(loaded.frame, by=group_by)
+    levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
+    tidy, grouped = levels["host"], levels[group_by]
     best = best_configs(grouped, min_repeats=min_repeats, mix_modes=mix_modes)
     return Report(loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by)
 
