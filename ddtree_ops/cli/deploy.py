@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import typer
 from rich.table import Table
@@ -28,17 +28,12 @@ from ddtree_ops.patching.gather import RemoteState
 from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
-T = TypeVar("T")
+from ddtree_ops.service.lifecycle import service_status
 DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
 
 
 # Imported by other command modules; the real helpers live in cli/common.py and fleet.py.
 _hosts = load_hosts
-
-
-def fan_out(hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int) -> dict[str, T | BaseException]:
-    """Kept for callers that imported it from here; the fan-out lives in :mod:`ddtree_ops.fleet`."""
-    return dict(run_on_hosts(hosts, fn, max_parallel=max_parallel))
 
 
 def _parallel(obj: AppContext, max_parallel: int | None, serial: bool) -> int:
@@ -237,6 +232,33 @@ def rollback_cmd(
         raise_if_failed("rollback", results)
 
 
+def _service_json(svc: Any) -> dict[str, Any]:
+    if isinstance(svc, BaseException):
+        return {"ok": False, "error": error_text(svc)}
+    return {
+        "ok": True,
+        "running": svc.running,
+        "pid": svc.pid,
+        "argv": list(svc.argv),
+        "started_at": svc.started_at,
+        "port_open": svc.port_open,
+        "serving_ours": svc.serving_ours,
+        "health": svc.health,
+        "cuda_graph": svc.cuda_graph,
+    }
+
+
+def _service_text(svc: Any) -> str:
+    """One cell: is the server we launched running, ready, on CUDA graphs?"""
+    if isinstance(svc, BaseException):
+        return f"[red]{error_text(svc)}[/]"
+    if not svc.running:
+        return "stopped" + (" (port held by another process)" if svc.port_open else "")
+    ready = "ready" if svc.health == 200 and svc.serving_ours else f"not ready (health {svc.health})"
+    graphs = {True: "cuda graphs", False: "eager", None: "graph mode unknown"}[svc.cuda_graph]
+    return f"pid {svc.pid}, {ready}, {graphs}"
+
+
 @app.command("status")
 def status_cmd(
     ctx: typer.Context,
@@ -253,25 +275,36 @@ def status_cmd(
         bundle_dir = DEFAULT_BUNDLE
     bundle = load_bundle(bundle_dir) if bundle_dir is not None else None
 
-    def one(h: Host) -> HostPatchStatus:
+    def one(h: Host) -> tuple[HostPatchStatus, Any]:
         with transport_for(obj, h) as t:
-            return host_status(t, h, bundle=bundle)
+            patch = host_status(t, h, bundle=bundle)
+            # The service section must never hide the patch section: its failure is shown
+            # in its own column.
+            try:
+                service: Any = service_status(t, h, log_lines=0)
+            except DdtreeOpsError as exc:
+                service = exc
+            return patch, service
 
-    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
+    both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
+    results = {n: (r if isinstance(r, BaseException) else r[0]) for n, r in both.items()}
+    services = {n: r[1] for n, r in both.items() if not isinstance(r, BaseException)}
     failed = any(isinstance(r, BaseException) for r in results.values())
     if obj.json:
         rows = [
-            {"host": n, "ok": False, "error": error_text(r)} if isinstance(r, BaseException) else {"ok": True, **r.to_json()}
+            {"host": n, "ok": False, "error": error_text(r)}
+            if isinstance(r, BaseException)
+            else {"ok": True, **r.to_json(), "service": _service_json(services[n])}
             for n, r in results.items()
         ]
         emit_json(rows)
     else:
-        table = Table(title="patch status")
-        for col in ("host", "sglang", "bundle", "applied", "files", "leftovers"):
+        table = Table(title="patch and service status")
+        for col in ("host", "sglang", "bundle", "applied", "files", "leftovers", "server"):
             table.add_column(col, overflow="fold")
         for n, r in results.items():
             if isinstance(r, BaseException):
-                table.add_row(n, "", "", "", "[red]failed[/]", error_text(r))
+                table.add_row(n, "", "", "", "[red]failed[/]", error_text(r), "")
                 continue
             bundle_txt = f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
             applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
@@ -290,7 +323,7 @@ def status_cmd(
             if r.state_error:
                 left.append(f"state unreadable: {r.state_error}")
             table.add_row(n, r.package_version or "[red]not installed[/]", bundle_txt, applied, files_txt,
-                          "; ".join(left) or "-")
+                          "; ".join(left) or "-", _service_text(services[n]))
         obj.console.print(table)
         if obj.verbose:
             for n, r in results.items():

@@ -19,9 +19,10 @@ from typing import Any
 
 import typer
 
-from ddtree_ops.cli.deploy import fan_out
+from ddtree_ops.cli.common import load_hosts, transport_for
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.ddtree_core import REPO_ROOT
+from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.errors import BundleError, CommandFailed, DdtreeOpsError, FleetError, PatchError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Script, Transport
@@ -126,19 +127,6 @@ def run_selftest(
 # ---------------------------------------------------------------------------- command
 
 
-def _load_hosts(obj: AppContext, target: str) -> list[Host]:
-    try:
-        from ddtree_ops.cli.common import load_hosts
-    except ModuleNotFoundError as exc:
-        if exc.name != "ddtree_ops.cli.common":
-            raise
-    else:
-        return load_hosts(obj, target)
-    from ddtree_ops.cli.deploy import _hosts
-
-    return _hosts(obj, target)
-
-
 def _summary(result: SelftestResult) -> str:
     if result.ok:
         return f"{len(result.checks)} checks passed"
@@ -190,16 +178,14 @@ def selftest_command(
     encoding, tree properties, greedy walk, sampler exactness, and kernel vs reference
     where CUDA and SGLang's kernel are available."""
     obj: AppContext = ctx.obj
-    hosts = _load_hosts(obj, target)
+    hosts = load_hosts(obj, target)
     source = selftest_source(bundle)
 
     def one(host: Host) -> SelftestResult:
-        from ddtree_ops.transport import open_transport
-
-        with open_transport(host, host_key_policy=obj.host_key_policy) as transport:
+        with transport_for(obj, host) as transport:
             return run_selftest(transport, host, source=source, timeout=timeout)
 
-    results = fan_out(hosts, one, max_parallel=obj.max_parallel)
+    results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
     if _render(obj, results):
         failed = [n for n, r in results.items() if not (isinstance(r, SelftestResult) and r.ok)]
         raise FleetError(f"selftest failed on {len(failed)} of {len(results)} host(s): {', '.join(failed)}")

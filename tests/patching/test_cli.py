@@ -173,3 +173,17 @@ def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHos
         assert info["speculative_algorithm"] == "DDTREE"
     finally:
         manager.stop(LocalTransport("h1"), host, grace_s=5)
+
+
+def test_status_has_a_service_section(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    """`status` answers for the server too; a host that never ran one says so, in the same round."""
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    res = cli(inv, "--json", "status", "h1")
+    assert res.returncode == 0, res.stderr
+    (row,) = json.loads(res.stdout)
+    assert row["service"]["ok"] is True
+    assert row["service"]["running"] is False
+    assert row["service"]["pid"] is None
+    table = cli(inv, "status", "h1")
+    assert table.returncode == 0, table.stderr
+    assert "server" in table.stdout and "stopped" in table.stdout
