@@ -438,7 +438,7 @@ class SweepRunner:
             verify_ct=metrics.verify_steps or None,
             **{k: v for k, v in flat.items() if k[:3] in ("ttf", "itl", "tpo", "e2e")},
         )
-        self._append(hr, row)
+        self._append(hr, row, cell)
         return row
 
     def _row(
@@ -473,7 +473,7 @@ class SweepRunner:
         )
         return row
 
-    def _append(self, hr: _HostRun, row: Mapping[str, Any]) -> None:
+    def _append(self, hr: _HostRun, row: Mapping[str, Any], cell: Cell) -> None:
         ledger.append_row(self.ledger_path, row)
         hr.done += 1
         if row["status"] == "ok":
@@ -482,13 +482,14 @@ class SweepRunner:
             hr.failed_rows += 1
             if self.fail_fast:
                 self.shared.stop_all.set()
-        self._emit(hr, "row", cell=str(row.get("algorithm")), status=str(row["status"]), message=row.get("error") or "")
+        self._emit(hr, "row", cell=cell.key, repeat=int(row["repeat"]), status=str(row["status"]),
+                   message=row.get("error") or "")
 
     def _fail_rest(
         self, hr: _HostRun, prov: _Provenance, restart: Any, runs: Sequence[tuple[Cell, int]], error: str
     ) -> None:
         for cell, rep in runs:
-            self._append(hr, self._row(hr, prov, restart, cell, rep, _now_iso(), error=error))
+            self._append(hr, self._row(hr, prov, restart, cell, rep, _now_iso(), error=error), cell)
 
 
 def run_sweep(

@@ -151,7 +151,9 @@ def bench(
             desc = p.phase if not p.cell else f"{p.phase} {p.cell}"
             if p.message:
                 desc += f" — {p.message[:80]}"
-            bar.update(tasks[p.host], completed=p.done, total=max(p.total, 1), description=desc)
+            total = max(p.total, 1)
+            done = total if p.phase == "finished" and not p.total else p.done
+            bar.update(tasks[p.host], completed=done, total=total, description=desc)
 
         runner = SweepRunner(
             spec,
