@@ -216,3 +216,26 @@ def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) 
     assert by_host[cut.name][1]["error"]
     summary = {h.host: h for h in outcome.hosts}
     assert summary[cut.name].error and not summary[survivor.name].error
+
+
+def test_unreachable_host_fails_its_rows_and_fail_fast_stops_the_others(tmp_path: Path) -> None:
+    gone = Host(name="gone", connection="ssh", address="127.0.0.1", port=free_port(), user="root",
+                ddtree=DdtreeSettings(server=sim_server("h200")), source="<test>")
+    alive = local_host(tmp_path, "sim-f")
+    spec = sweep(tmp_path)
+    workload = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    try:
+        outcome = SweepRunner(spec, [gone, alive], workload, ledger_path=out, fail_fast=True).run()
+    finally:
+        stop_all([alive])
+    rows = rows_of(out)
+    runs = plan_sweep(spec).runs
+    assert [r["host"] for r in rows] == ["gone"] * runs
+    assert all(r["status"] == "failed" and r["error"] for r in rows)
+    summary = {h.host: h for h in outcome.hosts}
+    assert summary["gone"].error and summary["gone"].failed_rows == runs
+    # fail-fast: the healthy host stops before its next row, here before the first one
+    assert summary["sim-f"].ok_rows == 0 and summary["sim-f"].failed_rows == 0
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", alive.ddtree.server.port)) != 0
