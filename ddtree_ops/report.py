@@ -17,6 +17,7 @@ Without pyarrow every block takes the line-by-line path (correct, slower).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import operator
@@ -321,8 +322,14 @@ class _LedgerFile:
                 size = os.fstat(fh.fileno()).st_size
                 if not size:
                     return
-                with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+                try:
                     self._read_mapped(mm, size)
+                finally:
+                    # A view may outlive a failed parse in a traceback; the map is then
+                    # released with the last view instead, and the real error surfaces.
+                    with contextlib.suppress(BufferError):
+                        mm.close()
         except OSError as exc:
             raise ConfigError(f"{self.path}: cannot read the ledger: {exc.strerror or exc}") from exc
 
