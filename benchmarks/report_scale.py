@@ -10,10 +10,10 @@ time, peak RSS and a per-phase split. Target: < 10 s, < 2 GiB on 2 cores.
 Rows are what the sweep runner writes (built with ``ledger.encode_row``, the runner's
 own encoder): full provenance, the launch argv, readiness phases, every latency metric
 with full float precision, AR and DFlash baselines next to the DDTree grid, eager
-fallbacks on one GPU type and a few failed rows — about 2.2 KB a row (a row the runner wrote against the simulator, with no GPU provenance and a
-short argv, is 1.8 KB). 40 hosts (two GPU
-types) x 153 cells, so a million rows is ~160 pooled repeats per cell: a ledger that has
-accumulated many sweeps of the same grid.
+fallbacks on one GPU type and a few failed rows — about 2.2 KB a row (a row the runner
+writes against the simulator, with no GPU provenance and a short argv, is 1.8 KB).
+40 hosts (two GPU types) x 153 cells, so a million rows is ~160 pooled repeats per
+cell: a ledger that has accumulated many sweeps of the same grid.
 
 The machine's load average is printed with the figures: on shared CPUs the wall time
 follows the load, the CPU time much less so.
