@@ -43,8 +43,18 @@ demo-hosts: $(STAMP)
 	  fi; \
 	done
 
+# The whole story on the local simulated fleet: check the hosts, deploy the DDTree patch,
+# restart on DDTree (the b300 host falls back to eager), sweep, report. A fresh ledger
+# each time; `ddtree-ops bench ... --resume` is how an interrupted sweep is finished.
+DEMO_OPS := $(VENV)/bin/ddtree-ops -i inventories/local.yaml
 demo: demo-hosts
-	$(VENV)/bin/ddtree-ops -i inventories/local.yaml doctor all
+	$(DEMO_OPS) doctor local
+	$(DEMO_OPS) deploy local
+	$(DEMO_OPS) restart local --algorithm DDTREE --budget 16 --topk 4
+	rm -f results/demo.jsonl
+	$(DEMO_OPS) bench --sweep bench_configs/demo.yaml --out results/demo.jsonl
+	$(DEMO_OPS) report results/demo.jsonl --min-repeats 1 --csv results/demo.csv \
+	  --csv-best results/demo_best.csv --plots results/demo_plots/
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis
