@@ -24,6 +24,12 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _ratio(value: Any) -> str:
+    """A speedup as '1.23x', or '—' where there was no baseline to compare with."""
+    text = _fmt(value, 2)
+    return text if text == "—" else f"{text}x"
+
+
 def _cell(row: Any) -> str:
     return rep.describe_cell(row) if row.get("algorithm") is not None else "—"
 
@@ -69,8 +75,8 @@ def _best_table(best: pd.DataFrame, group_by: str) -> Table:
             f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
             _fmt(row["n"]),
             _fmt(row["accept_length_median"], 2),
-            f"{_fmt(row['speedup_vs_ar'], 2)}x" if picked else "—",
-            f"{_fmt(row['speedup_vs_dflash'], 2)}x" if picked else "—",
+            _ratio(row["speedup_vs_ar"]) if picked else "—",
+            _ratio(row["speedup_vs_dflash"]) if picked else "—",
             _fmt(row["runner_up"]),
             _fmt(row["note"]) if row["note"] else "",
         )
