@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.fsutil import write_atomic_local
 
 STATE_ENV = "DDTREE_OPS_STATE"
 SCHEMA_VERSION = 1
@@ -177,24 +177,11 @@ class StateStore:
                 os.close(lock_fd)
 
     def _write(self, data: dict[str, Any]) -> None:
-        tmp_name: str | None = None
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         try:
-            fd, tmp_name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh, indent=2, sort_keys=True)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp_name, self.path)
-            tmp_name = None
+            write_atomic_local(self.path, text.encode())
         except OSError as exc:
             raise ConfigError(f"{self.path}: cannot write state file: {exc.strerror or exc}") from exc
-        finally:
-            if tmp_name is not None:
-                try:
-                    os.unlink(tmp_name)
-                except OSError:
-                    pass
 
 
 def _empty() -> dict[str, Any]:

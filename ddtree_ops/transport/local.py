@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
+from ddtree_ops.fsutil import write_atomic_local
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
 
 
@@ -107,27 +107,10 @@ class LocalTransport:
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
-        target = Path(expand_path(path))
-        tmp_name: str | None = None
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp_name, mode)
-            os.replace(tmp_name, target)
-            tmp_name = None
-            _fsync_dir(target.parent)
+            write_atomic_local(Path(expand_path(path)), data, mode=mode)
         except OSError as exc:
             raise RemoteFileError(f"cannot write {path}: {os_error_reason(exc)}", host=self.host) from exc
-        finally:
-            if tmp_name is not None:
-                try:
-                    os.unlink(tmp_name)
-                except OSError:
-                    pass
 
     def exists(self, path: str) -> bool:
         self._count("stat", path)
@@ -137,17 +120,3 @@ class LocalTransport:
 def expand_path(path: str) -> str:
     """``~`` and ``~/x`` mean the home directory, as they do for a remote login shell."""
     return os.path.expanduser(path)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every filesystem allows opening a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
