@@ -20,10 +20,7 @@ or whose run in this process has ended, is provably dead and its lock is taken o
 from __future__ import annotations
 
 import base64
-import getpass
-import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,15 +29,12 @@ from typing import Any
 
 from ddtree_ops.errors import DriftError, LockError, PatchError, RemoteFileError, UnsupportedVersion, VerifyError
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.lockholder import controller_identity, holder_is_dead, run_ended, run_started
 from ddtree_ops.patching.bundle import Bundle
 from ddtree_ops.patching.gather import RemoteState, gather
 from ddtree_ops.patching.plan import FileAction, HostPlan, plan_deploy, plan_rollback
 from ddtree_ops.patching.remote import RemoteRefusal, run_step
 from ddtree_ops.transport.base import Transport
-
-_ACTIVE: set[str] = set()
-_ACTIVE_LOCK = threading.Lock()
-
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -81,14 +75,6 @@ class HostOutcome:
         return "; ".join(parts)
 
 
-def controller_identity() -> dict[str, Any]:
-    try:
-        user = getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        user = str(os.getuid())
-    return {"controller": socket.gethostname(), "pid": os.getpid(), "user": user}
-
-
 def _holder(txn: str, command: str) -> dict[str, Any]:
     h = controller_identity()
     h.update({"txn": txn, "started": time.time(), "command": command})
@@ -99,21 +85,7 @@ def lock_is_stale(lock: Mapping[str, Any]) -> bool:
     """True only when the holder is provably gone: same controller machine, dead pid or ended run."""
     if lock.get("remote_alive"):
         return False  # its controller may be gone, but a step of it still runs on the host
-    if lock.get("controller") != socket.gethostname():
-        return False
-    pid = lock.get("pid")
-    if not isinstance(pid, int):
-        return False
-    if pid == os.getpid():
-        with _ACTIVE_LOCK:
-            return lock.get("txn") not in _ACTIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return holder_is_dead(lock, run_id=lock.get("txn"))
 
 
 def describe_lock(lock: Mapping[str, Any]) -> str:
@@ -135,13 +107,11 @@ class _Run:
         self.holder = _holder(self.txn, command)
 
     def __enter__(self) -> _Run:
-        with _ACTIVE_LOCK:
-            _ACTIVE.add(self.txn)
+        run_started(self.txn)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(self.txn)
+        run_ended(self.txn)
 
     def step(self, name: str, payload: dict[str, Any], timeout: float | None = 600.0) -> dict[str, Any]:
         return run_step(self.t, self.host.python, name, payload, timeout=timeout)

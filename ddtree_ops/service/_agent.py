@@ -353,46 +353,68 @@ def action_logs(p):
     return {"lines": chunk[:cut].decode("utf-8", "replace").splitlines(), "offset": int(offset) + cut, "exists": True}
 
 
-def action_lock(p):
-    """Take the restart lock (O_EXCL file). An expired lock is taken over."""
-    path = os.path.join(_run_dir(p), "restart.lock")
-    now = time.time()
-    record = {"token": p["token"], "owner": p.get("owner"), "taken_at": now, "expires_at": now + float(p["ttl_s"])}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EEXIST:
-                raise
-            try:
-                with open(path) as fh:
-                    held = json.load(fh)
-            except (OSError, ValueError):
-                held = {}
-            if float(held.get("expires_at", 0)) > now:
-                return {"ok": False, "held": held}
-            try:
-                os.unlink(path)  # expired (or unreadable): the holder is gone
-            except OSError:
-                pass
-            continue
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh)
-        return {"ok": True}
-    return {"ok": False, "held": {}}
+LOCK_FILE = "restart.lock"
 
 
-def action_unlock(p):
-    path = os.path.join(_run_dir(p), "restart.lock")
+def _guarded(run_dir):
+    """Exclusive flock on a side file: reading, judging and replacing the lock is one step.
+
+    Without it two restarts that both found a dead holder could each remove the lock the
+    other had just taken. The flock lives only as long as this short agent process.
+    """
+    import fcntl
+
+    fd = os.open(os.path.join(run_dir, LOCK_FILE + ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _read_lock(path):
     try:
         with open(path) as fh:
             held = json.load(fh)
-    except (OSError, ValueError):
-        return {"ok": False}
-    if held.get("token") != p["token"]:
-        return {"ok": False}
-    os.unlink(path)
-    return {"ok": True}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"unreadable": str(exc)}
+    return held if isinstance(held, dict) else {"unreadable": "not a JSON object"}
+
+
+def action_lock(p):
+    """Take the restart lock. An expired or unreadable lock is replaced, and so is a lock
+    whose token equals ``take_over`` (the controller proved that holder dead)."""
+    run_dir = _run_dir(p)
+    path = os.path.join(run_dir, LOCK_FILE)
+    guard = _guarded(run_dir)
+    try:
+        now = time.time()
+        record = {"token": p["token"], "holder": p.get("holder"), "taken_at": now,
+                  "expires_at": now + float(p["ttl_s"])}
+        held = _read_lock(path)
+        if held is not None and "unreadable" not in held:
+            expired = float(held.get("expires_at") or 0) <= now
+            proven_dead = p.get("take_over") is not None and held.get("token") == p.get("take_over")
+            if not (expired or proven_dead):
+                return {"ok": False, "held": held, "now": now}
+        # Whole record first, then one rename: a reader never sees a half-written lock.
+        _write_json(path, record)
+        return {"ok": True, "replaced": held}
+    finally:
+        os.close(guard)
+
+
+def action_unlock(p):
+    run_dir = _run_dir(p)
+    path = os.path.join(run_dir, LOCK_FILE)
+    guard = _guarded(run_dir)
+    try:
+        held = _read_lock(path)
+        if not held or held.get("token") != p["token"]:
+            return {"ok": False}
+        os.unlink(path)
+        return {"ok": True}
+    finally:
+        os.close(guard)
 
 
 def action_version(p):

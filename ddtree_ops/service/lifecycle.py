@@ -154,9 +154,14 @@ def restart(
     # Build the first spec before touching the host: bad config fails with nothing stopped.
     spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
 
-    # Long enough for the worst case of this restart; a killed client's lock then expires.
+    # Long enough for the worst case of this restart. A killed client's lock is taken over
+    # by the next restart from the same controller at once; from elsewhere it expires.
     lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
-    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s):
+    def took_over(t: manager.LockTakeover) -> None:
+        age = f", held {t.age_s:.0f}s" if t.age_s is not None else ""
+        emit(PhaseEvent(host.name, "lock_taken_over", 0.0, note=f"restart lock of dead {t.holder}{age} taken over"))
+
+    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, on_takeover=took_over):
         emit(PhaseEvent(host.name, "stopping", 0.0))
         stopped = manager.stop(transport, host, grace_s=stop_grace_s)
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)

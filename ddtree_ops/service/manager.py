@@ -13,16 +13,14 @@ systemd in the test machines), and an untested restart path is worse than none.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree_ops import lockholder
 from ddtree_ops.errors import DdtreeOpsError, PortBusy, ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import LaunchSpec, probe_address
@@ -30,6 +28,7 @@ from ddtree_ops.transport.base import Script, Transport
 
 AGENT_SOURCE = (Path(__file__).with_name("_agent.py")).read_text()
 LOG_FILE = "server.log"
+LOCK_FILE = "restart.lock"
 
 
 @dataclass(frozen=True)
@@ -144,33 +143,77 @@ def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any
     return call_agent(transport, host, "status", base_payload(host) | {"lines": lines}, timeout=30)
 
 
+@dataclass(frozen=True)
+class LockTakeover:
+    """A restart lock left by a provably dead holder, which this restart took over."""
+
+    host: str
+    holder: str
+    age_s: float | None
+
+
+def _lock_refusal(host: Host, held: dict[str, Any], now: float | None) -> str:
+    """One line naming the holder, its pid, how long it has held the lock and why it still counts."""
+    holder = held.get("holder")
+    path = f"{host.ddtree.run_dir}/{LOCK_FILE}"
+    taken, expires = held.get("taken_at"), held.get("expires_at")
+    # Both times are the host's clock, so the age does not depend on ours.
+    age = f" for {lockholder.format_age(now - taken)}" if isinstance(taken, (int, float)) and now else ""
+    left = (f"; it expires in {lockholder.format_age(expires - now)}"
+            if isinstance(expires, (int, float)) and now else "")
+    if isinstance(holder, dict):
+        who = f"{lockholder.describe_holder(holder)} ({holder.get('command', 'restart')})"
+        why = lockholder.holder_state(holder)
+    else:  # a lock written by an older ddtree-ops: only an owner string
+        who, why = str(held.get("owner", "an unknown holder")), "recorded without holder details, so it cannot be checked"
+    hint = "" if why == "still running" else f", or delete {path} if no restart runs there"
+    return f"another restart is in progress on this host: lock held by {who}{age}, {why}{left}{hint}"
+
+
 @contextmanager
-def restart_lock(transport: Transport, host: Host, *, ttl_s: float) -> Iterator[None]:
+def restart_lock(
+    transport: Transport,
+    host: Host,
+    *,
+    ttl_s: float,
+    command: str = "restart",
+    on_takeover: Callable[[LockTakeover], None] | None = None,
+) -> Iterator[None]:
     """Hold the host's restart lock (``run_dir/restart.lock``) for the body.
 
     Two operators (or a benchmark and a person) restarting one host at once would stop
-    each other's fresh process; the lock turns that into one clear refusal. It expires
-    after ``ttl_s`` so a killed client cannot block the host for ever.
+    each other's fresh process; the lock turns that into one clear refusal. The lock
+    records its holder (:func:`ddtree_ops.lockholder.holder_record`). A holder that is
+    provably dead (it ran on this controller and its process is gone) is taken over at
+    once, so a SIGKILLed ``restart`` or ``bench`` does not block the next one; any
+    other holder blocks until the lock expires after ``ttl_s``.
     """
     token = uuid.uuid4().hex
-    owner = f"{socket.gethostname()}:{os.getpid()}"
-    data = call_agent(transport, host, "lock", base_payload(host) | {"token": token, "owner": owner, "ttl_s": ttl_s})
-    if not data.get("ok"):
-        held = data.get("held") or {}
-        since = held.get("taken_at")
-        when = time.strftime("%H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
-        raise ServiceError(
-            f"another restart is in progress on this host (by {held.get('owner', '?')} since {when}); "
-            f"lock file {host.ddtree.run_dir}/restart.lock",
-            host=host.name,
-        )
-    try:
-        yield
-    finally:
+    payload = base_payload(host) | {
+        "token": token, "holder": lockholder.holder_record(token, command), "ttl_s": ttl_s,
+    }
+    with lockholder.active_run(token):
+        data = call_agent(transport, host, "lock", payload)
+        if not data.get("ok"):
+            held = data.get("held") or {}
+            holder = held.get("holder")
+            if isinstance(holder, dict) and lockholder.holder_is_dead(holder, run_id=held.get("token")):
+                # The agent replaces the lock only if it still carries that dead holder's token.
+                refused_at = data.get("now")
+                data = call_agent(transport, host, "lock", payload | {"take_over": held.get("token")})
+                if data.get("ok") and on_takeover is not None:
+                    taken = held.get("taken_at")
+                    age = refused_at - taken if isinstance(taken, (int, float)) and isinstance(refused_at, (int, float)) else None
+                    on_takeover(LockTakeover(host.name, lockholder.describe_holder(holder), age))
+            if not data.get("ok"):
+                raise ServiceError(_lock_refusal(host, data.get("held") or {}, data.get("now")), host=host.name)
         try:
-            call_agent(transport, host, "unlock", base_payload(host) | {"token": token})
-        except DdtreeOpsError:
-            pass  # the lock expires by itself; the restart's own outcome matters more
+            yield
+        finally:
+            try:
+                call_agent(transport, host, "unlock", base_payload(host) | {"token": token})
+            except DdtreeOpsError:
+                pass  # the lock expires by itself; the restart's own outcome matters more
 
 
 def sglang_version(transport: Transport, host: Host) -> str | None:
@@ -184,6 +227,7 @@ def read_logs(transport: Transport, host: Host, *, lines: int = 50, offset: int 
 
 __all__ = [
     "Launched",
+    "LockTakeover",
     "StopResult",
     "call_agent",
     "poll",
