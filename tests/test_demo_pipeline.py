@@ -1,0 +1,325 @@
+"""`make demo` end to end, shortened by settings: doctor -> deploy -> status -> restart ->
+bench -> report, through the real CLI entry point, on two local simulated hosts.
+
+The hosts are the shipped ``inventories/local.yaml`` with its paths and ports moved into
+the test: each has its own Python prefix holding the real SGLang 0.5.23 files (copied
+from the test fleet's cached template), is served by ``{python} -m ddtree_ops.sim`` with
+the RTX PRO 6000 or the B300 profile on a free loopback port, and keeps its run dir, the
+state file and every output under the test's tmp dir. The sweep is the shipped
+``bench_configs/demo.yaml`` cut down to an autoregressive baseline and DDTree budgets
+4 and 16 at top-k 4, one temperature, concurrency 1 and a few short requests, so that
+the whole chain runs in well under a minute while keeping what the demo shows: the
+B300 profile cannot capture CUDA graphs for budget 16 and falls back to eager mode, and
+every later step (ledger, CSVs, plots) carries that.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+import socket
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from ddtree_ops.bench import ledger
+from ddtree_ops.inventory import load_inventory
+from ddtree_ops.service import lifecycle
+from ddtree_ops.transport.local import LocalTransport
+from fleetlib import cached_prefix_template, fast_root, find_wheel, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLE = REPO / "patches" / "ddtree_temperature"
+# Fast but inside the simulator's safe range (sim/README.md): launches still log every
+# SGLang phase and the B300 capture failure, a simulated second is 100 ms.
+FAST_SIM_ENV = {"SIM_LOAD_S": "2", "SIM_WARMUP_S": "1", "SIM_TIME_SCALE": "0.1", "SIM_SEED": "0"}
+DEMO_PORTS = {30100, 30200}
+NUM_PROMPTS = 3
+MAX_NEW_TOKENS = 16
+BUDGETS = (4, 16)
+TOPK = 4
+TEMPERATURE = 0.0  # greedy: the simulated tokens, hence acceptance, are deterministic
+# AR baseline + one DDTree cell per budget, at one temperature and one concurrency.
+ROWS_PER_HOST = 1 + len(BUDGETS)
+PLOT_KINDS = ("throughput", "accept-length", "speedup-heatmap")
+
+
+@dataclass(frozen=True)
+class DemoHost:
+    name: str
+    gpu: str
+    prefix: Path
+    port: int
+
+    @property
+    def sglang_dir(self) -> Path:
+        purelib = sysconfig.get_path("purelib", vars={"base": str(self.prefix), "platbase": str(self.prefix)})
+        return Path(purelib) / "sglang"
+
+
+@dataclass(frozen=True)
+class DemoFleet:
+    inventory: Path
+    sweep: Path
+    hosts: dict[str, DemoHost]
+
+    def by_gpu(self, gpu: str) -> DemoHost:
+        return next(h for h in self.hosts.values() if h.gpu == gpu)
+
+
+def _loopback_port(taken: set[int]) -> int:
+    """A free port that is none of the demo's own (a running `make demo` must not collide)."""
+    while True:
+        port = free_port()
+        if port not in DEMO_PORTS and port not in taken:
+            return port
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _short_sweep(path: Path) -> Path:
+    """bench_configs/demo.yaml with its grid and workload cut down to a few seconds a host."""
+    spec = yaml.safe_load((REPO / "bench_configs" / "demo.yaml").read_text())
+    spec["baselines"] = ["autoregressive"]
+    spec["grid"] = {
+        "algorithm": ["ddtree"],
+        "budget": list(BUDGETS),
+        "topk": [TOPK],
+        "temperature": [TEMPERATURE],
+        "concurrency": [1],
+    }
+    spec["workload"] = {**spec["workload"], "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS}
+    spec.update(repeats=1, warmup=1, request_timeout_s=60)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def demo_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DemoFleet]:
+    """The shipped local inventory, each host with its own prefix, port and run dir here.
+
+    The finaliser stops whatever server each host still runs, also when the test failed
+    halfway (restart leaves servers up; bench stops only the ones it started).
+    """
+    monkeypatch.setenv("DDTREE_OPS_STATE", str(tmp_path / "state.json"))
+    monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
+    # Nothing may land in the repository (results/, relative defaults).
+    monkeypatch.chdir(tmp_path)
+
+    shipped = yaml.safe_load((REPO / "inventories" / "local.yaml").read_text())
+    group = shipped["all"]["children"]["local"]
+    template = cached_prefix_template(find_wheel())
+    # Prefixes are ~130 MB each: on tmpfs when there is one, as the ssh test fleet does.
+    root, owned = fast_root(tmp_path / "prefixes")
+    hosts: dict[str, DemoHost] = {}
+    ports: set[int] = set()
+    inventory = tmp_path / "local.yaml"
+    try:
+        for name, entry in group["hosts"].items():
+            ddtree = entry["ddtree"]
+            prefix = root / name
+            shutil.copytree(template, prefix, symlinks=True, ignore=shutil.ignore_patterns(".ready"))
+            port = _loopback_port(ports)
+            ports.add(port)
+            ddtree["python"] = str(prefix / "bin" / "python")
+            ddtree["run_dir"] = str(tmp_path / "run" / name)
+            ddtree["server"]["port"] = port
+            ddtree["server"]["env"] = {**ddtree["server"].get("env", {}), **FAST_SIM_ENV}
+            hosts[name] = DemoHost(name=name, gpu=ddtree["gpu"], prefix=prefix, port=port)
+        assert sorted(h.gpu for h in hosts.values()) == ["b300", "rtx-pro-6000"], "local.yaml changed its hosts"
+        inventory.write_text(yaml.safe_dump(shipped, sort_keys=False))
+        yield DemoFleet(inventory=inventory, sweep=_short_sweep(tmp_path / "demo_short.yaml"), hosts=hosts)
+    finally:
+        try:
+            _stop_servers(inventory)
+        finally:
+            if owned:
+                shutil.rmtree(root, ignore_errors=True)
+
+
+def _stop_servers(inventory: Path) -> None:
+    """Stop each host's server (a no-op where none runs); an inventory never written means
+    nothing was started."""
+    if not inventory.exists():
+        return
+    errors: list[BaseException] = []
+    for host in load_inventory([inventory]).resolve("local"):
+        try:
+            with LocalTransport(host.name) as t:
+                lifecycle.stop(t, host, grace_s=5.0)
+        except Exception as exc:  # one host's failure must not leave the other's server running
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _ok_json(result: Any, what: str) -> Any:
+    assert result.exit_code == 0, f"{what} exited {result.exit_code}:\n{result.stderr[-3000:]}\n{result.stdout[-3000:]}"
+    return json.loads(result.stdout)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _csv_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callable[..., Any], tmp_path: Path) -> None:
+    inv = ("-i", str(demo_fleet.inventory))
+    rtx, b300 = demo_fleet.by_gpu("rtx-pro-6000"), demo_fleet.by_gpu("b300")
+    names = set(demo_fleet.hosts)
+
+    # doctor: both prefixes hold SGLang 0.5.23 and the server ports are free.
+    doctor = _ok_json(cli("--json", *inv, "doctor", "local"), "doctor")
+    assert doctor["ok"] is True
+    facts = {h["host"]: h["result"] for h in doctor["hosts"]}
+    assert set(facts) == names
+    for name, f in facts.items():
+        host = demo_fleet.hosts[name]
+        assert f["sglang_version"] == "0.5.23", f
+        assert Path(f["sglang_dir"]).resolve() == host.sglang_dir.resolve(), f
+        assert f["port"] == host.port and f["port_in_use"] is False, f
+
+    # deploy: the real bundle is applied on both hosts and the files on disk are the bundle's.
+    bundle_files = yaml.safe_load((BUNDLE / "patch.yaml").read_text())["files"]
+    deployed = _ok_json(cli("--json", *inv, "deploy", "local", str(BUNDLE)), "deploy")
+    assert {r["host"] for r in deployed} == names
+    identities = {row["host"]: row["plan"]["identity"] for row in deployed}
+    for row in deployed:
+        assert row["ok"] is True and row["outcome"] == "applied", row
+        assert {f["path"] for f in row["plan"]["files"]} == {f["path"] for f in bundle_files}, row
+    for host in demo_fleet.hosts.values():
+        for f in bundle_files:
+            source = BUNDLE / "files" / f["path"]
+            assert _sha256(host.sglang_dir / f["path"]) == _sha256(source), f"{host.name}: {f['path']} not deployed"
+
+    # status: the bundle is recorded and every one of its files reads as patched.
+    status = _ok_json(cli("--json", *inv, "status", "local", "--bundle", str(BUNDLE)), "status")
+    assert {r["host"] for r in status} == names
+    for row in status:
+        assert row["ok"] is True and row["package_version"] == "0.5.23", row
+        assert row["bundle"]["name"] == "ddtree_temperature", row
+        assert row["bundle"]["identity"] == identities[row["host"]], row
+        states = {f["path"]: f["state"] for f in row["files"]}
+        assert states == {f["path"]: "patched" for f in bundle_files}, row
+        assert row["journal"] is None and row["lock"] is None, row
+
+    # restart on DDTree budget 16: CUDA graphs on the RTX host, eager fallback on the B300 one.
+    restarted = _ok_json(
+        cli("--json", *inv, "restart", "local", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4"), "restart"
+    )
+    assert restarted["ok"] is True
+    results = {h["host"]: h["result"] for h in restarted["hosts"]}
+    assert set(results) == names
+    on_rtx, on_b300 = results[rtx.name], results[b300.name]
+    assert on_rtx["cuda_graph"] is True and on_rtx["fallback_reason"] is None and on_rtx["attempts"] == 1, on_rtx
+    assert on_b300["cuda_graph"] is False and on_b300["attempts"] == 2, on_b300
+    # The reason is the capture error the server logged, not a generic "crashed".
+    assert "capture failed" in on_b300["fallback_reason"].lower(), on_b300
+    assert "illegal memory access" in on_b300["fallback_reason"], on_b300
+    # The new processes really serve what was asked for.
+    for host, graphs in ((rtx, True), (b300, False)):
+        info = httpx.get(f"http://127.0.0.1:{host.port}/server_info", timeout=10).json()
+        assert info["speculative_algorithm"] == "DDTREE" and info["speculative_ddtree_budget"] == 16, info
+        assert (info["cuda_graph_backend_decode"] != "disabled") is graphs, info
+
+    # bench: exactly the planned rows, all ok, eager fallback recorded on the B300 budget-16 rows.
+    out_dir = tmp_path / "results"
+    out = out_dir / "demo.jsonl"
+    plan = _ok_json(cli("--json", *inv, "bench", "--sweep", str(demo_fleet.sweep), "--dry-run"), "bench --dry-run")
+    assert set(plan["hosts"]) == names and plan["rows_per_host"] == ROWS_PER_HOST, plan
+    bench = cli(*inv, "bench", "--sweep", str(demo_fleet.sweep), "--out", str(out))
+    assert bench.exit_code == 0, f"bench exited {bench.exit_code}:\n{bench.stderr[-3000:]}\n{bench.stdout[-3000:]}"
+    read = ledger.read_ledger(out)
+    assert read.bad_lines == []
+    rows = read.rows
+    assert len(rows) == len(names) * plan["rows_per_host"], [(r["host"], r["algorithm"], r["budget"]) for r in rows]
+    assert len({r["run_id"] for r in rows}) == 1
+    cells = {(r["host"], r["algorithm"], r["budget"], r["topk"]) for r in rows}
+    expected_cells = {(n, "AR", None, None) for n in names} | {(n, "DDTREE", b, TOPK) for n in names for b in BUDGETS}
+    assert cells == expected_cells
+    for r in rows:
+        where = f"{r['host']} {r['algorithm']} b={r['budget']}"
+        assert r["status"] == "ok" and r["error"] is None, (where, r["error"])
+        assert r["completed"] == NUM_PROMPTS and r["failed"] == 0, where
+        assert r["total_output_tokens"] == NUM_PROMPTS * MAX_NEW_TOKENS, where  # ignore_eos: every token generated
+        assert r["output_tok_s"] > 0 and r["temperature"] == TEMPERATURE and r["concurrency"] == 1, where
+        # Provenance: the probed SGLang install and the bundle deploy put there.
+        assert r["sglang_version"] == "0.5.23", where
+        assert r["bundle_name"] == "ddtree_temperature" and r["bundle_hash"] == identities[r["host"]], where
+        if r["algorithm"] == "AR":
+            assert r["accept_length"] is None, where
+        else:
+            assert r["accept_length"] > 1.0, where  # greedy trees always accept some drafts here
+        eager = r["host"] == b300.name and r["algorithm"] == "DDTREE" and r["budget"] == 16
+        if eager:
+            assert r["cuda_graph"] is False, where
+            assert "illegal memory access" in (r["fallback_reason"] or ""), where
+        else:
+            assert r["cuda_graph"] is True and r["fallback_reason"] is None, where
+    # The sweep stops the servers it started: nothing listens on the hosts' ports.
+    for host in demo_fleet.hosts.values():
+        assert not _port_open(host.port), f"{host.name}: a server still listens on {host.port} after bench"
+
+    # report, as `make demo` runs it (terminal tables, not --json).
+    tidy_csv, best_csv, plots = out_dir / "demo.csv", out_dir / "demo_best.csv", out_dir / "demo_plots"
+    report = cli(*inv, "report", str(out), "--min-repeats", "1", "--csv", str(tidy_csv), "--csv-best", str(best_csv),
+                 "--plots", str(plots))
+    assert report.exit_code == 0, f"report exited {report.exit_code}:\n{report.stderr[-3000:]}\n{report.stdout[-3000:]}"
+    assert f"Read {len(rows)} rows from 1 ledger(s)." in report.stdout
+    assert "Best configuration" in report.stdout
+
+    # The tidy CSV: one row per (host, cell); the B300 budget-16 cell stays visibly eager.
+    columns, tidy = _csv_rows(tidy_csv)
+    for col in ("machine", "hosts", "algorithm", "budget", "topk", "cuda_graph", "temperature", "concurrency", "n",
+                "output_tok_s_median", "output_tok_s_mad", "score", "accept_length_median", "speedup_vs_ar",
+                "fallback_reason"):
+        assert col in columns, f"tidy CSV lacks {col}: {columns}"
+    assert len(tidy) == len(rows)
+    by_cell = {(t["hosts"], t["algorithm"], t["budget"]): t for t in tidy}
+    assert set(by_cell) == {(h, a, "" if b is None else str(b)) for h, a, b, _ in expected_cells}
+    for (host, algo, budget), t in by_cell.items():
+        assert t["n"] == "1" and float(t["output_tok_s_median"]) > 0, t
+        assert float(t["speedup_vs_ar"]) > 0, t  # every host has its AR baseline
+        if algo == "AR":
+            assert float(t["speedup_vs_ar"]) == 1.0, t
+        eager = host == b300.name and budget == "16"
+        assert t["cuda_graph"] == ("False" if eager else "True"), t
+        assert ("illegal memory access" in t["fallback_reason"]) is eager, t
+
+    # The best-config CSV: a pick for every (machine, temperature, concurrency) measured.
+    _, best = _csv_rows(best_csv)
+    measured = {(t["machine"], t["temperature"], t["concurrency"]) for t in tidy}
+    assert {(b["machine"], b["temperature"], b["concurrency"]) for b in best} == measured
+    assert all(b["algorithm"] in ("AR", "DDTREE") for b in best), best
+    # Eager and graph cells are picked separately unless asked: the B300 machine gets both.
+    b300_machine = by_cell[(b300.name, "AR", "")]["machine"]
+    assert {b["modes"] for b in best if b["machine"] == b300_machine} == {"graph", "eager"}, best
+
+    # Three plots per machine, each a real, non-empty PNG.
+    machines = {t["machine"] for t in tidy}
+    pngs = sorted(plots.glob("*.png"))
+    assert len(pngs) == len(PLOT_KINDS) * len(machines), pngs
+    for kind in PLOT_KINDS:
+        assert sum(p.name.endswith(f"-{kind}.png") for p in pngs) == len(machines), (kind, pngs)
+    for png in pngs:
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, png
