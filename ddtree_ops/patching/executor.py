@@ -11,10 +11,11 @@ transaction the state record names was committed (only cleanup was missing); any
 journal is rolled back from its backups before anything else happens.
 
 Locks: a run holds ``<prefix>/.ddtree-ops/lock`` from prepare to commit. The lock names
-its holder (controller host, pid, run id). A holder on this machine whose process is gone,
-or whose run in this process has ended, is provably dead and its lock is taken over
-(with its journal recovered); a holder elsewhere can only be overridden with
-``break_lock``, because we cannot see whether it still runs.
+its holder (controller host, pid and its start time, boot id, run id:
+:mod:`ddtree_ops.lockholder`, shared with the restart lock). A holder on this machine
+whose process is gone, or whose run in this process has ended, is provably dead and its
+lock is taken over (with its journal recovered); a holder elsewhere can only be
+overridden with ``break_lock``, because we cannot see whether it still runs.
 """
 
 from __future__ import annotations
