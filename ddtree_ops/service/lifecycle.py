@@ -157,6 +157,7 @@ def restart(
     # Long enough for the worst case of this restart. A killed client's lock is taken over
     # by the next restart from the same controller at once; from elsewhere it expires.
     lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
+
     def took_over(t: manager.LockTakeover) -> None:
         age = f", held {t.age_s:.0f}s" if t.age_s is not None else ""
         emit(PhaseEvent(host.name, "lock_taken_over", 0.0, note=f"restart lock of dead {t.holder}{age} taken over"))
