@@ -312,7 +312,10 @@ def status_cmd(
             for f in r.files:
                 counts[f.state] = counts.get(f.state, 0) + 1
             files_txt = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "-"
-            if any(f.state in ("drifted", "missing") for f in r.files) or (r.bundle_name and not r.consistent):
+            if r.outside_change is not None:
+                # Named, not just coloured: deploy refuses this host until --force or rollback.
+                files_txt = f"[bold yellow]changed outside ddtree-ops: {r.outside_change.describe()}[/] ({files_txt})"
+            elif any(f.state in ("drifted", "missing") for f in r.files) or (r.bundle_name and not r.consistent):
                 # A recorded bundle whose files are not all patched was changed outside ddtree-ops.
                 files_txt = f"[yellow]{files_txt}[/]"
             left = []

@@ -179,7 +179,7 @@ def _backup_path(rs: RemoteState, txn: str, path: str) -> str:
 def _raise_for_plan(plan: HostPlan, host: str) -> None:
     if plan.outcome == "unsupported":
         raise UnsupportedVersion(plan.reason, host=host)
-    if plan.outcome == "conflict":
+    if plan.outcome in ("conflict", "changed-outside"):
         raise DriftError(plan.reason, host=host)
     if plan.outcome == "missing":
         raise PatchError(plan.reason, host=host)

@@ -12,11 +12,18 @@ Per file, comparing the remote sha256 with what the bundle and the state record 
     supersede   the content a previously applied bundle put there -> upload (original backup kept)
     restore     recorded by the applied bundle but not in this one -> put the original back
     conflict    anything else (drifted: sglang upgraded, hand-edited) -> refuse unless --force
+
+Per host, one case comes before the per-file decisions: the state record says a bundle
+is applied, but some of its files no longer hold what was applied (``pip install
+--force-reinstall`` put the upstream files back, or someone edited them). Re-applying
+silently would hide that the host ran unpatched code, so the host is refused as
+``changed-outside`` with what changed and what to do (``--force`` re-applies, backing up
+what is there now; ``rollback`` clears the record).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +31,7 @@ from ddtree_ops.patching.bundle import Bundle
 from ddtree_ops.patching.gather import AppliedRecord, RemoteState
 
 FileActionKind = Literal["patched", "add", "replace", "supersede", "restore", "delete", "conflict", "blocked"]
-Outcome = Literal["apply", "noop", "unsupported", "conflict", "missing", "recover", "readonly"]
+Outcome = Literal["apply", "noop", "unsupported", "conflict", "changed-outside", "missing", "recover", "readonly"]
 _CHANGING = ("add", "replace", "supersede", "restore", "delete")
 
 
@@ -68,9 +75,68 @@ class HostPlan:
             counts: dict[str, int] = {}
             for a in self.changes:
                 counts[a.kind] = counts.get(a.kind, 0) + 1
-            parts = [f"{n} {k}" for k, n in sorted(counts.items())] or ["state record only"]
+            parts = [f"{n} {k}" for k, n in sorted(counts.items())]
+            if not parts:
+                parts = ["state record only" if self.operation == "deploy" else "record cleared, files already original"]
             return ", ".join(parts)
         return self.reason or self.outcome
+
+
+@dataclass(frozen=True)
+class OutsideChange:
+    """Recorded files that no longer hold what ddtree-ops applied: someone changed them since.
+
+    ``reverted`` are back to their original content (a reinstall of the package does
+    that); ``drifted`` hold anything else (edited, upgraded, removed).
+    """
+
+    reverted: tuple[str, ...]
+    drifted: tuple[str, ...]
+
+    def describe(self) -> str:
+        parts = []
+        if self.reverted:
+            parts.append(f"{_files(len(self.reverted))} reverted to original")
+        if self.drifted:
+            parts.append(f"{_files(len(self.drifted))} drifted")
+        return ", ".join(parts)
+
+
+def changed_outside(rec: AppliedRecord | None, files: Mapping[str, str | None]) -> OutsideChange | None:
+    """What changed behind the state record's back, or None when every recorded file is as applied."""
+    if rec is None:
+        return None
+    reverted: list[str] = []
+    drifted: list[str] = []
+    for path in sorted(rec.files):
+        recf = rec.files[path]
+        cur = files.get(path)
+        if cur == recf.patched_sha256:
+            continue
+        # An added file's original is "absent", so a removed added file counts as reverted.
+        if cur == recf.original_sha256 and not _is_error_sha(cur):
+            reverted.append(path)
+        else:
+            drifted.append(path)
+    if not reverted and not drifted:
+        return None
+    return OutsideChange(tuple(reverted), tuple(drifted))
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _changed_outside_reason(rs: RemoteState, rec: AppliedRecord, change: OutsideChange) -> str:
+    installed = f"{rs.package} {rs.version or '(unknown version)'} is installed now"
+    if rec.package_version and rec.package_version != rs.version:
+        installed += f", {rec.name} was applied on {rec.package_version}"
+    return (
+        f"{rs.host}: changed outside ddtree-ops since {rec.name} {rec.identity[:12]} was applied: "
+        f"{change.describe()} ({installed}; reinstalled or edited?) — run `ddtree-ops deploy {rs.host} --force` "
+        f"to re-apply over it (what is there now is backed up), or `ddtree-ops rollback {rs.host}` "
+        f"to clear the record first"
+    )
 
 
 def _short(sha: str | None) -> str:
@@ -108,6 +174,13 @@ def plan_deploy(
         return HostPlan(outcome="conflict", actions=(), reason=f"state record unreadable: {rs.state_error}", **common)
 
     rec = rs.applied
+    change = changed_outside(rec, rs.files)
+    if change is not None and rec is not None:
+        if not force:
+            return HostPlan(outcome="changed-outside", actions=(), notes=tuple(notes),
+                            reason=_changed_outside_reason(rs, rec, change), **common)
+        notes.append(f"--force: re-applying over changes made outside ddtree-ops ({change.describe()});"
+                     " what was there is backed up")
     actions: list[FileAction] = []
     for f in bundle.files:
         actions.append(_plan_file(f.path, f.op, f.sha256, f.base_sha256, rs.files.get(f.path), rec, force))
@@ -217,16 +290,22 @@ def plan_rollback(rs: RemoteState, *, force: bool = False) -> HostPlan:
     if rs.package_dir is None:
         return HostPlan(outcome="missing", actions=(), reason=f"package {rs.package!r} is not installed", **common)
     actions = tuple(_plan_restore(p, rs.files.get(p), rec, force) for p in sorted(rec.files))
+    change = changed_outside(rec, rs.files)
+    outside: tuple[str, ...] = ()
+    if change is not None:
+        # Said on every rollback of such a host, so "rolled back" is not read as "restored every file".
+        left = " (left as they are)" if change.reverted and not change.drifted else ""
+        outside = (f"changed outside ddtree-ops since {rec.name} was applied: {change.describe()}{left}",)
     blocked = [a for a in actions if a.kind in ("conflict", "blocked")]
     if blocked:
         detail = "; ".join(f"{a.path}: {a.reason}" for a in blocked)
         return HostPlan(outcome="conflict", actions=actions, reason=detail + " — --force restores the originals anyway",
-                        **common)
+                        notes=outside, **common)
     if not rs.writable and any(a.changes for a in actions):
         return HostPlan(outcome="readonly", actions=actions,
                         reason=f"package directory {rs.package_dir} is not writable by the remote user", **common)
     notes = ("--force: drifted files are backed up, then the originals restored",) if any(a.forced for a in actions) else ()
-    return HostPlan(outcome="apply", actions=actions, notes=notes, **common)
+    return HostPlan(outcome="apply", actions=actions, notes=outside + notes, **common)
 
 
 def bundle_paths(bundle: Bundle) -> Sequence[str]:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle
 from ddtree_ops.patching.gather import AppliedRecord, RemoteState, gather
+from ddtree_ops.patching.plan import OutsideChange, changed_outside
 from ddtree_ops.transport.base import Transport
 
 FileStateKind = Literal["patched", "original", "drifted", "missing"]
@@ -40,6 +41,9 @@ class HostPatchStatus:
     journal: Mapping[str, Any] | None
     lock: Mapping[str, Any] | None
     state_error: str | None = None
+    # Set when the record names a bundle but some of its files no longer hold what was
+    # applied (e.g. a pip reinstall put the upstream files back): deploy refuses such a host.
+    outside_change: OutsideChange | None = None
 
     @property
     def consistent(self) -> bool:
@@ -63,6 +67,10 @@ class HostPatchStatus:
             "journal": dict(self.journal) if self.journal else None,
             "lock": dict(self.lock) if self.lock else None,
             "state_error": self.state_error,
+            "changed_outside": None if self.outside_change is None else {
+                "reverted": list(self.outside_change.reverted), "drifted": list(self.outside_change.drifted),
+                "summary": self.outside_change.describe(),
+            },
         }
 
 
@@ -109,6 +117,7 @@ def status_from_state(rs: RemoteState, bundle: Bundle | None = None) -> HostPatc
         journal=rs.journal,
         lock=rs.lock,
         state_error=rs.state_error,
+        outside_change=changed_outside(rec, rs.files),
     )
 
 
