@@ -262,8 +262,12 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert r["completed"] == NUM_PROMPTS and r["failed"] == 0, where
         assert r["total_output_tokens"] == NUM_PROMPTS * MAX_NEW_TOKENS, where  # ignore_eos: every token generated
         assert r["output_tok_s"] > 0 and r["temperature"] == TEMPERATURE and r["concurrency"] == 1, where
-        # Provenance: the probed SGLang install and the bundle deploy put there.
-        assert r["sglang_version"] == "0.5.23", where
+        # Provenance: the serving simulator, the probed SGLang install, the simulated GPU
+        # (no nvidia-smi here) and the bundle deploy put there.
+        assert r["sglang_version"] == "0.5.23-sim" and r["sglang_installed_version"] == "0.5.23", where
+        sim_gpu = {rtx.name: ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition (simulated)", "sm_120"),
+                   b300.name: ("NVIDIA B300 SXM6 AC (simulated)", "sm_103")}[r["host"]]
+        assert (r["gpu_name"], r["gpu_arch"], r["gpu_count"]) == (*sim_gpu, 8), where
         assert r["bundle_name"] == "ddtree_temperature" and r["bundle_hash"] == identities[r["host"]], where
         if r["algorithm"] == "AR":
             assert r["accept_length"] is None, where
@@ -305,17 +309,19 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert t["cuda_graph"] == ("False" if eager else "True"), t
         assert ("illegal memory access" in t["fallback_reason"]) is eager, t
 
-    # The best-config CSV: a pick for every (machine, temperature, concurrency) measured.
+    # The best-config CSV: a pick for every (GPU type, temperature, concurrency) measured;
+    # the simulated GPU names the machine, not the host.
     _, best = _csv_rows(best_csv)
-    measured = {(t["machine"], t["temperature"], t["concurrency"]) for t in tidy}
+    measured = {(t["gpu_name"], t["temperature"], t["concurrency"]) for t in tidy}
     assert {(b["machine"], b["temperature"], b["concurrency"]) for b in best} == measured
     assert all(b["algorithm"] in ("AR", "DDTREE") for b in best), best
     # Eager and graph cells are picked separately unless asked: the B300 machine gets both.
-    b300_machine = by_cell[(b300.name, "AR", "")]["machine"]
+    b300_machine = by_cell[(b300.name, "AR", "")]["gpu_name"]
+    assert b300_machine == "NVIDIA B300 SXM6 AC (simulated)"
     assert {b["modes"] for b in best if b["machine"] == b300_machine} == {"graph", "eager"}, best
 
-    # Three plots per machine, each a real, non-empty PNG.
-    machines = {t["machine"] for t in tidy}
+    # Three plots per machine (GPU type), each a real, non-empty PNG.
+    machines = {t["gpu_name"] for t in tidy}
     pngs = sorted(plots.glob("*.png"))
     assert len(pngs) == len(PLOT_KINDS) * len(machines), pngs
     for kind in PLOT_KINDS:

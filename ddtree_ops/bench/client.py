@@ -311,3 +311,18 @@ def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
         return (r.status_code == 200, f"HTTP {r.status_code}")
     except httpx.HTTPError as exc:
         return (False, _error_text(exc))
+
+
+def server_info(base_url: str, *, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """``GET /server_info`` of the server being benchmarked, or None when it cannot be read.
+
+    Never raises: what the serving process says about itself (its version) is
+    provenance, worth recording when available and never worth failing a sweep over.
+    """
+    try:
+        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
+            r = c.get("/server_info")
+        info = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None

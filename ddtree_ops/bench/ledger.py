@@ -60,7 +60,12 @@ class LedgerRow:
     gpu_arch: str | None  # e.g. "sm_120"
     gpu_count: int | None
     driver: str | None
-    sglang_version: str | None
+    sglang_version: str | None  # what the serving process reports (/server_info.version)
+    # The SGLang package installed on the host, when known; differs from sglang_version
+    # only when the served process is not that package (e.g. the simulator). Optional,
+    # so rows of writers that predate it stay valid; keyword-only, to sit beside
+    # sglang_version in ledger order.
+    sglang_installed_version: str | None = field(default=None, kw_only=True)
     bundle_name: str | None
     bundle_hash: str | None
     # server configuration

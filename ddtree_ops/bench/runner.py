@@ -25,6 +25,7 @@ and the server and distort ITL at high concurrency.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.bench import ledger
-from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load
+from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load, server_info
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, plan_sweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
@@ -154,10 +155,18 @@ class _Provenance:
     gpu_arch: str | None = None
     gpu_count: int | None = None
     driver: str | None = None
+    # The SGLang installed on the host (probed); launch commands are built for it.
     sglang_version: str | None = None
+    # What the serving process says it is (``/server_info.version``), once it runs.
+    serving_version: str | None = None
     bundle_name: str | None = None
     bundle_hash: str | None = None
     facts: Any = None
+
+
+def _arch(compute_cap: object) -> str | None:
+    # nvidia-smi's "12.0" -> "sm_120", as the ledger spells architectures.
+    return f"sm_{str(compute_cap).strip().replace('.', '')}" if compute_cap not in (None, "") else None
 
 
 def _provenance(transport: Transport, host: Host, services: Services) -> _Provenance:
@@ -171,8 +180,7 @@ def _provenance(transport: Transport, host: Host, services: Services) -> _Proven
             facts = None
     gpus = tuple(getattr(facts, "gpus", ()) or ())
     gpu = gpus[0] if gpus else None
-    cap = getattr(gpu, "compute_cap", None)
-    arch = f"sm_{str(cap).replace('.', '')}" if cap else None
+    arch = _arch(getattr(gpu, "compute_cap", None))
     version = getattr(facts, "sglang_version", None)
     bundle_name = bundle_hash = None
     if services.patch_status is not None:
@@ -192,6 +200,36 @@ def _provenance(transport: Transport, host: Host, services: Services) -> _Proven
         bundle_hash=bundle_hash,
         facts=facts,
     )
+
+
+def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Provenance:
+    """Host provenance completed by what the launched server says about itself.
+
+    ``version`` is the serving process's own version: the one the measurements belong to,
+    even where it differs from the installed package (the simulator says ``0.5.23-sim``
+    while serving from a prefix holding SGLang 0.5.23). ``simulated_gpu`` exists only on
+    the simulator; it names the GPU only where the host probe found none, so a real
+    ``nvidia-smi`` always wins and real SGLang (which has no such field) changes nothing.
+    Malformed values are ignored: provenance never fails a sweep.
+    """
+    if not info:
+        return prov
+    changes: dict[str, Any] = {}
+    version = info.get("version")
+    if isinstance(version, str) and version.strip():
+        changes["serving_version"] = version.strip()
+    sim = info.get("simulated_gpu")
+    if isinstance(sim, Mapping) and prov.gpu_name is None and prov.gpu_count is None:
+        name = sim.get("name")
+        if isinstance(name, str) and name.strip():
+            name = name.strip()
+            # The field says simulated; the row must never pass for real hardware.
+            changes["gpu_name"] = name if name.endswith("(simulated)") else f"{name} (simulated)"
+            cap = sim.get("compute_cap")
+            changes["gpu_arch"] = _arch(cap) if isinstance(cap, (str, int, float)) else None
+            count = sim.get("count")
+            changes["gpu_count"] = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+    return dataclasses.replace(prov, **changes) if changes else prov
 
 
 @dataclass
@@ -362,10 +400,11 @@ class SweepRunner:
             except DdtreeOpsError as exc:
                 self._fail_rest(hr, prov, None, runs, f"server did not start: {exc}")
                 continue
+            served = self._served(hr, prov)
             for cell, rep in runs:
                 if self._stopping():
                     return None, started
-                row = self._measure(hr, prov, restart, cell, rep)
+                row = self._measure(hr, served, restart, cell, rep)
                 if row["status"] == "failed" and not self._serving(transport, host):
                     self._emit(hr, "restarting", cell=server.key, message="server gone; restarting")
                     try:
@@ -379,6 +418,7 @@ class SweepRunner:
                         rest = runs[runs.index((cell, rep)) + 1 :]
                         self._fail_rest(hr, prov, None, rest, f"server did not restart: {exc}")
                         break
+                    served = self._served(hr, prov)
         return None, started
 
     def _restart(self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig) -> Any:
@@ -391,6 +431,12 @@ class SweepRunner:
             timeout=self.restart_timeout,
             cancel=self.shared.cancel,
         )
+
+    def _served(self, hr: _HostRun, prov: _Provenance) -> _Provenance:
+        """Provenance for the rows of the server just launched: read its ``/server_info``
+        once per launch (a new process may be a different build). Unreadable -> the probed
+        values stand."""
+        return _with_server_info(prov, server_info(server_url(hr.host)))
 
     def _serving(self, transport: Transport, host: Host) -> bool:
         try:
@@ -456,7 +502,8 @@ class SweepRunner:
             gpu_arch=prov.gpu_arch,
             gpu_count=prov.gpu_count,
             driver=prov.driver,
-            sglang_version=prov.sglang_version,
+            sglang_version=prov.serving_version or prov.sglang_version,
+            sglang_installed_version=prov.sglang_version,
             bundle_name=prov.bundle_name,
             bundle_hash=prov.bundle_hash,
             server_argv=list(getattr(restart, "argv", ()) or ()),

@@ -97,7 +97,7 @@ PROFILES: dict[str, GpuProfile] = {
     ),
     "rtx-pro-6000": GpuProfile(
         name="rtx-pro-6000",
-        gpu_name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        gpu_name="NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
         compute_cap="12.0",
         gpu_mem_gb=96.0,
         base_ms=22.0,

@@ -38,6 +38,10 @@ from ddtree_ops.sim.profiles import PROFILES
 if TYPE_CHECKING:  # the engine imports torch; the server loads it during "Load weight"
     from ddtree_ops.sim.engine import Engine, GenRequest
 
+# The profiles model 8-GPU nodes (profiles.py); the simulated machine has that many
+# GPUs whatever --tp-size the server was launched with, as nvidia-smi would list them.
+SIMULATED_GPU_COUNT = 8
+
 SIM_VERSION = "0.5.23-sim"
 
 # sglang/srt/model_executor/runner_backend_utils/__init__.py
@@ -169,10 +173,16 @@ async def server_info(request: Request) -> Response:
             "version": SIM_VERSION,
             "frontend": "python",
             "simulated": True,
-            "sim": {
-                "gpu_profile": profile.name,
-                "gpu_name": profile.gpu_name,
+            # Not in real SGLang (its /server_info says nothing about GPUs): lets a
+            # benchmark on a host without GPUs label its rows by the simulated machine
+            # instead of by host, without ever passing for real hardware.
+            "simulated_gpu": {
+                "profile": profile.name,
+                "name": f"{profile.gpu_name} (simulated)",
                 "compute_cap": profile.compute_cap,
+                "count": SIMULATED_GPU_COUNT,
+            },
+            "sim": {
                 "time_scale": state.settings.time_scale,
                 "seed": state.settings.seed,
             },

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -120,6 +121,15 @@ def test_server_killed_mid_cell_fails_that_row_and_is_restarted(tmp_path: Path) 
     assert [r["status"] for r in rows] == ["failed", "ok"]
     assert "requests failed" in rows[0]["error"]
     assert rows[1]["completed"] == 4 and rows[1]["total_output_tokens"] == 4 * 64
+    # Provenance from each launch's /server_info: the serving simulator's version, and
+    # (no nvidia-smi on a local test host) its simulated GPU, on rows of both launches.
+    for r in rows:
+        assert r["sglang_version"] == "0.5.23-sim", r
+        if shutil.which("nvidia-smi") is None:
+            assert r["gpu_name"] == "NVIDIA RTX PRO 6000 Blackwell Workstation Edition (simulated)", r
+            assert r["gpu_arch"] == "sm_120" and r["gpu_count"] == 8 and r["driver"] is None, r
+        else:  # a real GPU found by the probe always wins over the simulated one
+            assert "(simulated)" not in (r["gpu_name"] or ""), r
     summary = outcome.hosts[0]
     assert summary.restarts == 2 and summary.failed_rows == 1 and summary.ok_rows == 1
 
@@ -224,8 +234,11 @@ def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) 
     assert [r["status"] for r in by_host[survivor.name]] == ["ok", "ok"]
     eager = [r for r in by_host[survivor.name] if r["algorithm"] == "DDTREE"][0]
     assert eager["cuda_graph"] is False and "capture" in eager["fallback_reason"].lower()
-    assert eager["sglang_version"] == "0.5.23" and eager["server_argv"]
-    assert "B300" in eager["gpu_name"] and eager["gpu_arch"] == "sm_103" and eager["gpu_count"] == 8
+    # The serving process is the simulator; the prefix holds the real SGLang 0.5.23.
+    assert eager["sglang_version"] == "0.5.23-sim" and eager["sglang_installed_version"] == "0.5.23"
+    assert eager["server_argv"]
+    # The host's nvidia-smi found a GPU: it wins over the simulator's simulated_gpu.
+    assert eager["gpu_name"] == "NVIDIA B300 SXM6 AC" and eager["gpu_arch"] == "sm_103" and eager["gpu_count"] == 8
     assert [r["status"] for r in by_host[cut.name]] == ["ok", "failed"]
     assert by_host[cut.name][1]["error"]
     summary = {h.host: h for h in outcome.hosts}
