@@ -3,14 +3,15 @@
 Every scenario of the lifecycle issue runs real processes: the simulator loads (with a
 small SIM_LOAD_S and a fast SIM_TIME_SCALE), logs SGLang's lines, serves HTTP on
 loopback, drains on SIGTERM, and crashes CUDA-graph capture on the b300 profile for
-DDTree budgets above 8.
+DDTree budgets above 8. The scenarios that take ``sim_target`` run twice: over the local
+transport (``[local]``) and on a host of the SSH test fleet over real SSH (``[ssh]``,
+marked ``fleet``), where the launch, the probes and the test's own actions on the host
+(signals, a port holder, HTTP) all cross SSH.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import threading
 import time
@@ -42,31 +43,34 @@ def server_info(host) -> dict:  # type: ignore[no-untyped-def]
     return httpx.get(f"http://127.0.0.1:{host.ddtree.server.port}/server_info", timeout=5).json()
 
 
-def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(make_sim_host, tmp_path: Path) -> None:
-    host = make_sim_host(gpu="rtx-pro-6000")
+def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target) -> None:
+    host = sim_target.host(gpu="rtx-pro-6000")
     state = StateStore()
     events: list[PhaseEvent] = []
-    with LocalTransport(host.name) as t:
-        first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
-        assert first.cuda_graph is True and first.fallback_reason is None and first.attempts == 1
-        assert first.deadline_source == "inventory"
-        seen = phases(events)
-        for phase in ("stopping", "starting", "loading_weights", "capturing_cuda_graphs", "ready"):
-            assert phase in seen
-        assert seen.index("loading_weights") < seen.index("capturing_cuda_graphs") < seen.index("ready")
-        info = server_info(host)
-        assert info["speculative_ddtree_budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
-        assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.ready_s)
-        assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
+    t = sim_target.transport
+    first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+    assert first.cuda_graph is True and first.fallback_reason is None and first.attempts == 1
+    assert first.deadline_source == "inventory"
+    seen = phases(events)
+    for phase in ("stopping", "starting", "loading_weights", "capturing_cuda_graphs", "ready"):
+        assert phase in seen
+    assert seen.index("loading_weights") < seen.index("capturing_cuda_graphs") < seen.index("ready")
+    info = sim_target.server_info(host)
+    assert info["speculative_ddtree_budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
+    assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.ready_s)
+    assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
 
-        policy = DeadlinePolicy(factor=3.0, floor_s=0.5)
-        second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, policy=policy, **FAST)
-        assert second.deadline_source == "learned"
-        assert second.deadline_s == pytest.approx(first.ready_s * 3.0)
-        assert second.pid != first.pid
-        assert second.stopped is not None and second.stopped.was_running and second.stopped.pid == first.pid
-        # The stopped process is really gone: its kernel start-time record no longer matches.
-        assert not Path(f"/proc/{first.pid}").exists() or first.pid != second.pid
+    policy = DeadlinePolicy(factor=3.0, floor_s=0.5)
+    second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, policy=policy, **FAST)
+    assert second.deadline_source == "learned"
+    assert second.deadline_s == pytest.approx(first.ready_s * 3.0)
+    assert second.pid != first.pid
+    assert second.stopped is not None and second.stopped.was_running and second.stopped.pid == first.pid
+    assert sim_target.process_gone(first.pid)
+    # The server does not depend on the connection that launched it.
+    with sim_target.open(host) as fresh:
+        status = lifecycle.service_status(fresh, host)
+    assert status.running and status.pid == second.pid and status.health == 200 and status.serving_ours
 
 
 def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) -> None:
@@ -105,16 +109,16 @@ def test_forced_graphs_do_not_fall_back(make_sim_host) -> None:
         lifecycle.restart(t, host, "0.5.23", run, state=StateStore(), **FAST)
 
 
-def test_crash_during_load_fails_fast_with_log_tail(make_sim_host) -> None:
-    host = make_sim_host(load_s=600.0)
+def test_crash_during_load_fails_fast_with_log_tail(sim_target) -> None:
+    host = sim_target.host(load_s=600.0)
 
     def kill_when_loading(event: PhaseEvent) -> None:
         if event.phase == LOADING_WEIGHTS:
-            pid = json.loads(Path(host.ddtree.run_dir, "launch.json").read_text())["pid"]
-            os.killpg(pid, signal.SIGKILL)
+            sim_target.signal_group(sim_target.launch_record(host)["pid"], "KILL")
 
-    with LocalTransport(host.name) as t, pytest.raises(ServerCrashed) as info:
-        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=100, on_phase=kill_when_loading, **FAST)
+    with pytest.raises(ServerCrashed) as info:
+        lifecycle.restart(sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=100,
+                          on_phase=kill_when_loading, **FAST)
     message = str(info.value)
     assert message.startswith("sim: server exited during loading_weights")
     assert "Load weight begin." in message  # the log tail
@@ -129,13 +133,9 @@ def test_never_ready_times_out_naming_the_phase(make_sim_host) -> None:
     assert "server left running" in message
 
 
-def test_port_held_by_someone_else_is_waited_for(make_sim_host) -> None:
-    host = make_sim_host()
-    port = host.ddtree.server.port
-    holder = socket.socket()
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.bind(("127.0.0.1", port))
-    holder.listen()
+def test_port_held_by_someone_else_is_waited_for(sim_target) -> None:
+    host = sim_target.host()
+    holder = sim_target.hold_port(host)  # a process on the host that we did not launch
     released_at: list[float] = []
     events: list[PhaseEvent] = []
 
@@ -145,13 +145,15 @@ def test_port_held_by_someone_else_is_waited_for(make_sim_host) -> None:
             def later() -> None:
                 time.sleep(1.0)
                 released_at.append(time.time())
-                holder.close()
+                with sim_target.open(host) as own:  # the wait loop keeps using the main connection
+                    sim_target.release_port(holder, own)
 
             threading.Thread(target=later, daemon=True).start()
 
-    with LocalTransport(host.name) as t:
-        result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), on_phase=release_after_we_wait, **FAST)
-    record = json.loads(Path(host.ddtree.run_dir, "launch.json").read_text())
+    result = lifecycle.restart(
+        sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), on_phase=release_after_we_wait, **FAST
+    )
+    record = sim_target.launch_record(host)
     assert "waiting_for_port" in phases(events)
     assert released_at and record["started_at"] >= released_at[0]  # launched only after the port was freed
     assert result.attempts == 1 and result.cuda_graph is True
@@ -167,44 +169,45 @@ def test_port_never_freed_is_port_busy_and_nothing_launched(make_sim_host) -> No
     assert not Path(host.ddtree.run_dir, "launch.json").exists()
 
 
-def test_drain_race_is_never_reported_ready(make_sim_host) -> None:
+def test_drain_race_is_never_reported_ready(sim_target) -> None:
     """The old process (same flags) answers 200 while draining; the new one was launched
     next to it. Every 200 before the new process owns the port must read as stale."""
-    host = make_sim_host(
+    host = sim_target.host(
         extra_env={"SIM_SHUTDOWN_DRAIN_S": "30", "SGLANG_WAIT_PORT_TIMEOUT": "300"}, load_s=0.5
     )
     state = StateStore()
-    with LocalTransport(host.name) as t:
-        old = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, **FAST)
-        old_info = server_info(host)
-        os.killpg(old.pid, signal.SIGTERM)  # starts the 3 s (scaled) drain; port keeps answering 200
-        time.sleep(0.3)
-        assert httpx.get(f"http://127.0.0.1:{host.ddtree.server.port}/health_generate", timeout=5).status_code == 200
-        # Forget the old process so that start() does not refuse; launch next to it.
-        Path(host.ddtree.run_dir, "launch.json").unlink()
-        spec = build_launch_spec(host, RunConfig("AR"), "0.5.23", cuda_graph=True)
-        assert spec.launch_command == old.launch_command  # identical flags: only identity tells them apart
-        launched = manager.start(t, host, spec, check_port=False)
-        seen: list[tuple[dict, str]] = []
-        outcome, _attempt = lifecycle.wait_ready(
-            t, host, spec, launched, deadline_s=60, poll_interval_s=0.2, on_poll=lambda p, d: seen.append((p, d))
-        )
+    t = sim_target.transport
+    old = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, **FAST)
+    old_info = sim_target.server_info(host)
+    sim_target.signal_group(old.pid, "TERM")  # starts the 3 s (scaled) drain; port keeps answering 200
+    time.sleep(0.3)
+    assert sim_target.http_get(host, "/health_generate")[0] == 200
+    # Forget the old process so that start() does not refuse; launch next to it.
+    t.run(["rm", "--", f"{host.ddtree.run_dir}/launch.json"], timeout=30, check=True)
+    spec = build_launch_spec(host, RunConfig("AR"), "0.5.23", cuda_graph=True)
+    assert spec.launch_command == old.launch_command  # identical flags: only identity tells them apart
+    launched = manager.start(t, host, spec, check_port=False)
+    seen: list[tuple[dict, str]] = []
+    outcome, _attempt = lifecycle.wait_ready(
+        t, host, spec, launched, deadline_s=60, poll_interval_s=0.2, on_poll=lambda p, d: seen.append((p, d))
+    )
     assert outcome.reason == "ready"
     stale = [d for p, d in seen if p.get("health") == 200 and d != "ready"]
     assert stale and all(d.startswith("stale") for d in stale)  # the race really happened
-    assert server_info(host)["startup_time"] > old_info["startup_time"]
-    assert not Path(f"/proc/{old.pid}").exists() or Path(f"/proc/{old.pid}/stat").read_text().split()[2] == "Z"
+    assert sim_target.server_info(host)["startup_time"] > old_info["startup_time"]
+    assert sim_target.process_gone(old.pid)
 
 
-def test_hostile_extra_args_stay_data(make_sim_host, tmp_path: Path) -> None:
+def test_hostile_extra_args_stay_data(sim_target, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    hostile = f"x; touch {marker} $(touch {marker}2) `touch {marker}3` ' \""
-    host = make_sim_host(extra_args=("--served-model-name", hostile))
-    with LocalTransport(host.name) as t:
-        result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
-    assert server_info(host)["served_model_name"] == hostile
+    # Over SSH the agent's argv crosses the remote login shell: quotes, substitutions,
+    # a newline and $HOME must reach the server as the same bytes.
+    hostile = f"x; touch {marker} $(touch {marker}2) `touch {marker}3` ' \" $HOME\n|touch {marker}4"
+    host = sim_target.host(extra_args=("--served-model-name", hostile))
+    result = lifecycle.restart(sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+    assert sim_target.server_info(host)["served_model_name"] == hostile
     assert result.argv[-1] == hostile
-    assert not any(tmp_path.glob("pwned*"))
+    assert not any(sim_target.transport.exists(f"{marker}{n}") for n in ("", "2", "3", "4"))
 
 
 def test_cancel_stops_waiting_and_describes_the_host(make_sim_host) -> None:

@@ -1,16 +1,19 @@
 """restart/stop over real SSH (the sshd test fleet), simulator on the far side.
 
 The fleet hosts' Python prefixes hold the real SGLang 0.5.23 files, so the version the
-eager flags depend on is found on the host, as in production.
+eager flags depend on is found on the host, as in production. The other scenarios where
+SSH changes what happens (normal restart, drain race, port held by a foreign process,
+crash during load, hostile extra args) are shared with the local ones through the
+``sim_target`` fixture and run as ``test_restart_local.py::...[ssh]``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from ddtree_ops.inventory_types import Host
+from conftest import sim_host
 from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.state import StateStore
@@ -19,20 +22,9 @@ from ddtree_ops.transport import open_transport
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(180)]
 
 
-def sim_server(host: Host, gpu: str) -> Host:
-    server = replace(
-        host.ddtree.server,
-        command="{python} -m ddtree_ops.sim",
-        model_path="sim/qwen3-8b",
-        draft_model_path="sim/qwen3-8b-dflash",
-        expected_load_s=2.0,
-        env={"SIM_GPU": gpu, "SIM_LOAD_S": "2", "SIM_TIME_SCALE": "0.1"},
-    )
-    return replace(host, ddtree=replace(host.ddtree, server=server))
-
-
-def test_b300_fallback_over_ssh_then_eager_directly(ssh_fleet) -> None:  # type: ignore[no-untyped-def]
-    host = sim_server(ssh_fleet.load().hosts["fleet-1"], "b300")
+def test_b300_fallback_over_ssh_then_eager_directly(ssh_fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # fleet-1's own run_dir and port stay untouched: the fleet is shared by the suite.
+    host = sim_host(tmp_path / "run", base=ssh_fleet.load().hosts["fleet-1"], name="fleet-1", gpu="b300")
     state = StateStore()
     run = RunConfig("DDTREE", budget=16, topk=4)
     with open_transport(host) as t:
