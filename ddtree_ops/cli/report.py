@@ -47,57 +47,75 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return json.loads(frame.to_json(orient="records"))
 
 
-def _best_table(best: pd.DataFrame, group_by: str) -> Table:
-    table = Table(title="Best configuration (score = median − 1.4826·MAD of output tok/s)", title_justify="left")
-    for col, justify in (
-        ("gpu" if group_by == "gpu" else "host", "left"),
-        ("temp", "right"),
-        ("conc", "right"),
-        ("modes", "left"),
-        ("best", "left"),
-        ("tok/s (median ± MAD)", "right"),
-        ("n", "right"),
-        ("accept len", "right"),
-        ("vs AR", "right"),
-        ("vs DFlash", "right"),
-        ("runner-up", "left"),
-        ("note", "left"),
-    ):
-        table.add_column(col, justify=justify, overflow="fold")
-    for _, row in best.iterrows():
-        picked = row["algorithm"] is not None
-        table.add_row(
-            str(row["machine"]),
-            _fmt(row["temperature"], 2),
-            _fmt(row["concurrency"]),
-            str(row["modes"]),
-            f"[bold green]{_cell(row)}[/]" if picked else "[red]none[/]",
-            f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
-            _fmt(row["n"]),
-            _fmt(row["accept_length_median"], 2),
-            _ratio(row["speedup_vs_ar"]) if picked else "—",
-            _ratio(row["speedup_vs_dflash"]) if picked else "—",
-            _fmt(row["runner_up"]),
-            _fmt(row["note"]) if row["note"] else "",
+def _machine(value: Any) -> str:
+    """A GPU or host name as it fits a terminal column ('NVIDIA ' and '(simulated)' shortened)."""
+    text = str(value)
+    if text.startswith("NVIDIA "):
+        text = text[len("NVIDIA "):]
+    return text.replace(" (simulated)", " (sim)")
+
+
+def _best_tables(best: pd.DataFrame, group_by: str) -> list[tuple[Table, list[str]]]:
+    """One table of picks per machine (so no column is spent on long GPU names), each with
+    one line per pick for its runner-up and notes, kept out of the table so that it fits
+    an ordinary terminal."""
+    out: list[tuple[Table, list[str]]] = []
+    for machine, rows in best.groupby("machine", sort=True):
+        table = Table(
+            title=f"Best configuration — {_machine(machine)}",
+            title_justify="left",
         )
-    return table
+        for col, justify in (
+            ("temp", "right"),
+            ("conc", "right"),
+            ("modes", "left"),
+            ("best", "left"),
+            ("tok/s ± MAD", "right"),
+            ("n", "right"),
+            ("accept len", "right"),
+            ("vs AR", "right"),
+            ("vs DFlash", "right"),
+        ):
+            table.add_column(col, justify=justify, overflow="fold")
+        details: list[str] = []
+        for _, row in rows.iterrows():
+            picked = row["algorithm"] is not None
+            table.add_row(
+                _fmt(row["temperature"], 2),
+                _fmt(row["concurrency"]),
+                str(row["modes"]),
+                f"[bold green]{_cell(row)}[/]" if picked else "[red]none[/]",
+                f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
+                _fmt(row["n"]),
+                _fmt(row["accept_length_median"], 2),
+                _ratio(row["speedup_vs_ar"]) if picked else "—",
+                _ratio(row["speedup_vs_dflash"]) if picked else "—",
+            )
+            extra = [f"runner-up {row['runner_up']}"] if _fmt(row["runner_up"]) != "—" else []
+            if row["note"]:
+                extra.append(str(row["note"]))
+            if extra:
+                details.append(
+                    f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}: " + "; ".join(extra)
+                )
+        out.append((table, details))
+    return out
 
 
 def _tidy_table(tidy: pd.DataFrame, limit: int) -> Table:
     table = Table(title=f"Cells per host ({len(tidy)} rows{', first ' + str(limit) if len(tidy) > limit else ''})", title_justify="left")
-    for col in ("host", "temp", "conc", "config", "graph", "n", "tok/s median", "MAD", "min–max", "accept len", "TTFT p50 ms", "ITL p50 ms", "vs AR", "vs DFlash"):
+    # min–max and every percentile are in --csv; the terminal keeps what fits.
+    for col in ("host", "temp", "conc", "config", "graph", "n", "tok/s ± MAD", "accept len", "TTFT p50 ms", "ITL p50 ms", "vs AR", "vs DFlash"):
         table.add_column(col, justify="left" if col in ("host", "config", "graph") else "right")
     for _, row in tidy.head(limit).iterrows():
         table.add_row(
-            str(row["machine"]),
+            _machine(row["machine"]),
             _fmt(row["temperature"], 2),
             _fmt(row["concurrency"]),
             _cell(row),
             "yes" if row["cuda_graph"] else "[yellow]eager[/]",
             _fmt(row["n"]),
-            _fmt(row["output_tok_s_median"]),
-            _fmt(row["output_tok_s_mad"]),
-            f"{_fmt(row['output_tok_s_min'])}–{_fmt(row['output_tok_s_max'])}",
+            f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}",
             _fmt(row["accept_length_median"], 2),
             _fmt(row["ttft_ms_median"]),
             _fmt(row["itl_ms_median"], 2),
@@ -201,4 +219,12 @@ def report_command(
             console.print(f"Wrote {label}: {path}", highlight=False)
     if written:
         console.print(f"Wrote {len(written)} plot(s) to {plots}", highlight=False)
-    console.print(_best_table(result.best.best, group_by))
+    console.print(
+        "Best configuration per machine, temperature and concurrency (score = median − 1.4826·MAD of "
+        "output tok/s; within 1% the cheaper config wins):",
+        highlight=False,
+    )
+    for table, details in _best_tables(result.best.best, group_by):
+        console.print(table)
+        for line in details:
+            console.print(line, highlight=False, soft_wrap=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,18 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     assert pd.read_csv(tmp_path / "b.csv")["budget"].tolist() == [32, 8]
     missing = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "nope: no such ledger" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_terminal_tables_fit_80_columns(tmp_path: Path) -> None:
+    """What `make demo` prints: one best-config table per machine, runner-ups below it, no
+    line wider than an ordinary terminal."""
+    ledger = known_ledger(tmp_path / "l.jsonl")
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(ledger)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    titles = [line for line in lines if line.startswith("Best configuration — ")]
+    assert len(titles) == 1 and "RTX PRO 6000" in titles[0]
+    assert any("runner-up" in line for line in lines)
