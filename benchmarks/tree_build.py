@@ -8,6 +8,13 @@ count is small enough to enumerate; "-" marks the skipped cells and why).
 
     .venv/bin/python benchmarks/tree_build.py            # full table
     .venv/bin/python benchmarks/tree_build.py --quick    # a smaller grid
+    .venv/bin/python benchmarks/tree_build.py --layout-only   # per-round table only
+
+A second table gives the whole round as the worker runs it (build every request's
+tree, then the verify layout: tokens, positions, ancestor mask, retrieve tensors):
+one request at a time with the per-request functions vs the batch helpers
+(``build_ddtree_trees_from_topk_batch`` + ``layout_verify_batch``), in microseconds
+per round.
 """
 
 from __future__ import annotations
@@ -76,6 +83,51 @@ def naive_round(ids: list[list[int]], lps: list[list[float]], budget: int) -> in
     return n
 
 
+def per_request_round(du: ModuleType, ids: torch.Tensor, lps: torch.Tensor, budget: int,
+                      prefixes: list[int]) -> None:
+    """A round the way the worker did it before batching: one call per request each."""
+    n = budget + 1
+    for b in range(ids.shape[0]):
+        tree = du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, root_token=0)
+        pad = n - len(tree)
+        torch.tensor(tree.token_ids + [tree.token_ids[0]] * pad)
+        du.tree_positions(tree.depths + [1] * pad, prefixes[b])
+        mask = du.tree_attention_mask(tree.parents + [0] * pad)
+        torch.cat([torch.ones((n, prefixes[b]), dtype=torch.bool), mask], dim=1).reshape(-1)
+        du.compile_ddtree_retrieve(tree.parents, tree.node_logws, offset=b * n)
+
+
+def batched_round(du: ModuleType, ids: torch.Tensor, lps: torch.Tensor, budget: int, prefixes: list[int]) -> None:
+    trees = du.build_ddtree_trees_from_topk_batch(ids, lps, budget, [0] * ids.shape[0])
+    du.layout_verify_batch(trees, prefixes, budget + 1, need_retrieve=True)
+
+
+def round_us(fn: Callable[[], object], repeats: int) -> float:
+    """Best of `repeats` rounds, in microseconds per round."""
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return min(samples)
+
+
+def layout_table(du: ModuleType, args: argparse.Namespace) -> None:
+    print(f"\nper verify round (microseconds per round, best of {args.repeats * 2}): "
+          "build + tokens + positions + mask + retrieve")
+    header = f"{'budget':>6} {'topk':>4} {'batch':>5} {'per-request':>12} {'batched':>9} {'speedup':>8}"
+    print(header)
+    print("-" * len(header))
+    for budget, k, batch in itertools.product(args.layout_budgets, args.layout_topks, args.batches):
+        g = torch.Generator().manual_seed(budget * 100 + k)
+        top = torch.log_softmax(torch.randn(batch, args.depth, 4096, generator=g) * 3.0, dim=-1).topk(k, dim=-1)
+        ids, lps = top.indices, top.values
+        prefixes = [1000 + 17 * b for b in range(batch)]
+        old = round_us(lambda: per_request_round(du, ids, lps, budget, prefixes), args.repeats * 2)
+        new = round_us(lambda: batched_round(du, ids, lps, budget, prefixes), args.repeats * 2)
+        print(f"{budget:>6} {k:>4} {batch:>5} {old:>12.0f} {new:>9.0f} {old / new:>7.1f}x")
+
+
 def per_request_us(fn: Callable[[], object], batch: int, repeats: int) -> float:
     """Best of `repeats` timings of a batch: on a shared machine the minimum is the
     estimate least polluted by other processes (the median drifts with the load)."""
@@ -100,6 +152,9 @@ def main() -> None:
                     help="skip the naive method when it would enumerate more prefix paths")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (serving uses few)")
     ap.add_argument("--quick", action="store_true", help="budgets 4 16 64 256 1024, top-k 2 4 16")
+    ap.add_argument("--layout-budgets", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--layout-topks", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--layout-only", action="store_true", help="only the per-round table")
     args = ap.parse_args()
     if args.quick:
         args.budgets, args.topks = [4, 16, 64, 256, 1024], [2, 4, 16]
@@ -109,6 +164,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), depth {args.depth}, "
           f"best of {args.repeats}; microseconds per request; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.layout_only:
+        layout_table(du, args)
+        return
     header = f"{'budget':>6} {'topk':>4} {'batch':>5} {'nodes':>5} {'ddtree us':>10} {'naive us':>12} {'speedup':>8}"
     print(header)
     print("-" * len(header))
@@ -128,6 +186,7 @@ def main() -> None:
         else:
             naive_s, speed_s = f"{'- (' + format(n_paths, '.1e') + ' paths)':>12}", f"{'-':>8}"
         print(f"{budget:>6} {k:>4} {batch:>5} {nodes:>5} {fast:>10.1f} {naive_s} {speed_s}")
+    layout_table(du, args)
 
 
 if __name__ == "__main__":

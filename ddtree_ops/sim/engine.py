@@ -256,10 +256,7 @@ class Engine:
         lasts = torch.tensor([r.last_token for r in batch], dtype=torch.int64)
         cats = [r.category for r in batch]
         ids, lps = self.language.draft_topk(keys, starts, lasts, cats, depth, min(topk, VOCAB))
-        trees = [
-            core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, root_token=int(lasts[b]))
-            for b in range(len(batch))
-        ]
+        trees = core.build_ddtree_trees_from_topk_batch(ids, lps, budget, lasts)
         n = max(len(t.parents) for t in trees)
         # Target logits after every node: (position of the node's child, node token).
         row_keys: list[int] = []

@@ -12,16 +12,11 @@ array alone).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from sglang.srt.speculative.ddtree_utils import (
-    DDTree,
-    compile_ddtree_retrieve,
-    tree_attention_mask,
-    tree_positions,
-)
+from sglang.srt.speculative.ddtree_utils import DDTree, layout_verify_batch
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
 
@@ -52,18 +47,6 @@ class DDTreeVerifyTensors:
     retrieve_next_sibling: Optional[torch.Tensor]
 
 
-def _padded_parents(tree: DDTree, num_nodes: int) -> List[int]:
-    """Pad a short tree (draft candidates ran out) with nodes hanging off the root.
-
-    Padded nodes carry the root token and see only the prefix, the root and
-    themselves; the commit path never accepts them because the greedy walk, the
-    sampler and the retrieve encoding only see the real tree.
-    """
-    parents = list(tree.parents)
-    parents.extend([0] * (num_nodes - len(parents)))
-    return parents
-
-
 def build_ddtree_verify_tensors(
     trees: Sequence[DDTree],
     prefix_lens: Sequence[int],
@@ -74,56 +57,21 @@ def build_ddtree_verify_tensors(
 ) -> DDTreeVerifyTensors:
     """Lay out ``trees`` for one target verify pass.
 
-    Built on the host (the trees are host objects, ``budget`` nodes each) and moved
-    to ``device`` in one copy per tensor.
+    Built on the host (the trees are host objects, ``budget`` nodes each) in
+    whole-batch operations (``layout_verify_batch``: a short tree is padded with nodes
+    hanging off the root that carry the root token and that no retrieve pointer
+    reaches) and moved to ``device`` in one copy per tensor.
     """
-    bs = len(trees)
-    tokens = torch.empty((bs, num_nodes), dtype=torch.int64)
-    positions = torch.empty((bs, num_nodes), dtype=torch.int64)
-    masks: List[torch.Tensor] = []
-    if need_retrieve:
-        r_index = torch.empty((bs, num_nodes), dtype=torch.int64)
-        r_next = torch.empty((bs, num_nodes), dtype=torch.int64)
-        r_sib = torch.empty((bs, num_nodes), dtype=torch.int64)
-    for b, tree in enumerate(trees):
-        n = len(tree.parents)
-        if n > num_nodes:
-            raise ValueError(
-                f"DDTree with {n} nodes does not fit the verify window of {num_nodes}."
-            )
-        parents = _padded_parents(tree, num_nodes)
-        depths = list(tree.depths) + [1] * (num_nodes - n)
-        root = int(tree.token_ids[0])
-        tokens[b, :n] = torch.as_tensor(list(tree.token_ids), dtype=torch.int64)
-        tokens[b, n:] = root
-        prefix = int(prefix_lens[b])
-        # The root is the last committed token; it is re-fed at position prefix.
-        positions[b] = tree_positions(depths, prefix).to(torch.int64).cpu()
-        tree_mask = tree_attention_mask(parents).cpu()
-        masks.append(
-            torch.cat(
-                [torch.ones((num_nodes, prefix), dtype=torch.bool), tree_mask], dim=1
-            ).reshape(-1)
-        )
-        if need_retrieve:
-            # Encode the real tree only: no pointer reaches a padded node, so the
-            # sampling kernel can never try (and accept) one.
-            idx, nxt, sib = compile_ddtree_retrieve(
-                list(tree.parents), list(tree.node_logws), offset=b * num_nodes
-            )
-            r_index[b] = torch.arange(
-                b * num_nodes, (b + 1) * num_nodes, dtype=torch.int64
-            )
-            r_index[b, :n] = idx.cpu()
-            r_next[b].fill_(-1)
-            r_next[b, :n] = nxt.cpu()
-            r_sib[b].fill_(-1)
-            r_sib[b, :n] = sib.cpu()
+    layout = layout_verify_batch(trees, prefix_lens, num_nodes, need_retrieve=need_retrieve)
     return DDTreeVerifyTensors(
-        tokens=tokens.to(device, non_blocking=True),
-        positions=positions.reshape(-1).to(device, non_blocking=True),
-        custom_mask=torch.cat(masks).to(device, non_blocking=True),
-        retrieve_index=r_index.to(device) if need_retrieve else None,
-        retrieve_next_token=r_next.to(device) if need_retrieve else None,
-        retrieve_next_sibling=r_sib.to(device) if need_retrieve else None,
+        tokens=layout.tokens.to(device, non_blocking=True),
+        positions=layout.positions.reshape(-1).to(device, non_blocking=True),
+        custom_mask=layout.custom_mask.to(device, non_blocking=True),
+        retrieve_index=_to_device(layout.retrieve_index, device),
+        retrieve_next_token=_to_device(layout.retrieve_next_token, device),
+        retrieve_next_sibling=_to_device(layout.retrieve_next_sibling, device),
     )
+
+
+def _to_device(t: Optional[torch.Tensor], device: torch.device | str) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device)
