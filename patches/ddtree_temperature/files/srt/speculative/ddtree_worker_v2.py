@@ -4,7 +4,7 @@ One decode round:
 
 1. draft one block with the DFlash draft model (same forward as DFLASH);
 2. take the drafter's per-position top-k and build a best-first tree under the node
-   budget (``build_ddtree_tree_from_topk``);
+   budget (``build_ddtree_trees_from_topk_batch``);
 3. verify the whole tree in ONE target ``TARGET_VERIFY`` pass: tokens in pop order,
    positions by depth, an ancestor-only attention mask, and -- only when a request
    samples -- the first-child / next-sibling retrieve tensors;
@@ -200,15 +200,14 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         topk_ids, topk_logprobs = self._draft_topk(
             draft_hidden[:, 1 : 1 + self.ddtree_depth, :], lm_head
         )
-        roots = draft_input.bonus_tokens.view(-1).tolist()
-        ids_cpu = topk_ids.cpu()
-        lps_cpu = topk_logprobs.cpu()
-        trees = [
-            ddtree_utils.build_ddtree_tree_from_topk(
-                ids_cpu[b], lps_cpu[b], self.ddtree_budget, root_token=int(roots[b])
-            )
-            for b in range(bs)
-        ]
+        # One device->host copy and one tolist() for the whole batch; the heap itself
+        # is sequential per request.
+        trees = ddtree_utils.build_ddtree_trees_from_topk_batch(
+            topk_ids.cpu(),
+            topk_logprobs.cpu(),
+            self.ddtree_budget,
+            draft_input.bonus_tokens.view(-1).cpu(),
+        )
         prefix_cpu = (
             batch.seq_lens_cpu.tolist()
             if batch.seq_lens_cpu is not None
