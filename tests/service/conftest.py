@@ -133,7 +133,7 @@ class SimTarget:
     _run_root: Path
     _base: Host | None
     hosts: list[Host] = field(default_factory=list)
-    holders: list[tuple[Host, int]] = field(default_factory=list)
+    holders: list[int] = field(default_factory=list)  # port holders not yet released
 
     def host(self, **kwargs: Any) -> Host:
         """A simulator host (``sim_host`` keywords); every server it launches is stopped at teardown."""
@@ -169,11 +169,11 @@ class SimTarget:
         port = str(host.ddtree.server.port)
         script = Script(argv=(host.python, "-", "127.0.0.1", port, str(max_s)), source=_PORT_HOLDER)
         pid = int(self.transport.run(script, timeout=30, check=True).stdout)
-        self.holders.append((host, pid))
+        self.holders.append(pid)
         return pid
 
     def release_port(self, pid: int, transport: Transport | None = None) -> None:
-        self.holders.remove(next(h for h in self.holders if h[1] == pid))
+        self.holders.remove(pid)
         self.signal_group(pid, "TERM", transport)
 
     def process_gone(self, pid: int) -> bool:
@@ -182,9 +182,12 @@ class SimTarget:
         return result.returncode != 0 or result.stdout.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
     def cleanup(self) -> None:
-        with self.open(self.hosts[0]) if self.hosts else LocalTransport() as t:
-            for _host, pid in self.holders:
-                t.run(["kill", "-KILL", str(pid)], timeout=30)
+        if not self.hosts:
+            return
+        # A fresh connection: the test may have closed or broken its own.
+        with self.open(self.hosts[0]) as t:
+            for pid in self.holders:
+                t.run(["kill", "-KILL", "--", f"-{pid}"], timeout=30)
             for host in self.hosts:
                 lifecycle.stop(t, host, grace_s=2.0)
 
