@@ -63,7 +63,9 @@ class Transport(Protocol):
         cwd: str | None = None,
     ) -> CommandResult:
         """Run a command; raise CommandFailed if ``check`` and it exits non-zero,
-        CommandTimeout past ``timeout`` seconds."""
+        CommandTimeout past ``timeout`` seconds — after ending the command and everything
+        it spawned (SIGTERM to its process group, SIGKILL after a short grace); processes
+        that detached into a session of their own are left running."""
         ...
 
     def read_bytes(self, path: str) -> bytes: ...

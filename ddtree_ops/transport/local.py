@@ -6,11 +6,18 @@ functions, both transports). It behaves like the SSH transport wherever a caller
 tell: a missing executable is exit code 127 rather than an exception (that is what a
 remote shell answers), ``~`` in paths means the home directory, and file operations
 raise :class:`RemoteFileError` naming the host and path.
+
+Each command runs in a session (and so process group) of its own, as sshd starts a
+remote command, and a command that outlives its ``timeout`` is ended as a whole: SIGTERM
+to its group, SIGKILL after :data:`KILL_GRACE_S` — children and grandchildren included,
+not only the direct child. A process that left the group on purpose (``setsid``,
+``start_new_session``: a launched server) is never touched.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -19,6 +26,10 @@ from pathlib import Path
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
 from ddtree_ops.fsutil import write_atomic_local
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
+
+# How long a timed-out command's process group gets between SIGTERM and SIGKILL (the SSH
+# transport uses the same grace).
+KILL_GRACE_S = 2.0
 
 
 class LocalTransport:
@@ -66,20 +77,16 @@ class LocalTransport:
             full_env.update(env)
         start = time.monotonic()
         try:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 argv,
-                input=stdin.encode(),
-                capture_output=True,
-                timeout=timeout,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env=full_env,
                 cwd=expand_path(cwd) if cwd else None,
-                check=False,
+                start_new_session=True,
             )
-        except subprocess.TimeoutExpired as exc:
-            raise CommandTimeout(
-                f"command did not finish within {timeout:g}s: {text[:200]}", host=self.host, timeout=timeout
-            ) from exc
-        except FileNotFoundError as exc:
+        except FileNotFoundError:
             # A missing cwd is also FileNotFoundError; a shell would say so and exit 1/127.
             if cwd and not Path(expand_path(cwd)).is_dir():
                 result = CommandResult(1, "", f"cd: {cwd}: No such file or directory\n", time.monotonic() - start)
@@ -88,11 +95,23 @@ class LocalTransport:
         except PermissionError:
             result = CommandResult(126, "", f"{argv[0]}: Permission denied\n", time.monotonic() - start)
         else:
+            try:
+                out, err = proc.communicate(stdin.encode(), timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                _end_group(proc)
+                raise CommandTimeout(
+                    f"command did not finish within {timeout:g}s (ended: process group {proc.pid} terminated): "
+                    f"{text[:200]}",
+                    host=self.host,
+                    timeout=timeout,
+                ) from exc
+            except BaseException:
+                # Interrupted (Ctrl-C): the command runs in its own session, so the terminal's
+                # SIGINT did not reach it; end it here rather than leave it behind.
+                _end_group(proc)
+                raise
             result = CommandResult(
-                proc.returncode,
-                proc.stdout.decode(errors="replace"),
-                proc.stderr.decode(errors="replace"),
-                time.monotonic() - start,
+                proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), time.monotonic() - start
             )
         if check and result.returncode != 0:
             raise CommandFailed(result.returncode, text, result.stderr, host=self.host)
@@ -115,6 +134,35 @@ class LocalTransport:
     def exists(self, path: str) -> bool:
         self._count("stat", path)
         return os.path.lexists(expand_path(path))
+
+
+def _end_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the command's process group, SIGKILL after the grace, then reap it.
+
+    The group id is the child's pid (it is a session leader); it cannot be reused while
+    any member is left, so signalling it never reaches an unrelated process."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the direct child, or it stays in the group as a zombie
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def expand_path(path: str) -> str:

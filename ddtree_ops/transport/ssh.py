@@ -13,6 +13,15 @@ OpenSSH's ``StrictHostKeyChecking=accept-new``, never accepts a *changed* key.
 
 paramiko and socket exceptions are translated here, once, into ConnectError /
 AuthError / HostKeyError / CommandTimeout / CommandFailed / RemoteFileError.
+
+A command that outlives its ``timeout`` is ended, not abandoned: without a pty sshd sends
+no SIGHUP when the channel closes, so a timed-out command (and whatever it spawned) would
+keep running on the host. Every command therefore runs under a constant ``sh`` prologue
+that reports its process group id before ``exec``-ing the argv; on timeout a second
+channel on the same connection sends SIGTERM to that group and SIGKILL after
+:data:`KILL_GRACE_S`. Commands that finish on time cost one round trip, as before, and a
+process that left the group on purpose (``setsid``, ``start_new_session``: a launched
+server) is never touched.
 """
 
 from __future__ import annotations
@@ -47,6 +56,35 @@ from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
 
 KEEPALIVE_S = 15
+# How long a timed-out command's process group gets between SIGTERM and SIGKILL.
+KILL_GRACE_S = 2.0
+# How long, after a timeout, to wait for a command's group id that has not arrived yet
+# (the command started late: a slow host, a large Script still being sent).
+_PGID_WAIT_S = 2.0
+_PGID_MARKER = b"ddtree-ops-pgid "
+# Run as ``sh -c _PROLOGUE sh CWD ARGV...``: every value is a positional parameter, never
+# shell text. sshd makes each session's process a session (and so group) leader, and the
+# exec keeps that pid, so ``$$`` is the group id of the command and of all it spawns. The
+# marker goes out on stdout before the exec, so it is always the first line there; the
+# client strips it. An empty CWD means "stay in the login directory".
+_PROLOGUE = (
+    'printf "ddtree-ops-pgid %s\\n" "$$"; '
+    "d=$1; shift; "
+    'case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#??} ;; esac; '
+    'if [ -n "$d" ]; then cd -- "$d" || exit 1; fi; '
+    'exec "$@"'
+)
+# Run as ``sh -c _KILL_GROUP sh PGID STEPS``: SIGTERM to the group, up to STEPS waits of
+# 0.1 s while any member is left, then SIGKILL. Only the group is signalled, never the bare
+# pid: a group id cannot be reused while the group has members, a pid can.
+# (No ``--`` before the negative id: dash's kill builtin rejects it, and -TERM already
+# ends the options for every shell's kill.)
+_KILL_GROUP = (
+    "g=$1; n=$2; "
+    'kill -TERM "-$g" 2>/dev/null || exit 0; '
+    'while [ "$n" -gt 0 ] && kill -0 "-$g" 2>/dev/null; do sleep 0.1 2>/dev/null || sleep 1; n=$((n - 1)); done; '
+    'kill -KILL "-$g" 2>/dev/null; exit 0'
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Appends to a known_hosts file from several per-host threads must not interleave.
 _KNOWN_HOSTS_LOCK = threading.Lock()
@@ -427,12 +465,38 @@ class SSHTransport:
         self, chan: paramiko.Channel, line: str, stdin: bytes, timeout: float | None, text: str, start: float
     ) -> CommandResult:
         deadline = None if timeout is None else start + timeout
+        out = bytearray()
+        err: list[bytes] = []
+        pgid: int | None = None  # learnt from the prologue's first stdout line
+        marker_done = False
+
+        def take(data: bytes) -> None:
+            nonlocal pgid, marker_done
+            out.extend(data)
+            if not marker_done:
+                marker_done, pgid = _strip_pgid_marker(out)
 
         def timed_out() -> CommandTimeout:
-            return CommandTimeout(f"command did not finish within {timeout:g}s: {text[:200]}", host=self.host, timeout=timeout)
+            # A pgid still in flight is worth a short wait: without it nothing can be ended.
+            limit = time.monotonic() + _PGID_WAIT_S
+            try:
+                while not marker_done and not chan.closed and time.monotonic() < limit:
+                    if chan.recv_ready():
+                        take(chan.recv(65536))
+                    elif chan.eof_received:
+                        break
+                    else:
+                        select.select([chan], [], [], 0.1)
+            except (paramiko.SSHException, OSError, EOFError):
+                pass
+            if pgid is None:
+                ended = "could not end it: its process group id never arrived"
+            else:
+                ended = "ended: " + self._end_group(chan.get_transport(), pgid)
+            return CommandTimeout(
+                f"command did not finish within {timeout:g}s ({ended}): {text[:200]}", host=self.host, timeout=timeout
+            )
 
-        out: list[bytes] = []
-        err: list[bytes] = []
         try:
             chan.exec_command(line)
             if stdin:
@@ -442,7 +506,7 @@ class SSHTransport:
             chan.settimeout(0.0)
             while True:
                 while chan.recv_ready():
-                    out.append(chan.recv(65536))
+                    take(chan.recv(65536))
                 while chan.recv_stderr_ready():
                     err.append(chan.recv_stderr(65536))
                 if chan.exit_status_ready() and chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
@@ -472,8 +536,36 @@ class SSHTransport:
         if code == -1:
             code = 255  # killed by a signal: OpenSSH's client reports 255 too
         return CommandResult(
-            code, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace"), time.monotonic() - start
+            code, bytes(out).decode(errors="replace"), b"".join(err).decode(errors="replace"), time.monotonic() - start
         )
+
+    def _end_group(self, transport: paramiko.Transport, pgid: int) -> str:
+        """SIGTERM, then SIGKILL, to a timed-out command's process group, over a second
+        channel on the command's own connection (never a new one: the group lives on the
+        host that connection reaches). Best effort: the caller is already raising
+        CommandTimeout, so a failure here is reported in its message, not raised."""
+        steps = max(1, round(KILL_GRACE_S / 0.1))
+        line = shlex.join(["sh", "-c", _KILL_GROUP, "sh", str(pgid), str(steps)])
+        self._count("command", f"end process group {pgid} (timeout)")
+        try:
+            kill = transport.open_session(timeout=self.connect_timeout)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            return f"could not end it: {exc or type(exc).__name__}"
+        try:
+            kill.exec_command(line)
+            kill.shutdown_write()
+            limit = time.monotonic() + KILL_GRACE_S + self.connect_timeout
+            while not kill.exit_status_ready():
+                if kill.closed or time.monotonic() > limit:
+                    return f"sent SIGTERM to process group {pgid}; no confirmation it is gone"
+                select.select([kill], [], [], 0.1)
+                while kill.recv_ready():
+                    kill.recv(65536)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            return f"could not end it: {exc or type(exc).__name__}"
+        finally:
+            kill.close()
+        return f"process group {pgid} terminated"
 
     # ------------------------------------------------------------------ files
 
@@ -538,31 +630,41 @@ class SSHTransport:
 
 
 def build_command_line(command: Command, *, env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
-    """The exec request for ``command``: every value quoted with shlex, never interpolated.
+    """The exec request for ``command``: a constant ``sh`` prologue (see :data:`_PROLOGUE`)
+    with ``cwd`` and the argv as its positional parameters, every value quoted with shlex,
+    never interpolated.
 
     ``~`` / ``~/x`` in ``cwd`` mean the home directory, as for the local transport.
     """
     argv = list(command.argv) if isinstance(command, Script) else list(command)
     if not argv:
         raise ValueError("empty command")
-    parts: list[str] = []
     if env:
         bad = [k for k in env if not _ENV_NAME.match(k)]
         if bad:
             raise ValueError(f"invalid environment variable name: {bad[0]!r}")
         argv = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
-    if cwd:
-        parts.append(f"cd {_shell_path(cwd)} &&")
-    parts.append("exec " + shlex.join(argv))
-    return " ".join(parts)
+    return "exec " + shlex.join(["sh", "-c", _PROLOGUE, "sh", cwd or "", *argv])
 
 
-def _shell_path(path: str) -> str:
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
+def _strip_pgid_marker(out: bytearray) -> tuple[bool, int | None]:
+    """Remove the prologue's ``ddtree-ops-pgid N`` line from the start of ``out``.
+
+    Returns (settled, pgid): settled is False while the line may still be arriving. A
+    stdout that does not start with the marker (the prologue never ran) is left as is.
+    """
+    probe = bytes(out[: len(_PGID_MARKER)])
+    if not _PGID_MARKER.startswith(probe):
+        return True, None
+    newline = out.find(b"\n", 0, 64)
+    if newline < 0:
+        return len(out) >= 64, None
+    digits = bytes(out[len(_PGID_MARKER) : newline])
+    if not digits.isdigit():
+        return True, None
+    del out[: newline + 1]
+    pgid = int(digits)
+    return True, pgid if pgid > 1 else None
 
 
 def sftp_path(path: str) -> str:

@@ -149,3 +149,106 @@ def test_counter_counts_commands_and_file_ops(any_transport) -> None:
     t.exists(f"{any_transport.scratch}/c")
     assert (counter.commands, counter.file_ops) == (2, 3)
     assert counter.log[0] == f"{t.host} command: true"
+
+
+# Forks one child that sleeps and one that ignores SIGTERM (only SIGKILL ends it), starts a
+# detached process in a session of its own (as the service manager launches a server),
+# writes all their pids, then waits far longer than any timeout.
+_SPAWNER = """\
+import os, signal, subprocess, sys, time
+pids = [os.getpid()]
+for ignore_term in (False, True):
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # before fork: no window without it
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(300)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    pids.append(pid)
+detached = subprocess.Popen(["sleep", "300"], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    fh.write(" ".join(map(str, pids)) + "\\n" + str(detached.pid) + "\\n")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+if sys.argv[2] == "wait":
+    time.sleep(300)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has already ended; only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until_gone(pids: list[int], within_s: float = 20.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def _read_pids(path: Path) -> tuple[list[int], int]:
+    group, detached = path.read_text().splitlines()
+    return [int(p) for p in group.split()], int(detached)
+
+
+def _kill(pid: int) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_timeout_ends_the_whole_process_group(any_transport) -> None:
+    """What an operator expects of a timeout: the command and everything it spawned are
+    gone (a child that ignores SIGTERM too, after the grace), a process that detached
+    itself into its own session (a launched server) is left alone, and the transport
+    keeps working."""
+    t = any_transport.transport
+    pidfile = Path(any_transport.scratch, "pids")
+    with pytest.raises(CommandTimeout) as info:
+        t.run(Script((any_transport.python, "-", str(pidfile), "wait"), _SPAWNER), timeout=4)
+    assert "ended: process group" in str(info.value)
+    group, detached = _read_pids(pidfile)
+    try:
+        assert len(group) == 3
+        assert _wait_until_gone(group) == []
+        assert _running(detached)
+        assert t.run(["echo", "alive"]).stdout == "alive\n"
+    finally:
+        _kill(detached)
+
+
+def test_detached_process_survives_a_command_that_returns(any_transport) -> None:
+    """The wrapper changes nothing for a command that finishes on time: what it launched
+    in a session of its own keeps running (the service manager starts servers that way)."""
+    t = any_transport.transport
+    pidfile = Path(any_transport.scratch, "pids")
+    # The forked children are killed by the command itself here: only the detached one matters.
+    src = _SPAWNER + "for p in " + "pids[1:]" + ":\n    os.kill(p, signal.SIGKILL)\n"
+    result = t.run(Script((any_transport.python, "-", str(pidfile), "return"), src), timeout=60)
+    assert result.returncode == 0, result.stderr
+    _, detached = _read_pids(pidfile)
+    try:
+        assert _running(detached)
+    finally:
+        _kill(detached)
+
+
+def test_stdout_that_looks_like_the_prologue_is_kept(any_transport) -> None:
+    # The SSH transport strips its own first line (the process group id); a command's
+    # output that happens to look the same must come through byte for byte.
+    payload = "ddtree-ops-pgid 123\nddtree-ops-pgid 456\n"
+    result = any_transport.transport.run(["printf", "%s", payload])
+    assert result.stdout == payload
+    assert any_transport.transport.run(["printf", "x"]).stdout == "x"
+    assert any_transport.transport.run(["true"]).stdout == ""

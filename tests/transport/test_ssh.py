@@ -12,7 +12,7 @@ import pytest
 
 from ddtree_ops.errors import AuthError, ConnectError, HostKeyError
 from ddtree_ops.inventory_types import DdtreeSettings, Host
-from ddtree_ops.transport.ssh import SSHTransport, build_command_line, resolve_endpoint
+from ddtree_ops.transport.ssh import _PROLOGUE, SSHTransport, _strip_pgid_marker, build_command_line, resolve_endpoint
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
 pytestmark = pytest.mark.fleet
@@ -69,10 +69,62 @@ def test_inventory_values_win_over_ssh_config() -> None:
 
 
 def test_command_line_quotes_everything() -> None:
+    import shlex
+
     line = build_command_line(["echo", "$(id)", "a b"], env={"X": "; rm -rf /"}, cwd="~/my dir")
-    assert line == "cd \"$HOME\"/'my dir' && exec env 'X=; rm -rf /' echo '$(id)' 'a b'"
+    words = shlex.split(line)
+    # A constant prologue; every value after it is one quoted positional parameter.
+    assert words[:3] == ["exec", "sh", "-c"] and words[3] == _PROLOGUE
+    assert words[4:] == ["sh", "~/my dir", "env", "X=; rm -rf /", "echo", "$(id)", "a b"]
+    assert line.endswith(" sh '~/my dir' env 'X=; rm -rf /' echo '$(id)' 'a b'")
+    assert shlex.split(build_command_line(["true"]))[4:] == ["sh", "", "true"]
     with pytest.raises(ValueError, match="invalid environment variable name"):
         build_command_line(["true"], env={"A B": "1"})
+
+
+@pytest.mark.parametrize(
+    ("arrived", "settled", "pgid", "left"),
+    [
+        (b"", False, None, b""),
+        (b"ddtree-op", False, None, b"ddtree-op"),
+        (b"ddtree-ops-pgid 41", False, None, b"ddtree-ops-pgid 41"),
+        (b"ddtree-ops-pgid 4242\n", True, 4242, b""),
+        (b"ddtree-ops-pgid 4242\nddtree-ops-pgid 7\n\x00\xff", True, 4242, b"ddtree-ops-pgid 7\n\x00\xff"),
+        # Not our line (the prologue did not run): stdout is the command's, untouched.
+        (b"hello\n", True, None, b"hello\n"),
+        (b"ddtree-ops-pgid x1\n", True, None, b"ddtree-ops-pgid x1\n"),
+        (b"ddtree-ops-pgid " + b"9" * 60, True, None, b"ddtree-ops-pgid " + b"9" * 60),
+        # Group 1 is init's: never a command's, never signalled.
+        (b"ddtree-ops-pgid 1\n", True, None, b""),
+    ],
+)
+def test_strip_pgid_marker(arrived: bytes, settled: bool, pgid: int | None, left: bytes) -> None:
+    out = bytearray(arrived)
+    assert _strip_pgid_marker(out) == (settled, pgid)
+    assert bytes(out) == left
+
+
+def test_stdout_is_binary_safe_and_streams_stay_apart(ssh_fleet: Fleet, home: Path) -> None:
+    # No pty: no CR/LF rewriting, no merged streams, every byte value intact (bytes that
+    # are not UTF-8 decode to U+FFFD, as CommandResult documents for both transports).
+    src = "import sys\nsys.stdout.buffer.write(bytes(range(256)))\nsys.stderr.write('e\\n')\n"
+    from ddtree_ops.transport import Script
+
+    with SSHTransport(fleet_host(ssh_fleet)) as t:
+        result = t.run(Script((str(ssh_fleet.hosts[0].python), "-"), src), check=True)
+    assert result.stderr == "e\n"
+    assert result.stdout == bytes(range(256)).decode(errors="replace")
+
+
+def test_command_runs_as_its_own_process_group(ssh_fleet: Fleet, home: Path) -> None:
+    """What the timeout kill relies on: the command is a group leader (sshd's setsid, kept
+    through the prologue's exec), so its children share a group nothing else is in."""
+    src = "import os\nprint(os.getpid(), os.getpgid(0), os.getsid(0))\n"
+    from ddtree_ops.transport import Script
+
+    with SSHTransport(fleet_host(ssh_fleet)) as t:
+        pid, pgid, sid = map(int, t.run(Script((str(ssh_fleet.hosts[0].python), "-"), src), check=True).stdout.split())
+    assert pid == pgid == sid
 
 
 @pytest.fixture
