@@ -10,6 +10,7 @@ starred in the heatmap) because their numbers are not comparable with graph mode
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -34,10 +35,10 @@ def _grid(frame: pd.DataFrame) -> tuple[list[float], list[int]]:
 
 
 def _figure(rows: int, cols: int, title: str) -> tuple[plt.Figure, np.ndarray]:
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(_PANEL_W * cols + 0.8, _PANEL_H * rows + 1.4), squeeze=False, layout="constrained"
-    )
-    fig.suptitle(title, fontsize=13, fontweight="bold")
+    width = _PANEL_W * cols + 0.8
+    fig, axes = plt.subplots(rows, cols, figsize=(width, _PANEL_H * rows + 1.4), squeeze=False, layout="constrained")
+    # Long GPU names would run off a narrow figure: wrap at about 8 bold characters per inch.
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(width * 8))), fontsize=13, fontweight="bold")
     return fig, axes
 
 
