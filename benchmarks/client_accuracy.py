@@ -52,10 +52,7 @@ import httpx
 from ddtree_ops.bench.client import LoadSpec, run_load
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.prompts import Prompt
-try:
-    from ddtree_ops.sim.text import WORDS
-except ImportError:  # older layout of the simulator package
-    from ddtree_ops.sim.language import WORDS  # type: ignore[no-redef,attr-defined]
+from ddtree_ops.sim.text import WORDS
 from ddtree_ops.sim.profiles import PROFILES
 
 
