@@ -369,7 +369,6 @@ def _finish(journal, *, committed):
     if committed:
         # Keep only backups the new state refers to (originals); others were transient.
         keep = set(journal.get("keep_backups", []))
-        root = os.path.join(sd, "backups", txn)
         for e in journal["entries"]:
             b = e.get("backup")
             if b and b not in keep:
