@@ -522,6 +522,12 @@ class SSHTransport:
                 select.select([chan], [], [], wait)
         except (socket.timeout, TimeoutError) as exc:
             raise timed_out() from exc
+        except KeyboardInterrupt:
+            # Ctrl-C on the controller ends the remote command as it would end a local one;
+            # without this the command would run on after the channel closes (no pty).
+            if pgid is not None:
+                self._end_group(chan.get_transport(), pgid, reason="interrupted")
+            raise
         except (paramiko.SSHException, EOFError) as exc:
             self.close()
             raise ConnectError(f"connection lost while running {text[:200]}: {exc or type(exc).__name__}", host=self.host) from exc
@@ -539,14 +545,14 @@ class SSHTransport:
             code, bytes(out).decode(errors="replace"), b"".join(err).decode(errors="replace"), time.monotonic() - start
         )
 
-    def _end_group(self, transport: paramiko.Transport, pgid: int) -> str:
-        """SIGTERM, then SIGKILL, to a timed-out command's process group, over a second
-        channel on the command's own connection (never a new one: the group lives on the
-        host that connection reaches). Best effort: the caller is already raising
-        CommandTimeout, so a failure here is reported in its message, not raised."""
+    def _end_group(self, transport: paramiko.Transport, pgid: int, *, reason: str = "timeout") -> str:
+        """SIGTERM, then SIGKILL, to a timed-out or interrupted command's process group,
+        over a second channel on the command's own connection (never a new one: the group
+        lives on the host that connection reaches). Best effort: the caller is already
+        raising, so a failure here is reported in its message, not raised."""
         steps = max(1, round(KILL_GRACE_S / 0.1))
         line = shlex.join(["sh", "-c", _KILL_GROUP, "sh", str(pgid), str(steps)])
-        self._count("command", f"end process group {pgid} (timeout)")
+        self._count("command", f"end process group {pgid} ({reason})")
         try:
             kill = transport.open_session(timeout=self.connect_timeout)
         except (paramiko.SSHException, OSError, EOFError) as exc:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -186,8 +189,6 @@ def _running(pid: int) -> bool:
 
 
 def _wait_until_gone(pids: list[int], within_s: float = 20.0) -> list[int]:
-    import time
-
     deadline = time.monotonic() + within_s
     while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -200,12 +201,23 @@ def _read_pids(path: Path) -> tuple[list[int], int]:
 
 
 def _kill(pid: int) -> None:
-    import signal
-
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _assert_group_ended_detached_kept(t, pidfile: Path) -> None:
+    """The spawner's process group is gone, its detached process lives on, and the
+    transport still runs commands."""
+    group, detached = _read_pids(pidfile)
+    try:
+        assert len(group) == 3
+        assert _wait_until_gone(group) == []
+        assert _running(detached)
+        assert t.run(["echo", "alive"]).stdout == "alive\n"
+    finally:
+        _kill(detached)
 
 
 def test_timeout_ends_the_whole_process_group(any_transport) -> None:
@@ -218,14 +230,31 @@ def test_timeout_ends_the_whole_process_group(any_transport) -> None:
     with pytest.raises(CommandTimeout) as info:
         t.run(Script((any_transport.python, "-", str(pidfile), "wait"), _SPAWNER), timeout=4)
     assert "ended: process group" in str(info.value)
-    group, detached = _read_pids(pidfile)
-    try:
-        assert len(group) == 3
-        assert _wait_until_gone(group) == []
-        assert _running(detached)
-        assert t.run(["echo", "alive"]).stdout == "alive\n"
-    finally:
-        _kill(detached)
+    _assert_group_ended_detached_kept(t, pidfile)
+
+
+def test_ctrl_c_ends_the_whole_process_group(any_transport) -> None:
+    """Ctrl-C while a command runs ends it on the host too (SSH has no pty to carry the
+    signal), then the interrupt reaches the caller; the transport keeps working."""
+    t = any_transport.transport
+    pidfile = Path(any_transport.scratch, "pids")
+
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupt_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        # A real SIGINT aimed at the main thread, as a terminal's Ctrl-C arrives: it
+        # interrupts the blocking wait there.
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        t.run(Script((any_transport.python, "-", str(pidfile), "wait"), _SPAWNER), timeout=60)
+    _assert_group_ended_detached_kept(t, pidfile)
 
 
 def test_detached_process_survives_a_command_that_returns(any_transport) -> None:
