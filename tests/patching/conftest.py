@@ -4,32 +4,38 @@ Each test gets its own venv (made in ~0.1 s, no pip) whose site-packages holds t
 0.5.23 files the test bundles touch plus the dist-info, so that ``find_spec`` and
 ``importlib.metadata`` answer on the host exactly as they do on a full install, and the
 state directory ``<prefix>/.ddtree-ops`` is private to the test.
+
+The files are read straight out of the SGLang wheel that ``make test`` / ``.ci/run``
+download into ``.cache/wheels`` (``fleetlib.find_wheel`` fetches it if it is missing), so
+nothing outside the checkout and pytest's tmp dirs is read.
 """
 
 from __future__ import annotations
 
-import shutil
+import functools
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
+from fleetlib import SGLANG_VERSION, find_wheel
 
-SGLANG_SRC = Path("/tmp/sglang-src")
 BUNDLES = Path(__file__).parent / "bundles"
 # The real 0.5.23 files the test bundles replace, copied into every test prefix.
 REAL_FILES = ("srt/speculative/dflash_worker_v2.py", "srt/speculative/dflash_info.py", "srt/speculative/spec_info.py")
 
 
-def _sglang_source() -> tuple[Path, Path]:
-    """The unpacked 0.5.23 package and its dist-info (unpacked from the cached wheel if needed)."""
-    if (SGLANG_SRC / "sglang").is_dir():
-        return SGLANG_SRC / "sglang", next(SGLANG_SRC.glob("sglang-0.5.23.dist-info"))
-    raise RuntimeError("the SGLang 0.5.23 sources are needed at /tmp/sglang-src (unzip the wheel there)")
+@functools.cache
+def upstream_bytes(rel: str) -> bytes:
+    """The 0.5.23 wheel's copy of ``sglang/<rel>``, or of its ``METADATA`` for ``"METADATA"``."""
+    member = f"sglang-{SGLANG_VERSION}.dist-info/METADATA" if rel == "METADATA" else f"sglang/{rel}"
+    with zipfile.ZipFile(find_wheel()) as zf:
+        return zf.read(member)
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,15 @@ def make_prefix(root: Path, version: str = "0.5.23") -> Path:
     purelib = Path(
         sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)})
     )
-    src, dist = _sglang_source()
     pkg = purelib / "sglang"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text('"""SGLang (test copy: only the files the patch engine touches)."""\n')
     for rel in REAL_FILES:
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / rel, pkg / rel)
+        (pkg / rel).write_bytes(upstream_bytes(rel))
     d = purelib / f"sglang-{version}.dist-info"
     d.mkdir()
-    meta = (dist / "METADATA").read_text().replace("Version: 0.5.23", f"Version: {version}", 1)
+    meta = upstream_bytes("METADATA").decode().replace("Version: 0.5.23", f"Version: {version}", 1)
     (d / "METADATA").write_text(meta)
     return root
 

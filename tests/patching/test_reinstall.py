@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport import open_transport
 from ddtree_ops.transport.local import LocalTransport
 from fleetlib import Fleet, find_wheel
-from patching.conftest import BUNDLES, SGLANG_SRC, MiniHost
+from patching.conftest import BUNDLES, MiniHost, upstream_bytes
 from patching.test_fleet import REAL_BUNDLE, _reset
 from patching.test_plan import BASE, NEW, OTHER, _bundle, _rs
 
@@ -106,7 +105,7 @@ def test_rollback_on_changed_outside_local_host(mini: MiniHost) -> None:
     assert deploy(t, mini.host, basic).outcome == "applied"
     replaced = [f.path for f in basic.files if f.op == "replace"]
     for rel in replaced:  # what a reinstall does to the files the bundle replaced
-        shutil.copy2(SGLANG_SRC / "sglang" / rel, mini.file(rel))
+        mini.file(rel).write_bytes(upstream_bytes(rel))
     st = host_status(t, mini.host, bundle=basic)
     assert st.outside_change is not None and st.outside_change.reverted == tuple(sorted(replaced))
     assert st.to_json()["changed_outside"]["summary"] == "2 files reverted to original"
