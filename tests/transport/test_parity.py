@@ -14,36 +14,43 @@ import pytest
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
 from ddtree_ops.transport import Script
 
-HOSTILE = [
-    "two words",
-    "it's",
-    'say "hi"',
-    "$(touch /tmp/ddtree-ops-pwned)",
-    "`touch /tmp/ddtree-ops-pwned`",
-    "a; touch /tmp/ddtree-ops-pwned",
-    "x && false || true",
-    "$HOME ${PATH} \\n *",
-    "-n",
-    "",
-    "tab\there",
-    "ünïcödé ✓",
-]
+def hostile(marker: Path) -> list[str]:
+    """Arguments a shell would act on; any of them reaching a shell creates ``marker``."""
+    return [
+        "two words",
+        "it's",
+        'say "hi"',
+        f"$(touch {marker})",
+        f"`touch {marker}`",
+        f"a; touch {marker}",
+        "x && false || true",
+        "$HOME ${PATH} \\n *",
+        "-n",
+        "",
+        "tab\there",
+        "ünïcödé ✓",
+    ]
 
 
-def test_argv_reaches_the_command_as_data(any_transport) -> None:
+def test_argv_reaches_the_command_as_data(any_transport, tmp_path: Path) -> None:
     t = any_transport.transport
-    result = t.run(["printf", "%s\\n", *HOSTILE])
+    marker = tmp_path / "pwned"
+    args = hostile(marker)
+    result = t.run(["printf", "%s\\n", *args])
     assert result.returncode == 0
-    assert result.stdout.split("\n")[:-1] == HOSTILE
-    assert not os.path.exists("/tmp/ddtree-ops-pwned")
+    assert result.stdout.split("\n")[:-1] == args
+    assert not marker.exists()
 
 
-def test_script_on_stdin_with_hostile_argv(any_transport) -> None:
+def test_script_on_stdin_with_hostile_argv(any_transport, tmp_path: Path) -> None:
     src = "import json, sys\nprint(json.dumps(sys.argv[1:]))\n"
-    result = any_transport.transport.run(Script((any_transport.python, "-", *HOSTILE), src), check=True)
+    marker = tmp_path / "pwned"
+    args = hostile(marker)
+    result = any_transport.transport.run(Script((any_transport.python, "-", *args), src), check=True)
     import json
 
-    assert json.loads(result.stdout) == HOSTILE
+    assert json.loads(result.stdout) == args
+    assert not marker.exists()
 
 
 def test_shell_script_with_extra_stdin(any_transport) -> None:
