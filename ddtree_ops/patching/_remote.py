@@ -5,9 +5,15 @@ and is never imported on the controller. Values arrive as one JSON document afte
 program text, never pasted into code. It uses only the standard library and syntax that
 Python 3.8 accepts, because it runs on whatever interpreter the fleet has.
 
+Files are named by keys relative to the package directory: a package path, or
+``../<name>-<version>.dist-info/<file>`` for distribution metadata beside the package
+(see :mod:`ddtree_ops.patching.bundle`). Nothing here trusts a key: each is parsed and
+resolved again, with the checks of :func:`target_path`.
+
 State lives outside the package directory, in ``<sys.prefix>/.ddtree-ops/``:
 
-    state.json      what is applied: bundle, txn, when, by whom, per file original/patched hashes
+    state.json      what is applied: bundle, txn, when, by whom, per file original/patched
+                    hashes, and the directories ddtree-ops created (removed again once empty)
     journal.json    present only while a transaction is in flight (or was cut)
     lock/           atomic mkdir; lock/info.json says who holds it
     backups/<txn>/  previous contents of every file a transaction overwrites
@@ -21,6 +27,7 @@ import importlib.util
 import json
 import os
 import py_compile
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +35,10 @@ import time
 
 MARKER = "@@DDTREE-OPS-RESULT@@"
 TMP_PREFIX = ".ddtree-tmp-"
+SITE_KEY_PREFIX = "../"
+# Same pattern as the controller's bundle.DIST_INFO_RE (this file runs alone on the host).
+DIST_INFO_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.]*)-([A-Za-z0-9_.!+]+)\.dist-info$")
+SITE_DIR_NAMES = ("site-packages", "dist-packages")
 
 
 class Refused(Exception):
@@ -86,39 +97,123 @@ def state_dir():
     return os.path.join(sys.prefix, ".ddtree-ops")
 
 
-def find_package(name):
-    """Package directory and version, found without importing the package (imports are slow and may fail)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return None, None
-    pkg_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
-    version = None
-    try:
-        from importlib import metadata
-
-        version = metadata.version(name)
-    except Exception:
-        version = None
-    return pkg_dir, version
+def dist_name_key(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def target_path(pkg_dir, rel):
-    """Absolute path of ``rel`` inside the package, refusing symlinked parents that lead out."""
-    full = os.path.join(pkg_dir, *rel.split("/"))
-    parent = os.path.realpath(os.path.dirname(full))
-    if parent != pkg_dir and not parent.startswith(pkg_dir + os.sep):
-        raise Refused("escape", "%s resolves outside the package directory (%s)" % (rel, parent))
+def is_site_key(key):
+    return key.startswith(SITE_KEY_PREFIX)
+
+
+class Package(object):
+    """Where the target package is, found without importing it (imports are slow and may fail)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.dir = None
+        self.version = None
+        self.locations = []
+        self._site = None
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            return
+        self.locations = list(spec.submodule_search_locations)
+        self.dir = os.path.realpath(self.locations[0])
+        try:
+            from importlib import metadata
+
+            self.version = metadata.version(name)
+        except Exception:
+            self.version = None
+
+    def site_dir(self):
+        """The directory holding the package, where files keyed ``../`` go; Refused where that is unsafe.
+
+        Accepted only when all of these hold:
+        - the package is one plain directory sitting directly in it (one search location,
+          not a symlink): an editable install or a symlinked checkout points elsewhere,
+          and its parent is somebody's source tree;
+        - it is named site-packages or dist-packages: the directories installers own and
+          put *.dist-info into (a source checkout or PYTHONPATH entry is on sys.path too,
+          but metadata written there would be litter in someone's tree);
+        - it is on this interpreter's sys.path (compared resolved): only then does
+          importlib.metadata in the server, which runs this interpreter, see what we add.
+        """
+        if self._site is not None:
+            return self._site
+        if self.dir is None:
+            raise Refused("escape", "package %s is not installed" % self.name)
+        if len(self.locations) != 1:
+            raise Refused("escape", "package %s spans several directories (%s); refusing to write beside it"
+                          % (self.name, ", ".join(self.locations)))
+        loc = self.locations[0]
+        parent = os.path.dirname(self.dir)
+        if os.path.islink(loc) or not os.path.isdir(self.dir) or os.path.realpath(os.path.dirname(loc)) != parent:
+            raise Refused("escape", "package %s is not a plain directory in its site-packages (%s -> %s, an editable"
+                          " or linked install?); refusing to write beside it" % (self.name, loc, self.dir))
+        if os.path.basename(parent) not in SITE_DIR_NAMES:
+            raise Refused("escape", "%s, which holds package %s, is not a site-packages or dist-packages directory"
+                          " (an editable install?); refusing to write beside it" % (parent, self.name))
+        on_path = set(os.path.realpath(p) for p in sys.path if p)
+        if parent not in on_path:
+            raise Refused("escape", "%s, which holds package %s, is not a directory on %s's sys.path;"
+                          " refusing to write beside it" % (parent, self.name, sys.executable))
+        self._site = parent
+        return parent
+
+
+def target_path(pkg, key, is_dir=False):
+    """Absolute path of the file (or directory) ``key`` names, refusing anything that could lead out of its place.
+
+    A package key stays inside the package directory; a ``../`` key stays inside its
+    ``<name>-<version>.dist-info`` directory (not the target package's own) in the
+    directory holding the package. Symlinked parents that resolve elsewhere, and the
+    target itself being a symlink, are refused.
+    """
+    if is_site_key(key):
+        rel = key[len(SITE_KEY_PREFIX):]
+        parts = rel.split("/")
+        m = DIST_INFO_RE.match(parts[0])
+        if (len(parts) < (1 if is_dir else 2) or m is None or any(p in ("", ".", "..") for p in parts)
+                or "\\" in rel):
+            raise Refused("escape", "%s is not inside a <name>-<version>.dist-info directory" % key)
+        if dist_name_key(m.group(1)) == dist_name_key(pkg.name):
+            raise Refused("escape", "%s is inside %s's own metadata directory" % (key, pkg.name))
+        root = pkg.site_dir()
+        where = "its dist-info directory"
+    else:
+        parts = key.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise Refused("escape", "%s is not a plain path inside the package directory" % key)
+        root = pkg.dir
+        where = "the package directory"
+    full = os.path.join(root, *parts)
+    expected = os.path.dirname(full)
+    parent = os.path.realpath(expected)
+    if is_site_key(key):
+        ok = parent == expected  # no symlink anywhere below site-packages
+    else:
+        ok = parent == root or parent.startswith(root + os.sep)
+    if not ok:
+        raise Refused("escape", "%s resolves outside %s (%s)" % (key, where, parent))
     if os.path.islink(full):
-        raise Refused("escape", "%s is a symlink; refusing to replace it" % rel)
+        raise Refused("escape", "%s is a symlink; refusing to replace it" % key)
     return full
 
 
-def file_sha(pkg_dir, rel):
+def backup_relpath(key):
+    # Same as the controller's bundle.backup_relpath: '.ddtree-' names are never package paths.
+    if is_site_key(key):
+        return ".ddtree-site-packages/" + key[len(SITE_KEY_PREFIX):]
+    return key
+
+
+def file_sha(pkg, rel):
     try:
-        full = target_path(pkg_dir, rel)
+        full = target_path(pkg, rel)
     except Refused as exc:
         return "escape:" + exc.message
     if not os.path.exists(full):
@@ -200,18 +295,36 @@ def unlink_quietly(path):
             pass
 
 
+def is_empty_dir(d):
+    """True if nothing but an empty __pycache__ is left in ``d`` (a byte-compile of what was removed)."""
+    try:
+        names = os.listdir(d)
+        return not names or (names == ["__pycache__"] and not os.listdir(os.path.join(d, "__pycache__")))
+    except OSError:
+        return False
+
+
+def remove_if_empty(d):
+    """Remove a directory ddtree-ops created (with its __pycache__, ours too) once nothing is left in it."""
+    if is_empty_dir(d):
+        try:
+            if os.path.isdir(os.path.join(d, "__pycache__")):
+                os.rmdir(os.path.join(d, "__pycache__"))
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
 def remove_created_dirs(entries):
     """Directories a transaction created for added files, removed again if they are empty."""
     for e in reversed(entries):
         for d in reversed(e.get("created_dirs", [])):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+            remove_if_empty(d)
 
 
-def recompile(full):
-    if full.endswith(".py"):
+def recompile(full, key):
+    # Files beside the package are distribution metadata, never imported: nothing to compile.
+    if full.endswith(".py") and not is_site_key(key):
         py_compile.compile(full, doraise=True)
 
 
@@ -227,7 +340,7 @@ def drop_pyc(full):
 
 
 def do_gather(p):
-    pkg_dir, version = find_package(p["package"])
+    pkg = Package(p["package"])
     sd = state_dir()
     state = read_json(os.path.join(sd, "state.json"))
     paths = list(p.get("paths", []))
@@ -236,17 +349,27 @@ def do_gather(p):
             if rel not in paths:
                 paths.append(rel)
     files = {}
-    if pkg_dir is not None:
+    if pkg.dir is not None:
         for rel in paths:
-            files[rel] = file_sha(pkg_dir, rel)
+            files[rel] = file_sha(pkg, rel)
+    writable = bool(pkg.dir) and os.access(pkg.dir, os.W_OK)
+    site_dir = None
+    if pkg.dir is not None and any(is_site_key(rel) for rel in paths):
+        try:
+            site_dir = pkg.site_dir()
+        except Refused:
+            pass  # each such file's hash already says why (an "escape:" answer)
+        else:
+            writable = writable and os.access(site_dir, os.W_OK)
     return {
         "python": sys.executable,
         "python_version": "%d.%d.%d" % sys.version_info[:3],
         "prefix": sys.prefix,
         "state_dir": sd,
-        "package_dir": pkg_dir,
-        "version": version,
-        "writable": bool(pkg_dir) and os.access(pkg_dir, os.W_OK),
+        "package_dir": pkg.dir,
+        "site_dir": site_dir,
+        "version": pkg.version,
+        "writable": writable,
         "files": files,
         "state": state,
         "journal": read_json(os.path.join(sd, "journal.json")),
@@ -267,8 +390,8 @@ def do_prepare(p):
     Nothing in the package directory changes here except new temp files (dot-named, so
     never imported); on any failure they and the backups are removed and the lock freed.
     """
-    pkg_dir, version = find_package(p["package"])
-    if pkg_dir is None:
+    pkg = Package(p["package"])
+    if pkg.dir is None:
         raise Refused("missing", "package %s is not installed for %s" % (p["package"], sys.executable))
     txn = p["txn"]
     sd = state_dir()
@@ -280,15 +403,15 @@ def do_prepare(p):
         backup_root = os.path.join(sd, "backups", txn)
         for f in p["files"]:
             rel = f["path"]
-            full = target_path(pkg_dir, rel)
-            current = file_sha(pkg_dir, rel)
+            full = target_path(pkg, rel)
+            current = file_sha(pkg, rel)
             if current != f["expect_sha"]:
                 raise Refused("changed", "%s changed since the plan was made (now %s)" % (rel, current))
             entry = {"path": rel, "target": full, "prev_sha": current, "new_sha": f["new_sha"],
                      "temp": None, "backup": None, "created_dirs": []}
             entries.append(entry)
             if current is not None:
-                backup = os.path.join(backup_root, *rel.split("/"))
+                backup = os.path.join(backup_root, *backup_relpath(rel).split("/"))
                 os.makedirs(os.path.dirname(backup), exist_ok=True)
                 shutil.copy2(full, backup)
                 if sha256_file(backup) != current:
@@ -326,13 +449,37 @@ def do_prepare(p):
                 fsync_dir(os.path.dirname(e["temp"]))
         journal = {"txn": txn, "phase": "prepared", "entries": entries, "new_state": p["new_state"],
                    "keep_backups": p.get("keep_backups", []), "drop_backups": p.get("drop_backups", []),
-                   "created": time.time()}
+                   "dirs": _our_dirs(pkg, entries), "created": time.time()}
         write_json_atomic(os.path.join(sd, "journal.json"), journal)
     except BaseException:
         _cleanup_prepared(entries, txn)
         release_lock()
         raise
     return {"txn": txn, "prepared": [e["path"] for e in entries]}
+
+
+def _our_dirs(pkg, entries):
+    """Directories ddtree-ops created, by this transaction or (per the state record) an earlier one.
+
+    As [key, absolute path] pairs. A committed transaction removes those left empty (an
+    empty ``*.dist-info`` would still be listed by importlib.metadata as a nameless
+    distribution) and records the rest, so a later rollback removes them once emptied.
+    A recorded directory that cannot be resolved safely any more is kept, untouched.
+    """
+    state = read_json(os.path.join(state_dir(), "state.json"))
+    recorded = state.get("created_dirs") if isinstance(state, dict) else None
+    out = []
+    for key in recorded if isinstance(recorded, list) else []:
+        try:
+            out.append([key, target_path(pkg, key, is_dir=True)])
+        except Refused:
+            out.append([key, None])
+    for e in entries:
+        for d in e["created_dirs"]:
+            key = os.path.relpath(d, pkg.dir).replace(os.sep, "/")
+            if key not in [k for k, _ in out]:
+                out.append([key, d])
+    return out
 
 
 def _rollback_entries(entries):
@@ -352,7 +499,7 @@ def _rollback_entries(entries):
                 shutil.copy2(e["backup"], tmp)
                 os.replace(tmp, full)
                 try:
-                    recompile(full)
+                    recompile(full, e["path"])
                 except Exception:
                     pass
         else:
@@ -367,6 +514,10 @@ def _finish(journal, *, committed):
     sd = state_dir()
     txn = journal["txn"]
     if committed:
+        # Directories we created and nothing of ours fills any more (deepest first).
+        for _key, d in sorted(journal.get("dirs") or [], key=lambda kd: -len(kd[1] or "")):
+            if d:
+                remove_if_empty(d)
         # Keep only backups the new state refers to (originals); others were transient.
         keep = set(journal.get("keep_backups", []))
         for e in journal["entries"]:
@@ -421,7 +572,7 @@ def do_commit(p):
         for e in entries:
             if e["temp"]:
                 try:
-                    recompile(e["target"])
+                    recompile(e["target"], e["path"])
                 except py_compile.PyCompileError as exc:
                     raise Refused("verify", "%s does not compile: %s" % (e["path"], str(exc).strip().splitlines()[-1]))
         for argv in p.get("verify", []):
@@ -448,6 +599,9 @@ def do_commit(p):
         new_state = dict(new_state)
         new_state["txn"] = txn
         new_state["applied_at"] = time.time()
+        # Those left empty are removed by _finish; a cleared record forgets the others.
+        new_state["created_dirs"] = sorted(k for k, d in journal.get("dirs") or []
+                                           if d is None or (os.path.isdir(d) and not is_empty_dir(d)))
         write_json_atomic(os.path.join(sd, "state.json"), new_state)
     else:
         try:

@@ -31,7 +31,7 @@ from typing import Any
 from ddtree_ops.errors import DriftError, LockError, PatchError, RemoteFileError, UnsupportedVersion, VerifyError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.lockholder import controller_identity, holder_is_dead, run_ended, run_started
-from ddtree_ops.patching.bundle import Bundle
+from ddtree_ops.patching.bundle import Bundle, backup_relpath
 from ddtree_ops.patching.gather import RemoteState, gather
 from ddtree_ops.patching.plan import FileAction, HostPlan, plan_deploy, plan_rollback
 from ddtree_ops.patching.remote import RemoteRefusal, run_step
@@ -173,7 +173,7 @@ class _Run:
 
 
 def _backup_path(rs: RemoteState, txn: str, path: str) -> str:
-    return "/".join([rs.state_dir, "backups", txn, path])
+    return "/".join([rs.state_dir, "backups", txn, backup_relpath(path)])
 
 
 def _raise_for_plan(plan: HostPlan, host: str) -> None:

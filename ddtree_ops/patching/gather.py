@@ -1,9 +1,11 @@
 """Everything a plan needs from one host, in ONE remote round trip.
 
 Package directory and installed version (found without importing the package), the
-sha256 of every path the bundle touches and of every path the state record lists, the
-state record itself, a leftover journal and the lock holder. The result is a frozen
-:class:`RemoteState`, so that planning is a pure function of it.
+directory beside it when the bundle ships files there, the sha256 of every path the
+bundle touches and of every path the state record lists (paths are file keys, see
+:mod:`ddtree_ops.patching.bundle`), the state record itself, a leftover journal and the
+lock holder. The result is a frozen :class:`RemoteState`, so that planning is a pure
+function of it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class RemoteState:
     writable: bool
     files: Mapping[str, str | None]
     applied: AppliedRecord | None = None
+    # The directory holding the package, when site-packages files were asked about and
+    # the host accepts writing there (else each such file's hash says why not).
+    site_dir: str | None = None
     state_error: str | None = None
     journal: Mapping[str, Any] | None = None
     lock: Mapping[str, Any] | None = None
@@ -98,6 +103,7 @@ def state_from_answer(host: str, package: str, ans: Mapping[str, Any]) -> Remote
         state_dir=str(ans.get("state_dir", "")),
         package=package,
         package_dir=ans.get("package_dir"),
+        site_dir=ans.get("site_dir"),
         version=ans.get("version"),
         writable=bool(ans.get("writable")),
         files=MappingProxyType(dict(ans.get("files") or {})),

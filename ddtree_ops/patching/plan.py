@@ -12,6 +12,8 @@ Per file, comparing the remote sha256 with what the bundle and the state record 
     supersede   the content a previously applied bundle put there -> upload (original backup kept)
     restore     recorded by the applied bundle but not in this one -> put the original back
     conflict    anything else (drifted: sglang upgraded, hand-edited) -> refuse unless --force
+    blocked     cannot be done safely even with --force: the host refuses the path, or a
+                file beside the package exists that ddtree-ops did not put there
 
 Per host, one case comes before the per-file decisions: the state record says a bundle
 is applied, but some of its files no longer hold what was applied (``pip install
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ddtree_ops.patching.bundle import Bundle
+from ddtree_ops.patching.bundle import Bundle, key_root
 from ddtree_ops.patching.gather import AppliedRecord, RemoteState
 
 FileActionKind = Literal["patched", "add", "replace", "supersede", "restore", "delete", "conflict", "blocked"]
@@ -208,8 +210,16 @@ def plan_deploy(
                         reason=f"already applied: {bundle.name} {bundle.identity[:12]}", **common)
     if changing and not rs.writable and any(a.kind in ("add", "replace", "supersede", "restore", "delete") for a in changing):
         return HostPlan(outcome="readonly", actions=tuple(actions), notes=tuple(notes),
-                        reason=f"package directory {rs.package_dir} is not writable by the remote user", **common)
+                        reason=f"{_dirs_written(rs, changing)} not writable by the remote user", **common)
     return HostPlan(outcome="apply", actions=tuple(actions), notes=tuple(notes), **common)
+
+
+def _dirs_written(rs: RemoteState, actions: Sequence[FileAction]) -> str:
+    """What a readonly refusal names: the package directory, and the one beside it when files go there too."""
+    text = f"package directory {rs.package_dir}"
+    if rs.site_dir and any(key_root(a.path) == "site-packages" for a in actions):
+        return f"{text} or site-packages directory {rs.site_dir} is"
+    return f"{text} is"
 
 
 def _plan_file(
@@ -241,6 +251,11 @@ def _plan_file(
         return FileAction(path, "replace", cur, new, original_sha256=cur, backup_as_original=True)
     if op == "replace" and base is None and cur is None:
         return FileAction(path, "add", cur, new, original_sha256=None)
+    if recf is None and cur is not None and key_root(path) == "site-packages":
+        # Another installation's file (a pip-installed plugin, say): --force never overwrites it.
+        return FileAction(path, "blocked", cur, new, reason=(
+            f"exists ({_short(cur)}) and was not put there by ddtree-ops; it belongs to another installation"
+            " (uninstall that distribution first)"))
     # Drifted.
     if op == "add":
         reason = f"should be absent before the bundle adds it, found {_short(cur)}"
@@ -251,6 +266,11 @@ def _plan_file(
     if not force:
         return FileAction(path, "conflict", cur, new, reason=reason)
     kind: FileActionKind = "add" if cur is None else "replace"
+    if key_root(path) == "site-packages":
+        # Recorded, so ours (the unrecorded case is blocked above): its original stays
+        # "absent", so that a rollback still removes the whole distribution instead of
+        # bringing an edited file of it back.
+        return FileAction(path, kind, cur, new, reason=reason + " (forced)", original_sha256=None, forced=True)
     return FileAction(path, kind, cur, new, reason=reason + " (forced)", original_sha256=cur,
                       backup_as_original=cur is not None, forced=True)
 
@@ -303,7 +323,8 @@ def plan_rollback(rs: RemoteState, *, force: bool = False) -> HostPlan:
                         notes=outside, **common)
     if not rs.writable and any(a.changes for a in actions):
         return HostPlan(outcome="readonly", actions=actions,
-                        reason=f"package directory {rs.package_dir} is not writable by the remote user", **common)
+                        reason=f"{_dirs_written(rs, [a for a in actions if a.changes])} not writable by the remote user",
+                        **common)
     notes = ("--force: drifted files are backed up, then the originals restored",) if any(a.forced for a in actions) else ()
     return HostPlan(outcome="apply", actions=actions, notes=outside + notes, **common)
 

@@ -13,6 +13,7 @@ nothing outside the checkout and pytest's tmp dirs is read.
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import sysconfig
@@ -36,6 +37,27 @@ def upstream_bytes(rel: str) -> bytes:
     member = f"sglang-{SGLANG_VERSION}.dist-info/METADATA" if rel == "METADATA" else f"sglang/{rel}"
     with zipfile.ZipFile(find_wheel()) as zf:
         return zf.read(member)
+
+
+# SGLang's plugin entry-point group, and a probe that prints a group's entry points as a
+# host interpreter sees them ({name: [value]}; with argv[2] == "load" also what calling each
+# target returns: the test prefixes' stand-in sglang imports, the fleet's real one cannot
+# without its dependencies).
+PLUGIN_GROUP = "sglang.srt.plugins"
+LIST_ENTRY_POINTS = (
+    "import json, sys\n"
+    "from importlib.metadata import entry_points\n"
+    "eps = entry_points(group=sys.argv[1])\n"
+    "load = sys.argv[2:] == ['load']\n"
+    "print(json.dumps({e.name: [e.value] + ([e.load()()] if load else []) for e in eps}))\n"
+)
+
+
+def entry_points_on_host(python: str, *, load: bool = False) -> dict[str, list[str]]:
+    argv = [python, "-c", LIST_ENTRY_POINTS, PLUGIN_GROUP, *(["load"] if load else [])]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 @dataclass(frozen=True)

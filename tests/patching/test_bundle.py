@@ -70,6 +70,81 @@ def test_bad_file_entries_are_refused(tmp_path: Path, files_yaml: str, needle: s
     assert "patch.yaml" in str(exc.value)
 
 
+SITE = "site-packages/sglang_x-1.0.dist-info/METADATA"
+
+
+@pytest.mark.parametrize(
+    ("files_yaml", "needle"),
+    [
+        ("  - {op: add, root: site-packages, path: METADATA, source: files/srt/x.py}\n",
+         "must be a file inside a '<name>-<version>.dist-info/' directory"),
+        ("  - {op: add, root: site-packages, path: sglang_x/x.py, source: files/srt/x.py}\n",
+         "must be a file inside a '<name>-<version>.dist-info/' directory"),
+        ("  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info, source: files/srt/x.py}\n",
+         "must be a file inside a '<name>-<version>.dist-info/' directory"),
+        ("  - {op: add, root: site-packages, path: sglang-0.5.23.dist-info/entry_points.txt, source: files/srt/x.py}\n",
+         "inside sglang's own metadata directory"),
+        ("  - {op: add, root: site-packages, path: SGLang-0.5.23.dist-info/RECORD, source: files/srt/x.py}\n",
+         "inside sglang's own metadata directory"),
+        ("  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info/../../evil.py, source: files/srt/x.py}\n",
+         "escapes the site-packages directory ('..')"),
+        ("  - {op: add, root: site-packages, path: ../sglang_x-1.0.dist-info/METADATA, source: files/srt/x.py}\n",
+         "escapes the site-packages directory ('..')"),
+        ("  - {op: add, root: site-packages, path: /usr/lib/sglang_x-1.0.dist-info/METADATA, source: files/srt/x.py}\n",
+         "is absolute; paths are relative to the site-packages directory"),
+        ("  - {op: add, root: site-packages, path: 'sglang_x-1.0.dist-info\\METADATA', source: files/srt/x.py}\n",
+         "contains a backslash"),
+        ("  - {op: replace, root: site-packages, path: sglang_x-1.0.dist-info/METADATA, base_sha256: " + BASE + "}\n",
+         "root: site-packages allows op 'add' only"),
+        ("  - {op: add, root: purelib, path: sglang_x-1.0.dist-info/METADATA}\n", "root must be 'package' or 'site-packages'"),
+        ("  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA}\n"
+         "  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info//METADATA}\n", "duplicate path"),
+    ],
+)
+def test_bad_site_packages_entries_are_refused(tmp_path: Path, files_yaml: str, needle: str) -> None:
+    d = _bundle(tmp_path, files_yaml, sources={"files/srt/x.py": "X = 1\n", SITE: "Name: sglang-x\n"})
+    with pytest.raises(BundleError) as exc:
+        load_bundle(d)
+    assert needle in str(exc.value)
+    assert "patch.yaml: files[" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_site_packages_entry_keys_and_default_source(tmp_path: Path) -> None:
+    d = _bundle(tmp_path, "  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA}\n",
+                sources={SITE: "Name: sglang-x\n"})
+    (f,) = load_bundle(d).files
+    assert (f.path, f.root, f.rel) == ("../sglang_x-1.0.dist-info/METADATA", "site-packages", "sglang_x-1.0.dist-info/METADATA")
+    assert f.source == str((d / SITE).resolve()) and f.content == b"Name: sglang-x\n"
+
+
+def test_identity_changes_when_a_file_moves_between_roots(tmp_path: Path) -> None:
+    """Same manifest bytes but for the root, same content: only the root differs."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sources = {"files/sglang_x-1.0.dist-info/METADATA": "Name: sglang-x\n"}
+    src = "source: files/sglang_x-1.0.dist-info/METADATA"
+    in_pkg = load_bundle(_bundle(tmp_path / "a", f"  - {{op: add, root: package, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
+                                 sources=sources))
+    beside = load_bundle(_bundle(tmp_path / "b", f"  - {{op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
+                                 sources=sources))
+    assert in_pkg.files[0].sha256 == beside.files[0].sha256
+    assert in_pkg.files[0].path != beside.files[0].path
+    assert in_pkg.identity != beside.identity
+    # The root alone, with the manifest bytes held equal, changes it too (the key carries the root).
+    from ddtree_ops.patching.bundle import compute_identity
+
+    assert compute_identity(b"m", in_pkg.files) != compute_identity(b"m", beside.files)
+
+
+def test_package_identity_is_unchanged_by_the_key_format() -> None:
+    """Keys of package files are their plain paths, so identities (in ledgers, on hosts) stay what they were."""
+    from ddtree_ops.patching.bundle import compute_identity
+
+    b = load_bundle(BUNDLES / "basic")
+    assert all(f.path == f.rel and f.root == "package" for f in b.files)
+    assert b.identity == compute_identity((BUNDLES / "basic" / "patch.yaml").read_bytes(), b.files)
+
+
 def test_symlinked_source_leading_out_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "secret.py"
     secret.write_text("S = 1\n")

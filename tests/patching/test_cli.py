@@ -118,6 +118,34 @@ def test_diff_shows_remote_original_against_bundle(tmp_path: Path, mini: MiniHos
     assert not (mini.state_dir / "state.json").exists()
 
 
+def test_plugin_bundle_diff_status_rollback(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
+    """Files beside the package through the CLI: their key is where they are, relative to the package."""
+    import shutil
+
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    meta_key = "../sglang_ddtree_mini-0.1.0.dist-info/METADATA"
+    dry = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"), "--diff")
+    assert dry.returncode == 0, dry.stderr
+    assert {f["path"]: f["action"] for f in json.loads(dry.stdout)[0]["plan"]["files"]}[meta_key] == "add"
+    assert cli(inv, "deploy", "h1", str(BUNDLES / "plugin")).returncode == 0
+    st = json.loads(cli(inv, "--json", "status", "h1", "--bundle", str(BUNDLES / "plugin")).stdout)
+    assert {f["path"]: f["state"] for f in st[0]["files"]}[meta_key] == "patched"
+
+    # The next build of the same distribution version changes its METADATA: diffed against the host's copy.
+    d = tmp_path / "next"
+    shutil.copytree(BUNDLES / "plugin", d)
+    meta = d / "site-packages/sglang_ddtree_mini-0.1.0.dist-info/METADATA"
+    meta.write_text(meta.read_text() + "Requires-Python: >=3.8\n")
+    res = cli(inv, "deploy", "h1", str(d), "--diff")
+    assert res.returncode == 0, res.stderr
+    assert f"--- h1:{meta_key}" in res.stdout and f"+++ bundle:{meta_key}" in res.stdout
+    assert "+Requires-Python: >=3.8" in res.stdout and "supersede" in res.stdout
+
+    back = cli(inv, "rollback", "h1")
+    assert back.returncode == 0, back.stderr
+    assert not (mini.pkg.parent / "sglang_ddtree_mini-0.1.0.dist-info").exists()
+
+
 def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
     _cli = cli
     inv = _inventory(tmp_path, {"h1": mini.prefix})

@@ -2,11 +2,13 @@
 
 The invariant checked after every fault: each target file is all-original or all-patched
 (never a mix), and after the next run the host converges to the bundle with no journal,
-lock or stray temp file left.
+lock or stray temp file left. The fault tests run for a package-only bundle and for one
+that also ships a dist-info beside the package (``plugin``).
 """
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import subprocess
@@ -24,13 +26,19 @@ from ddtree_ops.patching.remote import run_step
 from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport.base import RoundTripCounter
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost, make_prefix
+from patching.conftest import BUNDLES, PLUGIN_GROUP, MiniHost, entry_points_on_host, make_prefix
 from patching.faults import CuttingTransport, PausingTransport
 
 
 @pytest.fixture
 def basic() -> Bundle:
     return load_bundle(BUNDLES / "basic")
+
+
+@pytest.fixture(params=["basic", "plugin"])
+def bundle(request: pytest.FixtureRequest) -> Bundle:
+    """Each fault test runs for a package-only bundle and for one with files beside the package."""
+    return load_bundle(BUNDLES / request.param)
 
 
 def _t(mini: MiniHost, counter: RoundTripCounter | None = None) -> LocalTransport:
@@ -52,8 +60,35 @@ def _assert_clean(mini: MiniHost) -> None:
     sd = mini.state_dir
     assert not (sd / "journal.json").exists()
     assert not (sd / "lock").exists()
-    temps = [p for p in mini.pkg.rglob(".ddtree-tmp-*")]
+    temps = [p for p in mini.pkg.rglob(".ddtree-tmp-*")] + list(mini.pkg.parent.glob("*.dist-info/.ddtree-tmp-*"))
     assert temps == []
+
+
+def _plugin_names(bundle: Bundle) -> set[str]:
+    """The entry points the bundle's own dist-info registers in SGLang's plugin group."""
+    names: set[str] = set()
+    for f in bundle.files:
+        if f.root == "site-packages" and f.rel.endswith("/entry_points.txt"):
+            cp = configparser.ConfigParser(delimiters=("=",))
+            cp.read_string(f.content.decode())
+            names.update(cp[PLUGIN_GROUP] if cp.has_section(PLUGIN_GROUP) else ())
+    return names
+
+
+def _assert_converged(mini: MiniHost, bundle: Bundle) -> str:
+    """Not mixed and clean; beside the package, the bundle's distribution is there exactly when patched.
+
+    When original, not even its directory may be left: importlib.metadata lists an empty
+    ``*.dist-info`` as a distribution too.
+    """
+    state = _assert_not_mixed(mini, bundle)
+    _assert_clean(mini)
+    dist_dirs = {mini.pkg.parent / f.rel.split("/")[0] for f in bundle.files if f.root == "site-packages"}
+    if dist_dirs:
+        expected = _plugin_names(bundle) if state == "patched" else set()
+        assert set(entry_points_on_host(mini.host.python, load=True)) == expected
+        assert all(d.is_dir() == (state == "patched") for d in dist_dirs)
+    return state
 
 
 def test_fresh_deploy_three_round_trips_noop_one(mini: MiniHost, basic: Bundle) -> None:
@@ -184,35 +219,35 @@ def test_disk_full_changes_nothing(mini: MiniHost, basic: Bundle) -> None:
 
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("step", [0, 1, 2], ids=["gather", "prepare", "commit"])
-def test_connection_cut_at_every_step_then_rerun_converges(mini: MiniHost, basic: Bundle, step: int, when: str) -> None:
+def test_connection_cut_at_every_step_then_rerun_converges(mini: MiniHost, bundle: Bundle, step: int, when: str) -> None:
     with pytest.raises(ConnectError):
-        deploy(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host, basic)
-    _assert_not_mixed(mini, basic)
-    out = deploy(_t(mini), mini.host, basic)
+        deploy(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host, bundle)
+    _assert_not_mixed(mini, bundle)
+    out = deploy(_t(mini), mini.host, bundle)
     assert out.outcome in ("applied", "noop")
     if step == 1 and when == "after":
         assert out.recovered == "rolled-back"  # the prepared transaction was found and undone first
-    assert _assert_not_mixed(mini, basic) == "patched"
-    _assert_clean(mini)
+    assert _assert_converged(mini, bundle) == "patched"
+    assert rollback(_t(mini), mini.host).outcome == "rolled-back"
+    assert _assert_converged(mini, bundle) == "original"
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("step", [0, 1, 2], ids=["gather", "prepare", "commit"])
-def test_rollback_cut_at_every_step_then_rerun_converges(mini: MiniHost, basic: Bundle, step: int, when: str) -> None:
-    deploy(_t(mini), mini.host, basic)
+def test_rollback_cut_at_every_step_then_rerun_converges(mini: MiniHost, bundle: Bundle, step: int, when: str) -> None:
+    deploy(_t(mini), mini.host, bundle)
     with pytest.raises(ConnectError):
         rollback(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host)
-    _assert_not_mixed(mini, basic)
+    _assert_not_mixed(mini, bundle)
     assert rollback(_t(mini), mini.host).outcome in ("rolled-back", "noop")
-    assert _assert_not_mixed(mini, basic) == "original"
-    _assert_clean(mini)
+    assert _assert_converged(mini, bundle) == "original"
 
 
 @pytest.mark.parametrize("renamed", [0, 1, 2, 3])
-def test_process_killed_mid_commit_is_recovered(mini: MiniHost, basic: Bundle, renamed: int) -> None:
+def test_process_killed_mid_commit_is_recovered(mini: MiniHost, bundle: Bundle, renamed: int) -> None:
     """A journal in phase 'committing' with only some renames done (the host process died)."""
     with pytest.raises(ConnectError):
-        deploy(CuttingTransport(_t(mini), cut_at=2, when="before"), mini.host, basic)
+        deploy(CuttingTransport(_t(mini), cut_at=2, when="before"), mini.host, bundle)
     jpath = mini.state_dir / "journal.json"
     journal = json.loads(jpath.read_text())
     journal["phase"] = "committing"
@@ -220,11 +255,10 @@ def test_process_killed_mid_commit_is_recovered(mini: MiniHost, basic: Bundle, r
         Path(e["temp"]).replace(e["target"])
     jpath.write_text(json.dumps(journal))
     if 0 < renamed < 3:
-        assert _file_states(mini, basic) == {"patched", "original"}  # the mixed state the journal must repair
-    out2 = deploy(_t(mini), mini.host, basic)
+        assert _file_states(mini, bundle) == {"patched", "original"}  # the mixed state the journal must repair
+    out2 = deploy(_t(mini), mini.host, bundle)
     assert out2.recovered == "rolled-back" and out2.outcome == "applied"
-    assert _assert_not_mixed(mini, basic) == "patched"
-    _assert_clean(mini)
+    assert _assert_converged(mini, bundle) == "patched"
 
 
 def test_state_written_but_journal_left_is_completed_not_undone(mini: MiniHost, basic: Bundle) -> None:

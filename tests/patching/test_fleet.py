@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport import open_transport
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter
 from fleetlib import Fleet, FleetHost, cached_prefix_template, find_wheel
-from patching.conftest import BUNDLES
+from patching.conftest import BUNDLES, LIST_ENTRY_POINTS, PLUGIN_GROUP
 
 REAL_BUNDLE = Path(__file__).resolve().parents[2] / "patches" / "ddtree_temperature"
 
@@ -32,6 +33,10 @@ def _reset(fh: FleetHost, bundle: Bundle) -> None:
     template = cached_prefix_template(find_wheel())
     upstream = Path(str(fh.sglang_dir).replace(str(fh.prefix), str(template), 1))
     for f in bundle.files:
+        if f.root == "site-packages":
+            # The bundle's own distribution metadata: upstream has none of it.
+            shutil.rmtree(fh.site_packages / f.rel.split("/")[0], ignore_errors=True)
+            continue
         target = fh.sglang_dir / f.path
         if (upstream / f.path).exists():
             shutil.copy2(upstream / f.path, target)
@@ -80,6 +85,37 @@ def test_real_bundle_on_every_fleet_host(ssh_fleet: Fleet) -> None:
     finally:
         for fh in ssh_fleet.hosts:
             _reset(fh, bundle)
+
+
+def test_plugin_bundle_over_ssh(ssh_fleet: Fleet) -> None:
+    """A dist-info beside the package, over SSH: the host's interpreter lists its entry point; rollback removes it."""
+    fh = ssh_fleet.hosts[0]
+    bundle = load_bundle(BUNDLES / "plugin")
+    host = ssh_fleet.load().hosts[fh.name]
+    meta = next(f for f in bundle.files if f.root == "site-packages" and f.rel.endswith("/METADATA"))
+
+    def entry_points(t: Any) -> dict[str, Any]:
+        res = t.run([host.python, "-c", LIST_ENTRY_POINTS, PLUGIN_GROUP], timeout=60, check=True)
+        return json.loads(res.stdout)
+
+    _reset(fh, bundle)
+    try:
+        with open_transport(host) as t:
+            assert entry_points(t) == {}
+            out = deploy(t, host, bundle)
+            assert out.outcome == "applied"
+            assert entry_points(t) == {"ddtree_mini": ["sglang.srt.speculative.ddtree_plugin_mini:register"]}
+            # The key is the file's path relative to the package directory: SFTP reads it as `--diff` does.
+            assert out.state is not None and out.state.site_dir == str(fh.site_packages)
+            assert t.read_bytes(f"{out.state.package_dir}/{meta.path}") == meta.content
+            assert deploy(t, host, bundle).outcome == "noop"
+            assert {f.state for f in host_status(t, host, bundle=bundle).files} == {"patched"}
+            assert rollback(t, host).outcome == "rolled-back"
+            assert entry_points(t) == {}
+        assert not (fh.site_packages / meta.rel.split("/")[0]).exists()
+        assert not (fh.sglang_dir / "srt/speculative/ddtree_plugin_mini.py").exists()
+    finally:
+        _reset(fh, bundle)
 
 
 class _KillSessionDuringStep:

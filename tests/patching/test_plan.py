@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -116,3 +117,46 @@ def test_overlay_file_replace_uses_host_content_as_base() -> None:
     assert p.outcome == "apply" and p.actions[0].kind == "replace" and p.actions[0].original_sha256 == OTHER
     p2 = plan_deploy(b, _rs({"srt/a.py": None}))
     assert p2.actions[0].kind == "add"
+
+
+# --- files beside the package (keys starting with '../') ---------------------------------
+
+META = "../sglang_x-1.0.dist-info/METADATA"
+
+
+def _plugin() -> Any:
+    return _bundle(files=(FileOp("add", "srt/b.py", b"new-b", "d" * 64), FileOp("add", META, b"Name: sglang-x\n", NEW)))
+
+
+def test_site_packages_file_is_planned_like_any_add() -> None:
+    p = plan_deploy(_plugin(), _rs({"srt/b.py": None, META: None}))
+    assert p.outcome == "apply" and {a.path: a.kind for a in p.actions} == {"srt/b.py": "add", META: "add"}
+
+
+def test_unrecorded_existing_site_packages_file_is_blocked_even_forced() -> None:
+    for force in (False, True):
+        p = plan_deploy(_plugin(), _rs({"srt/b.py": None, META: OTHER}), force=force)
+        assert p.outcome == "conflict" and p.actions[1].kind == "blocked"
+        assert "belongs to another installation" in p.reason and "--force" not in p.reason
+
+
+def test_recorded_site_packages_file_supersedes_and_drift_is_forceable() -> None:
+    rec = {"name": "t", "identity": "old", "files": {META: {"original_sha256": None, "patched_sha256": OTHER, "backup": None}}}
+    p = plan_deploy(_plugin(), _rs({"srt/b.py": None, META: OTHER}, applied=rec))
+    assert {a.path: a.kind for a in p.actions} == {"srt/b.py": "add", META: "supersede"}
+    drifted = _rs({"srt/b.py": None, META: ORIG_B}, applied=rec)
+    assert plan_deploy(_plugin(), drifted).outcome == "changed-outside"
+    forced = plan_deploy(_plugin(), drifted, force=True)
+    a = forced.actions[1]
+    assert forced.outcome == "apply" and a.kind == "replace" and a.forced
+    assert a.original_sha256 is None and not a.backup_as_original  # its original stays "absent"
+    back = plan_rollback(_rs({META: OTHER}, applied=rec))
+    assert back.outcome == "apply" and back.actions[0].kind == "delete"
+
+
+def test_readonly_names_the_site_packages_directory_when_it_is_written() -> None:
+    rs = replace(_rs({"srt/b.py": None, META: None}, writable=False), site_dir="/p")
+    p = plan_deploy(_plugin(), rs)
+    assert p.outcome == "readonly" and p.reason == "package directory /p/sglang or site-packages directory /p is not writable by the remote user"
+    assert plan_deploy(_bundle(), replace(_rs({"srt/a.py": BASE, "srt/b.py": None}, writable=False), site_dir="/p")
+                       ).reason == "package directory /p/sglang is not writable by the remote user"
