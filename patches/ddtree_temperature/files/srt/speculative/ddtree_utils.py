@@ -1,11 +1,11 @@
 """DDTree (Diffusion Draft Tree) core: tree building, tree encodings and verification.
 
-This file is deployed verbatim into ``sglang/srt/speculative/`` of a SGLang 0.5.23
-install, and the very same file is what the ddtree-ops tests and the simulated server
-load. It therefore depends only on torch and the standard library at import time;
-SGLang's sampling kernel is imported lazily, inside :func:`sample_tree_paths`.
+It depends only on torch and the standard library at import time (SGLang's sampling
+kernel is imported lazily, inside :func:`sample_tree_paths`), so it can be loaded and
+tested on its own, without the rest of SGLang.
 
-The pieces, in the order one speculative round uses them:
+Two layers. The per-request functions are the reference -- plain lists and small
+tensors, each pinned by tests to brute force or to the kernel's contract:
 
 1. :func:`build_ddtree_tree_from_topk` turns the drafter's per-position top-k into a
    tree of at most ``budget`` nodes, best first by cumulative draft log-probability.
@@ -18,13 +18,18 @@ The pieces, in the order one speculative round uses them:
    on CUDA, :func:`reference_tree_speculative_sampling` elsewhere) for temperature,
    top-k and top-p sampling. Both return ``(accepted, proposed)`` so the caller has one
    commit path.
+
+The device-resident functions at the end (:func:`build_tree_batch`,
+:func:`tree_ancestor_masks`, :func:`tree_retrieve_batch`,
+:func:`follow_verified_tree_batch`, :class:`TreeMaskBuffer`) are what a serving round
+runs: whole-batch tensor operations on the device, equal to the reference tree for
+tree, with no host synchronisation and no work that grows with the prefix.
 """
 
 from __future__ import annotations
 
 import array
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
@@ -84,7 +89,9 @@ class DDTree:
 def _as_rows(x: TensorOrSeq, name: str) -> list[list[Any]]:
     if isinstance(x, torch.Tensor):
         if x.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [depth, k], got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be 2-D [depth, k], got shape {tuple(x.shape)}"
+            )
         return x.detach().cpu().tolist()
     rows = [list(r) for r in x]
     return rows
@@ -104,11 +111,18 @@ def build_ddtree_tree_from_topk(
     pops the best frontier node; each pop pushes its next-rank sibling and its rank-0
     child. Because log-probs are <= 0 and rows are sorted, every node's two successors
     are no better than itself, so the popped set is exactly the top-``budget`` prefix
-    paths and pops come out in non-increasing order (ties: first pushed, first popped).
+    paths and pops come out in non-increasing order.
+
+    Ties are broken by ``(depth, parent's pop index, rank)``: a total order that a
+    successor never precedes, so the pop order is the sorted order of the chosen
+    nodes under the key ``(-logw, depth, parent, rank)``. :func:`build_tree_batch`
+    computes the same trees with whole-batch tensor operations and the same key.
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    if isinstance(topk_token_ids, torch.Tensor) and isinstance(topk_logprobs, torch.Tensor):
+    if isinstance(topk_token_ids, torch.Tensor) and isinstance(
+        topk_logprobs, torch.Tensor
+    ):
         # int64 / float64 conversions equal int(v) / float(v) per element, done in C.
         ids = _as_rows(topk_token_ids.to(torch.int64), "topk_token_ids")
         lps = _as_rows(topk_logprobs.to(torch.float64), "topk_logprobs")
@@ -118,7 +132,9 @@ def build_ddtree_tree_from_topk(
         lps = _as_rows(topk_logprobs, "topk_logprobs")
         converted = False
     if len(ids) != len(lps) or any(len(a) != len(b) for a, b in zip(ids, lps)):
-        raise ValueError("topk_token_ids and topk_logprobs must have the same [depth, k] shape")
+        raise ValueError(
+            "topk_token_ids and topk_logprobs must have the same [depth, k] shape"
+        )
     depth = len(ids)
     k = len(ids[0]) if depth else 0
     if any(len(r) != k for r in ids):
@@ -130,7 +146,12 @@ def build_ddtree_tree_from_topk(
 
 
 def _build_from_rows(
-    ids: list[list[int]], lps: list[list[float]], depth: int, k: int, budget: int, root_token: int
+    ids: list[list[int]],
+    lps: list[list[float]],
+    depth: int,
+    k: int,
+    budget: int,
+    root_token: int,
 ) -> DDTree:
     """The heap walk on validated plain lists (shared by the single and batch builders)."""
     parents = [-1]
@@ -140,27 +161,24 @@ def _build_from_rows(
     if depth == 0 or k == 0 or budget == 0:
         return DDTree(parents, depths, tokens, logws)
 
-    # Heap items: (-logw, push_seq, position d, rank r, parent node). push_seq makes the
-    # order total and deterministic without ever comparing floats for equality.
-    heap: list[tuple[float, int, int, int, int]] = [(-lps[0][0], 0, 0, 0, 0)]
+    # Heap items: (-logw, position d, parent node, rank r). (d, parent, r) names a node
+    # uniquely, so the order is total without comparing floats for equality.
+    heap: list[tuple[float, int, int, int]] = [(-lps[0][0], 0, 0, 0)]
     heappush, heappop = heapq.heappush, heapq.heappop
-    seq = 1
     last_rank = k - 1
     last_pos = depth - 1
     node = 0
     while heap and node < budget:
-        neg_w, _, d, r, parent = heappop(heap)
+        neg_w, d, parent, r = heappop(heap)
         node += 1
         parents.append(parent)
         depths.append(d + 1)
         tokens.append(ids[d][r])
         logws.append(-neg_w)
         if r < last_rank:
-            heappush(heap, (-logws[parent] - lps[d][r + 1], seq, d, r + 1, parent))
-            seq += 1
+            heappush(heap, (-logws[parent] - lps[d][r + 1], d, parent, r + 1))
         if d < last_pos:
-            heappush(heap, (neg_w - lps[d + 1][0], seq, d + 1, 0, node))
-            seq += 1
+            heappush(heap, (neg_w - lps[d + 1][0], d + 1, node, 0))
     return DDTree(parents, depths, tokens, logws)
 
 
@@ -178,7 +196,9 @@ def build_ddtree_trees_from_topk_batch(
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    if isinstance(topk_token_ids, torch.Tensor) != isinstance(topk_logprobs, torch.Tensor):
+    if isinstance(topk_token_ids, torch.Tensor) != isinstance(
+        topk_logprobs, torch.Tensor
+    ):
         topk_token_ids = torch.as_tensor(topk_token_ids)
         topk_logprobs = torch.as_tensor(topk_logprobs)
     if isinstance(topk_token_ids, torch.Tensor):
@@ -197,7 +217,11 @@ def build_ddtree_trees_from_topk_batch(
         all_ids = [[list(r) for r in req] for req in topk_token_ids]
         all_lps = [[list(r) for r in req] for req in topk_logprobs]
         checked = False
-    roots = root_tokens.reshape(-1).tolist() if isinstance(root_tokens, torch.Tensor) else list(root_tokens)
+    roots = (
+        root_tokens.reshape(-1).tolist()
+        if isinstance(root_tokens, torch.Tensor)
+        else list(root_tokens)
+    )
     if len(roots) != len(all_ids) or len(all_lps) != len(all_ids):
         raise ValueError(
             f"batch sizes differ: {len(all_ids)} token-id rows, {len(all_lps)} log-prob rows, "
@@ -208,7 +232,9 @@ def build_ddtree_trees_from_topk_batch(
         if checked:
             trees.append(_build_from_rows(ids, lps, depth, k, budget, int(root)))
         else:
-            trees.append(build_ddtree_tree_from_topk(ids, lps, budget, root_token=int(root)))
+            trees.append(
+                build_ddtree_tree_from_topk(ids, lps, budget, root_token=int(root))
+            )
     return trees
 
 
@@ -301,7 +327,11 @@ _BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def tree_attention_mask(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """``[n, n]`` bool mask: row i is True at i and at every ancestor of i."""
-    plist = parents.tolist() if isinstance(parents, torch.Tensor) else [int(p) for p in parents]
+    plist = (
+        parents.tolist()
+        if isinstance(parents, torch.Tensor)
+        else [int(p) for p in parents]
+    )
     depths = _validated_depths(plist)
     n = len(plist)
     if n > _MASK_BITSET_MAX_NODES:
@@ -337,13 +367,19 @@ def _mask_by_levels(plist: list[int]) -> torch.Tensor:
         cur = p[cur]
 
 
-def tree_positions(depths: Sequence[int] | torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+def tree_positions(
+    depths: Sequence[int] | torch.Tensor, start: int | torch.Tensor
+) -> torch.Tensor:
     """Absolute positions of the tree nodes: ``start + depth`` (int64).
 
     ``start`` is the root's position (the last committed token). A tensor ``start`` of
     shape ``[bs, 1]`` broadcasts to per-request positions ``[bs, n]``.
     """
-    d = depths.to(torch.int64) if isinstance(depths, torch.Tensor) else torch.tensor(list(depths), dtype=torch.int64)
+    d = (
+        depths.to(torch.int64)
+        if isinstance(depths, torch.Tensor)
+        else torch.tensor(list(depths), dtype=torch.int64)
+    )
     if isinstance(start, torch.Tensor):
         return d.to(start.device) + start.to(torch.int64)
     return d + int(start)
@@ -371,8 +407,11 @@ def _to_tensor(values: array.array, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(values, dtype=dtype)
 
 
-def _padded_parent_table(parents_list: Sequence[Sequence[int] | torch.Tensor], num_nodes: int | None,
-                         pad_parent: int) -> tuple[list[list[int]], list[int], int, torch.Tensor]:
+def _padded_parent_table(
+    parents_list: Sequence[Sequence[int] | torch.Tensor],
+    num_nodes: int | None,
+    pad_parent: int,
+) -> tuple[list[list[int]], list[int], int, torch.Tensor]:
     """Validated parent arrays, their sizes, ``N`` and a ``[bs, N]`` int64 table in which
     nodes past a tree's size get ``pad_parent``."""
     plists = [_as_int_list(p) for p in parents_list]
@@ -382,7 +421,9 @@ def _padded_parent_table(parents_list: Sequence[Sequence[int] | torch.Tensor], n
     pad = array.array("q", [pad_parent]) * n
     for b, p in enumerate(plists):
         if not 1 <= len(p) <= n:
-            raise ValueError(f"tree {b} has {len(p)} nodes; each tree needs 1..{n} nodes")
+            raise ValueError(
+                f"tree {b} has {len(p)} nodes; each tree needs 1..{n} nodes"
+            )
         flat.extend(p)
         flat.extend(pad[: n - len(p)])
     table = _to_tensor(flat, torch.int64).reshape(len(plists), n)
@@ -390,7 +431,9 @@ def _padded_parent_table(parents_list: Sequence[Sequence[int] | torch.Tensor], n
     return plists, sizes, n, table
 
 
-def _validate_parent_table(table: torch.Tensor, plists: list[list[int]], sizes: list[int]) -> None:
+def _validate_parent_table(
+    table: torch.Tensor, plists: list[list[int]], sizes: list[int]
+) -> None:
     """Same acceptance as the per-request functions: a row passes at once when it lists
     every parent before its child (all builder trees); any other row goes through
     :func:`_validated_depths`, which accepts any tree rooted at 0 and names the fault."""
@@ -434,7 +477,9 @@ def compile_ddtree_retrieve_batch(
     for b, w in enumerate(logws_list):
         wl = w.tolist() if isinstance(w, torch.Tensor) else w
         if len(wl) != sizes[b]:
-            raise ValueError(f"tree {b}: node_logws has {len(wl)} entries, parents has {sizes[b]}")
+            raise ValueError(
+                f"tree {b}: node_logws has {len(wl)} entries, parents has {sizes[b]}"
+            )
         wflat.extend(wl)
         wflat.extend(wpad[: n - sizes[b]])
     retrieve_index = torch.arange(bs * n, dtype=torch.int64).reshape(bs, n)
@@ -508,7 +553,11 @@ def tree_positions_batch(
     """``[bs, N]`` int64 positions ``starts[b] + depth``; nodes padding a short tree get
     depth 1 (children of the root, like :func:`tree_attention_mask_batch`)."""
     dlists = [_as_int_list(d) for d in depths_list]
-    n = max((len(d) for d in dlists), default=1) if num_nodes is None else int(num_nodes)
+    n = (
+        max((len(d) for d in dlists), default=1)
+        if num_nodes is None
+        else int(num_nodes)
+    )
     flat = array.array("q")
     pad = array.array("q", [1]) * n
     for b, d in enumerate(dlists):
@@ -516,14 +565,19 @@ def tree_positions_batch(
             raise ValueError(f"tree {b} has {len(d)} nodes, more than {n}")
         flat.extend(d)
         flat.extend(pad[: n - len(d)])
-    s = starts.reshape(-1).to(torch.int64).cpu() if isinstance(starts, torch.Tensor) else torch.tensor(
-        [int(v) for v in starts], dtype=torch.int64)
+    s = (
+        starts.reshape(-1).to(torch.int64).cpu()
+        if isinstance(starts, torch.Tensor)
+        else torch.tensor([int(v) for v in starts], dtype=torch.int64)
+    )
     if s.numel() != len(dlists):
         raise ValueError(f"{s.numel()} start positions for {len(dlists)} trees")
     return _to_tensor(flat, torch.int64).reshape(len(dlists), n) + s.unsqueeze(1)
 
 
-def tree_custom_mask_batch(tree_masks: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def tree_custom_mask_batch(
+    tree_masks: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor
+) -> torch.Tensor:
     """Flat bool custom mask of a verify pass: per request, ``N`` rows of ``prefix + N``
     columns (the committed prefix, all visible, then the tree block), requests one
     after the other — the layout SGLang's ``custom_mask`` takes for target verify.
@@ -532,10 +586,15 @@ def tree_custom_mask_batch(tree_masks: torch.Tensor, prefix_lens: Sequence[int] 
     for b])`` but written in one scatter instead of two concatenations per request.
     """
     if tree_masks.dim() != 3 or tree_masks.shape[1] != tree_masks.shape[2]:
-        raise ValueError(f"tree_masks must be [bs, N, N], got {tuple(tree_masks.shape)}")
+        raise ValueError(
+            f"tree_masks must be [bs, N, N], got {tuple(tree_masks.shape)}"
+        )
     bs, n, _ = tree_masks.shape
-    pre = (prefix_lens.reshape(-1).to(torch.int64).cpu() if isinstance(prefix_lens, torch.Tensor)
-           else torch.tensor([int(v) for v in prefix_lens], dtype=torch.int64))
+    pre = (
+        prefix_lens.reshape(-1).to(torch.int64).cpu()
+        if isinstance(prefix_lens, torch.Tensor)
+        else torch.tensor([int(v) for v in prefix_lens], dtype=torch.int64)
+    )
     if pre.numel() != bs:
         raise ValueError(f"{pre.numel()} prefix lengths for {bs} trees")
     if bool((pre < 0).any()):
@@ -548,7 +607,11 @@ def tree_custom_mask_batch(tree_masks: torch.Tensor, prefix_lens: Sequence[int] 
     if bs == 0:
         return out
     rows = torch.arange(n, dtype=torch.int64)
-    idx = (starts + pre).view(bs, 1, 1) + rows.view(1, n, 1) * widths.view(bs, 1, 1) + rows.view(1, 1, n)
+    idx = (
+        (starts + pre).view(bs, 1, 1)
+        + rows.view(1, n, 1) * widths.view(bs, 1, 1)
+        + rows.view(1, 1, n)
+    )
     out[idx.reshape(-1)] = tree_masks.reshape(-1).to(torch.bool).cpu()
     return out
 
@@ -592,10 +655,14 @@ def layout_verify_batch(
     """
     for b, tree in enumerate(trees):
         if len(tree.parents) > num_nodes:
-            raise ValueError(f"DDTree {b} with {len(tree.parents)} nodes does not fit the verify window "
-                             f"of {num_nodes}.")
+            raise ValueError(
+                f"DDTree {b} with {len(tree.parents)} nodes does not fit the verify window "
+                f"of {num_nodes}."
+            )
     if len(trees) < _LAYOUT_BATCH_MIN:
-        return _layout_per_request(trees, prefix_lens, num_nodes, need_retrieve=need_retrieve)
+        return _layout_per_request(
+            trees, prefix_lens, num_nodes, need_retrieve=need_retrieve
+        )
     flat_tokens = array.array("q")
     for tree in trees:
         toks = tree.token_ids
@@ -604,7 +671,9 @@ def layout_verify_batch(
     tokens = _to_tensor(flat_tokens, torch.int64).reshape(len(trees), num_nodes)
     parents = [t.parents for t in trees]
     positions = tree_positions_batch([t.depths for t in trees], prefix_lens, num_nodes)
-    custom_mask = tree_custom_mask_batch(tree_attention_mask_batch(parents, num_nodes), prefix_lens)
+    custom_mask = tree_custom_mask_batch(
+        tree_attention_mask_batch(parents, num_nodes), prefix_lens
+    )
     if not need_retrieve:
         return VerifyLayout(tokens, positions, custom_mask, None, None, None)
     r_index, r_next, r_sib = compile_ddtree_retrieve_batch(
@@ -614,11 +683,19 @@ def layout_verify_batch(
 
 
 def _layout_per_request(
-    trees: Sequence[DDTree], prefix_lens: Sequence[int] | torch.Tensor, num_nodes: int, *, need_retrieve: bool
+    trees: Sequence[DDTree],
+    prefix_lens: Sequence[int] | torch.Tensor,
+    num_nodes: int,
+    *,
+    need_retrieve: bool,
 ) -> VerifyLayout:
     """:func:`layout_verify_batch` one request at a time (same tensors)."""
     bs = len(trees)
-    pre = prefix_lens.reshape(-1).tolist() if isinstance(prefix_lens, torch.Tensor) else list(prefix_lens)
+    pre = (
+        prefix_lens.reshape(-1).tolist()
+        if isinstance(prefix_lens, torch.Tensor)
+        else list(prefix_lens)
+    )
     tokens = torch.empty((bs, num_nodes), dtype=torch.int64)
     positions = torch.empty((bs, num_nodes), dtype=torch.int64)
     r_index = torch.arange(bs * num_nodes, dtype=torch.int64).reshape(bs, num_nodes)
@@ -628,11 +705,17 @@ def _layout_per_request(
     for b, tree in enumerate(trees):
         n = len(tree.parents)
         pad = num_nodes - n
-        tokens[b] = torch.tensor(list(tree.token_ids) + [tree.token_ids[0]] * pad, dtype=torch.int64)
+        tokens[b] = torch.tensor(
+            list(tree.token_ids) + [tree.token_ids[0]] * pad, dtype=torch.int64
+        )
         positions[b] = tree_positions(list(tree.depths) + [1] * pad, int(pre[b]))
         tree_mask = tree_attention_mask(list(tree.parents) + [0] * pad)
-        masks.append(torch.cat([torch.ones((num_nodes, int(pre[b])), dtype=torch.bool), tree_mask], dim=1)
-                     .reshape(-1))
+        masks.append(
+            torch.cat(
+                [torch.ones((num_nodes, int(pre[b])), dtype=torch.bool), tree_mask],
+                dim=1,
+            ).reshape(-1)
+        )
         if need_retrieve:
             _, nxt, sib = compile_ddtree_retrieve(tree.parents, tree.node_logws)
             r_next[b, :n] = nxt
@@ -681,12 +764,16 @@ def follow_verified_tree(
         cur = nxt
 
 
-def _per_row(values: Any, rows: int, dtype: torch.dtype, device: torch.device, name: str) -> torch.Tensor:
+def _per_row(
+    values: Any, rows: int, dtype: torch.dtype, device: torch.device, name: str
+) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=dtype, device=device).reshape(-1)
     if t.numel() == 1:
         return t.expand(rows)
     if t.numel() != rows:
-        raise ValueError(f"{name} must be a scalar or have one value per row ({rows}), got {t.numel()}")
+        raise ValueError(
+            f"{name} must be a scalar or have one value per row ({rows}), got {t.numel()}"
+        )
     return t
 
 
@@ -704,7 +791,9 @@ def target_probs_from_logits(
     disable a filter. Rows with ``T == 0`` are one-hot at the argmax (greedy).
     """
     if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}"
+        )
     rows, vocab = logits.shape
     dev = logits.device
     temps = _per_row(temperature, rows, torch.float32, dev, "temperature")
@@ -781,33 +870,69 @@ def reference_tree_speculative_sampling(
     del deterministic
     _check(candidates.dim() == 2, "candidates must be [bs, N]")
     bs, n = candidates.shape
-    _check(accept_index.dim() == 2 and accept_index.shape[0] == bs, "accept_index must be [bs, S]")
+    _check(
+        accept_index.dim() == 2 and accept_index.shape[0] == bs,
+        "accept_index must be [bs, S]",
+    )
     s = accept_index.shape[1]
-    _check(target_probs.dim() == 3 and target_probs.shape[:2] == (bs, n), "target_probs must be [bs, N, V]")
+    _check(
+        target_probs.dim() == 3 and target_probs.shape[:2] == (bs, n),
+        "target_probs must be [bs, N, V]",
+    )
     vocab = target_probs.shape[2]
-    for name, t in (("candidates", candidates), ("retrive_index", retrive_index),
-                    ("retrive_next_token", retrive_next_token), ("retrive_next_sibling", retrive_next_sibling)):
-        _check(tuple(t.shape) == (bs, n) and t.dtype == torch.int64, f"{name} must be int64 [bs, N]")
+    for name, t in (
+        ("candidates", candidates),
+        ("retrive_index", retrive_index),
+        ("retrive_next_token", retrive_next_token),
+        ("retrive_next_sibling", retrive_next_sibling),
+    ):
+        _check(
+            tuple(t.shape) == (bs, n) and t.dtype == torch.int64,
+            f"{name} must be int64 [bs, N]",
+        )
     _check(accept_index.dtype == torch.int32, "accept_index must be int32")
-    _check(tuple(accept_token_num.shape) == (bs,) and accept_token_num.dtype == torch.int32,
-           "accept_token_num must be int32 [bs]")
-    _check(tuple(predicts.shape) == (bs * n,) and predicts.dtype == torch.int32, "predicts must be int32 [bs*N]")
-    _check(tuple(uniform_samples.shape) == (bs, n) and uniform_samples.dtype == torch.float32,
-           "uniform_samples must be float32 [bs, N]")
-    _check(tuple(uniform_samples_for_final_sampling.shape) == (bs,)
-           and uniform_samples_for_final_sampling.dtype == torch.float32,
-           "uniform_samples_for_final_sampling must be float32 [bs]")
-    _check(target_probs.dtype == torch.float32 and draft_probs.dtype == torch.float32
-           and tuple(draft_probs.shape) == (bs, n, vocab), "target_probs/draft_probs must be float32 [bs, N, V]")
-    _check(n > 0 and s > 0 and vocab > 0, "draft tokens, spec tokens and vocab must be positive")
-    _check(0.0 <= threshold_single <= 1.0 and 0.0 <= threshold_acc <= 1.0, "thresholds must be in [0, 1]")
+    _check(
+        tuple(accept_token_num.shape) == (bs,)
+        and accept_token_num.dtype == torch.int32,
+        "accept_token_num must be int32 [bs]",
+    )
+    _check(
+        tuple(predicts.shape) == (bs * n,) and predicts.dtype == torch.int32,
+        "predicts must be int32 [bs*N]",
+    )
+    _check(
+        tuple(uniform_samples.shape) == (bs, n)
+        and uniform_samples.dtype == torch.float32,
+        "uniform_samples must be float32 [bs, N]",
+    )
+    _check(
+        tuple(uniform_samples_for_final_sampling.shape) == (bs,)
+        and uniform_samples_for_final_sampling.dtype == torch.float32,
+        "uniform_samples_for_final_sampling must be float32 [bs]",
+    )
+    _check(
+        target_probs.dtype == torch.float32
+        and draft_probs.dtype == torch.float32
+        and tuple(draft_probs.shape) == (bs, n, vocab),
+        "target_probs/draft_probs must be float32 [bs, N, V]",
+    )
+    _check(
+        n > 0 and s > 0 and vocab > 0,
+        "draft tokens, spec tokens and vocab must be positive",
+    )
+    _check(
+        0.0 <= threshold_single <= 1.0 and 0.0 <= threshold_acc <= 1.0,
+        "thresholds must be in [0, 1]",
+    )
     if bs == 0:
         return
 
     # Scalars rounded to float32 exactly as the kernel's launcher casts them.
     thr_single = torch.tensor(threshold_single, dtype=torch.float32)
-    thr_acc = torch.maximum(torch.tensor(threshold_acc, dtype=torch.float32),
-                            torch.tensor(1e-9, dtype=torch.float32))
+    thr_acc = torch.maximum(
+        torch.tensor(threshold_acc, dtype=torch.float32),
+        torch.tensor(1e-9, dtype=torch.float32),
+    )
 
     dev = target_probs.device
     b_idx = torch.arange(bs, device=dev)
@@ -820,7 +945,9 @@ def reference_tree_speculative_sampling(
     thr_acc = thr_acc.to(dev)
 
     prob_acc = torch.zeros(bs, dtype=torch.float32, device=dev)
-    cur_row = torch.zeros(bs, dtype=torch.int64, device=dev)  # local node whose probs are in use
+    cur_row = torch.zeros(
+        bs, dtype=torch.int64, device=dev
+    )  # local node whose probs are in use
     coin = coins_all[:, 0].clone()
     last_flat = ri[:, 0].clone()
     acc_idx = accept_index.to(dev)
@@ -841,11 +968,15 @@ def reference_tree_speculative_sampling(
             tok = cand[b_idx, ci]
             bad = trying & ((tok < 0) | (tok >= vocab))
             if bool(bad.any()):
-                raise ValueError(f"candidate token out of vocabulary range [0, {vocab})")
+                raise ValueError(
+                    f"candidate token out of vocabulary range [0, {vocab})"
+                )
             tok_c = tok.clamp(0, vocab - 1)
             q = target_probs[b_idx, cur_row, tok_c]
             prob_acc = torch.where(trying, prob_acc + q, prob_acc)
-            accept = trying & (q > 0) & ((coin < prob_acc / thr_acc) | (q >= thr_single))
+            accept = (
+                trying & (q > 0) & ((coin < prob_acc / thr_acc) | (q >= thr_single))
+            )
             reject = trying & ~accept
             if bool(accept.any()):
                 ab = b_idx[accept]
@@ -884,8 +1015,12 @@ def reference_tree_speculative_sampling(
     vocab_ar = torch.arange(vocab, device=dev)
     big = torch.full_like(vocab_ar, vocab)
     first_hit = torch.where(hit, vocab_ar, big).min(dim=-1).values
-    last_valid = torch.where(valid, vocab_ar, torch.full_like(vocab_ar, -1)).max(dim=-1).values
-    fallback = torch.where(last_valid >= 0, last_valid, torch.full_like(last_valid, vocab - 1))
+    last_valid = (
+        torch.where(valid, vocab_ar, torch.full_like(vocab_ar, -1)).max(dim=-1).values
+    )
+    fallback = torch.where(
+        last_valid >= 0, last_valid, torch.full_like(last_valid, vocab - 1)
+    )
     sampled = torch.where(first_hit < vocab, first_hit, fallback)
     pred[last_flat] = sampled.to(torch.int32)
 
@@ -957,29 +1092,42 @@ def sample_tree_paths(
         return []
     if target_logits.dim() == 2:
         if target_logits.shape[0] % bs:
-            raise ValueError(f"target_logits rows ({target_logits.shape[0]}) not divisible by batch {bs}")
+            raise ValueError(
+                f"target_logits rows ({target_logits.shape[0]}) not divisible by batch {bs}"
+            )
         target_logits = target_logits.reshape(bs, target_logits.shape[0] // bs, -1)
     if target_logits.dim() != 3 or target_logits.shape[0] != bs:
-        raise ValueError(f"target_logits must be [bs, N, V], got {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must be [bs, N, V], got {tuple(target_logits.shape)}"
+        )
     n = target_logits.shape[1]
     vocab = target_logits.shape[2]
     if max(len(t) for t in trees) > n:
-        raise ValueError(f"target_logits has {n} rows per request, the largest tree has "
-                         f"{max(len(t) for t in trees)} nodes")
-    temps = _per_row(temperatures, bs, torch.float32, torch.device("cpu"), "temperatures")
+        raise ValueError(
+            f"target_logits has {n} rows per request, the largest tree has "
+            f"{max(len(t) for t in trees)} nodes"
+        )
+    temps = _per_row(
+        temperatures, bs, torch.float32, torch.device("cpu"), "temperatures"
+    )
     ks = _per_row(top_ks, bs, torch.int64, torch.device("cpu"), "top_ks")
 
     # SGLang marks greedy requests as top_k == 1 (temperature 1); T == 0 means the same.
     if bool(((temps <= 0) | (ks == 1)).all()):
         argmax = target_logits.argmax(dim=-1).cpu()
-        return [follow_verified_tree(t.parents, t.token_ids, argmax[b]) for b, t in enumerate(trees)]
+        return [
+            follow_verified_tree(t.parents, t.token_ids, argmax[b])
+            for b, t in enumerate(trees)
+        ]
 
     if use_kernel == "auto":
         kernel = _load_kernel() if target_logits.device.type == "cuda" else None
     elif use_kernel:
         kernel = _load_kernel()
         if kernel is None:
-            raise RuntimeError("SGLang's tree_speculative_sampling_target_only kernel is not available here")
+            raise RuntimeError(
+                "SGLang's tree_speculative_sampling_target_only kernel is not available here"
+            )
         target_logits = target_logits.cuda()
     else:
         kernel = None
@@ -1001,7 +1149,9 @@ def sample_tree_paths(
 
     probs = target_probs_from_logits(
         target_logits.reshape(bs * n, vocab),
-        _per_row(temperatures, bs, torch.float32, dev, "temperatures").repeat_interleave(n),
+        _per_row(
+            temperatures, bs, torch.float32, dev, "temperatures"
+        ).repeat_interleave(n),
         _per_row(top_ks, bs, torch.int64, dev, "top_ks").repeat_interleave(n),
         _per_row(top_ps, bs, torch.float32, dev, "top_ps").repeat_interleave(n),
     ).reshape(bs, n, vocab)
@@ -1036,3 +1186,412 @@ def sample_tree_paths(
         flats = acc[b][: nums[b] + 1]
         out.append(([f % n for f in flats], [pred[f] for f in flats]))
     return out
+
+
+# ------------------------------------------------------------ device-resident rounds
+#
+# What a serving round runs. Everything below takes and returns tensors on the
+# device the drafter and the target run on, in whole-batch operations whose count
+# depends on the tree shape (budget, depth, top-k) and never on the data: no
+# ``.item()``, ``.tolist()`` or boolean indexing, so a round issues no host sync and
+# nothing it does grows with the prefix length or the vocabulary. Each function has
+# a per-request twin above (the reference the tests pin it to).
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """A batch of draft trees laid out ``[bs, N]``, ``N = budget + 1``.
+
+    Node 0 is the root (the last committed token). Nodes are in the builder's pop
+    order. A tree with fewer than ``budget`` candidate paths is padded with nodes
+    that hang off the root, repeat the root token and have ``valid == False``: they
+    keep every tensor rectangular, and no walk or retrieve pointer ever reaches them.
+    """
+
+    tokens: torch.Tensor  # [bs, N] int64
+    parents: torch.Tensor  # [bs, N] int64, -1 at the root
+    depths: torch.Tensor  # [bs, N] int64
+    logws: torch.Tensor  # [bs, N] float64, cumulative draft log-probability
+    valid: torch.Tensor  # [bs, N] bool
+    max_depth: int  # bound on ``depths`` known without looking at the data
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def build_tree_batch(
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    budget: int,
+    root_tokens: torch.Tensor,
+) -> TreeBatch:
+    """:func:`build_ddtree_tree_from_topk` for a batch, without leaving the device.
+
+    ``topk_ids`` / ``topk_logprobs`` are ``[bs, depth, k]`` with each row sorted by
+    descending log-probability, ``root_tokens`` ``[bs]``. The best-first heap pops
+    the ``budget`` smallest keys ``(-logw, depth, parent, rank)`` of the product tree
+    (see the builder's docstring). Any chosen node's parent is chosen too and has a
+    smaller key, so the chosen nodes of depth ``d`` are among the ``budget`` best
+    children of the chosen nodes of depth ``d - 1``: expanding one depth at a time
+    and keeping the ``budget`` best per depth (a stable sort on ``-logw`` of the
+    children listed in (parent, rank) order realises the key), then keeping the
+    ``budget`` best of all depths, yields exactly the heap's trees in its pop order.
+    Cumulative log-probabilities are summed in float64, as the heap does.
+    """
+    if topk_ids.dim() != 3 or topk_logprobs.shape != topk_ids.shape:
+        raise ValueError(
+            "topk_ids and topk_logprobs must have the same [bs, depth, k] shape, got "
+            f"{tuple(topk_ids.shape)} and {tuple(topk_logprobs.shape)}"
+        )
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    bs, depth, k = topk_ids.shape
+    device = topk_ids.device
+    n = budget + 1
+    roots = root_tokens.reshape(bs).to(device=device, dtype=torch.int64)
+    if depth == 0 or k == 0:
+        return _padded_tree_batch(roots, n, 0)
+    ids = topk_ids.to(torch.int64)
+    lps = topk_logprobs.to(torch.float64)
+
+    # Every depth keeps a frontier of exactly `budget` entries in key order; past the
+    # real ones (there may be fewer) the weights are -inf, which sort last.
+    neg_inf = torch.full(
+        (bs, budget), float("-inf"), dtype=torch.float64, device=device
+    )
+    first = torch.cat([lps[:, 0, :], neg_inf], dim=1)[:, : max(budget, k)]
+    logw, order = _best_in_key_order(first, budget)
+    # Child (p, r) -- rank r under frontier entry p -- is beaten by every (p', r')
+    # with p' <= p, r' <= r (no smaller weight, earlier in key order), so only the
+    # pairs with (p + 1) * (r + 1) <= budget can make the next frontier. Listed in
+    # (p, r) order, a stable sort on -logw among them realises the key.
+    pairs = [
+        (p, r) for p in range(budget) for r in range(k) if (p + 1) * (r + 1) <= budget
+    ]
+    cand_p = torch.tensor([p for p, _ in pairs], dtype=torch.int64, device=device)
+    cand_r = torch.tensor([r for _, r in pairs], dtype=torch.int64, device=device)
+    child_lps = lps[:, :, cand_r]  # [bs, depth, pairs]
+    orders = [order]
+    logws = [logw]
+    for d in range(1, depth):
+        children = torch.index_select(logw, 1, cand_p) + child_lps[:, d]
+        logw, order = _best_in_key_order(children, budget)
+        orders.append(order)
+        logws.append(logw)
+    # Depth 0 entries are ranks under the root; deeper ones index `pairs`.
+    ranks = [orders[0]]
+    parent_pos = [torch.zeros_like(orders[0])]
+    if depth > 1:
+        later = torch.stack(orders[1:], dim=1)
+        ranks.append(cand_r[later])
+        parent_pos.append(cand_p[later])
+
+    rank = torch.cat([ranks[0].unsqueeze(1), *ranks[1:]], dim=1)  # [bs, depth, budget]
+    tokens = torch.gather(ids, 2, rank.clamp(max=k - 1))
+    all_logw = torch.stack(logws, dim=1).view(bs, depth * budget)
+    count = min(budget, sum(min(budget, k**d) for d in range(1, depth + 1)))
+    _, chosen = _best_in_key_order(all_logw, count)
+    # Node index (1-based pop position) of every frontier entry, 0 if not chosen;
+    # a chosen entry's parent is always chosen, so its lookup never yields 0 wrongly.
+    node_of = torch.zeros((bs, depth * budget), dtype=torch.int64, device=device)
+    node_of.scatter_(
+        1, chosen, torch.arange(1, count + 1, device=device).expand(bs, count)
+    )
+    node_of = node_of.view(bs, depth, budget)
+    parents = torch.zeros((bs, depth, budget), dtype=torch.int64, device=device)
+    if depth > 1:
+        parents[:, 1:] = torch.gather(node_of[:, :-1], 2, parent_pos[1])
+    depths = (
+        torch.arange(1, depth + 1, device=device).view(1, depth, 1).expand_as(parents)
+    )
+
+    def column_then(values: torch.Tensor, first, pad) -> torch.Tensor:
+        # [root column | chosen nodes | padding past the last candidate path]
+        parts = [first.unsqueeze(1), torch.gather(values.reshape(bs, -1), 1, chosen)]
+        if count < budget:
+            parts.append(pad.unsqueeze(1).expand(bs, budget - count))
+        return torch.cat(parts, dim=1)
+
+    zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+    valid = torch.ones((bs, n), dtype=torch.bool, device=device)
+    valid[:, count + 1 :] = False
+    return TreeBatch(
+        tokens=column_then(tokens, roots, roots),
+        parents=column_then(parents, zeros - 1, zeros),
+        depths=column_then(depths, zeros, zeros + 1),
+        logws=column_then(
+            all_logw,
+            torch.zeros(bs, dtype=torch.float64, device=device),
+            torch.full((bs,), float("-inf"), dtype=torch.float64, device=device),
+        ),
+        valid=valid,
+        max_depth=depth,
+    )
+
+
+def _best_in_key_order(
+    values: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` largest values of each row and their column indices, largest
+    first, ties by lower index: the first ``count`` of a stable descending sort, which
+    is what it is for short rows. For long rows a full sort costs far more than
+    ``topk``, whose tie order is unspecified, so the ``count``-th value is taken from
+    ``topk`` and the ties at it are resolved by index before the few chosen values are
+    sorted.
+    """
+    bs, width = values.shape
+    if width <= 64 or 4 * count >= width:
+        top, order = torch.sort(values, dim=1, descending=True, stable=True)
+        return top[:, :count], order[:, :count]
+    cut = torch.topk(values, count, dim=1).values[:, -1:]
+    above = values > cut
+    tied = values == cut
+    room = count - above.sum(dim=1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, dim=1) <= room))
+    # The kept columns in index order (each row keeps exactly `count`); the rest go
+    # to a spare column that is cut off.
+    slot = torch.where(keep, torch.cumsum(keep, dim=1) - 1, count)
+    kept = torch.zeros((bs, count + 1), dtype=torch.int64, device=values.device)
+    kept.scatter_(1, slot, torch.arange(width, device=values.device).expand(bs, width))
+    kept = kept[:, :count]
+    top, order = torch.sort(
+        torch.gather(values, 1, kept), dim=1, descending=True, stable=True
+    )
+    return top, torch.gather(kept, 1, order)
+
+
+def _padded_tree_batch(roots: torch.Tensor, n: int, max_depth: int) -> TreeBatch:
+    """A batch of ``n``-node trees in which every node but the root is padding."""
+    bs = roots.shape[0]
+    device = roots.device
+    parents = torch.zeros((bs, n), dtype=torch.int64, device=device)
+    parents[:, 0] = -1
+    depths = torch.ones((bs, n), dtype=torch.int64, device=device)
+    depths[:, 0] = 0
+    logws = torch.full((bs, n), float("-inf"), dtype=torch.float64, device=device)
+    logws[:, 0] = 0.0
+    valid = torch.zeros((bs, n), dtype=torch.bool, device=device)
+    valid[:, 0] = True
+    return TreeBatch(
+        tokens=roots.unsqueeze(1).expand(bs, n).clone(),
+        parents=parents,
+        depths=depths,
+        logws=logws,
+        valid=valid,
+        max_depth=max(int(max_depth), 1),
+    )
+
+
+def tree_batch_from_trees(trees: Sequence[DDTree], num_nodes: int) -> TreeBatch:
+    """A :class:`TreeBatch` holding host-built trees (padded to ``num_nodes``)."""
+    roots = torch.tensor([t.token_ids[0] for t in trees], dtype=torch.int64)
+    out = _padded_tree_batch(
+        roots, num_nodes, max((t.max_depth for t in trees), default=1)
+    )
+    for b, t in enumerate(trees):
+        m = len(t)
+        if m > num_nodes:
+            raise ValueError(f"tree {b} has {m} nodes, more than {num_nodes}")
+        out.tokens[b, :m] = torch.tensor(t.token_ids, dtype=torch.int64)
+        out.parents[b, :m] = torch.tensor(t.parents, dtype=torch.int64)
+        out.depths[b, :m] = torch.tensor(t.depths, dtype=torch.int64)
+        out.logws[b, :m] = torch.tensor(t.node_logws, dtype=torch.float64)
+        out.valid[b, :m] = True
+    return out
+
+
+def tree_ancestor_masks(trees: TreeBatch) -> torch.Tensor:
+    """``[bs, N, N]`` bool: row i is True at i and at every ancestor of i.
+
+    Pointer doubling for a number of steps fixed by ``max_depth`` (no data-dependent
+    stop), so the mask costs ``log2(depth)`` whole-batch steps. Equal to
+    :func:`tree_attention_mask_batch` of the same trees.
+    """
+    bs, n = trees.parents.shape
+    device = trees.parents.device
+    # Node n is a sink that the root points to, with an empty row.
+    up = torch.cat(
+        [trees.parents, torch.full((bs, 1), n, dtype=torch.int64, device=device)], dim=1
+    )
+    up[:, 0] = n
+    cols = torch.arange(n + 1, device=device)
+    mask = (cols.unsqueeze(1) == cols) | (up.unsqueeze(2) == cols)
+    mask[:, n, :] = False
+    reach = 1
+    while reach < trees.max_depth:
+        mask |= torch.gather(mask, 1, up.unsqueeze(2).expand(bs, n + 1, n + 1))
+        up = torch.gather(up, 1, up)
+        reach *= 2
+    return mask[:, :n, :n]
+
+
+def tree_retrieve_batch(
+    trees: TreeBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compile_ddtree_retrieve_batch` on the device.
+
+    Nodes are in pop order, i.e. by descending cumulative log-probability with the
+    builder's tie order, so a parent's children in index order are exactly the
+    sibling chain the kernel must walk: first child = smallest child index, next
+    sibling = the next larger index under the same parent. Padding nodes are in no
+    chain.
+    """
+    bs, n = trees.parents.shape
+    device = trees.parents.device
+    idx = torch.arange(n, device=device).expand(bs, n)
+    is_child = trees.valid.clone()
+    is_child[:, 0] = False
+    # Sort children by (parent, index); non-children sort last.
+    key = torch.where(is_child, trees.parents * n + idx, torch.full_like(idx, n * n))
+    sorted_key, order = torch.sort(key, dim=1)
+    same_parent = (sorted_key[:, 1:] // n == sorted_key[:, :-1] // n) & (
+        sorted_key[:, 1:] < n * n
+    )
+    next_sibling = torch.full((bs, n), -1, dtype=torch.int64, device=device)
+    next_sibling.scatter_(
+        1, order[:, :-1], torch.where(same_parent, order[:, 1:], next_sibling[:, 1:])
+    )
+    first = torch.full((bs, n + 1), n, dtype=torch.int64, device=device)
+    first.scatter_reduce_(
+        1,
+        torch.where(is_child, trees.parents, torch.full_like(idx, n)),
+        torch.where(is_child, idx, torch.full_like(idx, n)),
+        reduce="amin",
+    )
+    first = first[:, :n]
+    next_token = torch.where(first < n, first, torch.full_like(first, -1))
+    retrieve_index = torch.arange(bs * n, device=device).reshape(bs, n)
+    return retrieve_index, next_token, next_sibling
+
+
+@dataclass(frozen=True)
+class AcceptedPaths:
+    """One round's accepted paths, chain-shaped: entry ``j`` of request ``b`` is the
+    ``j``-th node of the accepted path (``j = 0`` the root) and the token the target
+    emitted after it, valid for ``j < commit_lens[b]``; later entries repeat the
+    last valid one so gathers stay in range. ``commit_lens`` counts emitted tokens
+    (accepted drafts plus the bonus token)."""
+
+    nodes: torch.Tensor  # [bs, S] int64, local node index
+    tokens: torch.Tensor  # [bs, S] int64
+    commit_lens: torch.Tensor  # [bs] int64
+
+
+def follow_verified_tree_batch(
+    trees: TreeBatch, target_argmax: torch.Tensor
+) -> AcceptedPaths:
+    """:func:`follow_verified_tree` for a batch: ``max_depth`` whole-batch steps.
+
+    ``target_argmax`` is ``[bs, N]``: the target's choice after each node. Among
+    siblings carrying the wanted token (never more than one in builder trees) the
+    lowest index wins, as in the per-request walk.
+    """
+    bs, n = trees.parents.shape
+    device = trees.parents.device
+    steps = trees.max_depth + 1
+    argmax = target_argmax.reshape(bs, n).to(torch.int64)
+    idx = torch.arange(n, device=device).expand(bs, n)
+    child_tok = torch.where(
+        trees.valid & (idx > 0), trees.tokens, torch.full_like(trees.tokens, -1)
+    )
+    nodes = torch.zeros((bs, steps), dtype=torch.int64, device=device)
+    tokens = torch.zeros((bs, steps), dtype=torch.int64, device=device)
+    lens = torch.ones(bs, dtype=torch.int64, device=device)
+    cur = torch.zeros(bs, dtype=torch.int64, device=device)
+    alive = torch.ones(bs, dtype=torch.bool, device=device)
+    want = argmax[:, 0]
+    tokens[:, 0] = want
+    for j in range(1, steps):
+        hit = (trees.parents == cur.unsqueeze(1)) & (child_tok == want.unsqueeze(1))
+        nxt = torch.where(hit, idx, torch.full_like(idx, n)).min(dim=1).values
+        alive = alive & (nxt < n)
+        cur = torch.where(alive, nxt, cur)
+        want = torch.gather(argmax, 1, cur.unsqueeze(1)).squeeze(1)
+        nodes[:, j] = cur
+        tokens[:, j] = want
+        lens = lens + alive.to(torch.int64)
+    return AcceptedPaths(nodes=nodes, tokens=tokens, commit_lens=lens)
+
+
+def accepted_paths_from_kernel(
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    predicts: torch.Tensor,
+    num_nodes: int,
+) -> AcceptedPaths:
+    """:class:`AcceptedPaths` from the outputs of ``tree_speculative_sampling_target_only``
+    (or its reference): flat node positions ``b * N + i`` and the token emitted at
+    each accepted position."""
+    bs, s = accept_index.shape
+    device = accept_index.device
+    lens = accept_token_num.to(torch.int64) + 1
+    cols = torch.arange(s, device=device).expand(bs, s)
+    last = torch.gather(accept_index.to(torch.int64), 1, (lens - 1).unsqueeze(1))
+    flat = torch.where(cols < lens.unsqueeze(1), accept_index.to(torch.int64), last)
+    return AcceptedPaths(
+        nodes=flat % num_nodes,
+        tokens=predicts.to(torch.int64)[flat],
+        commit_lens=lens,
+    )
+
+
+class TreeMaskBuffer:
+    """The target-verify custom mask, kept in one buffer that never shrinks.
+
+    Attention backends read the mask SGLang's way: per request ``N`` rows of
+    ``prefix + N`` columns, requests one after the other. Every prefix cell is True.
+    Instead of building that per round (``N * prefix`` cells per request), every
+    cell of this buffer is True between rounds: :meth:`write` sets only the ``N * N``
+    tree-block cells of the round at their offsets, and :meth:`restore` sets the same
+    cells back to True once the verify pass has read them. A round therefore touches
+    ``bs * N * N`` cells whatever the prefix length; growing the buffer (amortised,
+    by doubling) is the only work that scales with it.
+    """
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.bool):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._buf = torch.ones(0, dtype=dtype, device=self.device)
+        self._written: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(self._buf.numel())
+
+    def write(
+        self, tree_masks: torch.Tensor, prefix_lens: torch.Tensor, cells: int
+    ) -> torch.Tensor:
+        """Lay ``tree_masks`` ``[bs, N, N]`` out behind prefixes ``prefix_lens``
+        ``[bs]`` (device) and return the mask, a view of ``cells`` cells.
+
+        ``cells`` must be at least ``N * (sum(prefix_lens) + bs * N)``; it comes from
+        host-side lengths the scheduler already has (an upper bound is fine), so
+        sizing the view costs no device-to-host copy.
+        """
+        if self._written is not None:
+            self.restore()
+        bs, n, _ = tree_masks.shape
+        if cells > self.capacity:
+            self._buf = torch.ones(
+                max(int(cells), 2 * self.capacity), dtype=self.dtype, device=self.device
+            )
+        pre = prefix_lens.reshape(bs).to(device=self.device, dtype=torch.int64)
+        widths = pre + n
+        sizes = widths * n
+        starts = torch.cumsum(sizes, 0) - sizes
+        rows = torch.arange(n, device=self.device)
+        idx = (
+            (starts + pre).view(bs, 1, 1)
+            + rows.view(1, n, 1) * widths.view(bs, 1, 1)
+            + rows.view(1, 1, n)
+        ).reshape(-1)
+        self._buf[idx] = tree_masks.reshape(-1).to(self.dtype)
+        self._written = idx
+        return self._buf[: int(cells)]
+
+    def restore(self) -> None:
+        """Set the cells of the last :meth:`write` back to True."""
+        if self._written is not None:
+            self._buf[self._written] = True
+            self._written = None

@@ -1,0 +1,162 @@
+"""The device-resident round equals the per-request reference, tree for tree.
+
+A serving round builds trees, masks, retrieve pointers and the greedy walk in
+whole-batch tensor operations (``build_tree_batch`` and friends). Each is pinned here
+to the per-request functions the rest of the suite checks against brute force and the
+kernel contract: same trees (same pop order, ties included), same masks, same sibling
+chains, same accepted paths, and a mask buffer whose per-round view is exactly the
+prefix + tree-block layout SGLang's attention backends read.
+"""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+
+import pytest
+import torch
+
+BATCH_FIELDS = ("tokens", "parents", "depths", "logws", "valid")
+
+
+def _draft(rng: random.Random, bs: int, depth: int, k: int, *, ties: bool):
+    """Per-position top-k rows sorted by descending log-probability; quarter steps
+    make exact ties between different paths common."""
+    rows = [
+        [
+            sorted(
+                (-rng.randint(0, 12) / 4 if ties else -rng.random() * 4 for _ in range(k)),
+                reverse=True,
+            )
+            for _ in range(depth)
+        ]
+        for _ in range(bs)
+    ]
+    ids = torch.tensor([[[1000 * d + 7 * r + b for r in range(k)] for d in range(depth)] for b in range(bs)])
+    return ids, torch.tensor(rows, dtype=torch.float32)
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    bs, depth, k = rng.randint(1, 5), rng.randint(1, 6), rng.randint(1, 5)
+    budget = rng.randint(1, 48)
+    ids, lps = _draft(rng, bs, depth, k, ties=rng.random() < 0.5)
+    roots = torch.tensor([rng.randrange(900) for _ in range(bs)])
+    return rng, ids, lps, budget, roots
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_build_tree_batch_equals_the_heap_per_request(du: ModuleType, seed: int) -> None:
+    _, ids, lps, budget, roots = _case(seed)
+    got = du.build_tree_batch(ids, lps, budget, roots)
+    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    want = du.tree_batch_from_trees(trees, budget + 1)
+    for field in BATCH_FIELDS:
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.num_nodes == budget + 1
+    assert got.max_depth >= max(t.max_depth for t in trees)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_masks_and_retrieve_pointers_equal_the_batch_reference(du: ModuleType, seed: int) -> None:
+    _, ids, lps, budget, roots = _case(seed)
+    batch = du.build_tree_batch(ids, lps, budget, roots)
+    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    n = budget + 1
+    # Padding nodes hang off the root in both layouts.
+    want_masks = du.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
+    assert torch.equal(du.tree_ancestor_masks(batch), want_masks)
+    index, nxt, sib = du.tree_retrieve_batch(batch)
+    w_index, w_nxt, w_sib = du.compile_ddtree_retrieve_batch(
+        [t.parents for t in trees], [t.node_logws for t in trees], num_nodes_padded=n
+    )
+    assert torch.equal(index, w_index) and torch.equal(nxt, w_nxt) and torch.equal(sib, w_sib)
+
+
+def test_retrieve_chains_visit_every_real_node_once_and_no_padding(du: ModuleType) -> None:
+    # Budget far beyond the product tree (2 + 4 paths): four padding nodes.
+    ids = torch.tensor([[[3, 4], [5, 6]]])
+    lps = torch.log(torch.tensor([[[0.6, 0.4], [0.7, 0.3]]]))
+    batch = du.build_tree_batch(ids, lps, 10, torch.tensor([9]))
+    assert batch.valid[0].tolist() == [True] * 7 + [False] * 4
+    _, nxt, sib = du.tree_retrieve_batch(batch)
+    seen, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        seen.append(node)
+        child = int(nxt[0, node])
+        while child != -1:
+            stack.append(child)
+            child = int(sib[0, child])
+    assert sorted(seen) == list(range(7))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_walk_batch_equals_follow_verified_tree(du: ModuleType, seed: int) -> None:
+    rng, ids, lps, budget, roots = _case(seed)
+    batch = du.build_tree_batch(ids, lps, budget, roots)
+    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    n = budget + 1
+    argmax = torch.randint(0, 5000, (len(trees), n))
+    for b, tree in enumerate(trees):  # the target often agrees with some child
+        for i in range(len(tree)):
+            kids = [j for j in range(1, len(tree)) if tree.parents[j] == i]
+            if kids and rng.random() < 0.75:
+                argmax[b, i] = tree.token_ids[rng.choice(kids)]
+    paths = du.follow_verified_tree_batch(batch, argmax)
+    for b, tree in enumerate(trees):
+        accepted, proposed = du.follow_verified_tree(tree.parents, tree.token_ids, argmax[b])
+        length = int(paths.commit_lens[b])
+        assert length == len(accepted)
+        assert paths.nodes[b, :length].tolist() == accepted
+        assert paths.tokens[b, :length].tolist() == proposed
+        # Past the commit length the last entry repeats (gathers stay in range).
+        assert set(paths.nodes[b, length - 1 :].tolist()) == {accepted[-1]}
+
+
+def test_accepted_paths_from_kernel_outputs(du: ModuleType) -> None:
+    # Request 0 accepted nodes 2 then 5 (flat 2, 5), request 1 nothing (flat 8 = root).
+    n = 8
+    accept_index = torch.tensor([[0, 2, 5], [8, -1, -1]], dtype=torch.int32)
+    accept_num = torch.tensor([2, 0], dtype=torch.int32)
+    predicts = torch.arange(100, 100 + 2 * n, dtype=torch.int32)
+    paths = du.accepted_paths_from_kernel(accept_index, accept_num, predicts, n)
+    assert paths.commit_lens.tolist() == [3, 1]
+    assert paths.nodes.tolist() == [[0, 2, 5], [0, 0, 0]]
+    assert paths.tokens.tolist() == [[100, 102, 105], [108, 108, 108]]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_mask_buffer_view_is_the_full_custom_mask_and_restores(du: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    buf = du.TreeMaskBuffer("cpu")
+    for _round in range(4):
+        bs, n = rng.randint(1, 6), rng.randint(2, 12)
+        masks = torch.rand(bs, n, n) < 0.5
+        prefix = torch.tensor([rng.randint(0, 200) for _ in range(bs)])
+        cells = n * (int(prefix.sum()) + bs * n)
+        slack = rng.randint(0, 50)  # host bounds may exceed the exact size
+        view = buf.write(masks, prefix, cells + slack)
+        assert view.numel() == cells + slack
+        assert torch.equal(view[:cells], du.tree_custom_mask_batch(masks, prefix))
+        assert bool(view[cells:].all())
+        buf.restore()
+        assert bool(buf._buf.all()), "between rounds every cell is True"
+
+
+def test_mask_buffer_round_touches_only_tree_cells(du: ModuleType) -> None:
+    """The per-round write is bs * N * N cells, whatever the prefix length."""
+    buf = du.TreeMaskBuffer("cpu")
+    masks = torch.zeros(2, 5, 5, dtype=torch.bool)
+    for prefix_len in (10, 10_000):
+        prefix = torch.tensor([prefix_len, prefix_len])
+        buf.write(masks, prefix, 5 * (2 * prefix_len + 10))
+        assert buf._written.numel() == 2 * 5 * 5
+        buf.restore()
+
+
+def test_build_tree_batch_rejects_bad_shapes(du: ModuleType) -> None:
+    with pytest.raises(ValueError):
+        du.build_tree_batch(torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2, 3, 5), 4, torch.zeros(2))
+    with pytest.raises(ValueError):
+        du.build_tree_batch(torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2, 3, 4), 0, torch.zeros(2))
