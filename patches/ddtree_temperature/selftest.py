@@ -1,7 +1,7 @@
 """Self-test of a DEPLOYED ddtree_temperature bundle, run by the host's own interpreter.
 
-Usage: ``python selftest.py`` or ``python - < selftest.py`` (this is how
-``ddtree-ops selftest`` sends it). Needs torch; never imports sglang (test hosts carry
+Usage: ``python selftest.py`` or ``python - < selftest.py`` (how a deployment tool
+sends it over SSH). Needs torch; never imports sglang (test hosts carry
 sglang's files without its dependencies): the package directory is found with
 ``importlib.util.find_spec`` and the deployed ``ddtree_utils.py`` is loaded by path, so
 what is tested is the file SGLang itself would import.

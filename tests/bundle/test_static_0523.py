@@ -238,48 +238,98 @@ def test_every_bundle_file_byte_compiles(bundle: Bundle, tmp_path: Path) -> None
         py_compile.compile(str(src), cfile=str(tmp_path / f"{i}.pyc"), dfile=path, doraise=True)
 
 
-def test_replace_base_hashes_match_0523(bundle: Bundle, wheel_sources: dict[str, bytes]) -> None:
-    replaced = [f for f in bundle.files if f.op == "replace"]
-    assert replaced, "the bundle is expected to replace the files that register DDTREE"
-    for f in replaced:
-        assert f.path in wheel_sources, f"{f.path}: not a file of SGLang 0.5.23"
-        assert hashlib.sha256(wheel_sources[f.path]).hexdigest() == f.base_sha256, f.path
-        # A replace that equals upstream would be a no-op deploy hiding a mistake.
-        assert f.content != wheel_sources[f.path], f"{f.path}: identical to 0.5.23"
-
-
-def test_added_files_do_not_shadow_0523_files(bundle: Bundle, wheel_sources: dict[str, bytes]) -> None:
+def test_bundle_replaces_no_sglang_file(bundle: Bundle, wheel_sources: dict[str, bytes]) -> None:
+    # The plugin install is additive: a pip reinstall or upgrade of SGLang never
+    # meets a file of ours in its way, and ours never shadow one of its.
+    assert {f.op for f in bundle.files} == {"add"}
     for f in bundle.files:
-        if f.op == "add":
-            assert f.path not in wheel_sources, f"{f.path} exists in 0.5.23: it must be a guarded replace"
+        assert f.path not in wheel_sources, f"{f.path} exists in 0.5.23"
 
 
-def test_manifest_lists_every_file_under_files(bundle: Bundle) -> None:
+def test_manifest_lists_every_shipped_file(bundle: Bundle) -> None:
     on_disk = {
         p.relative_to(BUNDLE_DIR / "files").as_posix()
         for p in (BUNDLE_DIR / "files").rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
+        if p.is_file() and not any(part.startswith((".", "__pycache__")) for part in p.parts)
+    } | {
+        "../" + p.relative_to(BUNDLE_DIR / "site-packages").as_posix()
+        for p in (BUNDLE_DIR / "site-packages").rglob("*")
+        if p.is_file()
     }
-    listed = {f.path for f in bundle.files}
-    assert on_disk == listed
+    assert on_disk == {f.path for f in bundle.files}
 
 
-def test_spec_info_replacement_only_appends_the_registration(
-    bundle: Bundle, wheel_sources: dict[str, bytes]
-) -> None:
-    # Keeping the upstream bytes as an exact prefix makes the replace trivially
-    # reviewable and re-derivable for the next SGLang version.
-    upstream = wheel_sources["srt/speculative/spec_info.py"]
-    patched = bundle.file("srt/speculative/spec_info.py").content
-    assert patched.startswith(upstream)
-    assert b"ddtree_registration" in patched[len(upstream) :]
+def _module_ast(tree: SourceTree, dotted: str) -> ast.Module:
+    rel = tree.module_file(dotted)
+    assert rel, f"{dotted}: not a module of SGLang 0.5.23 + bundle"
+    return ast.parse(tree.files[rel])
 
 
-def test_ddtree_flags_are_declared_in_the_spec_namespace(bundle: Bundle) -> None:
-    tree = ast.parse(bundle.file("srt/arg_groups/fields/spec.py").content)
-    spec_cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Spec")
-    fields = {n.target.id for n in spec_cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    assert {"speculative_ddtree_budget", "speculative_ddtree_topk"} <= fields
+def _class_methods(module: ast.Module, name: str) -> set[str]:
+    cls = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    assert cls is not None, f"class {name} not found"
+    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_entry_point_loads_the_plugin(bundle: Bundle, deployed: SourceTree) -> None:
+    entry = bundle.file("../sglang_ddtree-0.2.0.dist-info/entry_points.txt").content.decode()
+    assert entry.split() == ["[sglang.srt.plugins]", "ddtree", "=", "sglang.srt.speculative.ddtree_plugin:load"]
+    module = _module_ast(deployed, "sglang.srt.speculative.ddtree_plugin")
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "load" for n in module.body)
+    # SGLang discovers plugins through this group name (srt/plugins/__init__.py).
+    plugins = deployed.files["srt/plugins/__init__.py"].decode()
+    assert '"sglang.srt.plugins"' in plugins
+
+
+def test_every_hook_target_exists_in_0523(deployed: SourceTree) -> None:
+    """HookRegistry resolves "module.Class.method" / "module.function" at apply time and
+    only logs a failure; a target that drifted would silently drop the hook."""
+    module = _module_ast(deployed, "sglang.srt.speculative.ddtree_plugin")
+    hooks = next(
+        n.value for n in module.body
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "HOOKS" for t in n.targets)
+    )
+    targets = [elt.elts[0].value for elt in hooks.elts]
+    assert len(targets) >= 6
+    for target in targets:
+        parts = target.split(".")
+        for split in range(len(parts) - 1, 0, -1):
+            mod = ".".join(parts[:split])
+            if deployed.module_file(mod):
+                break
+        else:
+            raise AssertionError(f"{target}: no module of it exists in 0.5.23")
+        rest = parts[split:]
+        tree = _module_ast(deployed, mod)
+        if len(rest) == 1:
+            names, _ = _module_level_names(tree)
+            assert rest[0] in names, target
+        else:
+            assert len(rest) == 2, target
+            assert rest[1] in _class_methods(tree, rest[0]), target
+
+
+def test_spec_class_answers_every_predicate_the_scheduler_calls(deployed: SourceTree) -> None:
+    """SGLang checks at registration that a spec class has every is_*/supports_* of the
+    enum; the scheduler also calls need_topk, carries_draft_hidden_states and
+    create_future_map on any algorithm, which CustomSpecAlgo lacks in 0.5.23."""
+    enum_methods = _class_methods(_module_ast(deployed, "sglang.srt.speculative.spec_info"), "SpeculativeAlgorithm")
+    custom = _class_methods(_module_ast(deployed, "sglang.srt.speculative.spec_registry"), "CustomSpecAlgo")
+    ours = _class_methods(_module_ast(deployed, "sglang.srt.speculative.ddtree_registration"), "DDTreeSpecAlgo")
+    predicates = {m for m in enum_methods if m.startswith(("is_", "supports_"))}
+    assert predicates <= custom | ours
+    assert {"need_topk", "carries_draft_hidden_states", "create_future_map"} <= ours
+    assert {"need_topk", "carries_draft_hidden_states", "create_future_map"} - custom, (
+        "0.5.23's CustomSpecAlgo grew these; the overrides may be dropped"
+    )
+    # Its own identity: DFlash-family member, not DFLASH itself.
+    assert {"is_ddtree", "is_dflash", "is_dflash_family"} <= ours
+
+
+def test_shipped_files_name_no_deployment_tool(bundle: Bundle) -> None:
+    for f in bundle.files:
+        text = f.content.decode().lower()
+        assert "ddtree-ops" not in text and "ddtree_ops" not in text, f.path
 
 
 def test_manifest_verify_commands_pass_on_a_deployed_layout(
@@ -299,7 +349,8 @@ def test_manifest_verify_commands_pass_on_a_deployed_layout(
         proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
     # And they fail where the bundle is absent.
-    (pkg / "srt" / "speculative" / "ddtree_utils.py").unlink()
+    for f in bundle.files:
+        (pkg / f.path).unlink()
     failed = [
         subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120).returncode
         for argv in bundle.verify

@@ -178,7 +178,9 @@ def test_real_ddtree_temperature_bundle_loads() -> None:
         pytest.skip("patches/ddtree_temperature not present")
     b = load_bundle(path)
     assert b.name == "ddtree_temperature" and "0.5.23" in b.versions
-    assert any(f.op == "replace" for f in b.files)
+    # An SGLang plugin: new modules plus its own dist-info, no SGLang file replaced.
+    assert {f.op for f in b.files} == {"add"}
+    assert {f.root for f in b.files} == {"package", "site-packages"}
 
 
 def test_bundle_identity_of_path_and_of_loaded_bundle_agree() -> None:

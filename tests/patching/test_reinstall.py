@@ -141,12 +141,17 @@ def wide_cli(cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> Callab
     return cli
 
 
-@pytest.fixture
-def two_pristine_hosts(ssh_fleet: Fleet) -> Iterator[tuple[Any, Any, Bundle]]:
+# A bundle that replaces real SGLang 0.5.23 files (the DDTree bundle replaces none): the
+# case a pip reinstall undoes.
+REPLACING_BUNDLE = BUNDLES / "basic"
+
+
+@pytest.fixture(params=[REPLACING_BUNDLE, REAL_BUNDLE], ids=["replacing", "plugin"])
+def two_pristine_hosts(request: pytest.FixtureRequest, ssh_fleet: Fleet) -> Iterator[tuple[Any, Any, Bundle]]:
     """Two fleet hosts, upstream and unrecorded before and after (the fleet is shared)."""
-    if not (REAL_BUNDLE / "patch.yaml").exists():
-        pytest.skip("patches/ddtree_temperature not present")
-    bundle = load_bundle(REAL_BUNDLE)
+    if not (request.param / "patch.yaml").exists():
+        pytest.skip(f"{request.param} not present")
+    bundle = load_bundle(request.param)
     pair = ssh_fleet.hosts[:2]
     for fh in pair:
         _reset(fh, bundle)
@@ -169,17 +174,20 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
     ssh_fleet: Fleet, two_pristine_hosts: tuple[Any, Any, Bundle], wide_cli: Callable[..., Any]
 ) -> None:
     fa, fb, bundle = two_pristine_hosts
+    if not any(f.op == "replace" for f in bundle.files):
+        pytest.skip("a bundle that replaces nothing is untouched by a reinstall (next test)")
+    bundle_dir = Path(bundle.origin)
     inv = str(ssh_fleet.inventory)
     both = f"{fa.name},{fb.name}"
     replaced = sorted(f.path for f in bundle.files if f.op == "replace")
     added = sorted(f.path for f in bundle.files if f.op == "add")
 
     def status() -> dict[str, Any]:
-        res = wide_cli("-i", inv, "--json", "status", both, "--bundle", str(REAL_BUNDLE))
+        res = wide_cli("-i", inv, "--json", "status", both, "--bundle", str(bundle_dir))
         assert res.exit_code == 0, res.stdout + res.stderr
         return {r["host"]: r for r in json.loads(res.stdout)}
 
-    first = wide_cli("-i", inv, "--json", "deploy", both, str(REAL_BUNDLE))
+    first = wide_cli("-i", inv, "--json", "deploy", both, str(bundle_dir))
     assert first.exit_code == 0, first.stdout + first.stderr
     assert [r["outcome"] for r in json.loads(first.stdout)] == ["applied", "applied"]
     st = status()
@@ -199,13 +207,13 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
     assert st[fa.name]["changed_outside"] == {"reverted": replaced, "drifted": [],
                                              "summary": "2 files reverted to original"}
     assert st[fb.name]["changed_outside"] is None
-    text = wide_cli("-i", inv, "status", both, "--bundle", str(REAL_BUNDLE))
+    text = wide_cli("-i", inv, "status", both, "--bundle", str(bundle_dir))
     row_a = next(line for line in text.stdout.splitlines() if fa.name in line)
     row_b = next(line for line in text.stdout.splitlines() if fb.name in line)
     assert "changed outside ddtree-ops: 2 files reverted to original" in row_a
     assert "changed outside" not in row_b
 
-    refused = wide_cli("-i", inv, "deploy", both, str(REAL_BUNDLE))
+    refused = wide_cli("-i", inv, "deploy", both, str(bundle_dir))
     assert refused.exit_code != 0
     row_a = next(line for line in refused.stdout.splitlines() if f"{fa.name}: changed outside" in line)
     for words in ("2 files reverted to original", "sglang 0.5.23 is installed now",
@@ -214,11 +222,11 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
     assert "already applied" in next(line for line in refused.stdout.splitlines() if f" {fb.name} " in line)
     assert {rel: _sha(fa.sglang_dir / rel) for rel in replaced} == reinstalled  # refused = untouched
 
-    forced = wide_cli("-i", inv, "--json", "deploy", fa.name, str(REAL_BUNDLE), "--force")
+    forced = wide_cli("-i", inv, "--json", "deploy", fa.name, str(bundle_dir), "--force")
     assert forced.exit_code == 0, forced.stdout + forced.stderr
     (row,) = json.loads(forced.stdout)
     assert row["outcome"] == "applied" and "re-applying over changes made outside ddtree-ops" in row["message"]
-    again = wide_cli("-i", inv, "--json", "deploy", both, str(REAL_BUNDLE))
+    again = wide_cli("-i", inv, "--json", "deploy", both, str(bundle_dir))
     assert [r["outcome"] for r in json.loads(again.stdout)] == ["noop", "noop"]
     st = status()
     assert all(st[n]["changed_outside"] is None and {f["state"] for f in st[n]["files"]} == {"patched"}
@@ -232,3 +240,31 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
         assert st[fh.name]["bundle"] is None and {f["state"] for f in st[fh.name]["files"]} == {"original"}
         assert all(not (fh.sglang_dir / rel).exists() for rel in added)
         assert {rel: _sha(fh.sglang_dir / rel) for rel in replaced} == reinstalled
+
+
+@pytest.mark.fleet
+@pytest.mark.slow
+def test_pip_reinstall_leaves_the_plugin_bundle_applied(
+    ssh_fleet: Fleet, two_pristine_hosts: tuple[Any, Any, Bundle], wide_cli: Callable[..., Any]
+) -> None:
+    """The DDTree bundle only adds files (modules beside SGLang's and a dist-info of its
+    own), so the host's pip reinstalling SGLang leaves it in place and working."""
+    fa, _fb, bundle = two_pristine_hosts
+    if any(f.op == "replace" for f in bundle.files):
+        pytest.skip("a replacing bundle is undone by a reinstall (previous test)")
+    inv = str(ssh_fleet.inventory)
+    first = wide_cli("-i", inv, "--json", "deploy", fa.name, str(REAL_BUNDLE))
+    assert first.exit_code == 0 and json.loads(first.stdout)[0]["outcome"] == "applied", first.stdout + first.stderr
+    host_a = ssh_fleet.load().hosts[fa.name]
+    with open_transport(host_a) as t:
+        t.run([host_a.python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--no-compile",
+               "--disable-pip-version-check", "-q", str(find_wheel())], timeout=600, check=True)
+        plugins = t.run([host_a.python, "-c", "from importlib import metadata; "
+                         "print([e.value for e in metadata.entry_points(group='sglang.srt.plugins')])"],
+                        check=True).stdout
+    assert "sglang.srt.speculative.ddtree_plugin:load" in plugins
+    res = wide_cli("-i", inv, "--json", "status", fa.name, "--bundle", str(REAL_BUNDLE))
+    (st,) = json.loads(res.stdout)
+    assert st["changed_outside"] is None and {f["state"] for f in st["files"]} == {"patched"}
+    again = wide_cli("-i", inv, "--json", "deploy", fa.name, str(REAL_BUNDLE))
+    assert json.loads(again.stdout)[0]["outcome"] == "noop"

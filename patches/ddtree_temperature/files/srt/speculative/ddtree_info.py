@@ -1,32 +1,45 @@
-"""Verify input for DDTree: a DFlash verify pass whose tokens form a tree.
+"""Spec inputs of DDTREE: the tree verify input and the draft state between rounds.
 
-The target runs one ``TARGET_VERIFY`` forward over ``N = budget + 1`` tokens per
-request (the root, i.e. the last committed token, plus the tree nodes in pop order).
-Each node sits at the position of its depth and attends to the committed prefix and
-to its own ancestors only. The three ``retrieve_*`` tensors are the first-child /
-next-sibling encoding the EAGLE sampling kernel consumes; they are built only when
-some request samples (``None`` on the greedy path, where the walk needs the parent
-array alone).
+A DDTREE round drafts one DFlash block of ``block_size`` positions and then verifies
+a tree of ``N = budget + 1`` tokens (the root, i.e. the last committed token, and
+``budget`` nodes) in one ``TARGET_VERIFY`` forward. Each node sits at the position
+of its depth and attends to the committed prefix and to its own ancestors only,
+which the attention backends read from ``custom_mask`` in the layout EAGLE's tree
+verify uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from sglang.srt.speculative.ddtree_utils import DDTree, layout_verify_batch
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
+from sglang.srt.mem_cache.allocation_sizing import (
+    get_alloc_reserve_per_decode,
+    page_aligned_decode_alloc_lens,
+)
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_info_v2 import (
+    DFlashDraftInputV2,
+    _get_overlap_plan_stream,
+)
 
 
 @dataclass
 class DDTreeVerifyInput(DFlashVerifyInput):
-    """A DFlash verify input plus the tree encoding.
+    """A DFlash verify input whose tokens form a tree.
 
-    ``topk`` is the tree's branching factor: attention backends that gate tree
-    (custom-mask) metadata on ``topk > 1`` then honour ``custom_mask`` instead of
-    falling back to a causal chain.
+    It shares DFlash's verify plumbing (``prepare_for_verify``, the CSR arguments
+    and mask padding of ``generate_attn_arg_prefill``) and differs in what it
+    carries: ``custom_mask`` is always set (the ancestor-only tree mask), ``topk``
+    is the tree's branching factor (backends that gate tree metadata on
+    ``topk > 1``, like FA3, then take their tree path), and the three retrieve
+    tensors are the first-child / next-sibling encoding that
+    ``tree_speculative_sampling_target_only`` walks (``None`` when every request
+    is greedy: the greedy walk needs the parent array alone).
     """
 
     retrieve_index: Optional[torch.Tensor] = None
@@ -34,44 +47,117 @@ class DDTreeVerifyInput(DFlashVerifyInput):
     retrieve_next_sibling: Optional[torch.Tensor] = None
 
 
-@dataclass(frozen=True)
-class DDTreeVerifyTensors:
-    """Everything one verify pass needs, laid out ``[bs, N]`` (flattened where SGLang
-    expects flat tensors)."""
+@dataclass
+class DDTreeDraftInputV2(DFlashDraftInputV2):
+    """DFlash's draft state, reserving KV for the wider of the draft block and the
+    verify window.
 
-    tokens: torch.Tensor  # [bs, N] int64
-    positions: torch.Tensor  # [bs * N] int64
-    custom_mask: torch.Tensor  # flat bool, per request [N, prefix + N] row-major
-    retrieve_index: Optional[torch.Tensor]  # [bs, N] int64 or None (greedy)
-    retrieve_next_token: Optional[torch.Tensor]
-    retrieve_next_sibling: Optional[torch.Tensor]
-
-
-def build_ddtree_verify_tensors(
-    trees: Sequence[DDTree],
-    prefix_lens: Sequence[int],
-    num_nodes: int,
-    *,
-    device: torch.device | str,
-    need_retrieve: bool,
-) -> DDTreeVerifyTensors:
-    """Lay out ``trees`` for one target verify pass.
-
-    Built on the host (the trees are host objects, ``budget`` nodes each) in
-    whole-batch operations (``layout_verify_batch``: a short tree is padded with nodes
-    hanging off the root that carry the root token and that no retrieve pointer
-    reaches) and moved to ``device`` in one copy per tensor.
+    A DDTREE round writes ``block_size`` draft slots and ``budget + 1`` verify slots
+    from the committed prefix on, so each decode step needs
+    ``max(block_size, budget + 1)`` slots (``max_speculative_num_draft_tokens``),
+    where DFlash, whose two windows coincide, reserves for
+    ``speculative_num_draft_tokens``. ``prepare_for_decode`` is DFlash's with that
+    one number changed; the rest is identical.
     """
-    layout = layout_verify_batch(trees, prefix_lens, num_nodes, need_retrieve=need_retrieve)
-    return DDTreeVerifyTensors(
-        tokens=layout.tokens.to(device, non_blocking=True),
-        positions=layout.positions.reshape(-1).to(device, non_blocking=True),
-        custom_mask=layout.custom_mask.to(device, non_blocking=True),
-        retrieve_index=_to_device(layout.retrieve_index, device),
-        retrieve_next_token=_to_device(layout.retrieve_next_token, device),
-        retrieve_next_sibling=_to_device(layout.retrieve_next_sibling, device),
+
+    def prepare_for_decode(self, batch: ScheduleBatch):
+        plan_stream, plan_stream_ctx = _get_overlap_plan_stream(batch.device)
+
+        bs = batch.batch_size()
+        if bs == 0:
+            return
+
+        batch.maybe_evict_swa()
+
+        self._ensure_prepare_length_buffers(bs, batch.device)
+        assert self._prepare_batch_seq_lens_cpu_buf is not None
+        assert self._prepare_cur_kv_lens_cpu_buf is not None
+        assert self._prepare_nxt_kv_lens_cpu_buf is not None
+        assert self._prepare_cur_kv_lens_gpu_buf is not None
+        assert self._prepare_nxt_kv_lens_gpu_buf is not None
+        batch_seq_lens_cpu_t = self._prepare_batch_seq_lens_cpu_buf[:bs]
+        cur_kv_lens_cpu_t = self._prepare_cur_kv_lens_cpu_buf[:bs]
+        nxt_kv_lens_cpu_t = self._prepare_nxt_kv_lens_cpu_buf[:bs]
+
+        reserve = get_alloc_reserve_per_decode()
+        page_size = batch.token_to_kv_pool_allocator.page_size
+
+        cur_kv_lens, nxt_kv_lens, num_needed_tokens = page_aligned_decode_alloc_lens(
+            batch.reqs,
+            reserve=reserve,
+            page_size=page_size,
+        )
+
+        max_top_k = 1
+        uniform_top_k_value = None
+        uniform_top_k = True
+        nxt_kv_lens_sum = 0
+        committed_seq_lens_sum = 0
+        for i, (req, cur, nxt) in enumerate(zip(batch.reqs, cur_kv_lens, nxt_kv_lens)):
+            committed_len = int(req.kv.kv_committed_len)
+            committed_seq_lens_sum += committed_len
+            top_k = int(req.sampling_params.top_k)
+
+            batch_seq_lens_cpu_t[i] = committed_len
+            cur_kv_lens_cpu_t[i] = cur
+            nxt_kv_lens_cpu_t[i] = nxt
+
+            nxt_kv_lens_sum += nxt
+            if top_k > max_top_k:
+                max_top_k = top_k
+            if i == 0:
+                uniform_top_k_value = top_k
+            elif uniform_top_k and top_k != uniform_top_k_value:
+                uniform_top_k = False
+
+        self.max_top_k = max(max_top_k, 1)
+        self.uniform_top_k_value = uniform_top_k_value if uniform_top_k else None
+
+        caller_stream = None
+        if plan_stream is not None:
+            caller_stream = torch.get_device_module(batch.device).current_stream()
+
+        with plan_stream_ctx:
+            if plan_stream is not None and caller_stream is not None:
+                plan_stream.wait_stream(caller_stream)
+
+            cur_kv_lens = self._prepare_cur_kv_lens_gpu_buf[:bs]
+            nxt_kv_lens = self._prepare_nxt_kv_lens_gpu_buf[:bs]
+            cur_kv_lens.copy_(cur_kv_lens_cpu_t, non_blocking=True)
+            nxt_kv_lens.copy_(nxt_kv_lens_cpu_t, non_blocking=True)
+
+            alloc_for_spec_decode(
+                batch.tree_cache,
+                batch.req_to_token_pool,
+                reqs=batch.reqs,
+                req_pool_indices=batch.req_pool_indices,
+                cur_kv_lens=cur_kv_lens,
+                cur_kv_lens_cpu=cur_kv_lens_cpu_t,
+                nxt_kv_lens=nxt_kv_lens,
+                nxt_kv_lens_cpu=nxt_kv_lens_cpu_t,
+                num_needed_tokens=num_needed_tokens,
+                batch=batch,
+            )
+        if caller_stream is not None:
+            caller_stream.wait_stream(plan_stream)
+        for req in batch.reqs:
+            req.decode_batch_idx += 1
+        batch.seq_lens_cpu = batch_seq_lens_cpu_t
+        batch.seq_lens_sum = committed_seq_lens_sum
+        self.nxt_kv_lens_cpu = nxt_kv_lens_cpu_t
+        self.nxt_kv_lens_sum = nxt_kv_lens_sum
+
+
+def make_ddtree_draft_input(
+    *, bonus_tokens: torch.Tensor, new_seq_lens: torch.Tensor
+) -> DDTreeDraftInputV2:
+    """The draft state after a round: DFlash's fields, DDTREE's reservation."""
+    bs = int(new_seq_lens.numel())
+    device = bonus_tokens.device
+    return DDTreeDraftInputV2(
+        topk_p=torch.empty((bs, 0), device=device, dtype=torch.float32),
+        topk_index=torch.empty((bs, 0), device=device, dtype=torch.int64),
+        bonus_tokens=bonus_tokens.to(dtype=torch.int64),
+        new_seq_lens=new_seq_lens.to(dtype=torch.int64),
+        hidden_states=torch.empty((bs, 0), device=device, dtype=torch.float16),
     )
-
-
-def _to_device(t: Optional[torch.Tensor], device: torch.device | str) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(device)

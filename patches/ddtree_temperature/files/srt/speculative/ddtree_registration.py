@@ -1,24 +1,33 @@
-"""Registers the DDTREE speculative algorithm with SGLang 0.5.23.
+"""The DDTREE speculative algorithm: identity, server arguments, supported setups.
 
-Imported at the bottom of ``sglang/srt/speculative/spec_info.py`` (patched copy), so
-the registration happens in every process that resolves an algorithm name: the
-launcher that validates server args and every spawned scheduler. A
-``sglang.srt.plugins`` entry point would need a dist-info ``entry_points.txt`` owned
-by some installed distribution; sglang is installed from a wheel, so writing into its
-dist-info would be undone by any reinstall and invisible to ``pip check``.
+DDTREE (Diffusion Draft Tree) drafts like DFLASH -- one block-diffusion forward of
+the draft model over a block of ``block_size`` positions -- and turns the draft's
+per-position top-k into a tree of ``budget`` nodes that the target verifies in one
+``TARGET_VERIFY`` pass under an ancestor-only attention mask.
 
-DDTREE is a DFLASH-family algorithm: same draft model, same target hidden capture,
-same draft KV materialisation. :class:`DDTreeSpecAlgo` therefore answers the
-``is_dflash*()`` predicates like ``SpeculativeAlgorithm.DFLASH`` so the scheduler,
-model runner and KV sizing take the DFlash branches, and only the worker differs.
+Flags (SGLang's generic speculative fields, with EAGLE's meaning):
+
+* ``--speculative-num-draft-tokens N``: tokens verified per round, the root plus
+  ``budget = N - 1`` tree nodes (default: the draft block size);
+* ``--speculative-eagle-topk K``: candidates per draft position (default 4);
+* the draft block is the draft model's trained ``block_size`` (``config.json``), or
+  ``--speculative-dflash-block-size`` for a draft whose config has none. DFlash
+  drafts attend non-causally inside the block, so the block width is part of the
+  trained model: it never follows the budget.
+
+DDTREE is a member of the DFlash family (``is_dflash_family()``: same draft model,
+same target hidden-state capture, same draft KV materialisation) with its own
+predicate ``is_ddtree()``; ``is_dflash()`` stays False so the chain-only DFlash paths
+(mask-less verify graphs, greedy draft sampler, chain accept) never run for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import TYPE_CHECKING, Optional
+import os
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 if TYPE_CHECKING:
@@ -27,44 +36,89 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DDTREE_NAME = "DDTREE"
-DEFAULT_DDTREE_BUDGET = 16
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 DEFAULT_DDTREE_TOPK = 4
-# The verify window holds the root plus `budget` nodes; beyond this the tree mask and
-# per-request KV reservation grow past what the DFlash verify buffers are tuned for.
-MAX_DDTREE_BUDGET = 1024
+# Tree building costs depth x budget x top-k per request, the verify pass
+# budget + 1 tokens per request; past this the tree no longer fits the default
+# verify-rows bound below even at batch 16.
+MAX_DDTREE_BUDGET = 256
+# Rows of verify logits per round the default max_running_requests allows:
+# a round holds bs * (budget + 1) rows of vocab-wide fp32 logits, and sampling adds
+# target and draft probability tensors of the same size. 4096 rows of a 152k
+# vocabulary are 2.3 GiB per tensor.
+DEFAULT_VERIFY_ROWS_PER_ROUND = 4096
+DFLASH_DEFAULT_MAX_RUNNING_REQUESTS = 48
+
+# Target attention backends whose TARGET_VERIFY applies DDTREE's tree mask, and how.
+# Everything else is refused at startup: serving a tree without its mask verifies
+# the wrong tokens.
+TREE_VERIFY_BACKENDS: Dict[str, str] = {
+    "flashinfer": "custom mask, captured into verify CUDA graphs",
+    "triton": "custom mask (tree block read), captured into verify CUDA graphs",
+    "fa3": "cascade tree attention (topk > 1); causal chain when topk == 1",
+}
+# Draft attention backends whose TARGET_VERIFY is a plain non-causal block: FA3
+# switches to its tree path whenever speculative_eagle_topk > 1, and trtllm_mha
+# sizes every verify window from speculative_num_draft_tokens.
+BLOCK_DRAFT_BACKENDS = {"flashinfer", "triton"}
+REFUSED_VERIFY_BACKENDS: Dict[str, str] = {
+    "trtllm_mha": "it never reads a custom mask (verify is causal in the window)",
+    "fa4": "its verify path is untested with a tree mask",
+    "torch_native": "it has no TARGET_VERIFY path and no custom mask",
+    "flex_attention": "it has no custom mask for TARGET_VERIFY",
+}
+
+REFERENCE_SAMPLER_ENV = "SGLANG_DDTREE_REFERENCE_SAMPLER"
 
 
-def ddtree_verify_width(budget: int) -> int:
-    """Tokens per request in one target verify pass: the root plus every tree node."""
-    return int(budget) + 1
+def is_ddtree(spec_algorithm: Any) -> bool:
+    """Whether an algorithm (a builtin enum member or a registered one) is DDTREE."""
+    predicate = getattr(spec_algorithm, "is_ddtree", None)
+    return bool(predicate()) if callable(predicate) else False
+
+
+def reference_sampler_enabled() -> bool:
+    """Whether sampled requests may use the pure-torch twin of the sampling kernel
+    where the kernel cannot run (exact, but slow: for CPU testing)."""
+    return os.environ.get(REFERENCE_SAMPLER_ENV, "") not in ("", "0", "false")
+
+
+class DDTreeError(ValueError):
+    """A DDTREE server configured with something it cannot serve correctly."""
 
 
 class DDTreeSpecAlgo(CustomSpecAlgo):
-    """DDTREE answers like DFLASH everywhere except for its own name and worker."""
+    """DDTREE's predicates: a DFlash-family member that verifies trees."""
+
+    def is_ddtree(self) -> bool:
+        return True
 
     def is_dflash(self) -> bool:
-        return True
+        return False
 
     def is_dflash_family(self) -> bool:
         return True
 
     def supports_target_verify_for_draft(self) -> bool:
+        # The DFlash draft block runs as TARGET_VERIFY on the draft runner.
         return True
 
     def supports_prefill_shared_read_done(self) -> bool:
         return True
 
-    def supports_grammar_overlap(self) -> bool:
-        # Grammar masks are built for chains (GrammarTree.from_linear_chain); the tree
-        # worker refuses grammar requests, so there is nothing to overlap.
-        return False
-
     def supports_mixed_chunk(self) -> bool:
+        # Mixed rounds run DFlash's target extend and draft KV materialisation.
         return True
 
-    # The scheduler calls the next three on any algorithm (overlap_utils.py,
-    # scheduler.py) but CustomSpecAlgo does not define them in 0.5.23; they mirror
-    # SpeculativeAlgorithm's answers for DFLASH.
+    def supports_grammar_overlap(self) -> bool:
+        # Constrained requests are refused per request.
+        return False
+
+    def has_draft_kv(self) -> bool:
+        return True
+
+    # The scheduler calls these three on any algorithm; CustomSpecAlgo lacks them
+    # in 0.5.23. They answer like DFLASH.
     def need_topk(self) -> bool:
         return False
 
@@ -88,49 +142,256 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
             needs_confidence_relay,
         )
 
+    def get_num_tokens_per_req_for_target_verify(
+        self, num_draft_tokens: int, is_draft_worker: bool
+    ) -> int:
+        # The draft runner runs the DFlash block; the target verifies the tree.
+        if is_draft_worker:
+            from sglang.srt.runtime_context import get_spec
+
+            return int(get_spec().speculative_dflash_block_size)
+        return num_draft_tokens
+
+    def resolve_max_speculative_num_draft_tokens(
+        self, server_args: ServerArgs
+    ) -> Optional[int]:
+        # A round writes the draft block and the verify window from the same
+        # committed position: reserve for the wider of the two.
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+        widths = [
+            int(w)
+            for w in (
+                cfg.speculative_num_draft_tokens,
+                cfg.speculative_dflash_block_size,
+            )
+            if w is not None
+        ]
+        return max(widths) if widths else None
+
     def handle_server_args(self, server_args: ServerArgs) -> None:
-        """Validate the DDTree flags and size the verify window.
-
-        ``server_args`` is the recording stand-in SGLang hands to registered
-        algorithms: plain attribute writes are declared as resolutions.
-        """
-        validate_ddtree_server_args(server_args)
-        budget = int(server_args.speculative_ddtree_budget or DEFAULT_DDTREE_BUDGET)
-        topk = int(server_args.speculative_ddtree_topk or DEFAULT_DDTREE_TOPK)
-        server_args.speculative_ddtree_budget = budget
-        server_args.speculative_ddtree_topk = topk
-        # EAGLE-style knobs still size generic scheduler buffers; DFLASH pins them
-        # to 1 for the same reason.
-        server_args.speculative_num_steps = 1
-        server_args.speculative_eagle_topk = 1
-        # Every per-request reservation (KV slots, verify graphs, logits rows) is
-        # sized by this field; for DDTree it is the tree window, not the draft block.
-        server_args.speculative_num_draft_tokens = ddtree_verify_width(budget)
-        if server_args.max_running_requests is None:
-            server_args.max_running_requests = 48
+        resolve_ddtree_server_args(server_args)
 
 
-def validate_ddtree_server_args(server_args: ServerArgs) -> None:
-    """Refuse flag combinations the tree worker cannot serve, naming the flag."""
-    budget = server_args.speculative_ddtree_budget
-    topk = server_args.speculative_ddtree_topk
-    if budget is not None and not 1 <= int(budget) <= MAX_DDTREE_BUDGET:
-        raise ValueError(
-            f"--speculative-ddtree-budget must be in 1..{MAX_DDTREE_BUDGET}, got {budget}."
+def _draft_block_size(cfg: Any) -> int:
+    """The draft model's trained block size, or ``--speculative-dflash-block-size``."""
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    draft_hf_config = get_config(
+        cfg.speculative_draft_model_path,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.speculative_draft_model_revision,
+        model_override_args=json.loads(cfg.json_model_override_args),
+    )
+    trained = parse_dflash_draft_config(
+        draft_hf_config=draft_hf_config
+    ).resolve_block_size(default=None)
+    flag = cfg.speculative_dflash_block_size
+    if trained is not None and flag is not None and int(flag) != int(trained):
+        raise DDTreeError(
+            f"--speculative-dflash-block-size {flag} differs from the draft model's "
+            f"trained block_size {trained}; DDTREE drafts with the trained block "
+            "(drop the flag)."
         )
-    if topk is not None and int(topk) < 1:
-        raise ValueError(f"--speculative-ddtree-topk must be >= 1, got {topk}.")
-    if server_args.speculative_draft_model_path is None:
-        raise ValueError(
-            "DDTREE speculative decoding requires --speculative-draft-model-path "
-            "(a DFlash draft model)."
+    block = trained if trained is not None else flag
+    if block is None:
+        raise DDTreeError(
+            "the DDTREE draft model's config has no block_size; pass "
+            "--speculative-dflash-block-size with the block it was trained with."
         )
-    if server_args.pp_size != 1:
-        raise ValueError("DDTREE speculative decoding only supports pp_size == 1.")
-    if server_args.speculative_draft_window_size is not None:
-        raise ValueError(
-            "DDTREE does not support --speculative-draft-window-size (compact draft "
-            "cache): tree nodes are not a contiguous window."
+    if int(block) < 2:
+        raise DDTreeError(
+            f"--speculative-dflash-block-size must be >= 2 for DDTREE, got {block}."
+        )
+    return int(block)
+
+
+def _verify_backend(cfg: Any) -> str:
+    """The attention backend that runs the target's TARGET_VERIFY."""
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+
+    prefill, decode = attention_backends_of(cfg)
+    backend = decode if cfg.speculative_attention_mode == "decode" else prefill
+    return str(backend)
+
+
+def _decode_graph_mode(cfg: Any) -> str:
+    graph = getattr(cfg, "cuda_graph_config", None)
+    decode = getattr(graph, "decode", None)
+    return str(getattr(decode, "backend", "unknown"))
+
+
+def check_ddtree_device(cfg: Any) -> None:
+    """DDTREE runs where its verify path is built: CUDA devices (or an out-of-tree
+    platform that says it supports DDTREE)."""
+    from sglang.srt.platforms import current_platform
+
+    if current_platform.is_out_of_tree():
+        supported = current_platform.supports_speculative_algorithm(DDTREE_NAME)
+    else:
+        supported = str(cfg.device).startswith("cuda")
+    if not supported:
+        raise DDTreeError(
+            f"DDTREE speculative decoding is not supported on --device {cfg.device} "
+            f"({type(current_platform).__name__}); it needs a CUDA device."
+        )
+
+
+def check_verify_backend(backend: str, decode_graph: str, device: str) -> str:
+    """How the tree mask reaches attention for this setup; raises if it does not.
+
+    ``decode_graph`` does not change the answer for the supported backends: the
+    verify graphs are captured with the mask buffer (flashinfer, triton) or read
+    the live mask at replay (fa3).
+    """
+    del device  # checked by check_ddtree_device
+    if backend in TREE_VERIFY_BACKENDS:
+        return TREE_VERIFY_BACKENDS[backend]
+    reason = REFUSED_VERIFY_BACKENDS.get(
+        backend, "its TARGET_VERIFY path has not been checked with a tree mask"
+    )
+    raise DDTreeError(
+        f"DDTREE cannot verify with --attention-backend {backend} "
+        f"(decode graphs: {decode_graph}): {reason}; use one of "
+        f"{', '.join(sorted(TREE_VERIFY_BACKENDS))}."
+    )
+
+
+def resolve_ddtree_server_args(server_args: Any) -> None:
+    """Validate DDTREE's flags, refuse what it cannot serve, and size its windows.
+
+    ``server_args`` is the recording stand-in SGLang hands a registered algorithm:
+    reads see the resolution so far, writes are declared as resolutions.
+    """
+    cfg = server_args
+    _check_sglang_version()
+    check_ddtree_device(cfg)
+
+    if cfg.speculative_draft_model_path is None:
+        raise DDTreeError(
+            "DDTREE requires --speculative-draft-model-path (a DFlash draft model)."
+        )
+    block = _draft_block_size(cfg)
+    topk = cfg.speculative_eagle_topk
+    topk = DEFAULT_DDTREE_TOPK if topk is None else int(topk)
+    if topk < 1:
+        raise DDTreeError(f"--speculative-eagle-topk must be >= 1, got {topk}.")
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    vocab = int(model_config_of(cfg).vocab_size)
+    if topk > vocab:
+        raise DDTreeError(
+            f"--speculative-eagle-topk {topk} exceeds the target vocabulary ({vocab})."
+        )
+    num_draft_tokens = cfg.speculative_num_draft_tokens
+    budget = block - 1 if num_draft_tokens is None else int(num_draft_tokens) - 1
+    if not 1 <= budget <= MAX_DDTREE_BUDGET:
+        raise DDTreeError(
+            "--speculative-num-draft-tokens is the DDTREE verify window (root + "
+            f"budget nodes) and must be in 2..{MAX_DDTREE_BUDGET + 1}, got "
+            f"{num_draft_tokens}."
+        )
+    if cfg.speculative_num_steps not in (None, 1):
+        raise DDTreeError(
+            "--speculative-num-steps does not apply to DDTREE (one draft forward "
+            f"per round); got {cfg.speculative_num_steps}."
+        )
+    if int(cfg.page_size or 1) != 1:
+        raise DDTreeError(
+            f"DDTREE needs --page-size 1 (accepted tree nodes are compacted token "
+            f"by token), got {cfg.page_size}."
+        )
+    if cfg.pp_size != 1:
+        raise DDTreeError(f"DDTREE needs --pp-size 1, got {cfg.pp_size}.")
+    from sglang.srt.runtime_context import attn_dp_enabled_of
+
+    if attn_dp_enabled_of(cfg):
+        raise DDTreeError("DDTREE does not support dp attention (--attn-dp-size).")
+    if cfg.speculative_draft_window_size is not None:
+        raise DDTreeError(
+            "DDTREE does not support --speculative-draft-window-size: tree nodes "
+            "are not a contiguous draft window."
+        )
+    if cfg.speculative_use_rejection_sampling:
+        raise DDTreeError(
+            "DDTREE verifies trees with tree rejection sampling; drop "
+            "--speculative-use-rejection-sampling."
+        )
+    if cfg.disaggregation_mode not in (None, "null"):
+        raise DDTreeError(
+            f"DDTREE does not support --disaggregation-mode {cfg.disaggregation_mode}."
+        )
+    for flag in ("accept_threshold_single", "accept_threshold_acc"):
+        value = float(getattr(cfg, f"speculative_{flag}"))
+        if not 0.0 < value <= 1.0:
+            raise DDTreeError(
+                f"--speculative-{flag.replace('_', '-')} must be in (0, 1], "
+                f"got {value}."
+            )
+
+    backend = _verify_backend(cfg)
+    graph = _decode_graph_mode(cfg)
+    how = check_verify_backend(backend, graph, str(cfg.device))
+
+    # DFlash's draft attention backend resolution, shared; then keep the draft
+    # on a backend whose TARGET_VERIFY is a plain block.
+    from sglang.srt.arg_groups.speculative_hook import (
+        _resolve_dflash_draft_attention_backend,
+    )
+
+    _resolve_dflash_draft_attention_backend(server_args)
+    draft_backend = cfg.speculative_draft_attention_backend
+    if draft_backend not in BLOCK_DRAFT_BACKENDS:
+        chosen = backend if backend in BLOCK_DRAFT_BACKENDS else "flashinfer"
+        logger.warning(
+            "DDTREE draft attention backend %s -> %s: the DFlash draft block must "
+            "run as a plain non-causal block, which %s does not do under DDTREE "
+            "(it takes a tree or fixed-window path).",
+            draft_backend,
+            chosen,
+            draft_backend,
+        )
+        server_args.speculative_draft_attention_backend = chosen
+        draft_backend = chosen
+
+    server_args.speculative_dflash_block_size = block
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = topk
+    server_args.speculative_num_draft_tokens = budget + 1
+    if cfg.max_running_requests is None:
+        server_args.max_running_requests = max(
+            1,
+            min(
+                DFLASH_DEFAULT_MAX_RUNNING_REQUESTS,
+                DEFAULT_VERIFY_ROWS_PER_ROUND // (budget + 1),
+            ),
+        )
+    logger.info(
+        "DDTREE: budget=%d topk=%d draft_block=%d verify_backend=%s (%s) "
+        "draft_backend=%s decode_graphs=%s",
+        budget,
+        topk,
+        block,
+        backend,
+        how,
+        draft_backend,
+        graph,
+    )
+
+
+def _check_sglang_version() -> None:
+    from importlib import metadata
+
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise DDTreeError(
+            f"this DDTREE build supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
+            f", found {version}; install a DDTREE build for {version}."
         )
 
 
@@ -140,19 +401,16 @@ def _ddtree_worker_factory(server_args: ServerArgs):
     return DDTreeWorkerV2
 
 
-def register_ddtree() -> Optional[DDTreeSpecAlgo]:
-    """Register DDTREE once per process; a second call is a no-op."""
+def register_ddtree() -> DDTreeSpecAlgo:
+    """Register DDTREE once per process; later calls return the registration."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
     existing = get_spec(DDTREE_NAME)
-    if existing is not None:
-        return existing  # type: ignore[return-value]
-    SpeculativeAlgorithm.register(
-        DDTREE_NAME,
-        supports_overlap=True,
-        spec_class=DDTreeSpecAlgo,
-    )(_ddtree_worker_factory)
-    return get_spec(DDTREE_NAME)  # type: ignore[return-value]
-
-
-register_ddtree()
+    if existing is None:
+        SpeculativeAlgorithm.register(
+            DDTREE_NAME, supports_overlap=True, spec_class=DDTreeSpecAlgo
+        )(_ddtree_worker_factory)
+        existing = get_spec(DDTREE_NAME)
+    assert isinstance(existing, DDTreeSpecAlgo), existing
+    return existing

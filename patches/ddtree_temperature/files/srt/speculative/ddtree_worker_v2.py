@@ -1,30 +1,40 @@
-"""DDTree speculative decoding worker (spec-v2) on top of the DFlash v2 worker.
+"""DDTREE speculative decoding worker (spec-v2), built on the DFlash v2 worker.
 
-One decode round:
+One decode round, every step on the device in whole-batch operations:
 
-1. draft one block with the DFlash draft model (same forward as DFLASH);
-2. take the drafter's per-position top-k and build a best-first tree under the node
-   budget (``build_ddtree_trees_from_topk_batch``);
-3. verify the whole tree in ONE target ``TARGET_VERIFY`` pass: tokens in pop order,
-   positions by depth, an ancestor-only attention mask, and -- only when a request
-   samples -- the first-child / next-sibling retrieve tensors;
-4. accept: the greedy walk (``follow_verified_tree``) for all-greedy batches, the
-   EAGLE tree rejection-sampling kernel (``sample_tree_paths``) otherwise;
-5. ONE commit path for both: accepted tokens, KV of the accepted path compacted onto
-   the chain slots, target hidden states of the accepted path into the draft KV.
+1. DFlash's draft step over one block of ``block_size`` positions (the draft
+   model's trained block: DFlash drafts attend non-causally inside it), with
+   DFlash's block preparation; the draft head's top-k over the target ``lm_head``
+   (``candidate_topk``: shards gathered as candidate pairs, not vocab-wide
+   logits) runs once, folded into the draft CUDA graph where one is captured;
+2. one best-first tree of ``budget`` nodes per request (``build_tree_batch``);
+3. one ``TARGET_VERIFY`` pass over ``N = budget + 1`` tokens per request: tokens in
+   pop order, positions by depth, the ancestor-only mask written into a persistent
+   buffer (only the tree blocks change per round), and -- when a request samples --
+   the first-child / next-sibling retrieve tensors;
+4. accept: the greedy walk for all-greedy batches, the tree rejection-sampling
+   kernel ``tree_speculative_sampling_target_only`` otherwise (thresholds from
+   ``--speculative-accept-threshold-*``);
+5. one commit path for both: the accepted nodes' target KV moved to the front of
+   the verify window (``move_accept_tokens_to_target_kvcache``, as EAGLE's tree
+   commit), their target hidden states written to the draft KV with DFlash's
+   writer, and the accepted tokens returned chain-shaped.
 
-Prefill, idle rounds and everything the DFlash worker sets up (draft runner, CUDA
-graphs, KV materialisation helpers) are inherited unchanged.
+Prefill, mixed and idle rounds are DFlash's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Optional
 
 import torch
 
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -36,42 +46,120 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
-from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.models.dflash import candidate_topk
+from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative import ddtree_utils
 from sglang.srt.speculative.ddtree_info import (
+    DDTreeDraftInputV2,
     DDTreeVerifyInput,
-    build_ddtree_verify_tensors,
+    make_ddtree_draft_input,
 )
-from sglang.srt.speculative.ddtree_registration import (
-    DEFAULT_DDTREE_BUDGET,
-    DEFAULT_DDTREE_TOPK,
-    ddtree_verify_width,
-)
-from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.ddtree_registration import reference_sampler_enabled
 from sglang.srt.speculative.dflash_utils import (
     apply_dflash_verify_logits_adjustments,
-    is_dense_head_weight,
+    build_speculative_verify_target_probs,
     is_dflash_sampling_verify_available,
-    parse_dflash_draft_config,
 )
 from sglang.srt.speculative.dflash_worker_v2 import (
     DFlashWorkerV2,
     _is_all_greedy,
     _resolve_dflash_embedding_module,
 )
+from sglang.srt.speculative.draft_worker_common import (
+    build_block_pos_offsets,
+    make_draft_block_spec_info,
+)
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
-from sglang.srt.speculative.spec_utils import draft_tp_context
+from sglang.srt.speculative.spec_utils import (
+    draft_tp_context,
+    move_accept_tokens_to_target_kvcache,
+    record_stream_each,
+)
+from sglang.srt.utils import is_cuda
 
 logger = logging.getLogger(__name__)
 
-# (accepted local node ids starting with the root 0, emitted tokens of equal length)
-TreePath = Tuple[List[int], List[int]]
+
+def sampling_kernel_available() -> bool:
+    """Whether ``tree_speculative_sampling_target_only`` can run in this process."""
+    return is_cuda() and is_dflash_sampling_verify_available()
+
+
+def sampling_verifier_available() -> bool:
+    """Whether sampled (temperature > 0) requests can be verified exactly here."""
+    return sampling_kernel_available() or reference_sampler_enabled()
 
 
 class DDTreeUnsupported(ValueError):
-    """A DDTree server was configured with a feature the tree worker cannot serve."""
+    """A DDTREE server started with a draft or target it cannot serve."""
+
+
+class _DDTreeDraftCandidates:
+    """Top-k draft candidates of the block positions ``1..depth`` over the target
+    ``lm_head``, with their log-probabilities under the full vocabulary.
+
+    Called with the draft model's hidden states; as a capture tail hook it runs
+    inside the draft CUDA graph and leaves its result in static buffers, so the
+    head is applied once per round.
+    """
+
+    def __init__(self, *, lm_head, block_size, depth, topk, max_bs, device):
+        self.lm_head = lm_head
+        self.block_size = int(block_size)
+        self.depth = int(depth)
+        self.topk = int(topk)
+        rows = int(max_bs) * self.depth
+        self.ids = torch.empty((rows, self.topk), dtype=torch.int64, device=device)
+        self.logprobs = torch.empty(
+            (rows, self.topk), dtype=torch.float32, device=device
+        )
+
+    def compute(self, hidden_states: torch.Tensor):
+        bs = hidden_states.shape[0] // self.block_size
+        positions = hidden_states.view(bs, self.block_size, -1)[:, 1 : 1 + self.depth]
+        ids, logits, lse = candidate_topk(
+            positions.reshape(-1, hidden_states.shape[-1]),
+            self.lm_head,
+            self.topk,
+            with_partition=True,
+        )
+        return ids, logits.float() - lse.unsqueeze(-1)
+
+    def __call__(self, hidden_states, input_ids=None):
+        ids, logprobs = self.compute(hidden_states)
+        rows = ids.shape[0]
+        self.ids[:rows].copy_(ids)
+        self.logprobs[:rows].copy_(logprobs)
+
+
+@dataclass
+class _DraftRound:
+    """The draft step's results a round keeps using."""
+
+    topk_ids: torch.Tensor  # [bs, depth, k]
+    topk_logprobs: torch.Tensor  # [bs, depth, k]
+    cache_loc: torch.Tensor  # [bs, window] virtual slots from the prefix on
+    kv_loc_plan: object
+
+
+@contextlib.contextmanager
+def _without_dflash_block_warning():
+    """DFlashWorkerV2 warns when speculative_num_draft_tokens differs from the draft
+    block size; under DDTREE they differ by design (verify window vs draft block)."""
+    from sglang.srt.speculative import dflash_worker_v2
+
+    class _Filter(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "block size mismatch" not in record.getMessage()
+
+    f = _Filter()
+    dflash_worker_v2.logger.addFilter(f)
+    try:
+        yield
+    finally:
+        dflash_worker_v2.logger.removeFilter(f)
 
 
 class DDTreeWorkerV2(DFlashWorkerV2):
@@ -84,28 +172,60 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         nccl_port: int,
         target_worker: TpModelWorker,
     ):
-        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        with _without_dflash_block_warning():
+            super().__init__(server_args, gpu_id, nccl_port, target_worker)
         spec = get_spec()
-        self.ddtree_budget = int(spec.speculative_ddtree_budget or DEFAULT_DDTREE_BUDGET)
-        self.ddtree_topk = int(spec.speculative_ddtree_topk or DEFAULT_DDTREE_TOPK)
-        # The registration sized speculative_num_draft_tokens to the tree window, so
-        # the inherited block buffers, KV reservation and verify graphs are all
-        # `budget + 1` wide.
-        self.tree_width = ddtree_verify_width(self.ddtree_budget)
-        if int(self.block_size) != self.tree_width:
-            raise DDTreeUnsupported(
-                f"DDTREE expects speculative_num_draft_tokens == budget + 1 == "
-                f"{self.tree_width}, got {self.block_size}; do not pass "
-                "--speculative-num-draft-tokens with DDTREE."
-            )
-        # Tree depth is bounded by the positions the drafter was trained to fill.
-        draft_config = parse_dflash_draft_config(
-            draft_hf_config=self.draft_model_runner.model_config.hf_config
+        self.verify_width = int(spec.speculative_num_draft_tokens)
+        self.ddtree_budget = self.verify_width - 1
+        self.ddtree_topk = int(spec.speculative_eagle_topk)
+        self._adopt_block_size(int(spec.speculative_dflash_block_size))
+        # Draft positions 1..block-1 propose tokens; a tree never goes deeper than
+        # its budget.
+        self.ddtree_depth = min(self.block_size - 1, self.ddtree_budget)
+        self.window = max(self.block_size, self.verify_width)
+        self._mask_buffer = ddtree_utils.TreeMaskBuffer(self.device)
+        self._window_ids: Optional[torch.Tensor] = None
+        self._window_positions: Optional[torch.Tensor] = None
+        self._window_cache_loc: Optional[torch.Tensor] = None
+        self._window_seq_lens_cpu: Optional[torch.Tensor] = None
+        self._window_offsets = build_block_pos_offsets(
+            length=self.window, device=self.device
         )
-        trained_block = draft_config.resolve_block_size(default=None)
-        draft_block = int(trained_block) if trained_block else self.tree_width
-        self.ddtree_depth = max(1, min(draft_block, self.tree_width) - 1)
+        self._refuse_unsupported()
+        if sampling_kernel_available():
+            self._sampler = "kernel"
+        elif reference_sampler_enabled():
+            self._sampler = "reference"
+        else:
+            self._sampler = "none"
+        if get_parallel().tp_rank == 0:
+            logger.info(
+                "DDTREE worker ready: budget=%d topk=%d draft_block=%d depth=%d "
+                "verify_width=%d sampler=%s",
+                self.ddtree_budget,
+                self.ddtree_topk,
+                self.block_size,
+                self.ddtree_depth,
+                self.verify_width,
+                self._sampler,
+            )
 
+    # ------------------------------------------------------------------ setup
+
+    def _adopt_block_size(self, block_size: int) -> None:
+        """Re-size what DFlashWorkerV2 sized from speculative_num_draft_tokens (the
+        verify window under DDTREE) to the draft block."""
+        self.block_size = block_size
+        self.draft_model.set_block_size(block_size)
+        self.speculative_num_draft_tokens = self.verify_width
+        self._block_pos_offsets = build_block_pos_offsets(
+            length=block_size, device=self.device
+        )
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=block_size, device=self.device
+        )
+
+    def _refuse_unsupported(self) -> None:
         unsupported = []
         if self.selector is not None:
             unsupported.append("candidate-selector drafts")
@@ -123,37 +243,68 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             raise DDTreeUnsupported(
                 "DDTREE does not support " + ", ".join(unsupported) + "; use DFLASH."
             )
-        self._sampling_kernel_available = is_dflash_sampling_verify_available()
-        if get_parallel().tp_rank == 0:
-            logger.info(
-                "DDTREE worker ready: budget=%d topk=%d depth=%d verify_width=%d "
-                "sampling_kernel=%s",
-                self.ddtree_budget,
-                self.ddtree_topk,
-                self.ddtree_depth,
-                self.tree_width,
-                "available" if self._sampling_kernel_available else "unavailable",
-            )
 
-    # ------------------------------------------------------------------ guards
+    def _maybe_build_draft_sampler(self):
+        """Fold the candidate top-k into the draft CUDA graph (DFlash folds its
+        greedy argmax there, which DDTREE has no use for)."""
+        target_model = self._target_worker.model_runner.model
+        lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
+        if lm_head is None:
+            return None
+        return _DDTreeDraftCandidates(
+            lm_head=lm_head,
+            block_size=self.block_size,
+            depth=self.ddtree_depth,
+            topk=self.ddtree_topk,
+            max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),
+            device=self.device,
+        )
+
+    def prewarm_sampling(self):
+        # DFlash rehearses its sampling verify with block_size-wide rows; DDTREE's
+        # sampled verify has verify_width rows per request, the same tensors.
+        block_size = self.block_size
+        self.block_size = self.verify_width
+        try:
+            return super().prewarm_sampling()
+        finally:
+            self.block_size = block_size
 
     def _validate_phase1_sampling_support(self, batch: ScheduleBatch) -> None:
-        """Non-greedy requests are served exactly by the tree sampling kernel; refuse
-        them only where the kernel cannot run (silently verifying greedily would
-        change the output distribution)."""
-        if batch.forward_mode.is_extend() or batch.forward_mode.is_idle():
-            return
-        if not _is_all_greedy(batch.sampling_info) and not self._sampling_kernel_available:
-            raise RuntimeError(
-                "DDTREE non-greedy verification needs SGLang's "
-                "tree_speculative_sampling_target_only kernel, which is unavailable on "
-                "this build/device; send temperature=0 requests or serve from a CUDA "
-                "build."
-            )
-        if batch.has_grammar:
-            raise RuntimeError(
-                "DDTREE does not support grammar-constrained requests; use DFLASH."
-            )
+        # Requests DDTREE cannot serve exactly are aborted at admission
+        # (validate_dflash_request); nothing reaches a round unverifiable.
+        return
+
+    def _make_next_draft_input_prefill(self, *, bonus_tokens, seq_lens):
+        return make_ddtree_draft_input(bonus_tokens=bonus_tokens, new_seq_lens=seq_lens)
+
+    def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
+        return make_ddtree_draft_input(
+            bonus_tokens=bonus_tokens, new_seq_lens=new_seq_lens
+        )
+
+    def describe_ddtree(self) -> dict:
+        """What ``/server_info`` reports under ``ddtree``."""
+        runner = self.model_runner
+        return {
+            "budget": self.ddtree_budget,
+            "topk": self.ddtree_topk,
+            "draft_block_size": self.block_size,
+            "verify_width": self.verify_width,
+            "max_depth": self.ddtree_depth,
+            "verify_attention_backend": type(runner.attn_backend).__name__,
+            "draft_attention_backend": type(
+                self.draft_model_runner.attn_backend
+            ).__name__,
+            "decode_cuda_graph": str(get_exec().graph.cuda_graph_config.decode.backend),
+            "verify_cuda_graph_captured": runner.decode_cuda_graph_runner is not None,
+            "tree_mask": "custom_mask",
+            "sampler": self._sampler,
+            "accept_thresholds": [
+                float(get_spec().speculative_accept_threshold_single),
+                float(get_spec().speculative_accept_threshold_acc),
+            ],
+        }
 
     # ------------------------------------------------------------------ round
 
@@ -169,234 +320,137 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             or batch.is_extend_in_batch
             or batch.forward_mode.is_idle()
         ):
-            # Prefill materialises prompt hidden states into the draft KV exactly as
-            # DFLASH does; idle rounds carry no tree.
             return super().forward_batch_generation(
                 batch,
                 on_publish=on_publish,
                 grammar_barrier=grammar_barrier,
                 pp_proxy_tensors=pp_proxy_tensors,
             )
-        self._validate_phase1_sampling_support(batch)
         if batch.spec_info is None:
-            batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
+            batch.spec_info = DDTreeDraftInputV2.create_idle_input(device=self.device)
         draft_input = batch.spec_info
-        if not isinstance(draft_input, DFlashDraftInputV2):
+        if not isinstance(draft_input, DDTreeDraftInputV2):
             raise RuntimeError(
-                "DDTREE expected DFlashDraftInputV2 state on the running batch."
+                "DDTREE expected DDTreeDraftInputV2 state on the running batch, got "
+                f"{type(draft_input).__name__}."
             )
-        batch.seq_lens.record_stream(
-            torch.get_device_module(self.device).current_stream()
+        # `seq_lens` may come from the previous overlap iteration's stream.
+        record_stream_each(
+            (batch.seq_lens,), torch.get_device_module(self.device).current_stream()
         )
-
         bs = len(batch.seq_lens)
-        width = self.tree_width
+        width = self.verify_width
         prefix_lens = batch.seq_lens
-        lm_head, draft_hidden, positions_2d, cache_loc_2d, kv_loc_plan, seq_lens_cpu = (
-            self._draft_block(batch, draft_input, bs)
-        )
 
-        # --- 2) Per-position top-k of the drafter -> one tree per request.
-        topk_ids, topk_logprobs = self._draft_topk(
-            draft_hidden[:, 1 : 1 + self.ddtree_depth, :], lm_head
-        )
-        # One device->host copy and one tolist() for the whole batch; the heap itself
-        # is sequential per request.
-        trees = ddtree_utils.build_ddtree_trees_from_topk_batch(
-            topk_ids.cpu(),
-            topk_logprobs.cpu(),
+        draft = self._draft(batch, draft_input, bs)
+        trees = ddtree_utils.build_tree_batch(
+            draft.topk_ids,
+            draft.topk_logprobs,
             self.ddtree_budget,
-            draft_input.bonus_tokens.view(-1).cpu(),
-        )
-        prefix_cpu = (
-            batch.seq_lens_cpu.tolist()
-            if batch.seq_lens_cpu is not None
-            else prefix_lens.tolist()
+            draft_input.bonus_tokens.view(-1),
         )
         sampling_info = batch.sampling_info
-        all_greedy = _is_all_greedy(sampling_info)
-        tensors = build_ddtree_verify_tensors(
-            trees,
-            prefix_cpu,
-            width,
-            device=self.device,
-            need_retrieve=not all_greedy,
+        all_greedy = _is_all_greedy(sampling_info) or self._only_aborted_rows_sample(
+            batch
         )
-
-        # --- 3) One target verify pass over the tree.
-        verify_input = DDTreeVerifyInput(
-            draft_token=tensors.tokens.reshape(-1),
-            positions=tensors.positions,
-            draft_token_num=width,
-            topk=self.ddtree_topk,
-            custom_mask=tensors.custom_mask,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            kv_loc_plan=kv_loc_plan,
-            retrieve_index=tensors.retrieve_index,
-            retrieve_next_token=tensors.retrieve_next_token,
-            retrieve_next_sibling=tensors.retrieve_next_sibling,
+        logits_output, target_out, target_predict = self._verify(
+            batch, draft_input, draft, trees, all_greedy
         )
-        verify_out_cache_loc = cache_loc_2d.reshape(-1)
-        batch.out_cache_loc = verify_out_cache_loc
-        seq_lens_cpu_backup = batch.seq_lens_cpu
-        seq_lens_sum_backup = batch.seq_lens_sum
-        if seq_lens_cpu_backup is not None:
-            verify_host_seq_lens = seq_lens_cpu_backup + width
-            batch.seq_lens_cpu = verify_host_seq_lens
-            batch.seq_lens_sum = int(verify_host_seq_lens.sum())
-        elif draft_input.nxt_kv_lens_cpu is not None:
-            batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
-            batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
-        verify_forward_batch, _ = verify_input.prepare_for_verify(
-            batch, self.target_worker, defer_metadata_init=False
-        )
-        batch.seq_lens_cpu = seq_lens_cpu_backup
-        batch.seq_lens_sum = seq_lens_sum_backup
-
-        target_out = self.target_worker.forward_batch_generation(
-            batch=None,
-            forward_batch=verify_forward_batch,
-            is_verify=True,
-            skip_attn_backend_init=True,
-        )
-        logits_output = target_out.logits_output
-        target_lp = self._target_logits_processor
-        if target_lp is not None and target_lp.is_deferred_shard(
-            logits_output.next_token_logits
-        ):
-            logits_output.next_token_logits = target_lp.finish_deferred_gather(
-                logits_output.next_token_logits
+        if target_predict is not None:
+            paths = ddtree_utils.follow_verified_tree_batch(
+                trees, target_predict.view(bs, width)
             )
-        logits = logits_output.next_token_logits
-        if sampling_info is not None:
-            apply_dflash_verify_logits_adjustments(
-                next_token_logits=logits,
-                sampling_info=sampling_info,
-                draft_token_num=width,
-            )
+        else:
+            paths = self._sample(trees, logits_output.next_token_logits, batch)
 
-        # --- 4) Accept: greedy walk or tree rejection sampling, same contract.
-        paths = self._accept_tree(trees, logits.view(bs, width, -1), sampling_info)
-
-        # --- 5) The one commit path.
-        commit = self._commit_paths(paths, bs)
-        # Sampled acceptance draws coins per rank; where SGLANG_SPEC_TP_SYNC enables
-        # these sites, rank 0's decision is broadcast so every rank commits the same.
         site = (
             SpecTpSyncSite.DFLASH_ACCEPT_GREEDY
             if all_greedy
             else SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE
         )
-        for values in (
-            commit.out_tokens,
-            commit.commit_lens,
-            commit.accept_nodes,
-            commit.bonus,
-            commit.accept_index,
-            commit.predict_flat,
-        ):
+        for values in (paths.nodes, paths.tokens, paths.commit_lens):
             self._tp_sync.sync(site, values)
-        if self._tp_sync.enabled(site):
-            commit.commit_lens_cpu = commit.commit_lens.tolist()
-        self._compact_target_kv(commit.accept_nodes, commit.commit_lens_cpu, cache_loc_2d)
-
-        if batch.return_logprob:
-            compute_spec_logprobs(
-                batch,
-                logits_output,
-                commit.predict_flat,
-                accept_index=commit.accept_index,
-            )
-
-        commit_lens = commit.commit_lens
-        new_seq_lens = prefix_lens + commit_lens.to(prefix_lens.dtype)
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DDTREE verify requires target hidden states, got None.")
-        hidden = hidden.view(bs, width, -1)
-        # Hidden states of the accepted path, in chain order: row j of request b is
-        # the target state at accepted node j, which the next draft block conditions on.
-        gather_idx = commit.accept_nodes.to(hidden.device)
-        path_hidden = torch.gather(
-            hidden, 1, gather_idx[:, :, None].expand(-1, -1, hidden.shape[-1])
-        )
-        cache_loc = self._draft_write_ids(kv_loc_plan)
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
-            cache_loc=cache_loc,
-            cache_loc_2d=cache_loc.view(bs, width),
-            positions=positions_2d.reshape(-1),
-            commit_lens=commit_lens,
-        )
-        logits_output.hidden_states = None
-
-        next_draft_input = self._make_next_draft_input_decode(
-            bonus_tokens=commit.bonus, new_seq_lens=new_seq_lens
-        )
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=commit.out_tokens.reshape(-1),
-            accept_lens=commit_lens,
-            can_run_cuda_graph=target_out.can_run_cuda_graph,
-            next_draft_input=next_draft_input,
-            speculative_num_draft_tokens=width,
-            new_seq_lens=new_seq_lens,
-            routed_experts_output=target_out.routed_experts_output,
-            indexer_topk_output=target_out.indexer_topk_output,
+        return self._commit(
+            batch, draft, paths, logits_output, target_out, prefix_lens, on_publish
         )
 
     # ------------------------------------------------------------------ steps
 
-    def _draft_block(self, batch: ScheduleBatch, draft_input, bs: int):
-        """The DFLASH draft forward over one block of ``tree_width`` positions
-        (bonus token then mask tokens). Returns the draft hidden states and the
-        block's slots, which the tree verify reuses: node i is written at slot
-        ``prefix + i``."""
+    def _ensure_window_buffers(self, bs: int) -> None:
+        cap = 0 if self._window_ids is None else int(self._window_ids.shape[0])
+        if cap >= bs:
+            return
+        cap = max(bs, 2 * cap)
+        shape = (cap, self.window)
+        self._window_ids = torch.empty(shape, dtype=torch.long, device=self.device)
+        self._window_positions = torch.empty(
+            shape, dtype=torch.int64, device=self.device
+        )
+        self._window_cache_loc = torch.empty(
+            shape, dtype=torch.int64, device=self.device
+        )
+        self._window_seq_lens_cpu = torch.empty((cap,), dtype=torch.int32)
+
+    def _draft(self, batch: ScheduleBatch, draft_input, bs: int) -> _DraftRound:
+        """DFlash's draft step over the trained block, with the round's KV window
+        (``max(block, verify width)`` slots from the prefix on) planned once."""
+        block = self.block_size
+        window = self.window
         device = self.device
-        width = self.tree_width
-        target_model = self.target_worker.model_runner.model
-        embed_module = unwrap_lora_layer(
-            _resolve_dflash_embedding_module(self.draft_model, target_model)
-        )
-        lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
-        if lm_head is None or not is_dense_head_weight(getattr(lm_head, "weight", None)):
-            raise DDTreeUnsupported(
-                "DDTREE needs the target lm_head as a dense weight to rank draft "
-                "candidates; quantized heads are not supported."
-            )
-        self._ensure_draft_block_buffers(bs)
-        block_ids = self._draft_block_ids_buf[:bs]
-        positions_2d = self._draft_block_positions_buf[:bs]
-        cache_loc_2d = self._draft_verify_out_cache_loc_buf[:bs]
+        self._ensure_window_buffers(bs)
+        ids = self._window_ids[:bs]
+        positions = self._window_positions[:bs]
+        cache_loc = self._window_cache_loc[:bs]
         prefix_lens = batch.seq_lens
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        prepared = False
+        if self._use_triton_prepare_block:
+            try:
+                _prepare_dflash_draft_block_unchecked(
+                    bonus_tokens=draft_input.bonus_tokens.view(-1),
+                    prefix_lens=prefix_lens.view(-1),
+                    req_pool_indices=batch.req_pool_indices.view(-1),
+                    req_to_token=req_to_token,
+                    block_ids_out=ids,
+                    positions_out=positions,
+                    cache_loc_out=cache_loc,
+                    mask_token_id=int(self._mask_token_id),
+                )
+                prepared = True
+            except Exception as e:
+                self._use_triton_prepare_block = False
+                logger.warning(
+                    "DDTREE Triton prepare_block failed; using the eager path: %s", e
+                )
+        if not prepared:
+            ids.fill_(int(self._mask_token_id))
+            ids[:, 0].copy_(draft_input.bonus_tokens)
+            torch.add(prefix_lens.unsqueeze(1), self._window_offsets, out=positions)
+            cache_loc.copy_(
+                assign_extend_cache_locs_func(
+                    req_pool_indices=batch.req_pool_indices,
+                    req_to_token=req_to_token,
+                    start_offset=prefix_lens,
+                    end_offset=prefix_lens + window,
+                    batch_size=bs,
+                    draft_token_num=window,
+                    device=device,
+                ).view(bs, window)
+            )
 
-        block_ids.fill_(int(self._mask_token_id))
-        block_ids[:, 0].copy_(draft_input.bonus_tokens)
-        torch.add(prefix_lens.unsqueeze(1), self._block_pos_offsets, out=positions_2d)
-        cache_loc = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            start_offset=prefix_lens,
-            end_offset=prefix_lens + width,
-            batch_size=bs,
-            draft_token_num=width,
-            device=device,
-        )
-        cache_loc_2d.copy_(cache_loc.view(bs, width))
-
+        block_ids = ids[:, :block]
         if self._full_embed_gpu is not None:
             noise_embedding = torch.nn.functional.embedding(
                 block_ids, self._full_embed_gpu
             )
         else:
+            target_model = self.target_worker.model_runner.model
+            embed_module = unwrap_lora_layer(
+                _resolve_dflash_embedding_module(self.draft_model, target_model)
+            )
             noise_embedding = embed_module(block_ids)
         if self._noise_embed_scale != 1.0:
             noise_embedding = noise_embedding * self._noise_embed_scale
-        input_embeds = noise_embedding.view(-1, noise_embedding.shape[-1])
-        positions = positions_2d.reshape(-1)
 
         kv_loc_plan = self.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
@@ -406,185 +460,302 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 if batch.seq_lens_cpu is not None
                 else draft_input.nxt_kv_lens_cpu
             ),
-            write_virtual=cache_loc_2d.reshape(-1),
-            read_extent=width,
+            write_virtual=cache_loc.reshape(-1),
+            read_extent=window,
         )
-        seq_lens_cpu = self._draft_seq_lens_cpu_buf[:bs]
-        if batch.seq_lens_cpu is not None:
-            seq_lens_cpu.copy_(batch.seq_lens_cpu)
-            seq_lens_cpu.add_(width)
-            draft_seq_lens_sum = int(seq_lens_cpu.sum())
-        elif draft_input.nxt_kv_lens_cpu is not None:
-            seq_lens_cpu.copy_(draft_input.nxt_kv_lens_cpu)
-            draft_seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
-        else:
-            for i, req in enumerate(batch.reqs):
-                seq_lens_cpu[i] = req.kv.kv_allocated_len
-            draft_seq_lens_sum = int(seq_lens_cpu.sum())
-
+        seq_lens_cpu, seq_lens_sum = self._host_seq_lens(batch, draft_input, block)
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
-            input_ids=block_ids.flatten(),
+            input_ids=block_ids.reshape(-1),
             req_pool_indices=batch.req_pool_indices,
             seq_lens=prefix_lens,
-            out_cache_loc=cache_loc_2d.reshape(-1),
-            seq_lens_sum=draft_seq_lens_sum,
+            out_cache_loc=cache_loc[:, :block].reshape(-1),
+            seq_lens_sum=seq_lens_sum,
             seq_lens_cpu=seq_lens_cpu,
-            positions=positions,
-            input_embeds=input_embeds,
+            positions=positions[:, :block].reshape(-1),
+            input_embeds=noise_embedding.view(-1, noise_embedding.shape[-1]),
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
             spec_info=self._draft_block_spec_info,
             capture_hidden_mode=CaptureHiddenMode.NULL,
             num_token_non_padded=(
-                torch.full((), bs * width, dtype=torch.int32, device=device)
+                torch.full((), bs * block, dtype=torch.int32, device=device)
                 if enable_num_token_non_padded()
                 else None
             ),
-            global_num_token_non_padded_cpu=bs * width,
+            global_num_token_non_padded_cpu=bs * block,
             can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
         )
-        kv_loc_plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        kv_loc_plan.bind(
+            forward_batch,
+            self.draft_model_runner.kv_index_translator,
+            cols=self._cols(block),
+        )
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(forward_batch)
-        draft_hidden = draft_out.logits_output.hidden_states
-        if draft_hidden is None:
-            raise RuntimeError("DDTREE draft model returned no hidden states.")
-        return (
-            lm_head,
-            draft_hidden.view(bs, width, -1),
-            positions_2d,
-            cache_loc_2d,
-            kv_loc_plan,
-            seq_lens_cpu,
+        depth, k = self.ddtree_depth, self.ddtree_topk
+        if self._draft_sampler is not None and draft_out.can_run_graph:
+            topk_ids = self._draft_sampler.ids[: bs * depth]
+            topk_logprobs = self._draft_sampler.logprobs[: bs * depth]
+        else:
+            hidden = draft_out.logits_output.hidden_states
+            if hidden is None:
+                raise RuntimeError("DDTREE draft model returned no hidden states.")
+            head = self._draft_sampler or self._maybe_build_draft_sampler()
+            if head is None:
+                raise DDTreeUnsupported("DDTREE needs the target model's lm_head.")
+            self._draft_sampler = self._draft_sampler or head
+            with draft_tp_context(self.draft_parallel_layout):
+                topk_ids, topk_logprobs = head.compute(hidden)
+        return _DraftRound(
+            topk_ids=topk_ids.view(bs, depth, k),
+            topk_logprobs=topk_logprobs.view(bs, depth, k),
+            cache_loc=cache_loc,
+            kv_loc_plan=kv_loc_plan,
         )
 
-    def _draft_topk(
-        self, hidden: torch.Tensor, lm_head
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Top-k token ids and log-probabilities per draft position, ``[bs, depth, k]``,
-        over the full vocabulary (vocab-parallel shards gathered across TP)."""
-        bs, depth, dim = hidden.shape
-        weight = lm_head.weight
-        shard = getattr(lm_head, "shard_indices", None)
-        if shard is not None:
-            weight = weight[: int(shard.num_org_elements)]
-        with draft_tp_context(self.draft_parallel_layout):
-            logits = torch.matmul(hidden.reshape(-1, dim).to(weight.dtype), weight.t())
-            tp_group = get_parallel().tp_group
-            if int(tp_group.world_size) > 1:
-                logits = tp_group.all_gather(logits, dim=-1)
-        vocab = int(self.model_runner.model_config.vocab_size)
-        logprobs = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
-        k = min(self.ddtree_topk, vocab)
-        values, ids = torch.topk(logprobs, k, dim=-1)
-        return ids.view(bs, depth, k), values.view(bs, depth, k)
+    def _cols(self, width: int):
+        """The columns of the round's window a forward of ``width`` tokens writes."""
+        return None if width == self.window else slice(0, width)
 
-    def _accept_tree(self, trees, logits: torch.Tensor, sampling_info) -> List[TreePath]:
-        if _is_all_greedy(sampling_info):
-            argmax = torch.argmax(logits, dim=-1).cpu()
-            return [
-                ddtree_utils.follow_verified_tree(
-                    list(tree.parents), list(tree.token_ids), argmax[b].tolist()
+    def _host_seq_lens(self, batch: ScheduleBatch, draft_input, width: int):
+        """Host upper bounds of the KV length each request reads in a forward of
+        ``width`` tokens (the committed prefix plus the forward's own tokens)."""
+        bs = len(batch.seq_lens)
+        out = self._window_seq_lens_cpu[:bs]
+        if batch.seq_lens_cpu is not None:
+            out.copy_(batch.seq_lens_cpu)
+            out.add_(width)
+        elif draft_input.nxt_kv_lens_cpu is not None:
+            out.copy_(draft_input.nxt_kv_lens_cpu)
+        else:
+            for i, req in enumerate(batch.reqs):
+                out[i] = req.kv.kv_allocated_len
+        return out, int(out.sum())
+
+    def _verify(self, batch, draft_input, draft: _DraftRound, trees, all_greedy):
+        """The tree's one target pass. Returns the logits output, the target
+        result and, for an all-greedy batch, the target's argmax per node."""
+        width = self.verify_width
+        prefix_lens = batch.seq_lens
+        # Host bound of the mask's cells: N rows of (prefix + N) per request.
+        _, verify_kv_sum = self._host_seq_lens(batch, draft_input, width)
+        custom_mask = self._mask_buffer.write(
+            ddtree_utils.tree_ancestor_masks(trees), prefix_lens, width * verify_kv_sum
+        )
+        retrieve = (None, None, None)
+        if not all_greedy:
+            retrieve = ddtree_utils.tree_retrieve_batch(trees)
+        verify_input = DDTreeVerifyInput(
+            draft_token=trees.tokens.reshape(-1),
+            positions=(prefix_lens.unsqueeze(1) + trees.depths).reshape(-1),
+            draft_token_num=width,
+            topk=self.ddtree_topk,
+            custom_mask=custom_mask,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=draft.kv_loc_plan,
+            kv_loc_cols=self._cols(width),
+            retrieve_index=retrieve[0],
+            retrieve_next_token=retrieve[1],
+            retrieve_next_sibling=retrieve[2],
+        )
+        batch.out_cache_loc = draft.cache_loc[:, :width].reshape(-1)
+        seq_lens_cpu_backup = batch.seq_lens_cpu
+        seq_lens_sum_backup = batch.seq_lens_sum
+        if seq_lens_cpu_backup is not None:
+            host_lens = seq_lens_cpu_backup + width
+            batch.seq_lens_cpu = host_lens
+            batch.seq_lens_sum = int(host_lens.sum())
+        elif draft_input.nxt_kv_lens_cpu is not None:
+            batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
+            batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
+        verify_forward_batch, _ = verify_input.prepare_for_verify(
+            batch, self.target_worker, defer_metadata_init=False
+        )
+        batch.seq_lens_cpu = seq_lens_cpu_backup
+        batch.seq_lens_sum = seq_lens_sum_backup
+        target_out = self.target_worker.forward_batch_generation(
+            batch=None,
+            forward_batch=verify_forward_batch,
+            is_verify=True,
+            skip_attn_backend_init=True,
+        )
+        # Queued after the pass that read the mask: the buffer is all True again.
+        self._mask_buffer.restore()
+
+        logits_output = target_out.logits_output
+        sampling_info = batch.sampling_info
+        target_predict = None
+        target_lp = self._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(
+            logits_output.next_token_logits
+        ):
+            if all_greedy and self._can_skip_verify_logits(batch, sampling_info):
+                target_predict = target_lp.deferred_argmax(
+                    logits_output.next_token_logits
                 )
-                for b, tree in enumerate(trees)
-            ]
-        bs = len(trees)
-        return ddtree_utils.sample_tree_paths(
-            trees,
-            logits,
-            sampling_info.temperatures.view(bs),
-            sampling_info.top_ks.view(bs),
-            sampling_info.top_ps.view(bs),
-            use_kernel="auto" if self._sampling_kernel_available else False,
+                logits_output.next_token_logits = None
+            else:
+                logits_output.next_token_logits = target_lp.finish_deferred_gather(
+                    logits_output.next_token_logits
+                )
+        if target_predict is None:
+            if sampling_info is not None:
+                apply_dflash_verify_logits_adjustments(
+                    next_token_logits=logits_output.next_token_logits,
+                    sampling_info=sampling_info,
+                    draft_token_num=width,
+                )
+            if all_greedy:
+                target_predict = torch.argmax(logits_output.next_token_logits, dim=-1)
+        return logits_output, target_out, target_predict
+
+    def _only_aborted_rows_sample(self, batch: ScheduleBatch) -> bool:
+        """Without a sampling verifier, admission aborts every sampled request
+        (``validate_dflash_request``); such a request may still ride one round before
+        its abort is processed. Its tokens are discarded, so the round can verify
+        greedily. A sampled request that was somehow not aborted is aborted here
+        rather than verified greedily (lossy) or raised on (fatal to the server)."""
+        if self._sampler != "none":
+            return False
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.speculative.ddtree_plugin import ddtree_request_error
+
+        for req in batch.reqs:
+            if req.to_finish is None and req.finished_reason is None:
+                message = ddtree_request_error(req)
+                if message is not None:
+                    req.to_finish = FINISH_ABORT(
+                        message, HTTPStatus.BAD_REQUEST, "BadRequestError"
+                    )
+        return True
+
+    def _sample(self, trees, logits: torch.Tensor, batch: ScheduleBatch):
+        """Tree rejection sampling against the target distribution."""
+        bs, width = trees.tokens.shape
+        device = logits.device
+        sampling_info = batch.sampling_info
+        draft_input = batch.spec_info
+        spec = get_spec()
+        steps = trees.max_depth + 1
+        retrieve_index, next_token, next_sibling = ddtree_utils.tree_retrieve_batch(
+            trees
+        )
+        predicts = torch.zeros((bs * width,), dtype=torch.int32, device=device)
+        accept_index = torch.full((bs, steps), -1, dtype=torch.int32, device=device)
+        accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
+        coins = torch.rand((bs, width), dtype=torch.float32, device=device)
+        final_coins = torch.rand((bs,), dtype=torch.float32, device=device)
+        if self._sampler == "kernel":
+            from sglang.kernels.ops.speculative.sampling import (
+                tree_speculative_sampling_target_only as verify,
+            )
+
+            target_probs = build_speculative_verify_target_probs(
+                next_token_logits=logits,
+                sampling_info=sampling_info,
+                draft_token_num=width,
+                bs=bs,
+                max_top_k=draft_input.max_top_k,
+                uniform_top_k_value=draft_input.uniform_top_k_value,
+            )
+        else:
+            verify = ddtree_utils.reference_tree_speculative_sampling
+            target_probs = ddtree_utils.target_probs_from_logits(
+                logits,
+                sampling_info.temperatures.view(-1).repeat_interleave(width),
+                sampling_info.top_ks.view(-1).repeat_interleave(width),
+                sampling_info.top_ps.view(-1).repeat_interleave(width),
+            ).view(bs, width, -1)
+        verify(
+            predicts=predicts,
+            accept_index=accept_index,
+            accept_token_num=accept_num,
+            candidates=trees.tokens,
+            retrive_index=retrieve_index,
+            retrive_next_token=next_token,
+            retrive_next_sibling=next_sibling,
+            uniform_samples=coins,
+            uniform_samples_for_final_sampling=final_coins,
+            target_probs=target_probs,
+            draft_probs=torch.zeros_like(target_probs),
+            threshold_single=float(spec.speculative_accept_threshold_single),
+            threshold_acc=float(spec.speculative_accept_threshold_acc),
+            deterministic=True,
+        )
+        return ddtree_utils.accepted_paths_from_kernel(
+            accept_index, accept_num, predicts, width
         )
 
-    def _commit_paths(self, paths: Sequence[TreePath], bs: int) -> "_Commit":
-        return _Commit.from_paths(paths, bs, self.tree_width, device=self.device)
-
-    def _compact_target_kv(
+    def _commit(
         self,
-        accept_nodes: torch.Tensor,
-        commit_lens_cpu: List[int],
-        cache_loc_2d: torch.Tensor,
-    ) -> None:
-        """Move the target KV of accepted node ``a_j`` onto chain slot ``j``.
+        batch,
+        draft: _DraftRound,
+        paths,
+        logits_output,
+        target_out,
+        prefix_lens,
+        on_publish,
+    ) -> GenerationBatchResult:
+        """The one commit path of greedy and sampled rounds."""
+        bs, steps = paths.nodes.shape
+        width = self.verify_width
+        device = paths.nodes.device
+        lens = paths.commit_lens
+        cols = torch.arange(steps, device=device).expand(bs, steps)
+        flat = paths.nodes + (torch.arange(bs, device=device) * width).unsqueeze(1)
+        accept_index = torch.where(
+            cols < lens.unsqueeze(1), flat, torch.full_like(flat, -1)
+        ).to(torch.int32)
+        # Target KV of accepted node a_j -> verify slot j (batch.out_cache_loc is
+        # the verify window), the chain the next round attends to.
+        move_accept_tokens_to_target_kvcache(
+            batch,
+            accept_index,
+            lens - 1,
+            self.model_runner.token_to_kv_pool_allocator,
+        )
 
-        Nodes are in pop order, so ``a_j >= j`` and no move reads a slot an earlier
-        move wrote; slots past the commit length are left for the next round.
-        """
-        src_cols: List[int] = []
-        dst_cols: List[int] = []
-        rows: List[int] = []
-        nodes = accept_nodes.tolist()
-        for b in range(len(commit_lens_cpu)):
-            for j in range(1, commit_lens_cpu[b]):
-                if nodes[b][j] != j:
-                    rows.append(b)
-                    src_cols.append(nodes[b][j])
-                    dst_cols.append(j)
-        if not rows:
-            return
-        row_t = torch.tensor(rows, dtype=torch.int64, device=cache_loc_2d.device)
-        src = cache_loc_2d[row_t, torch.tensor(src_cols, device=cache_loc_2d.device)]
-        dst = cache_loc_2d[row_t, torch.tensor(dst_cols, device=cache_loc_2d.device)]
-        self.model_runner.token_to_kv_pool.move_kv_cache(dst, src)
+        if batch.return_logprob:
+            predict = torch.zeros((bs * width,), dtype=torch.int64, device=device)
+            predict.scatter_(0, flat.reshape(-1), paths.tokens.reshape(-1))
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=flat)
 
+        commit_lens = lens.to(torch.int32)
+        new_seq_lens = prefix_lens + lens.to(prefix_lens.dtype)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
 
-class _Commit:
-    """Device tensors of one round's accepted paths, chain-shaped like DFLASH's."""
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE verify requires target hidden states, got None.")
+        hidden = hidden[: bs * width].view(bs, width, -1)
+        path_hidden = torch.gather(
+            hidden, 1, paths.nodes.unsqueeze(2).expand(-1, -1, hidden.shape[-1])
+        )
+        chain_loc = self._draft_write_ids(draft.kv_loc_plan).view(bs, -1)[:, :steps]
+        chain_positions = prefix_lens.unsqueeze(1).to(torch.int64) + cols
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+            cache_loc=chain_loc.reshape(-1),
+            cache_loc_2d=chain_loc,
+            positions=chain_positions.reshape(-1),
+            commit_lens=commit_lens,
+        )
+        logits_output.hidden_states = None
 
-    def __init__(
-        self,
-        *,
-        out_tokens: torch.Tensor,
-        commit_lens: torch.Tensor,
-        commit_lens_cpu: List[int],
-        bonus: torch.Tensor,
-        accept_nodes: torch.Tensor,
-        accept_index: torch.Tensor,
-        predict_flat: torch.Tensor,
-    ) -> None:
-        self.out_tokens = out_tokens
-        self.commit_lens = commit_lens
-        self.commit_lens_cpu = commit_lens_cpu
-        self.bonus = bonus
-        self.accept_nodes = accept_nodes
-        self.accept_index = accept_index
-        self.predict_flat = predict_flat
-
-    @classmethod
-    def from_paths(
-        cls, paths: Sequence[TreePath], bs: int, width: int, *, device
-    ) -> "_Commit":
-        out = torch.zeros((bs, width), dtype=torch.int64)
-        nodes = torch.zeros((bs, width), dtype=torch.int64)
-        accept_index = torch.empty((bs, width), dtype=torch.int64)
-        predict = torch.zeros((bs * width,), dtype=torch.int64)
-        lens: List[int] = []
-        for b, (accepted, proposed) in enumerate(paths):
-            n = len(accepted)
-            if n != len(proposed) or n < 1 or accepted[0] != 0:
-                raise RuntimeError(
-                    f"DDTREE accept returned an invalid path for request {b}: "
-                    f"accepted={accepted} proposed={proposed}"
-                )
-            lens.append(n)
-            out[b, :n] = torch.as_tensor(proposed, dtype=torch.int64)
-            acc = torch.as_tensor(accepted, dtype=torch.int64)
-            nodes[b, :n] = acc
-            # Unused rows repeat the last accepted node so gathers stay in range.
-            nodes[b, n:] = acc[-1]
-            accept_index[b] = b * width + nodes[b]
-            predict[b * width + acc] = out[b, :n]
-        commit_lens_cpu = torch.tensor(lens, dtype=torch.int32)
-        bonus = out[torch.arange(bs), commit_lens_cpu.long() - 1]
-        return cls(
-            out_tokens=out.to(device),
-            commit_lens=commit_lens_cpu.to(device),
-            commit_lens_cpu=lens,
-            bonus=bonus.to(device),
-            accept_nodes=nodes.to(device),
-            accept_index=accept_index.to(device),
-            predict_flat=predict.to(device),
+        bonus = torch.gather(paths.tokens, 1, (lens - 1).unsqueeze(1)).view(-1)
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=paths.tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=make_ddtree_draft_input(
+                bonus_tokens=bonus, new_seq_lens=new_seq_lens
+            ),
+            speculative_num_draft_tokens=width,
+            speculative_output_stride=steps,
+            new_seq_lens=new_seq_lens,
+            routed_experts_output=target_out.routed_experts_output,
+            indexer_topk_output=target_out.indexer_topk_output,
         )
