@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.bench.ledger import LATENCY_METRICS, LATENCY_STATS, encode_row
+from ddtree_ops.service.launch import ddtree_flags
 
 _CHILD = """
 import resource, sys, time
@@ -76,7 +77,8 @@ def _argv(algorithm: str, budget: int | None, topk: int | None, cuda_graph: bool
     if algorithm != "AR":
         argv += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", "/models/Kimi-K2.6-DFlash-drafter"]
     if algorithm == "DDTREE":
-        argv += ["--speculative-ddtree-budget", str(budget), "--speculative-ddtree-topk", str(topk)]
+        assert budget is not None and topk is not None
+        argv += ddtree_flags(budget, topk)
     if not cuda_graph:
         argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     return argv

@@ -47,8 +47,8 @@ class Cell:
 
 MODES = {
     "AR": ([], 1, 0),
-    "DDTREE-16": (["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16",
-                   "--speculative-ddtree-topk", "4"], 17, 16),
+    "DDTREE-16": (["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17",
+                   "--speculative-eagle-topk", "4"], 17, 16),
 }
 
 

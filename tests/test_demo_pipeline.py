@@ -32,6 +32,7 @@ import yaml
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
+from ddtree_ops.patching.bundle import load_bundle
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport.local import LocalTransport
 from fleetlib import cached_prefix_template, fast_root, find_wheel, free_port
@@ -199,17 +200,19 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert f["port"] == host.port and f["port_in_use"] is False, f
 
     # deploy: the real bundle is applied on both hosts and the files on disk are the bundle's.
-    bundle_files = yaml.safe_load((BUNDLE / "patch.yaml").read_text())["files"]
+    # Keys as plans and status name them: relative to the package, "../<path>" for an
+    # entry beside it (root: site-packages, the plugin's dist-info).
+    bundle_files = load_bundle(BUNDLE).files
+    planned = {f.path for f in bundle_files}
     deployed = _ok_json(cli("--json", *inv, "deploy", "local", str(BUNDLE)), "deploy")
     assert {r["host"] for r in deployed} == names
     identities = {row["host"]: row["plan"]["identity"] for row in deployed}
     for row in deployed:
         assert row["ok"] is True and row["outcome"] == "applied", row
-        assert {f["path"] for f in row["plan"]["files"]} == {f["path"] for f in bundle_files}, row
+        assert {f["path"] for f in row["plan"]["files"]} == planned, row
     for host in demo_fleet.hosts.values():
         for f in bundle_files:
-            source = BUNDLE / "files" / f["path"]
-            assert _sha256(host.sglang_dir / f["path"]) == _sha256(source), f"{host.name}: {f['path']} not deployed"
+            assert _sha256(host.sglang_dir / f.path) == f.sha256, f"{host.name}: {f.path} not deployed"
 
     # status: the bundle is recorded and every one of its files reads as patched.
     status = _ok_json(cli("--json", *inv, "status", "local", "--bundle", str(BUNDLE)), "status")
@@ -219,7 +222,7 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert row["bundle"]["name"] == "ddtree_temperature", row
         assert row["bundle"]["identity"] == identities[row["host"]], row
         states = {f["path"]: f["state"] for f in row["files"]}
-        assert states == {f["path"]: "patched" for f in bundle_files}, row
+        assert states == dict.fromkeys(planned, "patched"), row
         assert row["journal"] is None and row["lock"] is None, row
 
     # restart on DDTree budget 16: CUDA graphs on the RTX host, eager fallback on the B300 one.
@@ -238,7 +241,9 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     # The new processes really serve what was asked for.
     for host, graphs in ((rtx, True), (b300, False)):
         info = httpx.get(f"http://127.0.0.1:{host.port}/server_info", timeout=10).json()
-        assert info["speculative_algorithm"] == "DDTREE" and info["speculative_ddtree_budget"] == 16, info
+        assert info["speculative_algorithm"] == "DDTREE" and info["ddtree"]["budget"] == 16, info
+        assert (info["speculative_num_draft_tokens"], info["speculative_eagle_topk"]) == (17, 4), info
+        assert info["ddtree"]["verify_cuda_graph_captured"] is graphs, info
         assert (info["cuda_graph_backend_decode"] != "disabled") is graphs, info
 
     # bench: exactly the planned rows, all ok, eager fallback recorded on the B300 budget-16 rows.

@@ -19,6 +19,19 @@ import sys
 import time
 
 LAUNCH_FILE = "launch.json"
+# What readiness reads from /server_info: identity, and the DDTREE tree it resolved
+# (the plugin's "ddtree" object; the generic fields; an older bundle's own fields).
+SERVER_INFO_KEYS = (
+    "launch_command",
+    "startup_time",
+    "version",
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
+    "speculative_eagle_topk",
+    "speculative_ddtree_budget",
+    "speculative_ddtree_topk",
+    "ddtree",
+)
 LOG_FILE = "server.log"
 
 
@@ -263,12 +276,9 @@ def action_poll(p):
             try:
                 status, body = _http_get(host, port, "/server_info", timeout)
                 info = json.loads(body.decode("utf-8", "replace")) if status == 200 else {}
-                out["server_info"] = {
-                    "status": status,
-                    "launch_command": info.get("launch_command"),
-                    "startup_time": info.get("startup_time"),
-                    "version": info.get("version"),
-                }
+                out["server_info"] = dict(
+                    {key: info.get(key) for key in SERVER_INFO_KEYS}, status=status
+                )
             except Exception as exc:
                 out["server_info"] = {"status": None, "error": str(exc)}
     return out

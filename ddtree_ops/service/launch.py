@@ -28,6 +28,8 @@ from ddtree_ops.inventory_types import Host
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
 CudaGraphMode = Literal["auto", "on", "off"]
 ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
+# The DDTree plugin accepts --speculative-num-draft-tokens 2..257, i.e. budgets 1..256.
+MAX_DDTREE_BUDGET = 256
 
 # (first version it applies to, eager flags). Newest first; the first row whose version
 # is <= the remote version wins. Only 0.5.23 is verified against source; the boundary
@@ -57,6 +59,8 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if self.algorithm == "DDTREE" and self.budget is not None and self.budget > MAX_DDTREE_BUDGET:
+            raise ConfigError(f"budget must be at most {MAX_DDTREE_BUDGET} for DDTREE, not {self.budget}")
         if self.algorithm == "AR" and (self.budget is not None or self.topk is not None):
             raise ConfigError("budget/topk only apply to DFLASH or DDTREE")
         if self.algorithm == "DFLASH" and self.topk is not None:
@@ -142,13 +146,20 @@ def speculative_flags(run: RunConfig, draft_model_path: str | None, *, host: str
     else:
         if run.budget is None or run.topk is None:
             raise ConfigError("DDTREE needs both --budget and --topk", host=host)
-        flags += [
-            "--speculative-ddtree-budget",
-            str(run.budget),
-            "--speculative-ddtree-topk",
-            str(run.topk),
-        ]
+        flags += ddtree_flags(run.budget, run.topk)
     return tuple(flags)
+
+
+def ddtree_flags(budget: int, topk: int) -> list[str]:
+    """DDTREE's tree in SGLang's generic speculative fields, with EAGLE's meaning.
+
+    The DDTree bundle is an SGLang plugin and cannot add flags of its own (0.5.23 builds
+    its argument parser before plugins load), so ``--speculative-num-draft-tokens`` is
+    the verify window, the root plus ``budget`` tree nodes, and
+    ``--speculative-eagle-topk`` the candidates per draft position. The draft block is
+    the draft model's trained block size, never a flag here.
+    """
+    return ["--speculative-num-draft-tokens", str(budget + 1), "--speculative-eagle-topk", str(topk)]
 
 
 def launcher_argv(host: Host) -> tuple[str, ...]:

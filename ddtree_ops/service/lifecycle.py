@@ -219,6 +219,10 @@ def restart(
                 raise ServerCrashed(
                     f"server exited during {phase} after {outcome.elapsed_s:.1f}s; log tail: {tail}", host=host.name
                 )
+            if outcome.reason == "misconfigured":
+                # Our process, serving something else: never leave it to be benchmarked.
+                manager.stop(transport, host, grace_s=stop_grace_s)
+                raise ServiceError(f"{outcome.detail}; stopped it", host=host.name)
             if outcome.reason == "port_in_use":
                 manager.stop(transport, host, grace_s=stop_grace_s)
                 raise PortBusy(f"server reports its port is already in use; log tail: {tail}", host=host.name)
@@ -297,6 +301,8 @@ def _step(transport: Transport, host: Host, attempt: _Attempt, elapsed: float, e
     verdict = judge(data, attempt.spec, attempt.launched.started_at)
     if verdict.ok:
         return "ready", verdict.detail
+    if verdict.misconfigured:
+        return "misconfigured", verdict.detail
     return None, verdict.detail
 
 

@@ -10,6 +10,12 @@ A 200 proves readiness only together with identity: ``/server_info.launch_comman
 equals what we launched, the listening socket belongs to the session we started (where
 ``/proc`` can tell), and a numeric ``startup_time`` is not older than our launch. Any
 other 200 — the old process draining, a stray server on the port — is "stale".
+
+For DDTREE our own process must also serve the tree we asked for: the flags are
+SGLang's generic fields (``--speculative-num-draft-tokens`` = budget + 1,
+``--speculative-eagle-topk``), which a host still running an older DDTree bundle
+accepts and overrides with its own defaults, so the tree ``/server_info`` resolved is
+compared with the run's budget and top-k ("misconfigured" when they differ).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import shlex
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +56,7 @@ class Verdict:
     ok: bool
     detail: str
     stale: bool = False
+    misconfigured: bool = False  # our process, serving another configuration
 
 
 def judge(poll: dict[str, Any], spec: LaunchSpec, started_at: float) -> Verdict:
@@ -69,7 +76,56 @@ def judge(poll: dict[str, Any], spec: LaunchSpec, started_at: float) -> Verdict:
     startup = info.get("startup_time")
     if isinstance(startup, (int, float)) and not isinstance(startup, bool) and startup < started_at - _STARTUP_SKEW_S:
         return Verdict(False, "stale: startup_time predates our launch", stale=True)
+    wrong = tree_mismatch(info, spec)
+    if wrong is not None:
+        return Verdict(False, wrong, misconfigured=True)
     return Verdict(True, "ready")
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def served_tree(info: Mapping[str, Any]) -> tuple[int | None, int | None] | None:
+    """``(budget, topk)`` of the DDTREE tree a ``/server_info`` says it serves, each None
+    where it does not say; None when it reports no tree at all.
+
+    Read from the DDTree plugin's ``ddtree`` object; without it from SGLang's generic
+    fields (budget = ``speculative_num_draft_tokens`` - 1, top-k =
+    ``speculative_eagle_topk``) of a DDTREE server, except that the DDTree bundles from
+    before the plugin report their own ``speculative_ddtree_budget`` /
+    ``speculative_ddtree_topk``: they overwrite the generic fields from those (top-k 1,
+    window budget + 1) whatever the flags said, so for them those two are the truth.
+    """
+    tree = info.get("ddtree")
+    if isinstance(tree, Mapping):
+        return _int_or_none(tree.get("budget")), _int_or_none(tree.get("topk"))
+    if info.get("speculative_algorithm") != "DDTREE":
+        return None
+    legacy = _int_or_none(info.get("speculative_ddtree_budget")), _int_or_none(info.get("speculative_ddtree_topk"))
+    if legacy != (None, None):
+        return legacy
+    num_draft = _int_or_none(info.get("speculative_num_draft_tokens"))
+    return (num_draft - 1 if num_draft is not None else None), _int_or_none(info.get("speculative_eagle_topk"))
+
+
+def tree_mismatch(info: Mapping[str, Any], spec: LaunchSpec) -> str | None:
+    """Why the DDTREE server answering ``info`` is not serving ``spec``'s tree, or None
+    (also None for other algorithms and for a server that does not report its tree)."""
+    run = spec.run
+    if run.algorithm != "DDTREE":
+        return None
+    served = served_tree(info)
+    if served is None:
+        return None
+    wanted = (run.budget, run.topk)
+    if all(got is None or got == want for got, want in zip(served, wanted)):
+        return None
+    shown = " ".join(f"{name}={'?' if got is None else got}" for name, got in zip(("budget", "topk"), served))
+    return (
+        f"the server resolved DDTREE {shown}, not the budget={run.budget} topk={run.topk} we launched "
+        "(an older DDTree bundle on the host? `ddtree-ops status`, then `ddtree-ops deploy`)"
+    )
 
 
 def launch_command_matches(reported: object, server_args: tuple[str, ...]) -> bool:

@@ -18,6 +18,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     for w in warnings:
         main_logger.warning(f"\033[1;33m{w}\033[0m", extra={"prefix": ""})
+    if args.ddtree is not None:
+        # The DDTree plugin's resolution line (ddtree_registration.resolve_ddtree_server_args).
+        tree = args.ddtree
+        main_logger.info(
+            f"DDTREE: budget={tree.budget} topk={tree.topk} draft_block={tree.draft_block_size} "
+            f"verify_backend=simulated draft_backend=simulated decode_graphs={args.cuda_graph_backend_decode}",
+            extra={"prefix": ""},
+        )
     try:
         settings = sim_settings_from_env()
     except SimSettingsError as exc:

@@ -8,11 +8,22 @@ into both ``--cuda-graph-backend-*`` phases. Settings that have no SGLang flag (
 to pretend to be, how long loading takes, how fast time runs) come from ``SIM_*``
 environment variables so an inventory can set them per host without touching the
 command line.
+
+DDTREE is configured the way the DDTree plugin (``patches/ddtree_temperature``,
+``ddtree_registration.resolve_ddtree_server_args``) configures it on SGLang 0.5.23, with
+SGLang's generic speculative fields in EAGLE's meaning: ``--speculative-num-draft-tokens
+N`` is the verify window (root + ``budget = N - 1`` tree nodes, 2..257; default the draft
+block), ``--speculative-eagle-topk K`` the candidates per draft position (default 4), and
+the draft block is the draft model's trained ``block_size`` (its ``config.json``), with
+``--speculative-dflash-block-size`` only for a draft whose config has none. The plugin
+cannot add flags of its own (SGLang builds its parser before plugins load), so the old
+``--speculative-ddtree-*`` flags are unknown arguments here as they are there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -60,6 +71,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _draft_config_block_size(draft_model_path: str | None) -> tuple[bool, int | None]:
+    """(has a config, its trained block size) for a draft model directory.
+
+    SGLang reads ``dflash_config.block_size``, else a top-level ``block_size``
+    (``parse_dflash_draft_config``). A path without a readable ``config.json`` is the
+    simulator's own drafter, which has no config: (False, None).
+    """
+    if not draft_model_path:
+        return False, None
+    try:
+        with open(os.path.join(draft_model_path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return False, None
+    if not isinstance(config, dict):
+        return False, None
+    dflash = config.get("dflash_config")
+    raw = dflash.get("block_size") if isinstance(dflash, dict) and "block_size" in dflash else config.get("block_size")
+    return True, (int(raw) if isinstance(raw, int) and not isinstance(raw, bool) else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The launch_server parser for the subset of flags the simulator honours."""
     parser = argparse.ArgumentParser(
@@ -78,10 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path", type=str, default=None
     )
-    parser.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None)
+    # Plain ints, as in SGLang: the range checks come after parsing, per algorithm.
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    parser.add_argument("--speculative-eagle-topk", type=int, default=None)
+    parser.add_argument("--speculative-num-steps", type=int, default=None)
     parser.add_argument("--speculative-dflash-block-size", type=_positive_int, default=None)
-    parser.add_argument("--speculative-ddtree-budget", type=_positive_int, default=None)
-    parser.add_argument("--speculative-ddtree-topk", type=_positive_int, default=None)
     parser.add_argument("--cuda-graph-backend-decode", choices=CUDA_GRAPH_BACKENDS, default=None)
     parser.add_argument("--cuda-graph-backend-prefill", choices=CUDA_GRAPH_BACKENDS, default=None)
     parser.add_argument("--cuda-graph-max-bs-decode", type=_positive_int, default=None)
@@ -95,8 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass(frozen=True)
+class DDTreeConfig:
+    """DDTREE's resolved tree: what ``/server_info`` reports under ``ddtree``."""
+
+    budget: int  # tree nodes verified per round besides the root (= num_draft_tokens - 1)
+    topk: int  # candidates per draft position
+    draft_block_size: int  # the draft model's trained block
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens verified per request per round: the root plus the budget."""
+        return self.budget + 1
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree node: the block drafts ``block - 1`` positions."""
+        return min(self.draft_block_size - 1, self.budget)
+
+
+@dataclass(frozen=True)
 class ServerArgs:
-    """Resolved launch flags, flat, as ``/server_info`` reports them."""
+    """Resolved launch flags, flat, as ``/server_info`` reports them.
+
+    ``ddtree`` is not a flag: it is the resolved tree (None unless DDTREE), reported as
+    ``/server_info``'s top-level ``ddtree`` object, not among the flat fields.
+    """
 
     model_path: str
     served_model_name: str
@@ -108,41 +164,97 @@ class ServerArgs:
     speculative_algorithm: str | None
     speculative_draft_model_path: str | None
     speculative_num_draft_tokens: int | None
+    speculative_eagle_topk: int | None
+    speculative_num_steps: int | None
     speculative_dflash_block_size: int | None
-    speculative_ddtree_budget: int | None
-    speculative_ddtree_topk: int | None
     cuda_graph_backend_decode: str
     cuda_graph_backend_prefill: str
     cuda_graph_max_bs_decode: int
     disable_cuda_graph: bool
     mem_fraction_static: float
     max_running_requests: int
+    ddtree: DDTreeConfig | None = None
 
     @property
     def speculating(self) -> bool:
         return self.speculative_algorithm is not None
 
     @property
+    def draft_positions(self) -> int:
+        """Positions one draft forward covers: the draft block (0 without speculation)."""
+        return (self.speculative_dflash_block_size or 0) if self.speculating else 0
+
+    @property
     def draft_depth(self) -> int:
         """Draft positions per step (block size minus the verified root)."""
-        if self.speculative_num_draft_tokens is None:
+        if not self.speculating:
             return 0
-        return max(1, self.speculative_num_draft_tokens - 1)
+        return max(1, self.draft_positions - 1)
 
     @property
     def decode_cuda_graph(self) -> bool:
         return self.cuda_graph_backend_decode != "disabled"
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The flat fields (everything but ``ddtree``)."""
+        flat = asdict(self)
+        del flat["ddtree"]
+        return flat
+
+
+# The DDTree plugin's rules (ddtree_registration.py).
+DEFAULT_DDTREE_TOPK = 4
+MAX_DDTREE_BUDGET = 256
+# The block of the simulator's own drafter (no config.json), as of the DFlash drafter
+# checkpoints in the paper; --speculative-dflash-block-size sets it instead.
+SIM_DRAFT_BLOCK_SIZE = 16
+
+
+def _resolve_ddtree(ns: argparse.Namespace) -> tuple[DDTreeConfig | None, str | None]:
+    """(tree, None) or (None, the one-line error the plugin raises), checked in its order."""
+    has_config, trained = _draft_config_block_size(ns.speculative_draft_model_path)
+    flag = ns.speculative_dflash_block_size
+    if trained is not None and flag is not None and flag != trained:
+        return None, (
+            f"--speculative-dflash-block-size {flag} differs from the draft model's trained "
+            f"block_size {trained}; DDTREE drafts with the trained block (drop the flag)."
+        )
+    block = trained if trained is not None else flag
+    if block is None:
+        if has_config:
+            return None, (
+                "the DDTREE draft model's config has no block_size; pass "
+                "--speculative-dflash-block-size with the block it was trained with."
+            )
+        block = SIM_DRAFT_BLOCK_SIZE
+    if block < 2:
+        return None, f"--speculative-dflash-block-size must be >= 2 for DDTREE, got {block}."
+    topk = DEFAULT_DDTREE_TOPK if ns.speculative_eagle_topk is None else ns.speculative_eagle_topk
+    if topk < 1:
+        return None, f"--speculative-eagle-topk must be >= 1, got {topk}."
+    num_draft = ns.speculative_num_draft_tokens
+    budget = block - 1 if num_draft is None else num_draft - 1
+    if not 1 <= budget <= MAX_DDTREE_BUDGET:
+        got = num_draft if num_draft is not None else f"the draft block {block}"
+        return None, (
+            "--speculative-num-draft-tokens is the DDTREE verify window (root + budget nodes) "
+            f"and must be in 2..{MAX_DDTREE_BUDGET + 1}, got {got}."
+        )
+    if ns.speculative_num_steps not in (None, 1):
+        return None, (
+            "--speculative-num-steps does not apply to DDTREE (one draft forward per round); "
+            f"got {ns.speculative_num_steps}."
+        )
+    return DDTreeConfig(budget=budget, topk=topk, draft_block_size=block), None
 
 
 def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
-    """Parse and resolve flags; returns the args and deprecation warnings to log.
+    """Parse and resolve flags; returns the args and warnings to log.
 
-    Exits 2 through argparse on anything SGLang would refuse at parse time, plus the
-    semantic checks SGLang performs right after parsing (unknown algorithm, DDTree
-    flags without DDTREE).
+    Exits 2 through argparse on anything SGLang would refuse at parse time (unknown
+    flags, among them the old ``--speculative-ddtree-*``), plus the semantic checks
+    SGLang and the DDTree plugin perform right after parsing (unknown algorithm, DDTREE's
+    ranges), each as one ``error:`` line naming the flag.
     """
     parser = build_parser()
     ns = parser.parse_args(list(argv))
@@ -153,30 +265,36 @@ def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
             f"argument --speculative-algorithm: unsupported value {ns.speculative_algorithm!r} "
             f"(the simulator knows {', '.join(SPEC_ALGORITHMS)}; absent = autoregressive)"
         )
-    ddtree_flags = ns.speculative_ddtree_budget is not None or ns.speculative_ddtree_topk is not None
-    if ddtree_flags and algo != "DDTREE":
-        parser.error("--speculative-ddtree-budget/--speculative-ddtree-topk require --speculative-algorithm DDTREE")
     if ns.speculative_dflash_block_size is not None and algo is None:
         parser.error("--speculative-dflash-block-size requires --speculative-algorithm DFLASH or DDTREE")
-    if (
-        ns.speculative_dflash_block_size is not None
-        and ns.speculative_num_draft_tokens is not None
-        and ns.speculative_dflash_block_size != ns.speculative_num_draft_tokens
-    ):
-        parser.error(
-            "--speculative-dflash-block-size and --speculative-num-draft-tokens disagree "
-            f"({ns.speculative_dflash_block_size} != {ns.speculative_num_draft_tokens})"
-        )
-    num_draft = None
-    budget = topk = None
-    if algo is not None:
+    num_draft = block = topk = steps = None
+    tree: DDTreeConfig | None = None
+    if algo == "DFLASH":
+        if (
+            ns.speculative_dflash_block_size is not None
+            and ns.speculative_num_draft_tokens is not None
+            and ns.speculative_dflash_block_size != ns.speculative_num_draft_tokens
+        ):
+            parser.error(
+                "--speculative-dflash-block-size and --speculative-num-draft-tokens disagree "
+                f"({ns.speculative_dflash_block_size} != {ns.speculative_num_draft_tokens})"
+            )
         # DFlash's default block is 16 (the drafter checkpoints in the paper use 16).
-        num_draft = ns.speculative_num_draft_tokens or ns.speculative_dflash_block_size or 16
+        given = (ns.speculative_num_draft_tokens, ns.speculative_dflash_block_size)
+        num_draft = block = next((v for v in given if v is not None), 16)
         if num_draft < 2:
             parser.error("--speculative-num-draft-tokens must be at least 2 when speculating")
-    if algo == "DDTREE":
-        budget = ns.speculative_ddtree_budget or 16
-        topk = ns.speculative_ddtree_topk or 4
+        # SGLang's _handle_dflash: the EAGLE fields are forced to 1, with a warning.
+        for name, value in (("speculative_num_steps", ns.speculative_num_steps), ("speculative_eagle_topk", ns.speculative_eagle_topk)):
+            if value is not None and value != 1:
+                warnings.append(f"DFLASH only supports {name} == 1; overriding {name}={value} to 1.")
+        topk = steps = 1
+    elif algo == "DDTREE":
+        tree, error = _resolve_ddtree(ns)
+        if error is not None:
+            parser.error(error)
+        assert tree is not None
+        num_draft, block, topk, steps = tree.verify_width, tree.draft_block_size, tree.topk, 1
     decode = ns.cuda_graph_backend_decode or "full"
     prefill = ns.cuda_graph_backend_prefill or "breakable"
     if ns.disable_cuda_graph:
@@ -192,15 +310,16 @@ def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
         speculative_algorithm=algo,
         speculative_draft_model_path=ns.speculative_draft_model_path,
         speculative_num_draft_tokens=num_draft,
-        speculative_dflash_block_size=num_draft if algo is not None else None,
-        speculative_ddtree_budget=budget,
-        speculative_ddtree_topk=topk,
+        speculative_eagle_topk=topk,
+        speculative_num_steps=steps,
+        speculative_dflash_block_size=block,
         cuda_graph_backend_decode=decode,
         cuda_graph_backend_prefill=prefill,
         cuda_graph_max_bs_decode=ns.cuda_graph_max_bs_decode or 256,
         disable_cuda_graph=bool(ns.disable_cuda_graph),
         mem_fraction_static=ns.mem_fraction_static if ns.mem_fraction_static is not None else 0.85,
         max_running_requests=ns.max_running_requests or 128,
+        ddtree=tree,
     )
     return args, warnings
 

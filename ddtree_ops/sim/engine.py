@@ -182,7 +182,7 @@ class Engine:
                 ms = self.profile.step_ms(
                     batch=len(batch),
                     verify_tokens=verify_tokens,
-                    draft_positions=self.args.speculative_num_draft_tokens or 0,
+                    draft_positions=self.args.draft_positions,
                     cuda_graph=self.args.decode_cuda_graph,
                 )
             self.last_step_ms = ms
@@ -245,9 +245,9 @@ class Engine:
         assert core is not None
         args = self.args
         depth = args.draft_depth
-        if args.speculative_algorithm == "DDTREE":
-            topk = args.speculative_ddtree_topk or 4
-            budget = args.speculative_ddtree_budget or 16
+        if args.ddtree is not None:
+            topk = args.ddtree.topk
+            budget = args.ddtree.budget
         else:  # DFLASH verifies one chain: the drafter's rank-0 token at every position
             topk = 1
             budget = depth

@@ -65,7 +65,7 @@ def run_offline(
     engine = Engine(args, replace(settings, time_scale=0.0))
     total_tokens = verify = 0
     sim_ms = 0.0
-    draft = args.speculative_num_draft_tokens or 0
+    draft = args.draft_positions
     for i, text in enumerate(prompts):
         params = SamplingParams(
             temperature=temperature,
@@ -113,8 +113,8 @@ def acceptance_table(
             rows.append(f"| {gpu} | {temp:g} | AR | - | 1.00 | {ar.tokens_per_s:.0f} | 1.00x |")
             configs: list[tuple[str, str, list[str]]] = [("DFLASH", "16 (chain)", ["--speculative-algorithm", "DFLASH"])]
             configs += [
-                ("DDTREE", str(b), ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b),
-                                    "--speculative-ddtree-topk", "4"])
+                ("DDTREE", str(b), ["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(b + 1),
+                                    "--speculative-eagle-topk", "4"])
                 for b in budgets
             ]
             for algo, budget, flags in configs:

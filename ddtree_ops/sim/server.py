@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # the engine imports torch; the server loads it during "Load 
 SIMULATED_GPU_COUNT = 8
 
 SIM_VERSION = "0.5.23-sim"
+# What /server_info names as an attention backend: the simulator has none.
+SIMULATED_BACKEND = "simulated"
 
 # sglang/srt/model_executor/runner_backend_utils/__init__.py
 CUDA_GRAPH_CAPTURE_FAILED_MSG = (
@@ -164,9 +166,13 @@ async def server_info(request: Request) -> Response:
         "last_gen_throughput": 0.0,
         "memory_usage": {"weight": 0.0, "kvcache": 0.0},
     }
+    extra: dict[str, Any] = {}
+    if state.args.ddtree is not None:
+        extra["ddtree"] = ddtree_info(state.args)
     return _json(
         {
             **state.args.as_dict(),
+            **extra,
             "launch_command": state.launch_command,
             "startup_time": state.startup_time,
             "internal_states": [internal],
@@ -188,6 +194,32 @@ async def server_info(request: Request) -> Response:
             },
         }
     )
+
+
+def ddtree_info(args: ServerArgs) -> dict[str, Any]:
+    """``/server_info``'s ``ddtree`` object, with the DDTree plugin's fields
+    (``DDTreeWorkerV2.describe_ddtree``). The simulator has no attention backends and
+    no CUDA graphs, so it names neither a backend class nor a captured graph it does not
+    have: both backends are "simulated", and ``verify_cuda_graph_captured`` says whether
+    the simulated capture ran (decode graphs not disabled). Sampled requests verify with
+    the pure-torch twin of the kernel: ``sampler`` "reference"."""
+    tree = args.ddtree
+    assert tree is not None
+    return {
+        "budget": tree.budget,
+        "topk": tree.topk,
+        "draft_block_size": tree.draft_block_size,
+        "verify_width": tree.verify_width,
+        "max_depth": tree.max_depth,
+        "verify_attention_backend": SIMULATED_BACKEND,
+        "draft_attention_backend": SIMULATED_BACKEND,
+        "decode_cuda_graph": args.cuda_graph_backend_decode,
+        "verify_cuda_graph_captured": args.decode_cuda_graph,
+        "tree_mask": "custom_mask",
+        "sampler": "reference",
+        # SGLang's --speculative-accept-threshold-{single,acc} defaults: exact verification.
+        "accept_thresholds": [1.0, 1.0],
+    }
 
 
 async def model_info(request: Request) -> Response:
@@ -513,9 +545,8 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     if args.decode_cuda_graph:
         verify = args.speculating
         name = "target verify" if verify else "target decode"
-        per_req = (args.speculative_ddtree_budget or 0) + 1 if args.speculative_algorithm == "DDTREE" else (
-            args.speculative_num_draft_tokens or 1
-        )
+        # The verify window: the block for DFLASH, root + budget for DDTREE.
+        per_req = args.speculative_num_draft_tokens or 1
         log_ranks(
             tp,
             logging.INFO,
@@ -527,8 +558,8 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
         limit = profile.capture_fails_ddtree_budget_over
         if (
             limit is not None
-            and args.speculative_algorithm == "DDTREE"
-            and (args.speculative_ddtree_budget or 0) > limit
+            and args.ddtree is not None
+            and args.ddtree.budget > limit
         ):
             error = (
                 "Capture cuda graph failed: CUDA error: an illegal memory access was encountered\n"

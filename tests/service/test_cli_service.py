@@ -76,7 +76,7 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         result = host_result(out, "sim-a")
         assert result["cuda_graph"] is True and result["attempts"] == 1
-        assert result["argv"][-4:] == ["--speculative-ddtree-budget", "8", "--speculative-ddtree-topk", "4"]
+        assert result["argv"][-4:] == ["--speculative-num-draft-tokens", "9", "--speculative-eagle-topk", "4"]
         assert json.loads(state.read_text())["load_times"]  # learned for the next restart
 
         out = cli(inventory, "logs", "sim-a", "--lines", "3", env_state=state)

@@ -42,11 +42,29 @@ def test_ddtree_argv_and_launch_command() -> None:
     assert spec.argv[:3] == ("/opt/py/bin/python", "-m", "sglang.launch_server")
     args = spec.server_args
     assert args[args.index("--speculative-algorithm") + 1] == "DDTREE"
-    assert args[args.index("--speculative-ddtree-budget") + 1] == "16"
-    assert args[args.index("--speculative-ddtree-topk") + 1] == "4"
+    # DDTREE speaks SGLang's generic fields: the verify window is the root + the budget.
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "17"
+    assert args[args.index("--speculative-eagle-topk") + 1] == "4"
+    assert not any(a.startswith("--speculative-ddtree") for a in args)
+    assert "--speculative-dflash-block-size" not in args  # the draft block comes from the draft model
     assert "--cuda-graph-backend-decode" not in args
     # SGLang reports " ".join(argv[1:]) of launch_server as launch_command.
     assert spec.launch_command == " ".join(spec.argv[3:])
+
+
+def test_ddtree_budget_16_topk_4_is_17_draft_tokens_topk_4() -> None:
+    spec = build_launch_spec(make_host(), RunConfig("DDTREE", budget=16, topk=4), "0.5.23", cuda_graph=True)
+    assert spec.server_args[-8:] == (
+        "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", "/models/qwen-dflash",
+        "--speculative-num-draft-tokens", "17", "--speculative-eagle-topk", "4",
+    )
+    assert "--speculative-num-draft-tokens 17 --speculative-eagle-topk 4" in spec.launch_command
+
+
+def test_dflash_budget_stays_the_draft_token_count() -> None:
+    spec = build_launch_spec(make_host(), RunConfig("DFLASH", budget=16), "0.5.23", cuda_graph=True)
+    assert spec.server_args[-2:] == ("--speculative-num-draft-tokens", "16")
+    assert "--speculative-eagle-topk" not in spec.server_args
 
 
 def test_eager_spec_uses_remote_version_flags() -> None:
@@ -83,6 +101,7 @@ def test_hostile_extra_args_stay_single_argv_entries() -> None:
         (dict(algorithm="EAGLE"), "algorithm must be one of"),
         (dict(algorithm="AR", budget=4), "budget/topk only apply"),
         (dict(algorithm="DDTREE", budget=0, topk=4), "budget must be a positive integer"),
+        (dict(algorithm="DDTREE", budget=257, topk=4), "budget must be at most 256 for DDTREE"),
         (dict(algorithm="DFLASH", budget=8, topk=2), "topk only applies to DDTREE"),
         (dict(algorithm="AR", cuda_graph="maybe"), "cuda_graph must be"),
     ],

@@ -56,7 +56,8 @@ def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target)
         assert phase in seen
     assert seen.index("loading_weights") < seen.index("capturing_cuda_graphs") < seen.index("ready")
     info = sim_target.server_info(host)
-    assert info["speculative_ddtree_budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
+    assert info["ddtree"]["budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
+    assert (info["speculative_num_draft_tokens"], info["speculative_eagle_topk"]) == (17, 4)
     assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.ready_s)
     assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
 
@@ -100,6 +101,17 @@ def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) ->
         retried = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, retry_cuda_graph=True, **FAST)
         assert retried.attempts == 2 and retried.cuda_graph is False
         assert len(state.fallbacks()) == 1
+
+
+def test_a_server_resolving_another_tree_is_refused_and_stopped(make_sim_host) -> None:
+    # Extra args come last and win in argparse: this process, launched by us with our
+    # launch_command, serves budget 8. Readiness must not call it our budget-16 server.
+    host = make_sim_host(gpu="h200", name="other-tree")
+    run = RunConfig("DDTREE", budget=16, topk=4, extra_args=("--speculative-num-draft-tokens", "9"))
+    with LocalTransport(host.name) as t:
+        with pytest.raises(ServiceError, match=r"resolved DDTREE budget=8 topk=4, not the budget=16 topk=4"):
+            lifecycle.restart(t, host, "0.5.23", run, state=StateStore(), **FAST)
+        assert not lifecycle.service_status(t, host).running
 
 
 def test_forced_graphs_do_not_fall_back(make_sim_host) -> None:

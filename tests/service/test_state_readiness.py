@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.service.launch import LaunchSpec, RunConfig
-from ddtree_ops.service.readiness import DeadlinePolicy, judge, wait_loop
+from ddtree_ops.service.readiness import (
+    DeadlinePolicy,
+    judge,
+    served_tree,
+    tree_mismatch,
+    wait_loop,
+)
 from ddtree_ops.state import FallbackKey, StateStore
 
 
@@ -90,6 +97,46 @@ def poll(**over: object) -> dict[str, object]:
 def test_judge_never_trusts_a_bare_200(answer: dict[str, object], ok: bool, stale: bool) -> None:
     verdict = judge(answer, SPEC, started_at=999.0)
     assert (verdict.ok, verdict.stale) == (ok, stale)
+
+
+DDTREE_SPEC = replace(SPEC, run=RunConfig("DDTREE", budget=16, topk=4))
+
+
+@pytest.mark.parametrize(
+    ("fields", "ok"),
+    [
+        ({}, True),  # a server that does not report its tree: identity is enough
+        ({"ddtree": {"budget": 16, "topk": 4, "verify_width": 17}}, True),
+        ({"ddtree": {"budget": 8, "topk": 4}}, False),
+        ({"ddtree": {"budget": 16, "topk": 2}}, False),
+        # Without the plugin's object: SGLang's generic fields, budget = N - 1.
+        ({"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 17, "speculative_eagle_topk": 4}, True),
+        ({"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 16, "speculative_eagle_topk": 4}, False),
+        # A pre-plugin bundle overrides the generic fields; its own fields say what it serves.
+        ({"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 17,
+          "speculative_ddtree_budget": 16, "speculative_ddtree_topk": 4}, True),
+        ({"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 9,
+          "speculative_ddtree_budget": 16, "speculative_ddtree_topk": 4}, True),
+        ({"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 17,
+          "speculative_ddtree_budget": 8, "speculative_ddtree_topk": 4}, False),
+        ({"ddtree": "garbage"}, True),  # odd input never raises
+    ],
+)
+def test_judge_checks_the_ddtree_tree_the_server_resolved(fields: dict[str, object], ok: bool) -> None:
+    info = {"status": 200, "launch_command": "--port 1", "startup_time": 1000.0, **fields}
+    verdict = judge(poll(server_info=info), DDTREE_SPEC, started_at=999.0)
+    assert (verdict.ok, verdict.misconfigured, verdict.stale) == (ok, not ok, False)
+    if not ok:
+        assert "not the budget=16 topk=4 we launched" in verdict.detail
+
+
+def test_served_tree_prefers_the_ddtree_object() -> None:
+    info = {"ddtree": {"budget": 16, "topk": 4}, "speculative_algorithm": "DDTREE",
+            "speculative_num_draft_tokens": 99, "speculative_eagle_topk": 1}
+    assert served_tree(info) == (16, 4)
+    assert served_tree({"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 16}) is None
+    # Other algorithms are never checked against a tree.
+    assert tree_mismatch({"ddtree": {"budget": 1, "topk": 1}}, SPEC) is None
 
 
 class FakeClock:

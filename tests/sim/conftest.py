@@ -91,7 +91,7 @@ def ddtree_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProce
     """One warm DDTREE server shared by the HTTP API tests of a module."""
     p = SimProcess(
         tmp_path_factory.mktemp("sim"),
-        ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16", "--speculative-ddtree-topk", "4"],
+        ["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17", "--speculative-eagle-topk", "4"],
         {"SIM_GPU": "h200", "SIM_LOAD_S": "0.5"},
     )
     try:

@@ -23,11 +23,14 @@ def test_server_info_is_flat_and_says_simulated(ddtree_server) -> None:
     info = httpx.get(ddtree_server.url + "/server_info").json()
     assert info["version"] == "0.5.23-sim"
     assert info["speculative_algorithm"] == "DDTREE"
-    assert info["speculative_ddtree_budget"] == 16
-    assert info["speculative_ddtree_topk"] == 4
-    assert info["speculative_num_draft_tokens"] == 16
+    # SGLang's generic fields, resolved the way the DDTree plugin resolves them.
+    assert info["speculative_num_draft_tokens"] == 17
+    assert info["speculative_eagle_topk"] == 4
+    assert info["speculative_dflash_block_size"] == 16
+    assert info["speculative_num_steps"] == 1
+    assert not any(key.startswith("speculative_ddtree") for key in info)
     assert info["launch_command"].startswith("--model-path sim-model")
-    assert "--speculative-ddtree-budget 16" in info["launch_command"]
+    assert "--speculative-num-draft-tokens 17 --speculative-eagle-topk 4" in info["launch_command"]
     assert isinstance(info["startup_time"], float)
     assert "avg_spec_accept_length" in info["internal_states"][0]
     # Beyond real SGLang: the simulated machine, named so it never passes for real hardware.
@@ -39,6 +42,26 @@ def test_server_info_is_flat_and_says_simulated(ddtree_server) -> None:
     assert models["data"][0]["id"] == "sim-model"
     assert httpx.get(ddtree_server.url + "/model_info").json()["model_path"] == "sim-model"
     assert httpx.get(ddtree_server.url + "/health_generate").status_code == 200
+
+
+def test_server_info_reports_the_ddtree_object(ddtree_server) -> None:
+    info = httpx.get(ddtree_server.url + "/server_info").json()
+    tree = info["ddtree"]
+    assert tree == {
+        "budget": info["speculative_num_draft_tokens"] - 1,
+        "topk": 4,
+        "draft_block_size": 16,
+        "verify_width": 17,
+        "max_depth": 15,
+        "verify_attention_backend": "simulated",
+        "draft_attention_backend": "simulated",
+        "decode_cuda_graph": "full",
+        "verify_cuda_graph_captured": True,
+        "tree_mask": "custom_mask",
+        "sampler": "reference",
+        "accept_thresholds": [1.0, 1.0],
+    }
+    assert tree["budget"] == 16
 
 
 def test_generate_non_stream_spec_fields_consistent(ddtree_server) -> None:

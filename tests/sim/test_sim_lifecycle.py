@@ -40,7 +40,7 @@ def test_phases_in_order_port_closed_while_loading_then_503_then_200(sim_factory
     # Loading lasts 2 s simulated x 0.25 = 0.5 s real; warmup 4 s x 0.25 = 1 s of 503.
     # Budget 16 with CUDA graphs is fine on this profile (only b300 fails capture).
     sim = sim_factory(
-        "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16",
+        "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17",
         env={"SIM_GPU": "rtx-pro-6000", "SIM_TIME_SCALE": "0.25", "SIM_LOAD_S": "2", "SIM_WARMUP_S": "4"},
     )
     seen: list[int | None] = []
@@ -65,7 +65,7 @@ def test_phases_in_order_port_closed_while_loading_then_503_then_200(sim_factory
 
 
 def test_b300_ddtree_budget_over_8_fails_in_capture_and_eager_starts(sim_factory) -> None:
-    flags = ("--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "16", "--speculative-ddtree-topk", "4")
+    flags = ("--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17", "--speculative-eagle-topk", "4")
     failing = sim_factory(*flags, env={"SIM_GPU": "b300"})
     eager = sim_factory(*flags, "--cuda-graph-backend-decode", "disabled", env={"SIM_GPU": "b300"})
     rc = failing.wait_exit()
