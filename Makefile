@@ -12,7 +12,7 @@ WHEELS := .cache/wheels
 
 DEMO_HOSTS := sim-ct200 sim-b300
 
-.PHONY: venv test demo demo-hosts clean
+.PHONY: venv test test-sglang sglang-cpu demo demo-hosts clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,18 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) sglang-cpu
 	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The real SGLang 0.5.23 server on CPU (a separate venv under .cache/sglang-cpu, ~7 GB,
+# a few minutes once, then instant): what the DDTree bundle is tested inside.
+sglang-cpu: $(STAMP)
+	$(PYTHON) tests/sglang_real/setup_env.py
+
+# Just the tests against the real SGLang server (DDTree on real SGLang, the deploy ->
+# restart -> bench pipeline without the simulator).
+test-sglang: $(STAMP) sglang-cpu
+	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q tests/sglang_real $(PYTEST_ARGS)
 
 # Each local simulated host gets its own Python prefix holding the real SGLang 0.5.23
 # files (the site-packages that `deploy` patches); a .pth exposes the main venv so that

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,26 +343,31 @@ def build_prefix_template(dest: Path, wheel: Path) -> Path:
     return dest
 
 
-def cached_prefix_template(wheel: Path, cache_root: Path = REPO / ".cache" / "fleet-prefix") -> Path:
-    """The template, built once per wheel and interpreter and then reused by every session.
+def cached_dir(cache_root: Path, key: str, build: Callable[[Path], object]) -> Path:
+    """``cache_root/key``, made by ``build(dir)`` the first time and reused afterwards.
 
     Built under a temporary name and renamed into place, so a session killed halfway (or
-    two sessions at once) never leaves a half-built template behind for the next one.
+    two sessions at once) never leaves a half-built directory behind for the next one.
     """
-    key = f"{wheel.stem}-py{sys.version_info.major}{sys.version_info.minor}-{_digest(sysconfig.get_path('purelib'))}"
     final = cache_root / key
     if (final / ".ready").exists():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = cache_root / f".{key}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    build_prefix_template(staging, wheel)
+    build(staging)
     (staging / ".ready").touch()
     try:
         staging.rename(final)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)  # another session won the race
     return final
+
+
+def cached_prefix_template(wheel: Path, cache_root: Path = REPO / ".cache" / "fleet-prefix") -> Path:
+    """The template, built once per wheel and interpreter and then reused by every session."""
+    key = f"{wheel.stem}-py{sys.version_info.major}{sys.version_info.minor}-{_digest(sysconfig.get_path('purelib'))}"
+    return cached_dir(cache_root, key, lambda dest: build_prefix_template(dest, wheel))
 
 
 def _digest(text: str) -> str:

@@ -1,0 +1,74 @@
+"""Session fixtures for tests against the REAL SGLang 0.5.23 server on CPU.
+
+The venv comes from ``python3 tests/sglang_real/setup_env.py`` (the Makefile builds it);
+without it every test here is skipped with that reason. Each server configuration starts
+once per session (:class:`~sglang_real.server.ServerPool`); its log is in the session's tmp
+dir and its tail is part of every start/request error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from . import models, setup_env
+from .server import ServerPool, is_built
+
+DRAFT_BLOCK_SIZE = 8
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sglang_real: starts the real SGLang server on CPU (.cache/sglang-cpu)")
+
+
+@pytest.fixture(scope="session")
+def sglang_cpu_env() -> Path:
+    """The built venv's python; skip when it is not built, fail when it is stale."""
+    if not is_built():
+        pytest.skip(
+            f"{setup_env.CACHE} is not built: run `python3 tests/sglang_real/setup_env.py` "
+            "(real SGLang 0.5.23 on CPU, ~7 GB, a few minutes)"
+        )
+    stamp = json.loads((setup_env.CACHE / "stamp.json").read_text())
+    if stamp != setup_env.digests():
+        pytest.fail(
+            f"{setup_env.CACHE} is stale (requirements, setup script or stand-ins changed): "
+            "rerun `python3 tests/sglang_real/setup_env.py`"
+        )
+    return setup_env.venv_python()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"target": dir, "draft": dir}``: the tiny Qwen3 target and its DFlash draft (block 8)."""
+    return models.write_pair(tmp_path_factory.mktemp("sglang-real-models"), block_size=DRAFT_BLOCK_SIZE)
+
+
+@pytest.fixture(scope="session")
+def real_servers(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
+    pool = ServerPool(tmp_path_factory.mktemp("sglang-real-logs"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+# Function-scoped on purpose: ``get`` is free while the server runs, and restarts it if the
+# pool had to stop it to make room for another configuration.
+@pytest.fixture
+def baseline_server(real_servers: ServerPool, tiny_models: dict[str, Path]):
+    """The target alone (no speculation)."""
+    return real_servers.get("baseline", tiny_models["target"])
+
+
+@pytest.fixture
+def dflash_server(real_servers: ServerPool, tiny_models: dict[str, Path]):
+    """The target with ``--speculative-algorithm DFLASH`` and the tiny draft."""
+    return real_servers.get(
+        "dflash",
+        tiny_models["target"],
+        ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(tiny_models["draft"])],
+    )

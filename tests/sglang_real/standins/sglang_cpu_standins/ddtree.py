@@ -1,0 +1,112 @@
+"""DDTREE on the CPU server: stand-ins and test probes (TEST-ONLY).
+
+Registered only where the DDTREE plugin's modules are installed (a prefix the DDTree
+bundle was deployed into). The stand-ins let DDTREE start where its own checks refuse
+CPU on purpose; the probes let tests see inside a round without changing it.
+
+Stand-ins:
+
+* ``ddtree_device``: DDTREE's ``check_ddtree_device`` accepts only CUDA devices; on
+  device cpu it passes (the device checks themselves are tested by leaving this out).
+* ``ddtree_backend``: torch_native has no TARGET_VERIFY path in SGLang 0.5.23, so the
+  plugin refuses it; the ``target_verify`` stand-in of this package adds one that honours
+  ``custom_mask``, and this declares torch_native a tree-verify and block-draft backend
+  accordingly.
+
+Probes (off unless their environment variable names a file):
+
+* ``DDTREE_TEST_ORACLE``: a JSON ``{"5,6,7": [continuation...]}`` of the target's own
+  greedy continuation per prompt. The draft's candidates are replaced by that
+  continuation -- at rank 0, or at rank 1 on every third depth so that the accepted path
+  runs through nodes that are not the first chain (which is what exercises the KV
+  compaction of accepted tree nodes) -- plus distinct wrong candidates.
+* ``DDTREE_TEST_WIDTHS``: JSON lines ``{"runner": "draft"|"target", "tokens_per_req": n}``
+  for every distinct TARGET_VERIFY width the attention stand-in serves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("sglang.srt.speculative.ddtree_registration") is not None
+
+
+def declare_torch_native() -> None:
+    from sglang.srt.speculative import ddtree_registration as reg
+
+    reg.TREE_VERIFY_BACKENDS["torch_native"] = "custom mask (CPU test stand-in TARGET_VERIFY)"
+    reg.REFUSED_VERIFY_BACKENDS.pop("torch_native", None)
+    reg.BLOCK_DRAFT_BACKENDS.add("torch_native")
+
+
+def device_on_cpu(original, cfg):
+    """AROUND ``ddtree_registration.check_ddtree_device``: let device cpu through."""
+    if str(cfg.device) == "cpu":
+        return None
+    return original(cfg)
+
+
+_ORACLE: dict[str, list[int]] | None = None
+
+
+def _oracle_table() -> dict[str, list[int]]:
+    global _ORACLE
+    if _ORACLE is None:
+        with open(os.environ["DDTREE_TEST_ORACLE"]) as f:
+            _ORACLE = {k: [int(t) for t in v] for k, v in json.load(f).items()}
+    return _ORACLE
+
+
+def oracle_rank(depth: int) -> int:
+    """Rank of the true token at draft depth ``depth`` (1-based)."""
+    return 1 if depth % 3 == 2 else 0
+
+
+def oracle_draft(original, self, batch, draft_input, bs):
+    """AROUND ``DDTreeWorkerV2._draft``: the real draft runs (its KV writes and window
+    are kept), then its candidates are replaced by the oracle's."""
+    import torch
+
+    out = original(self, batch, draft_input, bs)
+    if not os.environ.get("DDTREE_TEST_ORACLE"):
+        return out
+    table = _oracle_table()
+    ids = out.topk_ids.clone()
+    _, depth, k = ids.shape
+    vocab = int(self.model_runner.model_config.vocab_size)
+    lps = torch.tensor(
+        [-0.3 - 0.1 * r if r < 2 else -2.0 - r for r in range(k)], dtype=torch.float32
+    ).expand(bs, depth, k)
+    prefix = batch.seq_lens.tolist()
+    for b, req in enumerate(batch.reqs):
+        cont = table.get(",".join(map(str, req.origin_input_ids)))
+        if cont is None:
+            continue
+        root = prefix[b] - len(req.origin_input_ids)  # index of the root token in cont
+        for d in range(1, depth + 1):
+            if root + d >= len(cont):
+                break
+            true = cont[root + d]
+            wrong = [t for t in ((true + 7 * j + 1) % vocab for j in range(k + 1)) if t != true]
+            row = wrong[:k]
+            row[oracle_rank(d) if k > 1 else 0] = true
+            ids[b, d - 1] = torch.tensor(row, dtype=ids.dtype)
+    out.topk_ids = ids
+    out.topk_logprobs = lps.to(out.topk_logprobs.device).clone()
+    return out
+
+
+_SEEN_WIDTHS: set[tuple[str, int]] = set()
+
+
+def record_width(runner: str, tokens_per_req: int) -> None:
+    path = os.environ.get("DDTREE_TEST_WIDTHS")
+    if not path or (runner, tokens_per_req) in _SEEN_WIDTHS:
+        return
+    _SEEN_WIDTHS.add((runner, tokens_per_req))
+    with open(path, "a") as f:
+        f.write(json.dumps({"runner": runner, "tokens_per_req": tokens_per_req}) + "\n")

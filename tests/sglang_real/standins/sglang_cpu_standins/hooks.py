@@ -1,0 +1,255 @@
+"""The stand-ins (TEST-ONLY). Line numbers refer to the sglang 0.5.23 wheel."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("sglang_cpu_standins")
+
+_registered = False
+
+
+# --- 1. DFLASH on device "cpu" ----------------------------------------------------------------
+
+
+class _CpuDflashPlatform:
+    """Wraps the real platform object while ``_handle_dflash`` runs on device cpu.
+
+    ``_handle_dflash`` (srt/arg_groups/speculative_hook.py:291-301) accepts only
+    cuda/npu/xpu devices for in-tree platforms, but asks an out-of-tree platform
+    (``is_out_of_tree()``) through ``supports_speculative_algorithm``. This wrapper answers as
+    an out-of-tree CPU platform that supports DFLASH, and for the draft attention backend
+    (speculative_hook.py:894-944) accepts exactly the in-tree list (which stand-in 2 extends
+    by torch_native) and defaults to torch_native. Everything else is the real platform's.
+    """
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def is_out_of_tree(self) -> bool:
+        return True
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return algorithm == "DFLASH"
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
+        return backend in DRAFT_ATTENTION_BACKEND_CHOICES
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return "torch_native"
+
+
+def handle_dflash_on_cpu(original, server_args, *args, **kwargs):
+    """AROUND ``speculative_hook._handle_dflash``: let DFLASH through on device cpu (TEST-ONLY).
+
+    Why: speculative_hook.py:294-301 raises "DFLASH speculative decoding is not supported by
+    CpuSRTPlatform on device 'cpu'". Only for device cpu, the module's ``current_platform``
+    is swapped for :class:`_CpuDflashPlatform` while the original runs (every other check
+    and default of ``_handle_dflash`` still runs unchanged), then restored.
+    """
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).device != "cpu":
+        return original(server_args, *args, **kwargs)
+    real = speculative_hook.current_platform
+    speculative_hook.current_platform = _CpuDflashPlatform(real)
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        speculative_hook.current_platform = real
+
+
+# --- 2. torch_native as a draft attention backend ----------------------------------------------
+
+
+def allow_torch_native_draft_backend() -> None:
+    """Add "torch_native" to ``DRAFT_ATTENTION_BACKEND_CHOICES`` (TEST-ONLY).
+
+    Why: the list (srt/arg_groups/choices.py:103-111) names GPU backends only. The draft worker
+    builder falls back to "flashinfer" for anything else
+    (srt/speculative/draft_worker_common.py:51-63, in the scheduler process), and
+    ``_handle_dflash`` checks the same list (speculative_hook.py:894-901). SGLang exports
+    ``add_draft_attention_backend_choices`` (choices.py:227) for exactly this; the list is
+    shared by reference, so extending it in each process (plugins load in every process) is
+    enough.
+    """
+    from sglang.srt.arg_groups.choices import (
+        DRAFT_ATTENTION_BACKEND_CHOICES,
+        add_draft_attention_backend_choices,
+    )
+
+    if "torch_native" not in DRAFT_ATTENTION_BACKEND_CHOICES:
+        add_draft_attention_backend_choices(["torch_native"])
+
+
+# --- 3. no Triton/sgl-kernel KV-copy warmup on CPU ---------------------------------------------
+
+
+def skip_kv_copy_warmup_on_cpu(original, self, *args, **kwargs):
+    """AROUND ``MHATokenToKVPool._init_kv_copy_and_warmup``: skip it on CPU (TEST-ONLY).
+
+    Why: speculative decoding builds the KV pool with ``enable_kv_cache_copy``
+    (srt/mem_cache/memory_pool.py:2304-2307), whose warmup (memory_pool.py:2419-2428) calls
+    ``copy_all_layer_kv_cache_func`` -> ``sgl_kernel.copy_all_layer_kv_cache_cpu``
+    (kernels/ops/kvcache/cache_move.py:190-196), an op the CUDA-only sglang-kernel wheel does
+    not have. With ``SGLANG_NATIVE_MOVE_KV_CACHE=1`` (set by the test server) every KV move
+    takes the pure-torch path (memory_pool.py:3447-3454) before the tiled config is read, so
+    the warmup has nothing to prepare. ``_kv_copy_config`` stays None: should anything still
+    reach the tiled copy, its assert (memory_pool.py:3460) fails loudly.
+    """
+    if str(self.device).startswith("cpu") and getattr(self, "use_native_move_kv_cache", False):
+        self._kv_copy_config = None
+        return None
+    return original(self, *args, **kwargs)
+
+
+# --- 4. Tensor.record_stream on CPU tensors ------------------------------------------------------
+
+
+def record_stream_noop_on_cpu(original, self, *args, **kwargs):
+    """AROUND ``torch.Tensor.record_stream``: a no-op for CPU tensors (TEST-ONLY).
+
+    Why: ``DFlashWorkerV2.forward_batch_generation`` calls
+    ``batch.seq_lens.record_stream(current_stream())`` unconditionally
+    (srt/speculative/dflash_worker_v2.py:2479-2483); PyTorch rejects that for CPU tensors
+    ("RuntimeError: unknown parameter type"). CPU execution has no streams, hence no
+    cross-stream reuse hazard to guard against -- SGLang's own overlap code skips the call on
+    CPU for exactly that reason (srt/managers/overlap_utils.py:124-126).
+    """
+    if self.device.type == "cpu":
+        return None
+    return original(self, *args, **kwargs)
+
+
+# --- 5. input_embeds in the model's dtype ----------------------------------------------------
+
+
+def input_embeds_in_model_dtype(original, self, forward_batch, *args, **kwargs):
+    """AFTER-style AROUND on ``ModelRunner._extend_forward_kwargs`` (TEST-ONLY).
+
+    Why: the extend path hands ``forward_batch.input_embeds.bfloat16()`` to the model
+    (srt/model_executor/model_runner.py:1771-1772), i.e. it assumes a bf16 model. The DFlash
+    draft always runs on ``input_embeds`` (the target's embedding of the block,
+    dflash_worker_v2.py:2571-2580, run as TARGET_VERIFY at :2638-2688), so a float32 model
+    dies in its first linear ("expected m1 and m2 to have the same dtype ... BFloat16 !=
+    float"). The stand-in passes the embeddings in the runner's own dtype instead -- for a
+    bf16 model (the only case SGLang serves) that is exactly what ``.bfloat16()`` gives.
+    """
+    result = original(self, forward_batch, *args, **kwargs)
+    embeds = getattr(forward_batch, "input_embeds", None)
+    model_dtype = getattr(self, "dtype", None)
+    if (
+        embeds is not None
+        and model_dtype is not None
+        and "input_embeds" in result
+        and result["input_embeds"].dtype != model_dtype
+    ):
+        result["input_embeds"] = embeds.to(model_dtype)
+    return result
+
+
+# --- 6. the draft's Triton-only fused qk-norm + RoPE (bf16 models only) ---------------------------
+
+
+def plain_qk_norm_rope_on_cpu(result, self, *args, **kwargs):
+    """AFTER ``DFlashAttention.__init__``: on CPU, turn off the fused qk-norm+RoPE (TEST-ONLY).
+
+    Why: for bf16 activations the DFlash draft attention calls ``table_qk_norm_rope_``
+    (srt/models/dflash.py:283-289 decides, :383-397 calls;
+    kernels/ops/attention/table_qk_norm_rope.py is a Triton kernel), which dies on a machine
+    without a GPU ("0 active drivers"). With the flag off it takes its own plain path
+    (dflash.py:398-409: ``apply_qk_norm`` then ``rotary_emb``), the same arithmetic
+    unfused. float32 models (the tests' default) never take the fused path.
+    """
+    from sglang.srt.utils import is_cpu
+
+    if is_cpu():
+        self.use_table_qk_norm_rope = False
+    return result
+
+
+def _standins():
+    """name -> (target, hook, hook type) for HookRegistry, or a callable to run once."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from . import attention, ddtree, kernels
+
+    table = {
+        "dflash_device": ("sglang.srt.arg_groups.speculative_hook._handle_dflash", handle_dflash_on_cpu, HookType.AROUND),
+        "draft_backend": allow_torch_native_draft_backend,
+        "kv_copy_warmup": (
+            "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
+            skip_kv_copy_warmup_on_cpu,
+            HookType.AROUND,
+        ),
+        "record_stream": ("torch.Tensor.record_stream", record_stream_noop_on_cpu, HookType.AROUND),
+        "input_embeds_dtype": (
+            "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
+            input_embeds_in_model_dtype,
+            HookType.AROUND,
+        ),
+        "fused_qk_norm_rope": (
+            "sglang.srt.models.dflash.DFlashAttention.__init__",
+            plain_qk_norm_rope_on_cpu,
+            HookType.AFTER,
+        ),
+        "target_verify": (
+            "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+            attention.forward_extend_with_target_verify,
+            HookType.AROUND,
+        ),
+    }
+    for name, fn in kernels.REPLACEMENTS.items():
+        table[f"kernel_{name}"] = (f"sgl_kernel.speculative.{name}", fn, HookType.REPLACE)
+    if ddtree.installed():
+        table["ddtree_device"] = (
+            "sglang.srt.speculative.ddtree_registration.check_ddtree_device",
+            ddtree.device_on_cpu,
+            HookType.AROUND,
+        )
+        table["ddtree_backend"] = ddtree.declare_torch_native
+    if ddtree.installed() and os.environ.get("DDTREE_TEST_ORACLE"):
+        table["ddtree_oracle"] = (
+            "sglang.srt.speculative.ddtree_worker_v2.DDTreeWorkerV2._draft",
+            ddtree.oracle_draft,
+            HookType.AROUND,
+        )
+    return table
+
+
+def register_all() -> None:
+    """Register every stand-in, except those named in ``SGLANG_CPU_STANDINS_DISABLE``.
+
+    The variable (comma-separated names, see :func:`_standins`) exists to show that each
+    stand-in is needed: leave one out and the CPU server fails where its docstring says.
+    """
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    import os
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    table = _standins()
+    disabled = {x.strip() for x in os.environ.get("SGLANG_CPU_STANDINS_DISABLE", "").split(",") if x.strip()}
+    # DDTREE's stand-ins exist only where the bundle is installed; naming them elsewhere
+    # is not a typo.
+    unknown = disabled - set(table) - {"ddtree_device", "ddtree_backend", "ddtree_oracle"}
+    if unknown:
+        raise ValueError(f"SGLANG_CPU_STANDINS_DISABLE: unknown stand-ins {sorted(unknown)}; known: {sorted(table)}")
+    for name, entry in table.items():
+        if name in disabled:
+            logger.warning("sglang_cpu_standins: %s disabled", name)
+        elif callable(entry):
+            entry()
+        else:
+            HookRegistry.register(*entry)
+    logger.info("sglang_cpu_standins: test-only CPU stand-ins registered: %s", sorted(set(table) - disabled))
