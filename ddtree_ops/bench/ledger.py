@@ -75,6 +75,13 @@ class LedgerRow:
     topk: int | None  # DDTREE per-position top-k; None for AR and DFLASH
     cuda_graph: bool
     fallback_reason: str | None
+    # The tree as the serving DDTree plugin resolved it (``/server_info.ddtree``); None for
+    # AR and DFLASH, and where the server does not say. Optional, like
+    # sglang_installed_version, so older rows stay valid.
+    verify_attention_backend: str | None = field(default=None, kw_only=True)
+    verify_cuda_graph: bool | None = field(default=None, kw_only=True)
+    draft_block_size: int | None = field(default=None, kw_only=True)
+    tree_sampler: str | None = field(default=None, kw_only=True)
     readiness_s: dict[str, float]
     # workload and sampling
     workload_hash: str

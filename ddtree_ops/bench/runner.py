@@ -162,6 +162,11 @@ class _Provenance:
     bundle_name: str | None = None
     bundle_hash: str | None = None
     facts: Any = None
+    # ``/server_info.ddtree`` of the serving process: what the plugin resolved.
+    verify_attention_backend: str | None = None
+    verify_cuda_graph: bool | None = None
+    draft_block_size: int | None = None
+    tree_sampler: str | None = None
 
 
 def _arch(compute_cap: object) -> str | None:
@@ -210,10 +215,11 @@ def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Pro
     while serving from a prefix holding SGLang 0.5.23). ``simulated_gpu`` exists only on
     the simulator; it names the GPU only where the host probe found none, so a real
     ``nvidia-smi`` always wins and real SGLang (which has no such field) changes nothing.
-    Malformed values are ignored: provenance never fails a sweep.
+    Malformed values are ignored: provenance never fails a sweep. The tree fields belong
+    to one launch: a server that does not answer leaves them None, not the last one's.
     """
     if not info:
-        return prov
+        return dataclasses.replace(prov, **_tree_provenance(None))
     changes: dict[str, Any] = {}
     version = info.get("version")
     if isinstance(version, str) and version.strip():
@@ -229,7 +235,27 @@ def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Pro
             changes["gpu_arch"] = _arch(cap) if isinstance(cap, (str, int, float)) else None
             count = sim.get("count")
             changes["gpu_count"] = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
-    return dataclasses.replace(prov, **changes) if changes else prov
+    changes.update(_tree_provenance(info.get("ddtree")))
+    return dataclasses.replace(prov, **changes)
+
+
+def _tree_provenance(tree: object) -> dict[str, Any]:
+    """The DDTree plugin's ``/server_info.ddtree`` fields a row keeps. Every launch reads
+    them afresh: an AR or DFLASH server has no such object, and its rows say None."""
+    out: dict[str, Any] = dict.fromkeys(("verify_attention_backend", "verify_cuda_graph", "draft_block_size", "tree_sampler"))
+    if not isinstance(tree, Mapping):
+        return out
+    for key, name in (("verify_attention_backend", "verify_attention_backend"), ("sampler", "tree_sampler")):
+        value = tree.get(key)
+        if isinstance(value, str) and value.strip():
+            out[name] = value.strip()
+    captured = tree.get("verify_cuda_graph_captured")
+    if isinstance(captured, bool):
+        out["verify_cuda_graph"] = captured
+    block = tree.get("draft_block_size")
+    if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+        out["draft_block_size"] = block
+    return out
 
 
 @dataclass
@@ -506,6 +532,10 @@ class SweepRunner:
             sglang_installed_version=prov.sglang_version,
             bundle_name=prov.bundle_name,
             bundle_hash=prov.bundle_hash,
+            verify_attention_backend=prov.verify_attention_backend,
+            verify_cuda_graph=prov.verify_cuda_graph,
+            draft_block_size=prov.draft_block_size,
+            tree_sampler=prov.tree_sampler,
             server_argv=list(getattr(restart, "argv", ()) or ()),
             cuda_graph=bool(getattr(restart, "cuda_graph", False)),
             fallback_reason=getattr(restart, "fallback_reason", None),

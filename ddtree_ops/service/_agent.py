@@ -19,8 +19,8 @@ import sys
 import time
 
 LAUNCH_FILE = "launch.json"
-# What readiness reads from /server_info: identity, and the DDTREE tree it resolved
-# (the plugin's "ddtree" object; the generic fields; an older bundle's own fields).
+# What readiness reads from /server_info: identity, the DDTREE tree it resolved (the
+# plugin's "ddtree" object; the generic fields; an older bundle's own fields), graph mode.
 SERVER_INFO_KEYS = (
     "launch_command",
     "startup_time",
@@ -31,6 +31,9 @@ SERVER_INFO_KEYS = (
     "speculative_ddtree_budget",
     "speculative_ddtree_topk",
     "ddtree",
+    # The graph mode the server resolved (on a device without CUDA graphs, e.g. CPU,
+    # SGLang disables them whatever was asked).
+    "cuda_graph_config",
 )
 LOG_FILE = "server.log"
 

@@ -41,7 +41,7 @@ from ddtree_ops.service.logphases import (
     PhaseTracker,
 )
 from ddtree_ops.service.manager import Launched, StopResult
-from ddtree_ops.service.readiness import DeadlinePolicy, WaitOutcome, judge, wait_loop
+from ddtree_ops.service.readiness import DeadlinePolicy, WaitOutcome, judge, served_cuda_graph, wait_loop
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
 
@@ -184,11 +184,14 @@ def restart(
                 if spec.cuda_graph and retry_cuda_graph:
                     state.clear_fallback(key)
                 emit(PhaseEvent(host.name, READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
+                served = served_cuda_graph(attempt.last_poll.get("server_info") or {})
                 return RestartResult(
                     host=host.name,
                     pid=launched.pid,
                     argv=spec.argv,
-                    cuda_graph=spec.cuda_graph,
+                    # Graphs only where both asked for and resolved: SGLang runs eager
+                    # by itself on a device without them.
+                    cuda_graph=spec.cuda_graph and served is not False,
                     fallback_reason=fallback_reason,
                     phase_durations=MappingProxyType(durations),
                     ready_s=ready_s,

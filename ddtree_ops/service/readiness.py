@@ -109,6 +109,27 @@ def served_tree(info: Mapping[str, Any]) -> tuple[int | None, int | None] | None
     return (num_draft - 1 if num_draft is not None else None), _int_or_none(info.get("speculative_eagle_topk"))
 
 
+def served_cuda_graph(info: Mapping[str, Any]) -> bool | None:
+    """Whether the server answering ``info`` decodes with CUDA graphs, as it resolved it;
+    None where it does not say.
+
+    What was launched is only a request: SGLang turns graphs off by itself where the
+    device has none (CPU) or the configuration forbids them. The DDTree plugin says
+    whether its verify step replays a captured graph; SGLang >= 0.5.23 reports the
+    resolved ``cuda_graph_config.decode.backend`` (its ``cuda_graph_backend_decode`` is
+    the raw flag, None unless given, so it is not read).
+    """
+    tree = info.get("ddtree")
+    if isinstance(tree, Mapping) and isinstance(tree.get("verify_cuda_graph_captured"), bool):
+        return tree["verify_cuda_graph_captured"]
+    config = info.get("cuda_graph_config")
+    decode = config.get("decode") if isinstance(config, Mapping) else None
+    backend = decode.get("backend") if isinstance(decode, Mapping) else None
+    if isinstance(backend, str) and backend:
+        return backend != "disabled"
+    return None
+
+
 def tree_mismatch(info: Mapping[str, Any], spec: LaunchSpec) -> str | None:
     """Why the DDTREE server answering ``info`` is not serving ``spec``'s tree, or None
     (also None for other algorithms and for a server that does not report its tree)."""

@@ -173,6 +173,12 @@ async def server_info(request: Request) -> Response:
         {
             **state.args.as_dict(),
             **extra,
+            # SGLang 0.5.23's resolved graph settings (ServerArgs.cuda_graph_config).
+            "cuda_graph_config": {
+                "decode": {"backend": state.args.cuda_graph_backend_decode,
+                           "max_bs": state.args.cuda_graph_max_bs_decode},
+                "prefill": {"backend": state.args.cuda_graph_backend_prefill},
+            },
             "launch_command": state.launch_command,
             "startup_time": state.startup_time,
             "internal_states": [internal],

@@ -51,3 +51,36 @@ def test_a_simulated_gpu_always_says_so_and_bad_parts_are_null() -> None:
     got = _with_server_info(PROBED_NO_GPU, info)
     assert (got.gpu_name, got.gpu_arch, got.gpu_count) == ("NVIDIA H200 (simulated)", None, None)
     assert got.serving_version is None
+
+
+# /server_info.ddtree as the DDTree plugin reports it (DDTreeWorkerV2.describe_ddtree).
+TREE = {"budget": 16, "topk": 4, "draft_block_size": 16, "verify_width": 17, "max_depth": 15,
+        "verify_attention_backend": "FlashInferAttnBackend", "draft_attention_backend": "FlashInferAttnBackend",
+        "decode_cuda_graph": "full", "verify_cuda_graph_captured": True, "tree_mask": "custom_mask",
+        "sampler": "kernel", "accept_thresholds": [1.0, 1.0]}
+
+
+def test_the_served_tree_is_recorded_from_the_plugins_server_info() -> None:
+    got = _with_server_info(PROBED_NO_GPU, {"version": "0.5.23", "ddtree": TREE})
+    assert (got.verify_attention_backend, got.verify_cuda_graph, got.draft_block_size, got.tree_sampler) == (
+        "FlashInferAttnBackend", True, 16, "kernel")
+
+
+def test_tree_fields_belong_to_one_launch() -> None:
+    # The provenance of a DDTREE launch, then an AR launch (no ddtree object) or a server
+    # that does not answer: the next rows must not inherit the previous tree.
+    ddtree = _with_server_info(PROBED_NO_GPU, {"version": "0.5.23", "ddtree": TREE})
+    for info in ({"version": "0.5.23"}, None):
+        got = _with_server_info(ddtree, info)
+        assert (got.verify_attention_backend, got.verify_cuda_graph, got.draft_block_size, got.tree_sampler) == (
+            None, None, None, None), info
+
+
+@pytest.mark.parametrize("bad", [{"verify_attention_backend": 3}, {"verify_cuda_graph_captured": "yes"},
+                                 {"draft_block_size": True}, {"draft_block_size": 0}, {"sampler": "  "}])
+def test_malformed_tree_fields_are_null(bad: dict[str, Any]) -> None:
+    got = _with_server_info(PROBED_NO_GPU, {"ddtree": {**TREE, **bad}})
+    fields = {"verify_attention_backend": got.verify_attention_backend, "verify_cuda_graph_captured": got.verify_cuda_graph,
+              "draft_block_size": got.draft_block_size, "sampler": got.tree_sampler}
+    (key,) = bad
+    assert fields[key] is None, got

@@ -13,6 +13,7 @@ from ddtree_ops.service.launch import LaunchSpec, RunConfig
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
     judge,
+    served_cuda_graph,
     served_tree,
     tree_mismatch,
     wait_loop,
@@ -167,3 +168,24 @@ def test_wait_loop_deadline_threshold_and_cancel() -> None:
     cancel.set()
     out = wait_loop(slow, deadline_s=100.0, interval_s=0.0, cancel=cancel)
     assert (out.reason, out.polls) == ("cancelled", 0)
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        # The DDTree plugin's own word wins: it knows whether its verify graph was captured.
+        ({"ddtree": {"verify_cuda_graph_captured": False}, "cuda_graph_config": {"decode": {"backend": "full"}}}, False),
+        ({"ddtree": {"verify_cuda_graph_captured": True}}, True),
+        # SGLang 0.5.23's resolved config: on CPU it disables decode graphs by itself.
+        ({"cuda_graph_config": {"decode": {"backend": "disabled"}}, "cuda_graph_backend_decode": None}, False),
+        ({"cuda_graph_config": {"decode": {"backend": "full"}}}, True),
+        # The raw flag is not the resolution; odd shapes say nothing.
+        ({"cuda_graph_backend_decode": "disabled"}, None),
+        ({"ddtree": {"verify_cuda_graph_captured": "no"}}, None),
+        ({"cuda_graph_config": {"decode": "disabled"}}, None),
+        ({"cuda_graph_config": None}, None),
+        ({}, None),
+    ],
+)
+def test_served_cuda_graph_reads_what_the_server_resolved(info: dict, expected: bool | None) -> None:
+    assert served_cuda_graph(info) is expected

@@ -2,6 +2,8 @@
 
 * :func:`write_target` -- a Qwen3ForCausalLM (vocab 512, hidden 64, 3 layers, 4 heads, 2 KV
   heads, head_dim 16, untied lm_head, float32), saved with ``save_pretrained``.
+  It comes with a byte-level tokenizer (ids 0-3 special, byte ``b`` = id ``4 + b``) so that
+  the server can also take text, as a benchmark sends it.
 * :func:`write_draft` -- a DFlash draft for it (``architectures: ["DFlashDraftModel"]``): one
   Qwen3 decoder layer without ``embed_tokens`` (the draft borrows the target's embedding and
   lm_head) plus ``fc.weight`` [hidden, 2*hidden] over the target's hidden states after layers
@@ -224,6 +226,46 @@ def _build_target(dest: Path, seed: int) -> None:
     _copy_head(model.model.layers[0].self_attn, PERIOD - 1)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
+    _write_tokenizer(dest)
+
+
+def _write_tokenizer(dest: Path) -> None:
+    """A byte-level tokenizer over the whole vocabulary, so that the server can also run
+    with its tokenizer (what a benchmark sends is text): ids 0-3 are the special tokens
+    (pad, BOS, EOS, the DFlash mask token), each byte ``b`` is id ``4 + b``, the rest are
+    filler tokens that only the model can produce. No merges: one token per byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<mask>"]
+    assert specials.index("<bos>") == BOS and specials.index("<eos>") == EOS
+    assert specials.index("<mask>") == MASK_TOKEN_ID
+    table = _bytes_to_unicode()  # ByteLevel.alphabet() has the characters, not their byte order
+    assert set(table.values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({table[b]: len(specials) + b for b in range(256)})
+    vocab.update({f"<extra_{i}>": i for i in range(len(vocab), VOCAB)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        additional_special_tokens=["<mask>"],
+    )
+    fast.save_pretrained(dest)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer emits)."""
+    keep = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def _build_draft(dest: Path, seed: int, block_size: int, random_weights: bool = False) -> None:
