@@ -21,11 +21,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
 from ddtree_ops.fsutil import write_atomic_local
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
+from ddtree_ops.transport.translate import translate_errors
 
 # How long a timed-out command's process group gets between SIGTERM and SIGKILL (the SSH
 # transport uses the same grace).
@@ -117,19 +119,19 @@ class LocalTransport:
             raise CommandFailed(result.returncode, text, result.stderr, host=self.host)
         return result
 
+    def _file_op(self, doing: str) -> AbstractContextManager[None]:
+        """The same translation, table and messages as the SSH transport's file operations."""
+        return translate_errors(self.host, doing, error=RemoteFileError, reason=os_error_reason)
+
     def read_bytes(self, path: str) -> bytes:
         self._count("read", path)
-        try:
+        with self._file_op(f"cannot read {path}"):
             return Path(expand_path(path)).read_bytes()
-        except OSError as exc:
-            raise RemoteFileError(f"cannot read {path}: {os_error_reason(exc)}", host=self.host) from exc
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
-        try:
+        with self._file_op(f"cannot write {path}"):
             write_atomic_local(Path(expand_path(path)), data, mode=mode)
-        except OSError as exc:
-            raise RemoteFileError(f"cannot write {path}: {os_error_reason(exc)}", host=self.host) from exc
 
     def exists(self, path: str) -> bool:
         self._count("stat", path)

@@ -12,7 +12,9 @@ key (in the inventory's file when there is one, else ``~/.ssh/known_hosts``) but
 OpenSSH's ``StrictHostKeyChecking=accept-new``, never accepts a *changed* key.
 
 paramiko and socket exceptions are translated here, once, into ConnectError /
-AuthError / HostKeyError / CommandTimeout / CommandFailed / RemoteFileError.
+AuthError / HostKeyError / CommandTimeout / CommandFailed / RemoteFileError: every
+operation runs inside :func:`~ddtree_ops.transport.translate.translate_errors` (one
+table, shared with the local transport), which gives the message its host and context.
 
 A command that outlives its ``timeout`` is ended, not abandoned: without a pty sshd sends
 no SIGHUP when the channel closes, so a timed-out command (and whatever it spawned) would
@@ -37,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,10 @@ from ddtree_ops.errors import (
     ConnectError,
     HostKeyError,
     RemoteFileError,
-    TransportError,
 )
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
+from ddtree_ops.transport.translate import Message, strerror_or_text, text_or_type, translate_errors
 
 KEEPALIVE_S = 15
 # How long a timed-out command's process group gets between SIGTERM and SIGKILL.
@@ -236,12 +239,12 @@ class SSHTransport:
         return self._user_known_hosts
 
     def _config(self) -> paramiko.SSHConfig | None:
-        try:
-            return paramiko.SSHConfig.from_path(str(self._ssh_config_path))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, paramiko.SSHException) as exc:
-            raise ConnectError(f"cannot read {self._ssh_config_path}: {exc}", host=self.host) from exc
+        path = self._ssh_config_path
+        with translate_errors(self.host, f"cannot read {path}", error=ConnectError, also=(ValueError,)):
+            try:
+                return paramiko.SSHConfig.from_path(str(path))
+            except FileNotFoundError:
+                return None
 
     def endpoint(self) -> Endpoint:
         h = self.spec
@@ -289,16 +292,15 @@ class SSHTransport:
 
     def _open_socket(self, hop: Endpoint, role: str) -> socket.socket:
         where = f"{role} {hop.hostname}:{hop.port}" if role != "host" else f"{hop.hostname}:{hop.port}"
-        try:
+        messages: dict[type[BaseException], Message] = {
+            socket.gaierror: lambda exc: f"cannot resolve {hop.hostname!r} ({role}): {strerror_or_text(exc)}",
+            ConnectionRefusedError: f"connection refused by {where} (no SSH server listening?)",
+            TimeoutError: f"connection to {where} timed out after {self.connect_timeout:g}s",
+        }
+        with translate_errors(
+            self.host, f"cannot connect to {where}", error=ConnectError, reason=strerror_or_text, messages=messages
+        ):
             return socket.create_connection((hop.hostname, hop.port), timeout=self.connect_timeout)
-        except socket.gaierror as exc:
-            raise ConnectError(f"cannot resolve {hop.hostname!r} ({role}): {exc.strerror}", host=self.host) from exc
-        except ConnectionRefusedError as exc:
-            raise ConnectError(f"connection refused by {where} (no SSH server listening?)", host=self.host) from exc
-        except (socket.timeout, TimeoutError) as exc:
-            raise ConnectError(f"connection to {where} timed out after {self.connect_timeout:g}s", host=self.host) from exc
-        except OSError as exc:
-            raise ConnectError(f"cannot connect to {where}: {exc.strerror or exc}", host=self.host) from exc
 
     def _await_banner(self, sock: socket.socket, hop: Endpoint, role: str) -> None:
         """An SSH server speaks first. A port that accepts TCP and then stays silent (a hung
@@ -316,34 +318,51 @@ class SSHTransport:
     def _direct_tcpip(self, client: paramiko.SSHClient, via: Endpoint, nxt: Endpoint) -> paramiko.Channel:
         transport = client.get_transport()
         assert transport is not None
-        try:
+        jump, to = f"jump host {via.hostname}:{via.port}", f"{nxt.hostname}:{nxt.port}"
+        unreachable: Message = lambda exc: f"{jump} could not reach {to}: {getattr(exc, 'text', exc)}"
+        messages = {paramiko.ChannelException: unreachable}
+        with translate_errors(self.host, f"{jump} could not open a channel to {to}", error=ConnectError, messages=messages):
             return transport.open_channel(
                 "direct-tcpip", (nxt.hostname, nxt.port), ("127.0.0.1", 0), timeout=self.connect_timeout
             )
-        except paramiko.ChannelException as exc:
-            raise ConnectError(
-                f"jump host {via.hostname}:{via.port} could not reach {nxt.hostname}:{nxt.port}: {exc.text}",
-                host=self.host,
-            ) from exc
-        except (paramiko.SSHException, OSError) as exc:
-            raise ConnectError(
-                f"jump host {via.hostname}:{via.port} could not open a channel to {nxt.hostname}:{nxt.port}: {exc}",
-                host=self.host,
-            ) from exc
 
     def _handshake(self, hop: Endpoint, sock: Any, role: str) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
+        try:
+            self._connect_client(client, hop, sock, role)
+        except BaseException:
+            client.close()
+            raise
+        transport = client.get_transport()
+        if transport is not None and self.keepalive_s:
+            transport.set_keepalive(self.keepalive_s)
+        return client
+
+    def _connect_client(self, client: paramiko.SSHClient, hop: Endpoint, sock: Any, role: str) -> None:
         for path in self.known_hosts_files:
             if path.is_file():
-                try:
+                with translate_errors(self.host, f"cannot read known_hosts file {path}", error=HostKeyError):
                     client.load_system_host_keys(str(path))
-                except (OSError, paramiko.SSHException) as exc:
-                    raise HostKeyError(f"cannot read known_hosts file {path}: {exc}", host=self.host) from exc
         client.set_missing_host_key_policy(_HostKeyPolicy(self, role))
         missing = [k for k in hop.key_files if not os.path.exists(k)]
         if missing and len(missing) == len(hop.key_files):
             raise AuthError(f"private key file not found: {missing[0]}", host=self.host)
-        try:
+        at = f"{role} {hop.hostname}:{hop.port}"
+        keys = ", ".join(hop.key_files) or "agent/default keys"
+        messages: dict[type[BaseException], Message] = {
+            paramiko.BadHostKeyException: lambda exc: self._changed_key_message(exc, hop, role),
+            paramiko.PasswordRequiredException: (
+                f"private key for {role} {hop.describe()} is encrypted and no passphrase is available (tried {keys})"
+            ),
+            paramiko.AuthenticationException: lambda exc: (
+                f"authentication failed for {role} {hop.describe()} (tried {keys}): {exc}"
+            ),
+            TimeoutError: (
+                f"{at} accepted the connection but did not complete the SSH handshake within {self.connect_timeout:g}s"
+            ),
+            OSError: lambda exc: f"connection to {at} failed: {strerror_or_text(exc)}",
+        }
+        with translate_errors(self.host, f"SSH handshake with {at} failed", error=ConnectError, messages=messages):
             client.connect(
                 hop.hostname,
                 port=hop.port,
@@ -357,43 +376,14 @@ class SSHTransport:
                 auth_timeout=self.connect_timeout,
                 channel_timeout=self.connect_timeout,
             )
-        except TransportError:
-            client.close()
-            raise
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise HostKeyError(
-                f"host key for {role} {hop.known_hosts_name} has CHANGED (now {exc.key.get_name()} "
-                f"{_fingerprint(exc.key)}, known {_fingerprint(exc.expected_key)}): possible man-in-the-middle; "
-                f"if the host was reinstalled, remove its old key from {' / '.join(map(str, self.known_hosts_files))}",
-                host=self.host,
-            ) from exc
-        except paramiko.AuthenticationException as exc:
-            client.close()
-            keys = ", ".join(hop.key_files) or "agent/default keys"
-            raise AuthError(
-                f"authentication failed for {role} {hop.describe()} (tried {keys}): {exc}", host=self.host
-            ) from exc
-        except paramiko.PasswordRequiredException as exc:
-            client.close()
-            raise AuthError(f"private key for {hop.describe()} is encrypted and no passphrase is available", host=self.host) from exc
-        except (socket.timeout, TimeoutError) as exc:
-            client.close()
-            raise ConnectError(
-                f"{role} {hop.hostname}:{hop.port} accepted the connection but did not complete the SSH handshake "
-                f"within {self.connect_timeout:g}s",
-                host=self.host,
-            ) from exc
-        except paramiko.SSHException as exc:
-            client.close()
-            raise ConnectError(f"SSH handshake with {role} {hop.hostname}:{hop.port} failed: {exc}", host=self.host) from exc
-        except OSError as exc:
-            client.close()
-            raise ConnectError(f"connection to {role} {hop.hostname}:{hop.port} failed: {exc.strerror or exc}", host=self.host) from exc
-        transport = client.get_transport()
-        if transport is not None and self.keepalive_s:
-            transport.set_keepalive(self.keepalive_s)
-        return client
+
+    def _changed_key_message(self, exc: BaseException, hop: Endpoint, role: str) -> str:
+        assert isinstance(exc, paramiko.BadHostKeyException)
+        return (
+            f"host key for {role} {hop.known_hosts_name} has CHANGED (now {exc.key.get_name()} "
+            f"{_fingerprint(exc.key)}, known {_fingerprint(exc.expected_key)}): possible man-in-the-middle; "
+            f"if the host was reinstalled, remove its old key from {' / '.join(map(str, self.known_hosts_files))}"
+        )
 
     def _close_clients(self) -> None:
         if self._sftp is not None:
@@ -409,6 +399,10 @@ class SSHTransport:
     def close(self) -> None:
         with self._lock:
             self._close_clients()
+
+    def _drop(self, _cause: BaseException) -> None:
+        """``on_error`` for a failure that means the connection is gone: the next call reconnects."""
+        self.close()
 
     def __enter__(self) -> SSHTransport:
         return self
@@ -452,13 +446,13 @@ class SSHTransport:
         for attempt in (1, 2):
             transport = self._client().get_transport()
             try:
-                if transport is None:
-                    raise paramiko.SSHException("no transport")
-                return transport.open_session(timeout=self.connect_timeout)
-            except (paramiko.SSHException, OSError, EOFError) as exc:
-                self.close()
+                with translate_errors(self.host, "cannot open a session channel", error=ConnectError, on_error=self._drop):
+                    if transport is None:
+                        raise paramiko.SSHException("no transport")
+                    return transport.open_session(timeout=self.connect_timeout)
+            except ConnectError:
                 if attempt == 2:
-                    raise ConnectError(f"cannot open a session channel: {exc or type(exc).__name__}", host=self.host) from exc
+                    raise
         raise AssertionError("unreachable")
 
     def _exchange(
@@ -497,47 +491,43 @@ class SSHTransport:
                 f"command did not finish within {timeout:g}s ({ended}): {text[:200]}", host=self.host, timeout=timeout
             )
 
-        try:
-            chan.exec_command(line)
-            if stdin:
-                chan.settimeout(None if deadline is None else max(0.01, deadline - time.monotonic()))
-                chan.sendall(stdin)
-            chan.shutdown_write()
-            chan.settimeout(0.0)
-            while True:
-                while chan.recv_ready():
-                    take(chan.recv(65536))
-                while chan.recv_stderr_ready():
-                    err.append(chan.recv_stderr(65536))
-                if chan.exit_status_ready() and chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    break
-                if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
-                    break
-                wait = 1.0
-                if deadline is not None:
-                    wait = deadline - time.monotonic()
-                    if wait <= 0:
-                        raise timed_out()
-                    wait = min(wait, 1.0)
-                select.select([chan], [], [], wait)
-        except (socket.timeout, TimeoutError) as exc:
-            raise timed_out() from exc
-        except KeyboardInterrupt:
-            # Ctrl-C on the controller ends the remote command as it would end a local one;
-            # without this the command would run on after the channel closes (no pty).
-            if pgid is not None:
-                self._end_group(chan.get_transport(), pgid, reason="interrupted")
-            raise
-        except (paramiko.SSHException, EOFError) as exc:
-            self.close()
-            raise ConnectError(f"connection lost while running {text[:200]}: {exc or type(exc).__name__}", host=self.host) from exc
-        except OSError as exc:
-            self.close()
-            raise ConnectError(f"connection lost while running {text[:200]}: {exc.strerror or exc}", host=self.host) from exc
+        lost = f"connection lost while running {text[:200]}"
+        with translate_errors(self.host, lost, error=ConnectError, reason=strerror_or_text, on_error=self._drop):
+            try:
+                chan.exec_command(line)
+                if stdin:
+                    chan.settimeout(None if deadline is None else max(0.01, deadline - time.monotonic()))
+                    chan.sendall(stdin)
+                chan.shutdown_write()
+                chan.settimeout(0.0)
+                while True:
+                    while chan.recv_ready():
+                        take(chan.recv(65536))
+                    while chan.recv_stderr_ready():
+                        err.append(chan.recv_stderr(65536))
+                    if chan.exit_status_ready() and chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
+                        break
+                    if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
+                        break
+                    wait = 1.0
+                    if deadline is not None:
+                        wait = deadline - time.monotonic()
+                        if wait <= 0:
+                            raise timed_out()
+                        wait = min(wait, 1.0)
+                    select.select([chan], [], [], wait)
+            except TimeoutError as exc:
+                raise timed_out() from exc
+            except KeyboardInterrupt:
+                # Ctrl-C on the controller ends the remote command as it would end a local one;
+                # without this the command would run on after the channel closes (no pty).
+                if pgid is not None:
+                    self._end_group(chan.get_transport(), pgid, reason="interrupted")
+                raise
         if not chan.exit_status_ready():
             # The channel closed without an exit status: the connection (or sshd) went away.
             self.close()
-            raise ConnectError(f"connection lost while running {text[:200]}", host=self.host)
+            raise ConnectError(lost, host=self.host)
         code = chan.recv_exit_status()
         if code == -1:
             code = 255  # killed by a signal: OpenSSH's client reports 255 too
@@ -579,24 +569,30 @@ class SSHTransport:
         with self._lock:
             client = self._client()
             if self._sftp is None:
-                try:
+                with translate_errors(self.host, "cannot open an SFTP session", error=RemoteFileError):
                     self._sftp = client.open_sftp()
-                except (paramiko.SSHException, OSError) as exc:
-                    raise RemoteFileError(f"cannot open an SFTP session: {exc}", host=self.host) from exc
             return self._sftp
+
+    def _file_op(self, doing: str) -> AbstractContextManager[None]:
+        """Translation for one SFTP request. An OSError is the server's answer (no such file,
+        permission denied) and leaves the session usable; a session that broke is dropped,
+        so that the next call reconnects."""
+        lost: Message = lambda exc: f"{doing}: connection lost ({text_or_type(exc)})"
+        return translate_errors(
+            self.host,
+            doing,
+            error=RemoteFileError,
+            reason=os_error_reason,
+            messages={paramiko.SSHException: lost, EOFError: lost},
+            on_error=lambda exc: None if isinstance(exc, OSError) else self._drop(exc),
+        )
 
     def read_bytes(self, path: str) -> bytes:
         self._count("read", path)
         sftp = self._sftp_client()
-        try:
-            with sftp.open(sftp_path(path), "rb") as fh:
-                fh.prefetch()
-                return fh.read()
-        except OSError as exc:
-            raise RemoteFileError(f"cannot read {path}: {os_error_reason(exc)}", host=self.host) from exc
-        except (paramiko.SSHException, EOFError) as exc:
-            self.close()
-            raise RemoteFileError(f"cannot read {path}: connection lost ({exc or type(exc).__name__})", host=self.host) from exc
+        with self._file_op(f"cannot read {path}"), sftp.open(sftp_path(path), "rb") as fh:
+            fh.prefetch()
+            return fh.read()
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
@@ -604,7 +600,13 @@ class SSHTransport:
         remote = sftp_path(path)
         parent, _, name = remote.rpartition("/")
         tmp = f"{parent + '/' if parent else ''}.{name}.{uuid.uuid4().hex[:12]}.tmp"
-        try:
+        with translate_errors(
+            self.host,
+            f"cannot write {path}",
+            error=RemoteFileError,
+            reason=os_error_reason,
+            on_error=lambda _: _sftp_remove_quietly(sftp, tmp),
+        ):
             if parent:
                 _sftp_makedirs(sftp, parent)
             with sftp.open(tmp, "wb") as fh:
@@ -614,25 +616,18 @@ class SSHTransport:
                 _sftp_fsync(sftp, fh)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, remote)
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            try:
-                sftp.remove(tmp)
-            except (OSError, paramiko.SSHException, EOFError):
-                pass
-            raise RemoteFileError(f"cannot write {path}: {os_error_reason(exc)}", host=self.host) from exc
 
     def exists(self, path: str) -> bool:
         self._count("stat", path)
         sftp = self._sftp_client()
-        try:
-            sftp.lstat(sftp_path(path))
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return False
-            raise RemoteFileError(f"cannot stat {path}: {os_error_reason(exc)}", host=self.host) from exc
+        with self._file_op(f"cannot stat {path}"):
+            try:
+                sftp.lstat(sftp_path(path))
+                return True
+            except OSError as exc:
+                if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:
+                    return False
+                raise
 
 
 def build_command_line(command: Command, *, env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
@@ -695,6 +690,14 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
         sftp.mkdir(directory)
     except OSError:
         sftp.stat(directory)  # raced with another writer: fine if it exists now
+
+
+def _sftp_remove_quietly(sftp: paramiko.SFTPClient, path: str) -> None:
+    """Best effort: a failed write must report its own cause, not the cleanup's."""
+    try:
+        sftp.remove(path)
+    except (OSError, paramiko.SSHException, EOFError):
+        pass
 
 
 def _sftp_fsync(sftp: paramiko.SFTPClient, fh: paramiko.SFTPFile) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -188,6 +189,16 @@ def test_wrong_key_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path
         t.run(["true"])
     missing = replace(fleet_host(ssh_fleet), key_file=str(tmp_path / "nope"))
     with SSHTransport(missing) as t, pytest.raises(AuthError, match="private key file not found"):
+        t.run(["true"])
+
+
+def test_encrypted_key_without_passphrase_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True, stdin=subprocess.DEVNULL)
+    host = replace(fleet_host(ssh_fleet), key_file=str(locked))
+    with SSHTransport(host) as t, pytest.raises(
+        AuthError, match=rf"private key for host root@127\.0\.0\.1:\d+ is encrypted and no passphrase is available \(tried {locked}\)$"
+    ):
         t.run(["true"])
 
 
