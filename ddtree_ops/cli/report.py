@@ -173,7 +173,7 @@ def report_command(
         _write_csv(result.best.best, csv_best)
     written: list[Path] = []
     if plots:
-        from ddtree_ops.report_plots import write_plots
+        from ddtree_ops.report.plots import write_plots
 
         written = write_plots(result.grouped, plots)
 

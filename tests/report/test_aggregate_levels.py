@@ -19,6 +19,7 @@ from report_rows import make_row
 
 from ddtree_ops import report as rep
 from ddtree_ops.bench.ledger import append_row
+from ddtree_ops.errors import ConfigError
 
 
 def reference(frame: pd.DataFrame, by: str) -> pd.DataFrame:
@@ -88,5 +89,5 @@ def test_levels_match_the_per_row_reference(frame: pd.DataFrame, by: str) -> Non
 
 
 def test_unknown_level_is_a_config_error(frame: pd.DataFrame) -> None:
-    with pytest.raises(rep.ConfigError, match="--group-by must be 'host' or 'gpu', not 'rack'"):
+    with pytest.raises(ConfigError, match="--group-by must be 'host' or 'gpu', not 'rack'"):
         rep.aggregate_levels(frame, ("host", "rack"))  # type: ignore[arg-type]

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 from report_rows import make_row
 
-from ddtree_ops import report as rep
 from ddtree_ops.bench.ledger import encode_row
+from ddtree_ops.report import loading as rep
 
 
 @pytest.fixture

@@ -156,7 +156,7 @@ def test_compare_flags_changes_beyond_spread(tmp_path: Path) -> None:
 
 
 def test_plots_written_and_non_empty(tmp_path: Path) -> None:
-    from ddtree_ops.report_plots import write_plots
+    from ddtree_ops.report.plots import write_plots
 
     r = rep.build_report([known_ledger(tmp_path / "l.jsonl")])
     paths = write_plots(r.grouped, tmp_path / "plots")

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: never needs a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from ddtree_ops.errors import ConfigError  # noqa: E402
+from ddtree_ops.errors import ConfigError
 
+#: Inches per panel; a figure has a column per temperature and a row per concurrency.
 _PANEL_W, _PANEL_H = 4.6, 3.4
 
 
@@ -31,12 +33,27 @@ def _slug(text: str) -> str:
 
 
 def _grid(frame: pd.DataFrame) -> tuple[list[float], list[int]]:
-    return sorted(frame["temperature"].dropna().unique()), sorted(int(c) for c in frame["concurrency"].dropna().unique())
+    """The temperatures (panel columns) and concurrencies (panel rows) of ``frame``."""
+    temperatures = sorted(frame["temperature"].dropna().unique())
+    return temperatures, sorted(int(conc) for conc in frame["concurrency"].dropna().unique())
+
+
+def _panels(
+    axes: np.ndarray, frame: pd.DataFrame, temps: list[float], concs: list[int]
+) -> Iterator[tuple[plt.Axes, pd.DataFrame]]:
+    """Each panel's axes (titled) with the rows of ``frame`` it shows."""
+    for row, conc in enumerate(concs):
+        for col, temp in enumerate(temps):
+            ax = axes[row][col]
+            ax.set_title(f"temperature {temp:g}, concurrency {conc}", fontsize=10)
+            yield ax, frame[(frame["temperature"] == temp) & (frame["concurrency"] == conc)]
 
 
 def _figure(rows: int, cols: int, title: str) -> tuple[plt.Figure, np.ndarray]:
     width = _PANEL_W * cols + 0.8
-    fig, axes = plt.subplots(rows, cols, figsize=(width, _PANEL_H * rows + 1.4), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width, _PANEL_H * rows + 1.4), squeeze=False, layout="constrained"
+    )
     # Long GPU names would run off a narrow figure: wrap at about 8 bold characters per inch.
     fig.suptitle("\n".join(textwrap.wrap(title, width=int(width * 8))), fontsize=13, fontweight="bold")
     return fig, axes
@@ -53,39 +70,36 @@ def _line_plot(
     topks = sorted(int(k) for k in trees["topk"].dropna().unique())
     colors = {k: plt.cm.viridis(i / max(1, len(topks) - 1) * 0.85) for i, k in enumerate(topks)}
     budgets = sorted(int(b) for b in trees["budget"].dropna().unique())
-    for r, conc in enumerate(concs):
-        for c, temp in enumerate(temps):
-            ax = axes[r][c]
-            panel = data[(data["temperature"] == temp) & (data["concurrency"] == conc)]
-            tree_panel = panel[panel["algorithm"] == "DDTREE"]
-            for k in topks:
-                line = tree_panel[tree_panel["topk"] == k].sort_values("budget")
-                if line.empty:
-                    continue
-                ax.plot(line["budget"].astype(float), line[value], "-", color=colors[k], lw=1.8, label=f"top-k {k}")
-                for graph, marker_face in ((True, colors[k]), (False, "white")):
-                    pts = line[line["cuda_graph"] == graph]
-                    ax.scatter(pts["budget"].astype(float), pts[value], s=38, zorder=3, facecolors=marker_face,
-                               edgecolors=colors[k], linewidths=1.6, marker="o" if graph else "D")
-            if baselines:
-                for algo, style in (("AR", ":"), ("DFLASH", "--")):
-                    base = panel[panel["algorithm"] == algo]
-                    if not base.empty and base[value].notna().any():
-                        v = float(base[value].max())
-                        ax.axhline(v, color="0.35", ls=style, lw=1.2, label=f"{'autoregressive' if algo == 'AR' else 'DFlash'} ({v:,.0f})")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.minorticks_off()
-            ax.set_title(f"temperature {temp:g}, concurrency {conc}", fontsize=10)
-            ax.set_xlabel("DDTree budget (nodes)")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-    # One legend for all panels, below them, so that no curve is hidden behind it.
+    for ax, panel in _panels(axes, data, temps, concs):
+        tree_panel = panel[panel["algorithm"] == "DDTREE"]
+        for k in topks:
+            line = tree_panel[tree_panel["topk"] == k].sort_values("budget")
+            if line.empty:
+                continue
+            ax.plot(line["budget"].astype(float), line[value], "-", color=colors[k], lw=1.8, label=f"top-k {k}")
+            # Graph-mode points filled, eager ones hollow diamonds: not comparable numbers.
+            for graph, marker_face in ((True, colors[k]), (False, "white")):
+                pts = line[line["cuda_graph"] == graph]
+                ax.scatter(pts["budget"].astype(float), pts[value], s=38, zorder=3, facecolors=marker_face,
+                           edgecolors=colors[k], linewidths=1.6, marker="o" if graph else "D")
+        if baselines:
+            for algo, style, name in (("AR", ":", "autoregressive"), ("DFLASH", "--", "DFlash")):
+                base = panel[panel["algorithm"] == algo]
+                if not base.empty and base[value].notna().any():
+                    level = float(base[value].max())
+                    ax.axhline(level, color="0.35", ls=style, lw=1.2, label=f"{name} ({level:,.0f})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("DDTree budget (nodes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    # One legend for all panels, below them, so that no curve is hidden behind it; a
+    # baseline's label names its level per panel, the legend keeps the name only.
     handles: dict[str, object] = {}
     for ax in axes.ravel():
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            key = lab.split(" (")[0]
-            handles.setdefault(key, h)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label.split(" (")[0], handle)
     if (~trees["cuda_graph"]).any():
         handles["hollow diamond = eager mode (no CUDA graph)"] = plt.Line2D(
             [], [], ls="", marker="D", markerfacecolor="white", markeredgecolor="0.2"
@@ -107,33 +121,31 @@ def _heatmap(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
     vmax = float(trees["speedup_vs_ar"].max())
     vmin = min(1.0, float(trees["speedup_vs_ar"].min()))
     image = None
-    for r, conc in enumerate(concs):
-        for c, temp in enumerate(temps):
-            ax = axes[r][c]
-            panel = trees[(trees["temperature"] == temp) & (trees["concurrency"] == conc)]
-            grid = np.full((len(topks), len(budgets)), np.nan)
-            eager = np.zeros_like(grid, dtype=bool)
-            for _, row in panel.iterrows():
-                i, j = topks.index(int(row["topk"])), budgets.index(int(row["budget"]))
-                # Several rows per cell only with graph+eager both present: keep graph.
-                if np.isnan(grid[i, j]) or row["cuda_graph"]:
-                    grid[i, j] = row["speedup_vs_ar"]
-                    eager[i, j] = not row["cuda_graph"]
-            image = ax.imshow(grid, cmap="RdYlGn", vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
-            for i in range(len(topks)):
-                for j in range(len(budgets)):
-                    if not np.isnan(grid[i, j]):
-                        ax.text(j, i, f"{grid[i, j]:.2f}{'*' if eager[i, j] else ''}", ha="center", va="center", fontsize=8.5)
-            ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
-            ax.set_yticks(range(len(topks)), [str(k) for k in topks])
-            ax.set_xlabel("DDTree budget (nodes)")
-            ax.set_ylabel("DDTree top-k")
-            ax.set_title(f"temperature {temp:g}, concurrency {conc}", fontsize=10)
+    for ax, panel in _panels(axes, trees, temps, concs):
+        grid = np.full((len(topks), len(budgets)), np.nan)
+        eager = np.zeros_like(grid, dtype=bool)
+        for _, row in panel.iterrows():
+            i, j = topks.index(int(row["topk"])), budgets.index(int(row["budget"]))
+            # Several rows per cell only with graph+eager both present: keep graph.
+            if np.isnan(grid[i, j]) or row["cuda_graph"]:
+                grid[i, j] = row["speedup_vs_ar"]
+                eager[i, j] = not row["cuda_graph"]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
+        for i in range(len(topks)):
+            for j in range(len(budgets)):
+                if not np.isnan(grid[i, j]):
+                    text = f"{grid[i, j]:.2f}{'*' if eager[i, j] else ''}"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=8.5)
+        ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+        ax.set_yticks(range(len(topks)), [str(k) for k in topks])
+        ax.set_xlabel("DDTree budget (nodes)")
+        ax.set_ylabel("DDTree top-k")
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="speedup vs autoregressive (x)")
     if (~trees["cuda_graph"]).any():
         fig.suptitle(f"{machine} — DDTree speedup over autoregressive (x)\n"
-                     "* = eager mode (no CUDA graph): not comparable with unstarred cells", fontsize=12, fontweight="bold")
+                     "* = eager mode (no CUDA graph): not comparable with unstarred cells",
+                     fontsize=12, fontweight="bold")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,67 @@
+"""Ledger paths -> a whole report: load, aggregate per host and per machine, pick the best.
+
+These are the entry points the CLI calls; each step lives in its own module
+(:mod:`.loading`, :mod:`.aggregation`, :mod:`.best`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from ddtree_ops.errors import ConfigError
+from ddtree_ops.report.aggregation import GroupBy, aggregate, aggregate_levels
+from ddtree_ops.report.best import DEFAULT_MIN_REPEATS, BestConfigs, best_configs
+from ddtree_ops.report.loading import LoadedLedgers, load_ledgers
+
+
+@dataclass(frozen=True)
+class Report:
+    loaded: LoadedLedgers
+    tidy: pd.DataFrame  # per (host, cell)
+    grouped: pd.DataFrame  # per (group-by machine, cell): what best configs and plots use
+    best: BestConfigs
+    group_by: GroupBy
+
+
+def build_report(
+    paths: Sequence[Path | str],
+    *,
+    group_by: GroupBy = "gpu",
+    min_repeats: int = DEFAULT_MIN_REPEATS,
+    mix_modes: bool = False,
+    use_arrow: bool | None = None,
+) -> Report:
+    """Load, aggregate per host and per ``group_by`` machine, pick best configs.
+
+    An empty result (no ledger files, or files with no valid row) is a ConfigError that
+    says what was looked at, because an empty table would read as "nothing is faster".
+    """
+    if min_repeats < 1:
+        raise ConfigError(f"--min-repeats must be at least 1, not {min_repeats}")
+    loaded = load_ledgers(paths, use_arrow=use_arrow)
+    if loaded.frame.empty:
+        where = ", ".join(str(path) for path in paths) if paths else "results/"
+        if not loaded.files:
+            raise ConfigError(f"no ledger (*.jsonl) found in {where}; run `ddtree-ops bench --sweep ...` first")
+        detail = ""
+        if loaded.bad_lines:
+            file, line, reason = loaded.bad_lines[0]
+            detail = f" ({len(loaded.bad_lines)} bad line(s), first: {file}:{line}: {reason})"
+        raise ConfigError(f"no valid ledger rows in {len(loaded.files)} file(s) under {where}{detail}")
+    # Per-host rows always; grouping by GPU as well shares the one costly row grouping.
+    levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
+    tidy, grouped = levels["host"], levels[group_by]
+    best = best_configs(grouped, min_repeats=min_repeats, mix_modes=mix_modes)
+    return Report(loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by)
+
+
+def load_tidy(paths: Sequence[Path | str], *, by: GroupBy = "host") -> pd.DataFrame:
+    """Tidy table of other ledgers (for ``--compare``); ConfigError when empty."""
+    loaded = load_ledgers(paths)
+    if loaded.frame.empty:
+        raise ConfigError(f"no valid ledger rows in {', '.join(str(path) for path in paths)}")
+    return aggregate(loaded.frame, by=by)

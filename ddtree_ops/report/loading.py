@@ -1,0 +1,328 @@
+"""Ledger files -> one pandas frame of the columns the report reads, and the bad lines.
+
+Loading is the costly part of a report (ledgers grow to millions of rows, ~1.7 KB each):
+the file is memory-mapped and cut into blocks of whole lines, each parsed in place by
+pyarrow's JSON reader (its threads use every core) with an explicit schema of only the
+columns the report needs. A block pyarrow refuses — a bad line, an old schema version,
+anything that is not exactly one object per line — is split in halves and retried, down
+to a small slice that is re-read line by line with the ledger's own parser, so bad lines
+are counted with their line numbers, never fatal, and a row reads the same on either
+path. Without pyarrow every block takes the line-by-line path (correct, slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ddtree_ops.bench.ledger import SCHEMA_VERSION, parse_lines
+from ddtree_ops.errors import ConfigError
+
+_STR_COLS = (
+    "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status"
+)
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "failed")
+#: Per-row metrics whose per-cell median the tidy table reports.
+MEDIAN_COLS: tuple[str, ...] = (
+    "output_tok_s",
+    "accept_length",
+    "ttft_ms_median",
+    "ttft_ms_p99",
+    "itl_ms_median",
+    "itl_ms_p99",
+    "tpot_ms_median",
+    "e2e_ms_median",
+)
+_FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS)
+_BOOL_COLS = ("cuda_graph",)
+#: Ledger columns the report reads; everything else in a row is skipped while parsing
+#: (each column read costs parse time on every row, so only what aggregation uses).
+LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS
+#: A row lacking any of these cannot be placed in a cell: it is a bad line.
+_NEEDED = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
+
+#: Bytes handed to one pyarrow call: large enough that its worker threads stay busy,
+#: small enough that a refused block is cheap to split and re-read.
+_BLOCK_BYTES = 64 << 20
+#: pyarrow's own unit of parallel parsing inside one call.
+_ARROW_CHUNK_BYTES = 4 << 20
+#: A refused slice smaller than this goes line by line instead of being split again.
+_CAREFUL_BYTES = 1 << 20
+#: Bytes per slice when counting newlines (see _count_newlines).
+_COUNT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadedLedgers:
+    """All valid rows of the ledgers read (``LOAD_COLUMNS``), and what was skipped."""
+
+    frame: pd.DataFrame
+    files: tuple[Path, ...]
+    bad_lines: tuple[tuple[str, int, str], ...]  # (file, 1-based line, reason)
+
+
+def find_ledgers(paths: Sequence[Path | str], *, default_dir: Path = Path("results")) -> list[Path]:
+    """Ledger files named or found under the given paths (``**/*.jsonl`` for folders).
+
+    With no paths, every ledger under ``results/``. A named path that does not exist is
+    a ConfigError (a typo must not produce an empty report that looks like no data).
+    """
+    found: list[Path] = []
+    for raw in paths or [default_dir]:
+        path = Path(raw)
+        if path.is_dir():
+            found.extend(sorted(path.rglob("*.jsonl")))
+        elif path.is_file():
+            found.append(path)
+        elif paths:
+            raise ConfigError(f"{path}: no such ledger file or folder")
+    return list(dict.fromkeys(found))
+
+
+def _arrow() -> Any:
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.json as pj
+    except ImportError:
+        return None
+    return pa, pc, pj
+
+
+def _arrow_schema(pa: Any) -> Any:
+    # Integer fields are parsed as float64 directly: the frame holds them as float64
+    # anyway (see _coerce), and a cast afterwards costs a pass over every column. It
+    # also reads 16.0 like the careful path does (as 16) instead of refusing the block.
+    return pa.schema(
+        [(name, pa.string()) for name in _STR_COLS]
+        + [(name, pa.float64()) for name in _INT_COLS + _FLOAT_COLS]
+        + [(name, pa.bool_()) for name in _BOOL_COLS]
+    )
+
+
+def _fast_block(block: Any, arrow: Any) -> Any | None:
+    """Parse a run of complete lines with pyarrow; None when a line needs the careful path.
+
+    ``block`` is a zero-copy view of the file's bytes. The caller must also refuse a
+    table whose row count is not the block's line count: pyarrow skips blank lines and
+    accepts two objects on one line, where the careful parser skips the first and
+    reports the second, so only a one-object-per-line block keeps line numbers and
+    verdicts identical on both paths.
+    """
+    pa, pc, pj = arrow
+    try:
+        table = pj.read_json(
+            pa.BufferReader(pa.py_buffer(block)),
+            read_options=pj.ReadOptions(block_size=_ARROW_CHUNK_BYTES),
+            parse_options=pj.ParseOptions(explicit_schema=_arrow_schema(pa), unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    version = table.column("schema_version")
+    if version.null_count or not pc.all(pc.equal(version, SCHEMA_VERSION)).as_py():
+        return None
+    if any(table.column(name).null_count for name in _NEEDED):
+        return None
+    return table
+
+
+def _careful_block(
+    lines: list[bytes], *, name: str, first_lineno: int, at_eof: bool, bad: list[tuple[str, int, str]]
+) -> pd.DataFrame:
+    read = parse_lines(lines, first_lineno=first_lineno, at_eof=at_eof)
+    bad.extend((name, n, reason) for n, reason in read.bad_lines)
+    kept: list[dict[str, Any]] = []
+    if read.rows:
+        # parse_lines drops blank lines, so recover line numbers for the field check.
+        numbers = [first_lineno + i for i, raw in enumerate(lines) if raw.strip()]
+        bad_numbers = {n for n, _ in read.bad_lines}
+        numbers = [n for n in numbers if n not in bad_numbers]
+        for lineno, row in zip(numbers, read.rows):
+            missing = [column for column in _NEEDED if row.get(column) is None]
+            if missing:
+                bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))
+            else:
+                kept.append({column: row.get(column) for column in LOAD_COLUMNS})
+    return pd.DataFrame.from_records(kept, columns=list(LOAD_COLUMNS))
+
+
+def _coerce(frame: pd.DataFrame) -> pd.DataFrame:
+    """One dtype per column whichever path produced the rows (numbers as float64 so
+    that null budgets/top-ks group and merge like any other value)."""
+    out: dict[str, pd.Series] = {}
+    for name in _STR_COLS:
+        col = frame[name]
+        # Arrow-backed strings stay as they are (converting a million to objects costs
+        # seconds); mixed or all-null columns become plain objects.
+        arrow_strings = pd.api.types.is_string_dtype(col) and col.dtype != object
+        out[name] = col if arrow_strings else col.astype(object).where(col.notna(), None)
+    for name in _INT_COLS + _FLOAT_COLS:
+        col = frame[name]
+        out[name] = col if col.dtype == np.float64 else pd.to_numeric(col, errors="coerce").astype("float64")
+    for name in _BOOL_COLS:
+        col = frame[name]
+        out[name] = col if col.dtype == bool else col.astype(bool)
+    return pd.DataFrame(out, index=frame.index, copy=False)
+
+
+def _tables_to_frame(tables: list[Any], arrow: Any) -> pd.DataFrame:
+    """Fast-path tables -> one pandas frame, in one conversion.
+
+    Per-block frames would cost a second full copy in ``pd.concat``; ``split_blocks``
+    skips pandas' consolidation of same-typed columns into one 2-D block (a third copy
+    that nothing downstream needs).
+    """
+    pa = arrow[0]
+    table = pa.concat_tables(tables).select(list(LOAD_COLUMNS))
+    return table.to_pandas(split_blocks=True, self_destruct=True)
+
+
+class _LedgerFile:
+    """One ledger, read in blocks of whole lines, each parsed by the fastest path that is
+    exact for it. Parts keep file order (``first()`` per cell depends on it).
+
+    The file is memory-mapped: pyarrow parses the mapped pages in place (reading into
+    fresh buffers cost a copy and a page fault per page of every block), and each block's
+    pages are dropped from the mapping once parsed so resident memory stays one block,
+    not the whole file.
+    """
+
+    def __init__(self, path: Path, arrow: Any, bad: list[tuple[str, int, str]]) -> None:
+        self.name = str(path)
+        self.path = path
+        self.arrow = arrow
+        self.bad = bad
+        self.parts: list[Any] = []  # pyarrow tables and pandas frames, in file order
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if not size:
+                    return
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+                try:
+                    self._read_mapped(mm, size)
+                finally:
+                    # A view may outlive a failed parse in a traceback; the map is then
+                    # released with the last view instead, and the real error surfaces.
+                    with contextlib.suppress(BufferError):
+                        mm.close()
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot read the ledger: {exc.strerror or exc}") from exc
+
+    def _read_mapped(self, mm: mmap.mmap, size: int) -> None:
+        lineno, pos = 1, 0
+        while pos < size:
+            end = min(pos + _BLOCK_BYTES, size)
+            if end < size:
+                cut = mm.rfind(b"\n", pos, end) + 1
+                if cut <= pos:  # one line longer than a block
+                    cut = mm.find(b"\n", end) + 1 or size
+            else:
+                cut = size
+            if mm[cut - 1 : cut] != b"\n":
+                # the file ends without a newline: only there is a line "truncated"
+                tail = mm.rfind(b"\n", pos, cut) + 1 or pos
+                if tail > pos:
+                    lineno = self._block(mm, pos, tail, lineno)
+                self._careful([mm[tail:cut]], lineno, at_eof=True)
+                break
+            lineno = self._block(mm, pos, cut, lineno)
+            if cut - pos >= mmap.PAGESIZE:
+                # The parsed pages are not needed again (the tables own their memory);
+                # only whole pages before the cut can go, the next block starts there.
+                drop = (cut // mmap.PAGESIZE) * mmap.PAGESIZE
+                start = (pos // mmap.PAGESIZE) * mmap.PAGESIZE
+                if drop > start:
+                    mm.madvise(mmap.MADV_DONTNEED, start, drop - start)
+            pos = cut
+
+    def _block(self, mm: mmap.mmap, start: int, end: int, lineno: int) -> int:
+        """Parse the whole lines in mm[start:end]; returns the next line number."""
+        # Parse before counting lines: pyarrow's threads then take the page faults of
+        # first touching the block in parallel, and the count runs over resident pages.
+        table = _fast_block(memoryview(mm)[start:end], self.arrow) if self.arrow is not None else None
+        lines = _count_newlines(mm, start, end)
+        self._range(mm, start, end, lines, lineno, table)
+        return lineno + lines
+
+    def _range(self, mm: mmap.mmap, start: int, end: int, lines: int, lineno: int, table: Any = None) -> None:
+        """Fast path over mm[start:end] (``table``: its parse, when already done); on
+        refusal split in two and retry each half, so one bad line costs a few re-parses
+        of shrinking halves and a line-by-line pass over a small slice, not the whole
+        block."""
+        if self.arrow is not None:
+            if table is None:
+                table = _fast_block(memoryview(mm)[start:end], self.arrow)
+            if table is not None and table.num_rows == lines:
+                self.parts.append(table)
+                return
+            if end - start > _CAREFUL_BYTES and lines > 1:
+                mid = mm.rfind(b"\n", start, start + (end - start) // 2) + 1
+                if mid <= start:
+                    mid = mm.find(b"\n", start, end - 1) + 1
+                if start < mid < end:
+                    head = _count_newlines(mm, start, mid)
+                    self._range(mm, start, mid, head, lineno)
+                    self._range(mm, mid, end, lines - head, lineno + head)
+                    return
+        self._careful(mm[start:end].splitlines(keepends=True), lineno, at_eof=False)
+
+    def _careful(self, lines: list[bytes], lineno: int, *, at_eof: bool) -> None:
+        self.parts.append(_careful_block(lines, name=self.name, first_lineno=lineno, at_eof=at_eof, bad=self.bad))
+
+
+def _count_newlines(mm: mmap.mmap, start: int, end: int) -> int:
+    # numpy counts in place (slicing the map into bytes would copy every block), in
+    # slices so that the comparison's temporary stays small and cache-resident.
+    total = 0
+    for lo in range(start, end, _COUNT_BYTES):
+        n = min(_COUNT_BYTES, end - lo)
+        total += int(np.count_nonzero(np.frombuffer(mm, dtype=np.uint8, count=n, offset=lo) == ord("\n")))
+    return total
+
+
+def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) -> LoadedLedgers:
+    """Read ledgers into one frame of :data:`LOAD_COLUMNS`. Bad lines are collected.
+
+    ``use_arrow=False`` forces the line-by-line parser (tests compare both paths).
+    """
+    files = find_ledgers(paths)
+    arrow = _arrow() if use_arrow is not False else None
+    parts: list[Any] = []
+    bad: list[tuple[str, int, str]] = []
+    for path in files:
+        reader = _LedgerFile(path, arrow, bad)
+        reader.read()
+        parts.extend(reader.parts)
+    frames: list[pd.DataFrame] = []
+    tables: list[Any] = []
+    for part in parts:
+        if isinstance(part, pd.DataFrame):
+            if tables:
+                frames.append(_tables_to_frame(tables, arrow))
+                tables = []
+            frames.append(part)
+        else:
+            tables.append(part)
+    if tables:
+        frames.append(_tables_to_frame(tables, arrow))
+    if len(frames) == 1:
+        frame = _coerce(frames[0])
+    elif frames:
+        # A careful-path frame of only bad lines is empty with object columns, which would
+        # turn concat's float columns into objects: leave empties out (keep one if all are).
+        frame = _coerce(pd.concat([part for part in frames if len(part)] or frames[:1], ignore_index=True))
+    else:
+        frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
+    bad.sort(key=lambda item: (item[0], item[1]))  # by file, then line number
+    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad))
