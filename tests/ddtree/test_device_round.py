@@ -57,6 +57,106 @@ def test_build_tree_batch_equals_the_heap_per_request(du: ModuleType, seed: int)
     assert got.max_depth >= max(t.max_depth for t in trees)
 
 
+def _assert_builds_like_the_heap(du: ModuleType, ids, lps, budget: int, roots) -> None:
+    got = du.build_tree_batch(ids, lps, budget, roots)
+    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    want = du.tree_batch_from_trees(trees, budget + 1)
+    for field in BATCH_FIELDS:
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize(
+    ("bs", "depth", "k", "budget"),
+    [
+        (1, 1, 1, 1),  # a single node
+        (1, 1, 5, 1),  # k > budget at depth 1
+        (2, 1, 5, 3),
+        (1, 6, 5, 1),  # budget 1: depth 1 only
+        (3, 4, 1, 10),  # a chain shorter than the budget: padding
+        (2, 3, 6, 2),
+        (2, 2, 2, 40),  # far fewer nodes (6) than the budget
+        (1, 15, 4, 16),  # the serving shape, batch 1
+    ],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_build_tree_batch_edge_shapes(du: ModuleType, bs: int, depth: int, k: int, budget: int, ties: bool) -> None:
+    for seed in range(5):
+        rng = random.Random(seed)
+        ids, lps = _draft(rng, bs, depth, k, ties=ties)
+        _assert_builds_like_the_heap(du, ids, lps, budget, torch.tensor([rng.randrange(900) for _ in range(bs)]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("depth", "k", "budget"), [(15, 4, 16), (15, 8, 24), (10, 3, 40), (15, 8, 64)])
+def test_build_tree_batch_serving_shapes(du: ModuleType, seed: int, depth: int, k: int, budget: int) -> None:
+    """Deep trees: wide final selections (the topk path of the key-order selection)."""
+    rng = random.Random(seed)
+    ids, lps = _draft(rng, 3, depth, k, ties=seed % 2 == 0)
+    _assert_builds_like_the_heap(du, ids, lps, budget, torch.tensor([5, 6, 7]))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_build_tree_batch_with_masked_logprobs(du: ModuleType, seed: int) -> None:
+    """-inf log-probs (masked tokens) tie among themselves and still pop in key order."""
+    rng = random.Random(seed)
+    bs, depth, k = rng.randint(1, 4), rng.choice([1, 3, 6, 15]), rng.randint(1, 5)
+    ids, lps = _draft(rng, bs, depth, k, ties=seed % 2 == 0)
+    for b in range(bs):
+        for d in range(depth):
+            masked = rng.choice([0, 0, 1, k])  # a row's tail is masked
+            if masked:
+                lps[b, d, k - masked :] = float("-inf")
+    budget = rng.choice([1, 4, 16, 40])
+    _assert_builds_like_the_heap(du, ids, lps, budget, torch.arange(bs))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_build_tree_batch_at_the_pruning_bounds(du: ModuleType, seed: int) -> None:
+    """Rows of zeros then a cliff: every node of the zero block ties at logw 0, so the
+    heap takes whole blocks (a depth's positions, a parent's ranks) up to the budget,
+    the shapes at which the static frontier widths and candidate lists are tight."""
+    rng = random.Random(seed)
+    bs, depth, k = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 5)
+    rows = [
+        [[0.0] * (m := rng.randint(1, k)) + [-50.0 - rng.randint(0, 2) for _ in range(k - m)] for _ in range(depth)]
+        for _ in range(bs)
+    ]
+    lps = torch.tensor([[sorted(row, reverse=True) for row in req] for req in rows])
+    ids = torch.arange(bs * depth * k).reshape(bs, depth, k)
+    _assert_builds_like_the_heap(du, ids, lps, rng.randint(1, 40), torch.arange(bs))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_in_key_order_is_a_stable_descending_sort(du: ModuleType, seed: int) -> None:
+    rng = random.Random(seed)
+    width = rng.choice([8, 65, 106, 300])
+    count = rng.randint(1, width)
+    values = torch.tensor(
+        [[-rng.randint(0, 6) / 4 if rng.random() < 0.9 else float("-inf") for _ in range(width)] for _ in range(4)],
+        dtype=torch.float64,
+    )
+    top, order = du._best_in_key_order(values, count)
+    want_top, want_order = torch.sort(values, dim=1, descending=True, stable=True)
+    assert torch.equal(top, want_top[:, :count]) and torch.equal(order, want_order[:, :count])
+
+
+@pytest.mark.parametrize("budget", [62, 63, 64, 100, 130])
+def test_ancestor_masks_past_one_word_per_row(du: ModuleType, budget: int) -> None:
+    """Rows of more than 64 nodes span several packed words (bit 63 is the sign bit)."""
+    rng = random.Random(budget)
+    ids, lps = _draft(rng, 2, 15, 8, ties=True)
+    batch = du.build_tree_batch(ids, lps, budget, torch.tensor([1, 2]))
+    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, b + 1) for b in range(2)]
+    n = budget + 1
+    want = du.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
+    assert torch.equal(du.tree_ancestor_masks(batch), want)
+    # A chain: every node's row is its whole path.
+    chain = du.tree_batch_from_trees(
+        [du.build_ddtree_tree_from_topk(torch.zeros(n - 1, 1, dtype=torch.int64), torch.zeros(n - 1, 1), n - 1)], n
+    )
+    assert torch.equal(du.tree_ancestor_masks(chain)[0], torch.ones(n, n, dtype=torch.bool).tril())
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_masks_and_retrieve_pointers_equal_the_batch_reference(du: ModuleType, seed: int) -> None:
     _, ids, lps, budget, roots = _case(seed)

@@ -29,6 +29,7 @@ tree, with no host synchronisation and no work that grows with the prefix.
 from __future__ import annotations
 
 import array
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -1229,14 +1230,20 @@ def build_tree_batch(
     """:func:`build_ddtree_tree_from_topk` for a batch, without leaving the device.
 
     ``topk_ids`` / ``topk_logprobs`` are ``[bs, depth, k]`` with each row sorted by
-    descending log-probability, ``root_tokens`` ``[bs]``. The best-first heap pops
-    the ``budget`` smallest keys ``(-logw, depth, parent, rank)`` of the product tree
-    (see the builder's docstring). Any chosen node's parent is chosen too and has a
-    smaller key, so the chosen nodes of depth ``d`` are among the ``budget`` best
-    children of the chosen nodes of depth ``d - 1``: expanding one depth at a time
-    and keeping the ``budget`` best per depth (a stable sort on ``-logw`` of the
-    children listed in (parent, rank) order realises the key), then keeping the
-    ``budget`` best of all depths, yields exactly the heap's trees in its pop order.
+    descending log-probability (log-probabilities, so ``<= 0``), ``root_tokens``
+    ``[bs]``. The best-first heap pops the ``count`` smallest keys
+    ``(-logw, depth, parent, rank)`` of the product tree (see the builder's
+    docstring), ``count = min(budget, nodes)``. Every node that beats a chosen node
+    (a smaller key) is chosen too, so the chosen nodes of a depth are a prefix of
+    that depth's nodes in key order, and a chosen node at position ``q`` of depth
+    ``d`` brings along the ``q`` nodes before it, at least ``ceil((q + 1) / k**j)``
+    distinct ancestors of them ``j`` levels up, and itself: at most ``budget`` in all
+    (:func:`_tree_plan` turns that into static frontier widths and candidate lists).
+    Expanding one depth at a time, the children of the frontier listed in (parent
+    position, rank) order and stably sorted on ``-logw`` are in key order, so each
+    depth's frontier holds all of its chosen nodes, first, in key order. Behind the
+    root (``logw = 0``, the best key), the frontiers laid out depth after depth and
+    stably sorted once more give exactly the heap's trees in its pop order.
     Cumulative log-probabilities are summed in float64, as the heap does.
     """
     if topk_ids.dim() != 3 or topk_logprobs.shape != topk_ids.shape:
@@ -1252,81 +1259,171 @@ def build_tree_batch(
     roots = root_tokens.reshape(bs).to(device=device, dtype=torch.int64)
     if depth == 0 or k == 0:
         return _padded_tree_batch(roots, n, 0)
-    ids = topk_ids.to(torch.int64)
-    lps = topk_logprobs.to(torch.float64)
-
-    # Every depth keeps a frontier of exactly `budget` entries in key order; past the
-    # real ones (there may be fewer) the weights are -inf, which sort last.
-    neg_inf = torch.full(
-        (bs, budget), float("-inf"), dtype=torch.float64, device=device
+    plan = _tree_plan(budget, depth, k, str(device))
+    # Column 0 is the root's log-prob (0), then the [depth * k] draft log-probs; the
+    # first k of those are depth 1's frontier as it is (sorted rows: key order).
+    lps = torch.nn.functional.pad(
+        topk_logprobs.to(torch.float64).reshape(bs, depth * k), (1, 0)
     )
-    first = torch.cat([lps[:, 0, :], neg_inf], dim=1)[:, : max(budget, k)]
-    logw, order = _best_in_key_order(first, budget)
-    # Child (p, r) -- rank r under frontier entry p -- is beaten by every (p', r')
-    # with p' <= p, r' <= r (no smaller weight, earlier in key order), so only the
-    # pairs with (p + 1) * (r + 1) <= budget can make the next frontier. Listed in
-    # (p, r) order, a stable sort on -logw among them realises the key.
-    pairs = [
-        (p, r) for p in range(budget) for r in range(k) if (p + 1) * (r + 1) <= budget
-    ]
-    cand_p = torch.tensor([p for p, _ in pairs], dtype=torch.int64, device=device)
-    cand_r = torch.tensor([r for _, r in pairs], dtype=torch.int64, device=device)
-    child_lps = lps[:, :, cand_r]  # [bs, depth, pairs]
-    orders = [order]
-    logws = [logw]
-    for d in range(1, depth):
-        children = torch.index_select(logw, 1, cand_p) + child_lps[:, d]
-        logw, order = _best_in_key_order(children, budget)
+    # `torch.cat` takes a slow path for any non-contiguous input, so every piece
+    # below is a fresh tensor.
+    values = [lps]
+    orders = [torch.zeros((bs, lps.shape[1]), dtype=torch.int64, device=device)]
+    if plan.padding:
+        values.append(
+            torch.full((bs, 1), float("-inf"), dtype=torch.float64, device=device)
+        )
+        orders.append(torch.zeros((bs, 1), dtype=torch.int64, device=device))
+    logw = lps
+    child_lps = torch.index_select(lps, 1, plan.child_cols).split(plan.child_sizes, 1)
+    for parent_col, child_lp in zip(plan.parent_cols, child_lps):
+        children = torch.index_select(logw, 1, parent_col) + child_lp
+        logw, order = torch.sort(children, dim=1, descending=True, stable=True)
+        values.append(logw)
         orders.append(order)
-        logws.append(logw)
-    # Depth 0 entries are ranks under the root; deeper ones index `pairs`.
-    ranks = [orders[0]]
-    parent_pos = [torch.zeros_like(orders[0])]
-    if depth > 1:
-        later = torch.stack(orders[1:], dim=1)
-        ranks.append(cand_r[later])
-        parent_pos.append(cand_p[later])
 
-    rank = torch.cat([ranks[0].unsqueeze(1), *ranks[1:]], dim=1)  # [bs, depth, budget]
-    tokens = torch.gather(ids, 2, rank.clamp(max=k - 1))
-    all_logw = torch.stack(logws, dim=1).view(bs, depth * budget)
-    count = min(budget, sum(min(budget, k**d) for d in range(1, depth + 1)))
-    _, chosen = _best_in_key_order(all_logw, count)
-    # Node index (1-based pop position) of every frontier entry, 0 if not chosen;
-    # a chosen entry's parent is always chosen, so its lookup never yields 0 wrongly.
-    node_of = torch.zeros((bs, depth * budget), dtype=torch.int64, device=device)
-    node_of.scatter_(
-        1, chosen, torch.arange(1, count + 1, device=device).expand(bs, count)
+    # Root, frontier prefixes depth after depth, padding: column order is the key's
+    # (depth, position) order, so the stable selection is the pop order, root first.
+    kept = torch.index_select(torch.cat(values, dim=1), 1, plan.keep)
+    logws, chosen = _best_in_key_order(kept, n)
+    # Each kept column's candidate (a static id) is its depth's offset plus the
+    # position its sort came from; the static tables tell the rest.
+    cand = torch.index_select(torch.cat(orders, dim=1), 1, plan.keep) + plan.cand_base
+    cand = torch.gather(cand, 1, chosen)
+    tokens = torch.gather(
+        torch.cat([roots.unsqueeze(1), topk_ids.to(torch.int64).reshape(bs, -1)], 1),
+        1,
+        torch.take(plan.token_col, cand),
     )
-    node_of = node_of.view(bs, depth, budget)
-    parents = torch.zeros((bs, depth, budget), dtype=torch.int64, device=device)
-    if depth > 1:
-        parents[:, 1:] = torch.gather(node_of[:, :-1], 2, parent_pos[1])
-    depths = (
-        torch.arange(1, depth + 1, device=device).view(1, depth, 1).expand_as(parents)
+    # Kept column -> node index. A chosen node's parent is chosen (and so written
+    # here); the root's parent is the extra last column, left at -1.
+    node_of = torch.full(
+        (bs, plan.keep.numel() + 1), -1, dtype=torch.int64, device=device
     )
-
-    def column_then(values: torch.Tensor, first, pad) -> torch.Tensor:
-        # [root column | chosen nodes | padding past the last candidate path]
-        parts = [first.unsqueeze(1), torch.gather(values.reshape(bs, -1), 1, chosen)]
-        if count < budget:
-            parts.append(pad.unsqueeze(1).expand(bs, budget - count))
-        return torch.cat(parts, dim=1)
-
-    zeros = torch.zeros(bs, dtype=torch.int64, device=device)
-    valid = torch.ones((bs, n), dtype=torch.bool, device=device)
-    valid[:, count + 1 :] = False
+    node_of.scatter_(1, chosen, plan.node_index.expand(bs, n))
     return TreeBatch(
-        tokens=column_then(tokens, roots, roots),
-        parents=column_then(parents, zeros - 1, zeros),
-        depths=column_then(depths, zeros, zeros + 1),
-        logws=column_then(
-            all_logw,
-            torch.zeros(bs, dtype=torch.float64, device=device),
-            torch.full((bs,), float("-inf"), dtype=torch.float64, device=device),
-        ),
-        valid=valid,
+        tokens=tokens,
+        parents=torch.gather(node_of, 1, torch.take(plan.parent_col, cand)),
+        depths=torch.take(plan.depth_of, cand),
+        logws=logws,
+        valid=plan.valid.expand(bs, n).clone(),
         max_depth=depth,
+    )
+
+
+@dataclass(frozen=True)
+class _TreePlan:
+    """The static part of :func:`build_tree_batch` for one (budget, depth, k, device).
+
+    The frontiers' columns, side by side ("wide"): the root, the ``[depth * k]``
+    draft log-probs (depth 1 is the first ``k``), a padding column if the product
+    tree has fewer than ``budget`` nodes, then every deeper depth's sorted
+    candidates. Candidates have static ids: 0 the root, ``1 + r`` rank ``r`` at
+    depth 1, then every deeper depth's candidate list in order, then the padding.
+    """
+
+    child_cols: torch.Tensor  # per deeper candidate: its draft log-prob's column
+    child_sizes: tuple[int, ...]  # candidates per depth, from depth 2
+    parent_cols: tuple[torch.Tensor, ...]  # per depth: the parents' columns
+    padding: bool
+    keep: torch.Tensor  # the wide columns that can hold a chosen node, in key order
+    cand_base: torch.Tensor  # per kept column: candidate id of sorted position 0
+    token_col: torch.Tensor  # per candidate id: column of [root | topk_ids]
+    parent_col: torch.Tensor  # per candidate id: kept column of the parent
+    depth_of: torch.Tensor  # per candidate id: depth (padding: 1)
+    node_index: torch.Tensor  # arange(budget + 1)
+    valid: torch.Tensor  # [budget + 1] bool
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_plan(budget: int, depth: int, k: int, device: str) -> _TreePlan:
+    def closure(d: int, q: int) -> int:
+        # Fewest nodes chosen along with the one at position q of depth d: it, the q
+        # before it, and at least ceil((q + 1) / k**j) distinct ancestors of those
+        # j levels up.
+        total, span = 0, q + 1
+        for _ in range(d):
+            total += span
+            span = -(-span // k)
+        return total
+
+    def fits(d: int) -> int:
+        # Positions of depth d that can hold a chosen node.
+        q = 0
+        while closure(d, q) <= budget:
+            q += 1
+        return q
+
+    # Child (p, r) of frontier position p is beaten by the (p + 1) * (r + 1) - 1
+    # other children (p' <= p, r' <= r) and by the closure of position p, so it is
+    # a candidate only if those and itself fit the budget. A chosen node's parent is
+    # chosen and sits at its true position, so no chosen node is pruned.
+    widths = [min(k, fits(1))]
+    lists: list[list[tuple[int, int]]] = []
+    for d in range(1, depth):
+        pairs = [
+            (p, r)
+            for p in range(widths[-1])
+            for r in range(k)
+            if (p + 1) * (r + 1) + closure(d, p) <= budget
+        ]
+        if not pairs:
+            break
+        lists.append(pairs)
+        widths.append(min(len(pairs), fits(d + 1)))
+    # With fewer nodes than the budget every node fits, so sum(widths) counts them.
+    pad = max(0, budget - sum(widths))
+
+    lp_cols = 1 + depth * k
+    starts = [lp_cols + (pad > 0)]
+    for pairs in lists:
+        starts.append(starts[-1] + len(pairs))
+    keep, cand_base = [0], [0]
+    keep += range(1, 1 + widths[0])
+    cand_base += range(1, 1 + widths[0])
+    kept_start = [1]  # kept column of each depth's position 0
+    cand_start = 1 + k
+    for pairs, start, w in zip(lists, starts, widths[1:]):
+        kept_start.append(len(keep))
+        keep += range(start, start + w)
+        cand_base += [cand_start] * w
+        cand_start += len(pairs)
+    keep += [lp_cols] * pad
+    cand_base += [cand_start] * pad
+
+    # Token columns of [root | flat topk_ids] equal the log-prob columns above.
+    token_col = [0, *range(1, 1 + k)]
+    parent_col = [len(keep), *[0] * k]  # the root's: one past the kept columns
+    depth_of = [0, *[1] * k]
+    for d, pairs in enumerate(lists, start=2):
+        token_col += [1 + (d - 1) * k + r for _, r in pairs]
+        parent_col += [kept_start[d - 2] + p for p, _ in pairs]
+        depth_of += [d] * len(pairs)
+    token_col.append(0)
+    parent_col.append(0)
+    depth_of.append(1)
+
+    def i64(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return _TreePlan(
+        child_cols=i64(
+            [1 + d * k + r for d, pairs in enumerate(lists, 1) for _, r in pairs]
+        ),
+        child_sizes=tuple(len(pairs) for pairs in lists),
+        # Depth 1's frontier is read from the log-prob columns, deeper ones from
+        # the previous sort's output.
+        parent_cols=tuple(
+            i64([p + (d == 0) for p, _ in pairs]) for d, pairs in enumerate(lists)
+        ),
+        padding=pad > 0,
+        keep=i64(keep),
+        cand_base=i64(cand_base),
+        token_col=i64(token_col),
+        parent_col=i64(parent_col),
+        depth_of=i64(depth_of),
+        node_index=torch.arange(budget + 1, device=device),
+        valid=torch.arange(budget + 1, device=device) <= budget - pad,
     )
 
 
@@ -1336,25 +1433,22 @@ def _best_in_key_order(
     """The ``count`` largest values of each row and their column indices, largest
     first, ties by lower index: the first ``count`` of a stable descending sort, which
     is what it is for short rows. For long rows a full sort costs far more than
-    ``topk``, whose tie order is unspecified, so the ``count``-th value is taken from
-    ``topk`` and the ties at it are resolved by index before the few chosen values are
-    sorted.
+    ``topk``, whose choice among ties is unspecified: ``topk`` gives the ``count``-th
+    value (the cut), a second ``topk`` on an integer key that ranks the values above
+    the cut over those at it, and those at it by lower index, picks exactly the stable
+    sort's columns, and only those are sorted.
     """
     bs, width = values.shape
     if width <= 64 or 4 * count >= width:
         top, order = torch.sort(values, dim=1, descending=True, stable=True)
         return top[:, :count], order[:, :count]
-    cut = torch.topk(values, count, dim=1).values[:, -1:]
-    above = values > cut
-    tied = values == cut
-    room = count - above.sum(dim=1, keepdim=True)
-    keep = above | (tied & (torch.cumsum(tied, dim=1) <= room))
-    # The kept columns in index order (each row keeps exactly `count`); the rest go
-    # to a spare column that is cut off.
-    slot = torch.where(keep, torch.cumsum(keep, dim=1) - 1, count)
-    kept = torch.zeros((bs, count + 1), dtype=torch.int64, device=values.device)
-    kept.scatter_(1, slot, torch.arange(width, device=values.device).expand(bs, width))
-    kept = kept[:, :count]
+    cut = torch.topk(values, count, dim=1, sorted=False).values.amin(1, keepdim=True)
+    # Fewer than `count` values are above the cut and at least `count` are at or
+    # above it, so the set is exact: all above, then the lowest columns at the cut.
+    lower_first = torch.arange(width, 0, -1, device=values.device)
+    key = (values > cut) * (width + 1) + (values == cut) * lower_first
+    kept = torch.topk(key, count, dim=1, sorted=False).indices
+    kept = torch.sort(kept, dim=1).values
     top, order = torch.sort(
         torch.gather(values, 1, kept), dim=1, descending=True, stable=True
     )
@@ -1405,25 +1499,39 @@ def tree_ancestor_masks(trees: TreeBatch) -> torch.Tensor:
     """``[bs, N, N]`` bool: row i is True at i and at every ancestor of i.
 
     Pointer doubling for a number of steps fixed by ``max_depth`` (no data-dependent
-    stop), so the mask costs ``log2(depth)`` whole-batch steps. Equal to
-    :func:`tree_attention_mask_batch` of the same trees.
+    stop), so the mask costs ``log2(depth)`` whole-batch steps, on rows packed 64
+    nodes to an int64 word. Equal to :func:`tree_attention_mask_batch` of the same
+    trees.
     """
     bs, n = trees.parents.shape
-    device = trees.parents.device
-    # Node n is a sink that the root points to, with an empty row.
-    up = torch.cat(
-        [trees.parents, torch.full((bs, 1), n, dtype=torch.int64, device=device)], dim=1
-    )
-    up[:, 0] = n
-    cols = torch.arange(n + 1, device=device)
-    mask = (cols.unsqueeze(1) == cols) | (up.unsqueeze(2) == cols)
-    mask[:, n, :] = False
+    word_of, bit_of, own = _node_bits(n, str(trees.parents.device))
+    # The root points to itself: OR-ing its own row in again changes nothing.
+    up = trees.parents.clamp(min=0)
+    rows = own | torch.index_select(own, 0, up.reshape(-1)).view(bs, n, -1)
     reach = 1
     while reach < trees.max_depth:
-        mask |= torch.gather(mask, 1, up.unsqueeze(2).expand(bs, n + 1, n + 1))
+        rows |= torch.gather(rows, 1, up.unsqueeze(2).expand_as(rows))
         up = torch.gather(up, 1, up)
         reach *= 2
-    return mask[:, :n, :n]
+    if rows.shape[2] > 1:
+        rows = torch.index_select(rows, 2, word_of)
+    return (rows & bit_of) != 0
+
+
+@functools.lru_cache(maxsize=64)
+def _node_bits(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Node j's word and bit in a packed row, and ``[N, words]``: node i's own bit."""
+    words = (n + 63) // 64
+    word_of = torch.arange(n, device=device) // 64
+    # 1 << 63 is int64's sign bit; wrapped, it is still just that bit.
+    bit_of = torch.tensor(
+        [(1 << (j % 64)) - (1 << 64 if j % 64 == 63 else 0) for j in range(n)],
+        dtype=torch.int64,
+        device=device,
+    )
+    own = torch.zeros((n, words), dtype=torch.int64, device=device)
+    own[torch.arange(n, device=device), word_of] = bit_of
+    return word_of, bit_of, own
 
 
 def tree_retrieve_batch(
@@ -1576,22 +1684,22 @@ class TreeMaskBuffer:
             self._buf = torch.ones(
                 max(int(cells), 2 * self.capacity), dtype=self.dtype, device=self.device
             )
-        pre = prefix_lens.reshape(bs).to(device=self.device, dtype=torch.int64)
-        widths = pre + n
-        sizes = widths * n
-        starts = torch.cumsum(sizes, 0) - sizes
-        rows = torch.arange(n, device=self.device)
-        idx = (
-            (starts + pre).view(bs, 1, 1)
-            + rows.view(1, n, 1) * widths.view(bs, 1, 1)
-            + rows.view(1, 1, n)
+        pre = prefix_lens.reshape(bs, 1, 1).to(device=self.device, dtype=torch.int64)
+        # Request b's block starts after all earlier blocks (N rows of prefix + N
+        # cells each) and its own prefix; row i adds i rows of pre_b + N cells. So
+        # cell (b, i, j) is N * cumsum(pre)_b + pre_b * (i + 1 - N) + (b N + i) N + j.
+        idx = torch.addcmul(
+            torch.cumsum(pre, 0) * n
+            + torch.arange(bs * n * n, device=self.device).view(bs, n, n),
+            pre,
+            torch.arange(1 - n, 1, device=self.device).view(1, n, 1),
         ).reshape(-1)
-        self._buf[idx] = tree_masks.reshape(-1).to(self.dtype)
+        self._buf.index_copy_(0, idx, tree_masks.reshape(-1).to(self.dtype))
         self._written = idx
         return self._buf[: int(cells)]
 
     def restore(self) -> None:
         """Set the cells of the last :meth:`write` back to True."""
         if self._written is not None:
-            self._buf[self._written] = True
+            self._buf.index_fill_(0, self._written, True)
             self._written = None
