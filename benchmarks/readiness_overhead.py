@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
-from ddtree_ops.service import RunConfig, lifecycle, manager
-from ddtree_ops.service.logphases import PhaseEvent
+from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle, manager
+from ddtree_ops.service.logphases import Phase, PhaseEvent
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
 
@@ -64,13 +64,14 @@ def main() -> int:
             watcher: list[threading.Thread] = []
 
             def on_phase(event: PhaseEvent) -> None:
-                if event.phase == "starting":
+                if event.phase is Phase.STARTING:
                     th = threading.Thread(target=watch_for_ready, args=(log, seen, halt), daemon=True)
                     th.start()
                     watcher.append(th)
 
-            result = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, on_phase=on_phase,
-                                       poll_interval_s=args.poll_interval, stop_grace_s=5.0)
+            request = RestartRequest(host, RunConfig("AR"), LaunchFacts("0.5.23"),
+                                     poll_interval_s=args.poll_interval, stop_grace_s=5.0)
+            result = lifecycle.restart(t, request, state=state, on_phase=on_phase)
             halt.set()
             for th in watcher:
                 th.join(1)

@@ -1,8 +1,9 @@
 """One exception tree for ddtree-ops, with one exit code per class.
 
 Only the CLI layer catches :class:`DdtreeOpsError`; it prints ``str(exc)`` on one line
-and exits with ``exc.exit_code``. Everything else raises these (foreign exceptions are
-translated once, at the boundary where they occur: transports, config loaders, HTTP).
+(under ``--json`` also the envelope, with ``exc.code``) and exits with ``exc.exit_code``.
+Everything else raises these (foreign exceptions are translated once, at the boundary
+where they occur: transports, config loaders, HTTP).
 
     DdtreeOpsError                      exit 1
     ├── ConfigError                     exit 2   bad inventory / sweep / bundle / CLI input
@@ -30,17 +31,29 @@ translated once, at the boundary where they occur: transports, config loaders, H
     └── FleetError                      exit 7   at least one host failed in a fan-out
 
 ``Interrupted`` (exit 130) is raised when the user presses Ctrl-C during a wait.
+
+Each class has a stable ``code`` (``config``, ``target``, ``connect``, ``drift``, ...),
+the name scripts see in the ``--json`` envelope; :func:`error_code` gives it for any
+exception (``internal`` for one that is not ours).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 
 class DdtreeOpsError(Exception):
-    """Root of every error ddtree-ops raises on purpose."""
+    """Root of every error ddtree-ops raises on purpose.
 
+    ``code`` is the class's stable name for scripts (the ``--json`` envelope's
+    ``errors[].code``); every class in this module has its own.
+    """
+
+    code: str = "error"
     exit_code: int = 1
+    # The per-host errors behind this one, when it ends a fan-out (FleetError, Interrupted).
+    failures: Mapping[str, BaseException] = MappingProxyType({})
 
     def __init__(self, message: str = "", *, host: str | None = None) -> None:
         self.message = message
@@ -54,42 +67,46 @@ class DdtreeOpsError(Exception):
 
 
 class ConfigError(DdtreeOpsError):
+    code = "config"
     exit_code = 2
 
 
 class InventoryError(ConfigError):
-    pass
+    code = "inventory"
 
 
 class TargetError(ConfigError):
-    pass
+    code = "target"
 
 
 class BundleError(ConfigError):
-    pass
+    code = "bundle"
 
 
 class SweepError(ConfigError):
-    pass
+    code = "sweep"
 
 
 class TransportError(DdtreeOpsError):
+    code = "transport"
     exit_code = 3
 
 
 class ConnectError(TransportError):
-    pass
+    code = "connect"
 
 
 class AuthError(TransportError):
-    pass
+    code = "auth"
 
 
 class HostKeyError(TransportError):
-    pass
+    code = "host_key"
 
 
 class CommandTimeout(TransportError):
+    code = "command_timeout"
+
     def __init__(self, message: str = "", *, host: str | None = None, timeout: float | None = None) -> None:
         super().__init__(message, host=host)
         self.timeout = timeout
@@ -97,6 +114,8 @@ class CommandTimeout(TransportError):
 
 class CommandFailed(TransportError):
     """A command exited non-zero. Carries what a person needs to act on it."""
+
+    code = "command_failed"
 
     def __init__(
         self,
@@ -119,57 +138,113 @@ class CommandFailed(TransportError):
 
 
 class RemoteFileError(TransportError):
-    pass
+    code = "remote_file"
 
 
 class PatchError(DdtreeOpsError):
+    code = "patch"
     exit_code = 4
 
 
 class UnsupportedVersion(PatchError):
-    pass
+    code = "unsupported_version"
 
 
 class DriftError(PatchError):
-    pass
+    code = "drift"
 
 
 class LockError(PatchError):
-    pass
+    code = "lock"
 
 
 class VerifyError(PatchError):
-    pass
+    code = "verify"
 
 
 class ServiceError(DdtreeOpsError):
+    code = "service"
     exit_code = 5
 
 
 class ReadinessTimeout(ServiceError):
-    pass
+    code = "readiness_timeout"
 
 
 class ServerCrashed(ServiceError):
-    pass
+    code = "server_crashed"
 
 
 class PortBusy(ServiceError):
-    pass
+    code = "port_busy"
 
 
 class BenchError(DdtreeOpsError):
+    code = "bench"
     exit_code = 6
 
 
 class FleetError(DdtreeOpsError):
-    """Raised by the CLI after rendering a fan-out in which some hosts failed."""
+    """Raised by the CLI after rendering a fan-out in which some hosts failed.
 
+    Like fabric's ``GroupException(result)``: it carries the whole fan-out
+    (``result``, a :class:`ddtree_ops.fleet.FleetResult`) and each failed host's error
+    (``failures``: the result's exceptions, plus any failure a host's value carried
+    itself), so a caller (the ``--json`` envelope) reads them instead of re-deriving them.
+    """
+
+    code = "fleet"
     exit_code = 7
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        result: Mapping[str, object] | None = None,
+        failures: Mapping[str, BaseException] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.result = result
+        if failures is None:
+            failed = getattr(result, "failed", None)
+            failures = failed if failed is not None else {}
+        self.failures = MappingProxyType(dict(failures))
 
 
 class Interrupted(DdtreeOpsError):
+    code = "interrupted"
     exit_code = 130
+
+    def __init__(
+        self, message: str = "", *, host: str | None = None, failures: Mapping[str, BaseException] | None = None
+    ) -> None:
+        super().__init__(message, host=host)
+        self.failures = MappingProxyType(dict(failures or {}))
+
+
+def error_code(exc: BaseException) -> str:
+    """The stable code of ``exc``: its class's ``code``, ``internal`` for an exception that
+    is not ours (a bug, kept as a host's value by the fan-out)."""
+    if isinstance(exc, DdtreeOpsError):
+        return exc.code
+    if isinstance(exc, KeyboardInterrupt):
+        return Interrupted.code
+    return "internal"
+
+
+def recorded_error(type_name: str | None, message: str, *, host: str | None = None) -> DdtreeOpsError:
+    """An error that was kept as data (a probe's ``error_type`` and ``error``) as an
+    exception again, with the code and exit code of our class called ``type_name``
+    (the root's when no class of ours has that name). Its message is the recorded one."""
+    exc = DdtreeOpsError(message, host=host)
+    todo: list[type[DdtreeOpsError]] = [DdtreeOpsError]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == type_name:
+            exc.code, exc.exit_code = cls.code, cls.exit_code
+            break
+        todo.extend(cls.__subclasses__())
+    return exc
 
 
 def stderr_tail(text: str, *, lines: int = 3, limit: int = 400) -> str:

@@ -1,22 +1,80 @@
 """Fan-out: run one function on many hosts in parallel, and report every host's outcome.
 
-Modelled on fabric's ``Group``: the answer is ``{host: result | exception}`` in inventory
-order. One host failing never stops the others nor hides their results; deciding what a
-failure means (and the exit code) is the caller's job — the CLI renders a per-host summary
-and exits non-zero when any host failed.
+Modelled on fabric's ``Group``: the answer is a :class:`FleetResult`, a read-only
+``{host: result | exception}`` mapping in inventory order with ``.succeeded`` /
+``.failed`` views (fabric's ``GroupResult``). One host failing never stops the others
+nor hides their results; deciding what a failure means (and the exit code) is the
+caller's job — the CLI renders a per-host summary and raises
+:class:`~ddtree_ops.errors.FleetError` (carrying this result) when any host failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
 from typing import TypeVar
 
-from ddtree_ops.errors import DdtreeOpsError
 from ddtree_ops.inventory_types import Host
 
 T = TypeVar("T")
-HostResults = dict[str, "T | DdtreeOpsError | BaseException"]
+U = TypeVar("U")
+
+
+class FleetResult(Mapping[str, T | BaseException]):
+    """Every host's value, or the exception its function raised, in host order.
+
+    Read-only: ``result[name]``, iteration and ``len`` work as on the plain dict it
+    replaces, and the views say which hosts succeeded and which failed, so no caller
+    re-checks ``isinstance(value, BaseException)``.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, T | BaseException] | None = None) -> None:
+        self._values: dict[str, T | BaseException] = dict(values or {})
+
+    def __getitem__(self, host: str) -> T | BaseException:
+        return self._values[host]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"FleetResult({self._values!r})"
+
+    @property
+    def succeeded(self) -> Mapping[str, T]:
+        """Hosts whose function returned, with their values."""
+        return MappingProxyType({n: v for n, v in self._values.items() if not isinstance(v, BaseException)})
+
+    @property
+    def failed(self) -> Mapping[str, BaseException]:
+        """Hosts whose function raised, with the exception."""
+        return MappingProxyType({n: v for n, v in self._values.items() if isinstance(v, BaseException)})
+
+    @property
+    def ok(self) -> bool:
+        """True when no host raised."""
+        return not any(isinstance(v, BaseException) for v in self._values.values())
+
+    def failures(self, judge: Callable[[T], BaseException | None] | None = None) -> Mapping[str, BaseException]:
+        """The failed hosts, plus those whose value carries its own failure: ``judge(value)``
+        returns the error for such a value (e.g. doctor's facts of an unreachable host)."""
+        out: dict[str, BaseException] = {}
+        for name, value in self._values.items():
+            if isinstance(value, BaseException):
+                out[name] = value
+            elif judge is not None and (err := judge(value)) is not None:
+                out[name] = err
+        return MappingProxyType(out)
+
+    def map(self, fn: Callable[[T], U]) -> FleetResult[U]:
+        """``fn`` applied to every successful value; failures kept as they are."""
+        return FleetResult({n: v if isinstance(v, BaseException) else fn(v) for n, v in self._values.items()})
 
 
 def run_on_hosts(
@@ -24,7 +82,7 @@ def run_on_hosts(
     fn: Callable[[Host], T],
     *,
     max_parallel: int = 8,
-) -> dict[str, T | DdtreeOpsError | BaseException]:
+) -> FleetResult[T]:
     """``fn(host)`` for every host, at most ``max_parallel`` at once.
 
     Exceptions raised by ``fn`` become that host's value (ours are DdtreeOpsError; anything
@@ -37,8 +95,8 @@ def run_on_hosts(
     if len(set(names)) != len(names):
         raise ValueError("duplicate host names in fan-out")
     if not hosts:
-        return {}
-    results: dict[str, T | DdtreeOpsError | BaseException] = {}
+        return FleetResult()
+    results: dict[str, T | BaseException] = {}
     with ThreadPoolExecutor(max_workers=min(max_parallel, len(hosts)), thread_name_prefix="host") as pool:
         futures: list[tuple[str, Future[T]]] = [(h.name, pool.submit(fn, h)) for h in hosts]
         try:
@@ -51,9 +109,9 @@ def run_on_hosts(
             for _, future in futures:
                 future.cancel()
             raise
-    return results
+    return FleetResult(results)
 
 
-def failed_hosts(results: dict[str, object]) -> list[str]:
+def failed_hosts(results: Mapping[str, object]) -> list[str]:
     """Names of the hosts whose value is an exception, in order."""
-    return [name for name, value in results.items() if isinstance(value, BaseException)]
+    return list(FleetResult(results).failed)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddtree_ops.errors import DdtreeOpsError, stderr_tail
-from ddtree_ops.fleet import run_on_hosts
+from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport import RoundTripCounter, Script, Transport, open_transport
 
@@ -216,7 +216,7 @@ def probe_hosts(
     connect_timeout: float = 10.0,
     max_parallel: int = 8,
     counters: dict[str, RoundTripCounter] | None = None,
-) -> dict[str, HostFacts | BaseException]:
+) -> FleetResult[HostFacts]:
     """``probe_host`` on every host in parallel; ``counters`` (host -> counter) lets a
     caller count the remote round trips per host."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_json import json_data
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_hosts_lists_the_shipped_inventories(cli, clean_home: Path, monkeypatch:
     monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
     res = cli("--json", "hosts")  # default: every inventories/*.yaml
     assert res.exit_code == 0, res.stderr
-    names = [h["name"] for h in json.loads(res.stdout)]
+    names = [h["name"] for h in json_data(res.stdout)]
     assert {"ct200-a", "ct200-b", "b300-a", "sim-ct200", "sim-b300"} <= set(names)
     table = cli("-i", "inventories/local.yaml", "hosts", "local")
     assert table.exit_code == 0 and "sim-ct200" in table.stdout and "ct200-a" not in table.stdout
@@ -113,7 +113,7 @@ def test_refused_vs_timeout_per_host_while_others_succeed(
     finally:
         silent.close()
     assert res.exit_code == 7
-    rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
+    rows = {r["host"]: r for r in json_data(res.stdout)["hosts"]}
     assert "connection refused" in rows["refusing"]["error"]
     assert "did not complete the SSH handshake within 2s" in rows["hanging"]["error"]
     assert all(rows[n]["ok"] and rows[n]["result"]["sglang_version"] == "0.5.23" for n in ssh_fleet.names)
@@ -127,7 +127,7 @@ def test_wrong_key_is_reported_as_auth_failure(ssh_fleet: Fleet, clean_home: Pat
     inv.write_text(yaml.safe_dump(doc))
     res = cli("-i", str(inv), "--json", "doctor", ssh_fleet.names[0])
     assert res.exit_code == 7
-    row = json.loads(res.stdout)["hosts"][0]
+    row = json_data(res.stdout)["hosts"][0]
     assert row["result"]["error_type"] == "AuthError" and "authentication failed" in row["error"]
 
 
@@ -141,7 +141,7 @@ def test_host_key_policies_via_cli(ssh_fleet: Fleet, clean_home: Path, tmp_path:
 
     res = cli("-i", str(inv), "--json", "doctor", fh.name)
     assert res.exit_code == 7
-    row = json.loads(res.stdout)["hosts"][0]
+    row = json_data(res.stdout)["hosts"][0]
     assert row["result"]["error_type"] == "HostKeyError" and "unknown host key" in row["error"]
 
     res = cli("-i", str(inv), "--host-key-policy", "accept-new", "--json", "doctor", fh.name)
@@ -160,7 +160,7 @@ def test_host_key_policies_via_cli(ssh_fleet: Fleet, clean_home: Path, tmp_path:
         impostor.stop()
         ssh_fleet.start(fh.name)
     assert res.exit_code == 7
-    row = json.loads(res.stdout)["hosts"][0]
+    row = json_data(res.stdout)["hosts"][0]
     assert row["result"]["error_type"] == "HostKeyError" and "has CHANGED" in row["error"]
 
 
@@ -180,6 +180,6 @@ def test_hostile_python_path_reaches_the_host_as_data(ssh_fleet: Fleet, clean_ho
     inv.write_text(yaml.safe_dump(doc))
     res = cli("-i", str(inv), "--json", "doctor", ssh_fleet.names[0])
     assert res.exit_code == 7
-    row = json.loads(res.stdout)["hosts"][0]
+    row = json_data(res.stdout)["hosts"][0]
     assert "remote interpreter" in row["error"] and hostile in row["error"]
     assert not canary.exists()

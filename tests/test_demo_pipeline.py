@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import shutil
 import socket
 import sysconfig
@@ -30,6 +29,7 @@ import httpx
 import pytest
 import yaml
 
+from cli_json import json_data
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.patching.bundle import load_bundle
@@ -170,7 +170,7 @@ def _stop_servers(inventory: Path) -> None:
 
 def _ok_json(result: Any, what: str) -> Any:
     assert result.exit_code == 0, f"{what} exited {result.exit_code}:\n{result.stderr[-3000:]}\n{result.stdout[-3000:]}"
-    return json.loads(result.stdout)
+    return json_data(result.stdout)
 
 
 def _sha256(path: Path) -> str:

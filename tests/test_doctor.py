@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from cli_json import json_data, read_envelope
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.probe import probe_host, probe_hosts
 from ddtree_ops.transport import RoundTripCounter, open_transport
@@ -73,7 +73,7 @@ def test_host_without_sglang(local_host: Host) -> None:
 def test_doctor_cli_on_the_fleet(ssh_fleet: Fleet, clean_home: Path, cli) -> None:
     res = cli("-i", str(ssh_fleet.inventory), "--json", "doctor", "all")
     assert res.exit_code == 0, res.stderr
-    data = json.loads(res.stdout)
+    data = json_data(res.stdout)
     assert data["ok"] is True
     by_host = {row["host"]: row["result"] for row in data["hosts"]}
     assert set(by_host) == set(ssh_fleet.names)
@@ -95,9 +95,11 @@ def test_doctor_one_host_down_others_reported(ssh_fleet: Fleet, clean_home: Path
     finally:
         ssh_fleet.start(down)
     assert res.exit_code == 7  # FleetError: some host failed
-    rows = {row["host"]: row for row in json.loads(res.stdout)["hosts"]}
+    rows = {row["host"]: row for row in json_data(res.stdout)["hosts"]}
     assert rows[down]["ok"] is False and "connection refused" in rows[down]["error"]
     assert rows[down]["result"]["error_type"] == "ConnectError"
+    errors = read_envelope(res.stdout)["errors"]  # the failed host, with the probe's error's code
+    assert [(e["code"], e["host"]) for e in errors] == [("fleet", None), ("connect", down)]
     assert all(rows[n]["ok"] for n in ssh_fleet.names if n != down)
     assert f"doctor failed on 1 of 3 host(s): {down}" in res.stderr
     assert "Traceback" not in res.stderr

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ddtree_ops.errors import ConnectError
-from ddtree_ops.fleet import failed_hosts, run_on_hosts
+from ddtree_ops.errors import ConnectError, DdtreeOpsError
+from ddtree_ops.fleet import FleetResult, failed_hosts, run_on_hosts
 from ddtree_ops.inventory_types import Host
 
 HOSTS = [Host(f"h{i}", address=f"10.0.0.{i}") for i in range(7)]
@@ -29,6 +29,8 @@ def test_results_in_host_order_with_failures_as_values() -> None:
     assert isinstance(results["h2"], ConnectError) and str(results["h2"]) == "h2: connection refused"
     assert isinstance(results["h5"], RuntimeError)
     assert failed_hosts(results) == ["h2", "h5"]
+    assert list(results.failed) == ["h2", "h5"] and not results.ok
+    assert list(results.succeeded) == ["h0", "h1", "h3", "h4", "h6"] and results.succeeded["h3"] == "H3"
 
 
 @pytest.mark.parametrize("limit", [1, 3, 8])
@@ -57,3 +59,18 @@ def test_empty_and_invalid() -> None:
         run_on_hosts(HOSTS, lambda h: 1, max_parallel=0)
     with pytest.raises(ValueError, match="duplicate"):
         run_on_hosts([HOSTS[0], HOSTS[0]], lambda h: 1)
+
+
+def test_fleet_result_views() -> None:
+    err = ConnectError("refused", host="b")
+    result: FleetResult[int] = FleetResult({"a": 1, "b": err, "c": 3})
+    assert dict(result) == {"a": 1, "b": err, "c": 3} and result == {"a": 1, "b": err, "c": 3}
+    assert dict(result.succeeded) == {"a": 1, "c": 3} and dict(result.failed) == {"b": err} and not result.ok
+    assert FleetResult({"a": 1}).ok and FleetResult().ok and len(FleetResult()) == 0
+    # A value that carries its own failure counts when a judge says so, in host order.
+    own = DdtreeOpsError("no GPU", host="c")
+    assert list(result.failures(lambda v: own if v == 3 else None).items()) == [("b", err), ("c", own)]
+    doubled = result.map(lambda v: v * 2)
+    assert isinstance(doubled, FleetResult) and dict(doubled) == {"a": 2, "b": err, "c": 6}
+    with pytest.raises(TypeError):
+        result["a"] = 2  # type: ignore[index]

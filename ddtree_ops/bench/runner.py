@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load, server_info
@@ -45,6 +45,9 @@ from ddtree_ops.bench.sweep import SweepSpec
 from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
+
+if TYPE_CHECKING:
+    from ddtree_ops.service.lifecycle import RestartRequest
 
 LEDGER_ALGORITHM = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
 # Errors after which nothing more can be done on the host in this sweep.
@@ -94,13 +97,19 @@ class SweepOutcome:
         return any(h.interrupted for h in self.hosts)
 
 
+class RestartHook(Protocol):
+    """``lifecycle.restart`` as the runner calls it."""
+
+    def __call__(self, transport: Transport, request: RestartRequest, *, cancel: threading.Event | None = ...) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Services:
     """The lifecycle and transport functions the runner calls; swapped only by tests that
     need to count calls, never to fake a server."""
 
     open_transport: Callable[[Host], Transport]
-    restart: Callable[..., Any]
+    restart: RestartHook
     stop: Callable[..., Any]
     status: Callable[..., Any]
     probe: Callable[[Transport, Host], Any] | None = None
@@ -448,15 +457,12 @@ class SweepRunner:
         return None, started
 
     def _restart(self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig) -> Any:
+        from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
+
         hr.restarts += 1
-        return self.services.restart(
-            transport,
-            hr.host,
-            prov.facts if prov.facts is not None else prov.sglang_version,
-            run_config(server),
-            timeout=self.restart_timeout,
-            cancel=self.shared.cancel,
-        )
+        facts = LaunchFacts.from_probe(prov.facts) if prov.facts is not None else LaunchFacts(prov.sglang_version)
+        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout)
+        return self.services.restart(transport, request, cancel=self.shared.cancel)
 
     def _served(self, hr: _HostRun, prov: _Provenance) -> _Provenance:
         """Provenance for the rows of the server just launched: read its ``/server_info``

@@ -8,7 +8,6 @@ and ``--resume`` continues) and picks the exit code (7 when any row failed).
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -22,8 +21,9 @@ from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress as RunProgress
 from ddtree_ops.bench.runner import SweepOutcome, SweepRunner, default_services
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
-from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError, FleetError, Interrupted
+from ddtree_ops.cli.common import set_json_data
+from ddtree_ops.cli.main import AppContext, app, err_console
+from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
 from ddtree_ops.inventory_types import Host
 
 
@@ -69,7 +69,7 @@ def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[
             plan, load_s=load_s, num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens
         )
     if obj.json:
-        obj.console.print_json(json.dumps(_plan_json(spec, plan, hosts, estimates)))
+        set_json_data(obj, _plan_json(spec, plan, hosts, estimates))
         return
     table = Table(title=f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host")
     for col in ("#", "server", "cells", "temperatures", "concurrency"):
@@ -86,16 +86,12 @@ def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[
 
 def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
     if obj.json:
-        obj.console.print_json(
-            json.dumps(
-                {
-                    "run_id": outcome.run_id,
-                    "ledger": str(outcome.ledger),
-                    "hosts": [h.__dict__ for h in outcome.hosts],
-                    "bad_ledger_lines": [list(b) for b in outcome.bad_ledger_lines],
-                }
-            )
-        )
+        set_json_data(obj, {
+            "run_id": outcome.run_id,
+            "ledger": str(outcome.ledger),
+            "hosts": [h.__dict__ for h in outcome.hosts],
+            "bad_ledger_lines": [list(b) for b in outcome.bad_ledger_lines],
+        })
         return
     for lineno, reason in outcome.bad_ledger_lines:
         obj.console.print(f"[yellow]ledger {outcome.ledger}:{lineno}: {reason} (ignored)[/]")
@@ -192,7 +188,10 @@ def bench(
                 cancel.set()
                 if interrupts > 1:
                     raise
-                obj.console.print("[yellow]interrupt: finishing the current rows and stopping servers (Ctrl-C again to abort)[/]")
+                # Under --json, stdout holds only the envelope.
+                (err_console if obj.json else obj.console).print(
+                    "[yellow]interrupt: finishing the current rows and stopping servers (Ctrl-C again to abort)[/]"
+                )
     if "error" in holder:
         raise holder["error"]
     outcome: SweepOutcome = holder["outcome"]
@@ -200,5 +199,9 @@ def bench(
     if outcome.interrupted or cancel.is_set():
         raise Interrupted(f"interrupted; rows so far are in {ledger_path} — rerun with --resume to finish")
     if outcome.failed:
-        failed = [h.host for h in outcome.hosts if h.failed_rows or h.error]
-        raise FleetError(f"failed rows on {', '.join(failed)} (see the ledger's error column)")
+        failures = {
+            h.host: BenchError(h.error or f"{h.failed_rows} failed row(s)", host=h.host)
+            for h in outcome.hosts
+            if h.failed_rows or h.error
+        }
+        raise FleetError(f"failed rows on {', '.join(failures)} (see the ledger's error column)", failures=failures)

@@ -1,9 +1,15 @@
-"""Helpers every command uses: resolve the target to hosts, render per-host results.
+"""Helpers every command uses: resolve the target to hosts, render per-host results, and
+the one ``--json`` envelope.
 
-The per-host summary is the one place that turns ``{host: result | exception}`` (from
-:func:`ddtree_ops.fleet.run_on_hosts`) into output: a rich table for people, or one JSON
-document for scripts (``--json``). It returns whether any host failed; the command then
-raises :class:`FleetError` so the exit code says so, after every host was shown.
+The per-host summary is the one place that turns a :class:`~ddtree_ops.fleet.FleetResult`
+into output: a rich table for people, or the command's ``--json`` data for scripts. It
+returns whether any host failed; the command then raises :class:`FleetError` (carrying
+the result) so the exit code says so, after every host was shown.
+
+Under ``--json`` a command never writes to stdout itself: it hands its payload to
+:func:`set_json_data`, and the entry point writes exactly one document, the envelope
+(:func:`write_envelope`), when the command has ended — with ``ok: false``, the stable
+error codes and the exit code when it failed, the payload included either way.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from ddtree_ops.errors import DdtreeOpsError, FleetError
+from ddtree_ops.errors import DdtreeOpsError, FleetError, Interrupted, error_code
+from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport import RoundTripCounter, Transport, open_transport
 
 Column = tuple[str, Callable[[Any], object]]
+# A value that carries its own failure (doctor's facts of an unreachable host) -> that error.
+Judge = Callable[[Any], "BaseException | None"]
+SCHEMA_VERSION = 1
 
 
 def load_inventory_for(ctx_obj: Any) -> Inventory:
@@ -71,39 +81,86 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def set_json_data(ctx_obj: Any, data: Any) -> None:
+    """The command's ``--json`` payload (the envelope's ``data``). Written by the entry
+    point once the command ends, so a command that renders and then fails still prints
+    exactly one document."""
+    ctx_obj.data = to_jsonable(data)
+    ctx_obj.has_data = True
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The documented exit code for ``error`` (README: "Exit codes")."""
+    if isinstance(error, DdtreeOpsError):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return Interrupted.exit_code
+    return 1
+
+
+def error_entries(error: BaseException) -> list[dict[str, Any]]:
+    """The envelope's ``errors``: the error itself, then each failed host's (fan-outs)."""
+    entries = [{"code": error_code(error), "message": error_text(error), "host": getattr(error, "host", None)}]
+    for host, exc in getattr(error, "failures", {}).items():
+        entries.append({"code": error_code(exc), "message": error_text(exc), "host": host})
+    return entries
+
+
+def envelope(command: str | None, *, data: Any = None, error: BaseException | None = None) -> dict[str, Any]:
+    """The one ``--json`` document of every command, success or failure (README: "JSON output")."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "ok": error is None,
+        "exit_code": 0 if error is None else exit_code_of(error),
+        "data": to_jsonable(data),
+        "errors": [] if error is None else error_entries(error),
+    }
+
+
+def write_envelope(command: str | None, *, data: Any = None, error: BaseException | None = None) -> None:
+    """Write :func:`envelope` to stdout: the only writer of ``--json`` output."""
+    emit_json(envelope(command, data=data, error=error))
+
+
+def failure_row(host: str, exc: BaseException) -> dict[str, Any]:
+    """A failed host's row in a fan-out's ``--json`` data."""
+    return {"host": host, "ok": False, "error": error_text(exc), "error_type": type(exc).__name__}
+
+
+def fleet_json(title: str, results: FleetResult[Any], failures: Mapping[str, BaseException]) -> dict[str, Any]:
+    """A fan-out's ``--json`` data: ``{title, ok, hosts: [{host, ok, error, result | error_type}]}``."""
+    failed = results.failed
+    rows = []
+    for name, value in results.items():
+        if name in failed:
+            rows.append(failure_row(name, failed[name]))
+            continue
+        failure = failures.get(name)
+        error = None if failure is None else error_text(failure)
+        rows.append({"host": name, "ok": failure is None, "error": error, "result": to_jsonable(value)})
+    return {"title": title, "ok": not failures, "hosts": rows}
+
+
 def render_host_results(
     ctx_obj: Any,
     title: str,
-    results: Mapping[str, Any],
+    results: FleetResult[Any],
     columns: Sequence[Column],
     *,
-    failure: Callable[[Any], str | None] | None = None,
+    failure: Judge | None = None,
 ) -> bool:
     """Show every host's outcome; return True if any host failed.
 
-    A host failed when its value is an exception, or when ``failure(value)`` returns a
-    reason (for results that carry their own error, like doctor's facts). ``columns`` are
+    A host failed when its value is an exception, or when ``failure(value)`` returns an
+    error (for results that carry their own error, like doctor's facts). ``columns`` are
     ``(header, getter)`` pairs applied to successful values.
     """
-    reasons: dict[str, str | None] = {}
-    for name, value in results.items():
-        if isinstance(value, BaseException):
-            reasons[name] = error_text(value)
-        else:
-            reasons[name] = failure(value) if failure is not None else None
-    any_failed = any(r is not None for r in reasons.values())
-
+    failures = results.failures(failure)
+    reasons = {name: error_text(exc) for name, exc in failures.items()}
     if getattr(ctx_obj, "json", False):
-        rows = []
-        for name, value in results.items():
-            row: dict[str, Any] = {"host": name, "ok": reasons[name] is None, "error": reasons[name]}
-            if isinstance(value, BaseException):
-                row["error_type"] = type(value).__name__
-            else:
-                row["result"] = to_jsonable(value)
-            rows.append(row)
-        emit_json({"title": title, "ok": not any_failed, "hosts": rows})
-        return any_failed
+        set_json_data(ctx_obj, fleet_json(title, results, failures))
+        return bool(failures)
 
     # Many columns do not fit a terminal: then one row per (host, column) instead.
     long = len(columns) > 3
@@ -116,8 +173,8 @@ def render_host_results(
         for header, _ in columns:
             table.add_column(header, overflow="fold")
     for name, value in results.items():
-        reason = reasons[name]
-        failed_call = isinstance(value, BaseException)
+        reason = reasons.get(name)
+        failed_call = name in results.failed
         status = Text(f"FAILED ({type(value).__name__})" if failed_call else "FAILED", style="bold red") if reason else Text("ok", style="green")
         cells = [] if failed_call else [_cell(getter(value)) for _, getter in columns]
         if long:
@@ -137,10 +194,9 @@ def render_host_results(
                 table.add_row("", "", Text(reason, style="red"), *[""] * (len(columns) - 1))
     console = ctx_obj.console
     console.print(table)
-    failed = [n for n, r in reasons.items() if r is not None]
-    if failed:
-        console.print(Text(f"{len(failed)} of {len(results)} host(s) failed: {', '.join(failed)}", style="bold red"))
-    return any_failed
+    if failures:
+        console.print(Text(f"{len(failures)} of {len(results)} host(s) failed: {', '.join(failures)}", style="bold red"))
+    return bool(failures)
 
 
 def _cell(value: object) -> Text | str:
@@ -151,14 +207,12 @@ def _cell(value: object) -> Text | str:
     return str(value)
 
 
-def raise_if_failed(
-    what: str, results: Mapping[str, Any], *, failure: Callable[[Any], str | None] | None = None
-) -> None:
-    """After rendering: exit non-zero (FleetError) when some host failed."""
-    failed = [
-        name
-        for name, value in results.items()
-        if isinstance(value, BaseException) or (failure is not None and failure(value) is not None)
-    ]
-    if failed:
-        raise FleetError(f"{what} failed on {len(failed)} of {len(results)} host(s): {', '.join(failed)}")
+def raise_if_failed(what: str, results: FleetResult[Any], *, failure: Judge | None = None) -> None:
+    """After rendering: exit non-zero (FleetError, carrying the result) when some host failed."""
+    failures = results.failures(failure)
+    if failures:
+        raise FleetError(
+            f"{what} failed on {len(failures)} of {len(results)} host(s): {', '.join(failures)}",
+            result=results,
+            failures=failures,
+        )

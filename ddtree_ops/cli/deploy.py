@@ -17,10 +17,10 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from ddtree_ops.cli.common import emit_json, error_text, load_hosts, raise_if_failed, transport_for
+from ddtree_ops.cli.common import error_text, failure_row, load_hosts, raise_if_failed, set_json_data, transport_for
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, ServiceError
-from ddtree_ops.fleet import run_on_hosts
+from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
@@ -64,38 +64,31 @@ def _plan_json(plan: HostPlan) -> dict[str, Any]:
 
 
 def _outcome_json(o: HostOutcome) -> dict[str, Any]:
-    return {"host": o.host, "ok": True, "outcome": o.outcome, "message": o.message, "recovered": o.recovered,
+    return {"host": o.host, "ok": True, "outcome": o.outcome.value, "message": o.message, "recovered": o.recovered,
             "txn": o.txn, "plan": _plan_json(o.plan)}
 
 
-def _render_outcomes(obj: AppContext, title: str, results: dict[str, Any], *, show_files: bool) -> bool:
-    """Render per-host results; True if any host failed."""
-    failed = any(isinstance(r, BaseException) for r in results.values())
+def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutcome], *, show_files: bool) -> None:
+    """Render per-host results (a table, or the --json data: one row per host)."""
+    failed = results.failed
     if obj.json:
-        rows = []
-        for name, r in results.items():
-            if isinstance(r, BaseException):
-                rows.append({"host": name, "ok": False, "error": error_text(r), "error_type": type(r).__name__})
-            else:
-                rows.append(_outcome_json(r))
-        emit_json(rows)
-        return failed
+        set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(r) for n, r in results.items()])
+        return
     table = Table(title=title, show_lines=False)
     table.add_column("host", style="bold")
     table.add_column("result")
     table.add_column("bundle")
     table.add_column("detail", overflow="fold")
     for name, r in results.items():
-        if isinstance(r, BaseException):
-            table.add_row(name, "[red]failed[/]", "", error_text(r))
+        if name in failed:
+            table.add_row(name, "[red]failed[/]", "", error_text(failed[name]))
             continue
-        style = {"applied": "green", "rolled-back": "green", "noop": "dim", "planned": "cyan"}.get(r.outcome, "yellow")
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
-        table.add_row(name, f"[{style}]{r.outcome}[/]", bundle, r.message)
+        table.add_row(name, f"[{r.outcome.style}]{r.outcome.label}[/]", bundle, r.message)
     obj.console.print(table)
     if show_files:
-        for name, r in results.items():
-            if isinstance(r, BaseException) or not r.plan.actions:
+        for name, r in results.succeeded.items():
+            if not r.plan.actions:
                 continue
             ft = Table(title=f"{name}: files", title_justify="left")
             ft.add_column("path")
@@ -106,7 +99,6 @@ def _render_outcomes(obj: AppContext, title: str, results: dict[str, Any], *, sh
             for a in r.plan.actions:
                 ft.add_row(a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason)
             obj.console.print(ft)
-    return failed
 
 
 def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
@@ -181,26 +173,26 @@ def deploy_cmd(
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
-    failed = _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0)
+    _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0)
     if diff and not obj.json:
         for name, texts in diffs.items():
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
-    if failed:
-        raise_if_failed("deploy", results)
+    raise_if_failed("deploy", results)
 
 
 def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], None]:
     """The lifecycle restart, resolved before any host is touched so a missing module fails early."""
     try:
         from ddtree_ops.service.launch import RunConfig
+        from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
         from ddtree_ops.service.lifecycle import restart as service_restart
     except ImportError as exc:
         raise ServiceError(f"--restart is not available: the service lifecycle module cannot be imported ({exc})") from exc
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
 
     def hook(transport: Any, host: Host, version: str | None) -> None:
-        service_restart(transport, host, version, run)
+        service_restart(transport, RestartRequest(host, run, LaunchFacts(version)))
 
     return hook
 
@@ -226,10 +218,8 @@ def rollback_cmd(
             return rollback(t, h, opts)
 
     results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
-    failed = _render_outcomes(obj, "rollback (dry run)" if dry_run else "rollback", results,
-                              show_files=dry_run or obj.verbose > 0)
-    if failed:
-        raise_if_failed("rollback", results)
+    _render_outcomes(obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0)
+    raise_if_failed("rollback", results)
 
 
 def _service_json(svc: Any) -> dict[str, Any]:
@@ -287,24 +277,21 @@ def status_cmd(
             return patch, service
 
     both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
-    results = {n: (r if isinstance(r, BaseException) else r[0]) for n, r in both.items()}
-    services = {n: r[1] for n, r in both.items() if not isinstance(r, BaseException)}
-    failed = any(isinstance(r, BaseException) for r in results.values())
+    results = both.map(lambda r: r[0])
+    services = {n: r[1] for n, r in both.succeeded.items()}
+    failed = results.failed
     if obj.json:
-        rows = [
-            {"host": n, "ok": False, "error": error_text(r)}
-            if isinstance(r, BaseException)
-            else {"ok": True, **r.to_json(), "service": _service_json(services[n])}
+        set_json_data(obj, [
+            failure_row(n, failed[n]) if n in failed else {"ok": True, **r.to_json(), "service": _service_json(services[n])}
             for n, r in results.items()
-        ]
-        emit_json(rows)
+        ])
     else:
         table = Table(title="patch and service status")
         for col in ("host", "sglang", "bundle", "applied", "files", "leftovers", "server"):
             table.add_column(col, overflow="fold")
         for n, r in results.items():
-            if isinstance(r, BaseException):
-                table.add_row(n, "", "", "", "[red]failed[/]", error_text(r), "")
+            if n in failed:
+                table.add_row(n, "", "", "", "[red]failed[/]", error_text(failed[n]), "")
                 continue
             bundle_txt = f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
             applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
@@ -329,10 +316,7 @@ def status_cmd(
                           "; ".join(left) or "-", _service_text(services[n]))
         obj.console.print(table)
         if obj.verbose:
-            for n, r in results.items():
-                if isinstance(r, BaseException):
-                    continue
+            for n, r in results.succeeded.items():
                 for f in r.files:
                     obj.console.print(f"  {n} {f.path}: {f.state} {(f.sha256 or 'absent')[:12]}", highlight=False)
-    if failed:
-        raise_if_failed("status", results)
+    raise_if_failed("status", results)

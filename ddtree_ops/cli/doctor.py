@@ -11,6 +11,7 @@ from rich.text import Text
 
 from ddtree_ops.cli.common import load_hosts, raise_if_failed, render_host_results
 from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.errors import DdtreeOpsError, recorded_error
 from ddtree_ops.probe import HostFacts, probe_hosts
 
 
@@ -64,8 +65,9 @@ COLUMNS = [
 ]
 
 
-def _failure(f: HostFacts) -> str | None:
-    return f.error
+def _failure(f: HostFacts) -> DdtreeOpsError | None:
+    """The probe keeps an unreachable host's error as a fact; as an error again, with its code."""
+    return None if f.error is None else recorded_error(f.error_type, f.error, host=f.host)
 
 
 @app.command("doctor")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from ddtree_ops.cli.common import emit_json, load_hosts
+from ddtree_ops.cli.common import load_hosts, set_json_data
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory_types import Host
 
@@ -28,7 +28,7 @@ def hosts_cmd(
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     if obj.json:
-        emit_json([{"name": h.name, **_as_dict(h)} for h in hosts])
+        set_json_data(obj, [{"name": h.name, **_as_dict(h)} for h in hosts])
         return
     table = Table(title=f"hosts: {target}", title_justify="left")
     table.add_column("host", no_wrap=True, style="bold")

@@ -1,8 +1,10 @@
 """The `ddtree-ops` Typer app: global options, command registration, error rendering.
 
 This is the ONLY place that catches :class:`DdtreeOpsError`: it prints one line and exits
-with the error's exit code (a traceback only with ``--debug``). Each command group lives
-in its own module under ``ddtree_ops/cli/`` and registers itself in :func:`_register`.
+with the error's exit code (a traceback only with ``--debug``). Under ``--json`` it also
+writes the command's one JSON document, the envelope (:func:`ddtree_ops.cli.common.envelope`),
+on success and on failure alike. Each command group lives in its own module under
+``ddtree_ops/cli/`` and registers itself in :func:`_register`.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 
 from ddtree_ops import __version__
-from ddtree_ops.errors import DdtreeOpsError, Interrupted
+from ddtree_ops.cli.common import write_envelope
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, Interrupted
 
 app = typer.Typer(
     name="ddtree-ops",
@@ -41,6 +44,10 @@ class AppContext:
     debug: bool = False
     host_key_policy: str = "strict"
     max_parallel: int = 8
+    # Set while a command runs: its name, and its --json payload (cli/common.set_json_data).
+    command: str | None = None
+    data: Any = None
+    has_data: bool = False
 
     @property
     def console(self) -> Console:
@@ -80,14 +87,14 @@ def main(
 ) -> None:
     if host_key_policy not in ("strict", "accept-new"):
         raise typer.BadParameter("must be 'strict' or 'accept-new'", param_hint="--host-key-policy")
-    ctx.obj = AppContext(
-        inventory=list(inventory) if inventory else default_inventory_paths(),
-        json=json_output,
-        verbose=verbose,
-        debug=debug,
-        host_key_policy=host_key_policy,
-        max_parallel=max_parallel,
-    )
+    obj = ctx.ensure_object(AppContext)  # run() passes its own, to write the envelope at the end
+    obj.inventory = list(inventory) if inventory else default_inventory_paths()
+    obj.json = json_output
+    obj.verbose = verbose
+    obj.debug = debug
+    obj.host_key_policy = host_key_policy
+    obj.max_parallel = max_parallel
+    obj.command = ctx.invoked_subcommand
 
 
 def _register() -> None:
@@ -111,19 +118,30 @@ def _register() -> None:
                 raise
 
 
+def _json_envelope(obj: AppContext, error: BaseException | None = None) -> None:
+    """Under --json, the command's one document: on failure always, on success when the
+    command gave its payload (so ``--help`` of a command stays plain text)."""
+    if not obj.json or (error is None and not obj.has_data):
+        return
+    write_envelope(obj.command, data=obj.data, error=error)
+
+
 def run() -> None:
     """Console-script entry point."""
     _register()
     debug = "--debug" in sys.argv
+    obj = AppContext()
     try:
-        app(standalone_mode=False)
+        app(standalone_mode=False, obj=obj)
     except DdtreeOpsError as exc:
         if debug:
             err_console.print_exception()
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _json_envelope(obj, exc)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
+        _json_envelope(obj, Interrupted("interrupted"))
         sys.exit(Interrupted.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -136,5 +154,9 @@ def run() -> None:
         # typer >= 0.20 vendors click: its usage errors derive from typer.TyperException.
         if isinstance(exc, (click.exceptions.ClickException, typer.TyperException)) and hasattr(exc, "show"):
             exc.show()
+            # Bad command-line input (a usage error, exit 2) is a ConfigError's case.
+            message = exc.format_message()
+            _json_envelope(obj, ConfigError(message) if exc.exit_code == ConfigError.exit_code else DdtreeOpsError(message))
             sys.exit(exc.exit_code)
         raise
+    _json_envelope(obj)

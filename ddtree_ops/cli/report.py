@@ -159,7 +159,7 @@ def report_command(
 ) -> None:
     """Aggregate benchmark ledgers: per-cell table, speedups, best config per machine, plots."""
     obj: AppContext = ctx.obj
-    as_json = json_output or obj.json
+    obj.json = as_json = json_output or obj.json  # either --json: the envelope, errors included
     if group_by not in ("gpu", "host"):
         raise ConfigError(f"--group-by must be 'gpu' or 'host', not {group_by!r}")
     result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes)  # type: ignore[arg-type]
@@ -190,7 +190,9 @@ def report_command(
         }
         if cmp is not None:
             payload["compare"] = _records(cmp)
-        typer.echo(json.dumps(payload, indent=2))
+        from ddtree_ops.cli.common import set_json_data
+
+        set_json_data(obj, payload)
         return
 
     console = obj.console

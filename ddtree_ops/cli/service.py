@@ -18,15 +18,23 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from ddtree_ops.cli.common import error_text, load_hosts, raise_if_failed, render_host_results, transport_for
+from ddtree_ops.cli.common import (
+    error_text,
+    fleet_json,
+    load_hosts,
+    raise_if_failed,
+    render_host_results,
+    set_json_data,
+    transport_for,
+)
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import DdtreeOpsError, FleetError, Interrupted
-from ddtree_ops.fleet import run_on_hosts
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
+from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.probe import probe_host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig
-from ddtree_ops.service.logphases import PhaseEvent
+from ddtree_ops.service.logphases import Phase, PhaseEvent
 from ddtree_ops.state import StateStore
 
 T = TypeVar("T")
@@ -34,10 +42,10 @@ T = TypeVar("T")
 
 def _run_interruptible(
     hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int, cancel: threading.Event
-) -> dict[str, T | BaseException]:
+) -> FleetResult[T]:
     """Fan out in a worker thread so Ctrl-C reaches us; on Ctrl-C set ``cancel`` and
     wait for every host to report how it was left."""
-    box: dict[str, dict[str, T | BaseException]] = {}
+    box: dict[str, FleetResult[T]] = {}
     done = threading.Event()
 
     def work() -> None:
@@ -57,12 +65,13 @@ def _run_interruptible(
     return box["r"]
 
 
-def _facts(transport: Any, host: Host) -> Any:
-    """The probe's HostFacts (SGLang version + GPUs); the version alone if the probe found none."""
+def _facts(transport: Any, host: Host) -> lifecycle.LaunchFacts:
+    """The probe's SGLang version and GPU arch; the version alone (from the package
+    metadata) if the probe found none."""
     facts = probe_host(transport, host)
-    if getattr(facts, "sglang_version", None) is None:
-        return manager.sglang_version(transport, host)
-    return facts
+    if facts.sglang_version is None:
+        return lifecycle.LaunchFacts(manager.sglang_version(transport, host))
+    return lifecycle.LaunchFacts.from_probe(facts)
 
 
 @dataclass
@@ -78,10 +87,10 @@ class _Live:
 
     def on_phase(self, event: PhaseEvent) -> None:
         with self.lock:
-            if event.phase == "stopping":
+            if event.phase is Phase.STOPPING:
                 self.start[event.host] = time.monotonic()
             row = self.rows[event.host]
-            row["phase"] = event.phase
+            row["phase"] = event.phase.markup
             row["attempt"] = str(event.attempt)
             if event.note:
                 row["note"] = event.note
@@ -131,16 +140,15 @@ def restart(
 
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
-            facts = _facts(t, host)
+            request = lifecycle.RestartRequest(
+                host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace
+            )
             try:
-                result = lifecycle.restart(
-                    t, host, facts, run, state=state, timeout=timeout, retry_cuda_graph=retry_cuda_graph,
-                    on_phase=board.on_phase, cancel=cancel, stop_grace_s=grace,
-                )
+                result = lifecycle.restart(t, request, state=state, on_phase=board.on_phase, cancel=cancel)
             except BaseException as exc:
                 board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
                 raise exc
-            board.done(host.name, "ready")
+            board.done(host.name, Phase.READY.markup)
             return result
 
     if obj.json:
@@ -152,29 +160,29 @@ def restart(
     _finish("restart", results, cancel)
 
 
-def _render_restart(obj: AppContext, results: dict[str, Any]) -> None:
+def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResult]) -> None:
     columns = [
         ("pid", lambda r: r.pid),
         ("cuda graphs", lambda r: "on" if r.cuda_graph else "off (eager)"),
         ("why eager", lambda r: r.fallback_reason),
         ("ready after", lambda r: f"{r.ready_s:.1f}s ({r.attempts} launch{'es' if r.attempts > 1 else ''})"),
         ("deadline", lambda r: f"{r.deadline_s:.0f}s ({r.deadline_source})"),
-        ("phases", lambda r: ", ".join(f"{k} {v:.1f}s" for k, v in r.phase_durations.items())),
+        ("phases", lambda r: ", ".join(f"{k.label} {v:.1f}s" for k, v in r.phase_durations.items())),
     ]
     render_host_results(obj, "restart", results, columns)
     if obj.json:
         return
-    for name, r in results.items():
-        if not isinstance(r, BaseException) and r.attempts > 1 and not r.cuda_graph:
+    for name, r in results.succeeded.items():
+        if r.attempts > 1 and not r.cuda_graph:
             obj.console.print(
                 f"[bold yellow]{name}: CUDA-graph capture failed; now serving in EAGER mode[/] — {r.fallback_reason}",
                 highlight=False,
             )
 
 
-def _finish(what: str, results: dict[str, Any], cancel: threading.Event | None = None) -> None:
+def _finish(what: str, results: FleetResult[Any], cancel: threading.Event | None = None) -> None:
     if cancel is not None and cancel.is_set():
-        raise Interrupted("interrupted; each host's state is shown above")
+        raise Interrupted("interrupted; each host's state is shown above", failures=results.failed)
     raise_if_failed(what, results)
 
 
@@ -243,20 +251,26 @@ def logs(
 ) -> None:
     """Show the server log of each host (the file the process manager writes in run_dir)."""
     obj: AppContext = ctx.obj
+    if follow and obj.json:
+        raise ConfigError("--follow streams text; it cannot be combined with --json")
     hosts = load_hosts(obj, target)
     prefix = len(hosts) > 1
     transports = {h.name: transport_for(obj, h) for h in hosts}
     offsets: dict[str, int] = {}
-    failed: list[str] = []
+    values: dict[str, Any] = {}
     try:
         for h in hosts:
             try:
                 data = manager.read_logs(transports[h.name], h, lines=lines)
             except DdtreeOpsError as exc:
-                obj.console.print(f"[red]{error_text(exc)}[/]", highlight=False)
-                failed.append(h.name)
+                values[h.name] = exc
+                if not obj.json:
+                    obj.console.print(f"[red]{error_text(exc)}[/]", highlight=False)
                 continue
+            values[h.name] = {"exists": bool(data.get("exists")), "lines": list(data.get("lines") or [])}
             offsets[h.name] = int(data.get("offset", 0))
+            if obj.json:
+                continue
             if not data.get("exists"):
                 obj.console.print(f"[dim]{h.name}: no server log yet in {h.ddtree.run_dir}[/]", highlight=False)
             _print_lines(obj, h.name, data.get("lines") or [], prefix)
@@ -274,8 +288,12 @@ def logs(
     finally:
         for t in transports.values():
             t.close()
-    if failed:
-        raise FleetError(f"{len(failed)} of {len(hosts)} hosts failed: {', '.join(failed)}")
+    results = FleetResult(values)
+    if obj.json:
+        set_json_data(obj, fleet_json("logs", results, results.failed))
+    if not results.ok:
+        failed = list(results.failed)
+        raise FleetError(f"{len(failed)} of {len(hosts)} hosts failed: {', '.join(failed)}", result=results)
 
 
 def _print_lines(obj: AppContext, host: str, lines: Sequence[str], prefix: bool) -> None:

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from ddtree_ops.errors import DriftError, LockError, PatchError, RemoteFileError, UnsupportedVersion, VerifyError
@@ -47,13 +48,54 @@ class RunOptions:
     verify_timeout_s: float = 300.0
 
 
+class RunOutcome(StrEnum):
+    """What a deploy or rollback did on one host (a ``str``, so it prints and compares
+    as its value: ``"applied"``). A dry run passes the plan's own outcome through, so
+    the outcomes under which the real run refuses the host appear here too."""
+
+    APPLIED = "applied"
+    ROLLED_BACK = "rolled-back"
+    NOOP = "noop"
+    PLANNED = "planned"
+    RECOVER = "recover"
+    CONFLICT = "conflict"
+    CHANGED_OUTSIDE = "changed-outside"
+    UNSUPPORTED = "unsupported"
+    MISSING = "missing"
+    READONLY = "readonly"
+
+    @property
+    def label(self) -> str:
+        return self.value
+
+    @property
+    def is_failure(self) -> bool:
+        """True when the real run refuses the host (only a dry run reports these)."""
+        return self in _REFUSED
+
+    @property
+    def style(self) -> str:
+        """The rich style the CLI shows it in."""
+        return _STYLES.get(self, "yellow")
+
+
+_REFUSED = frozenset({RunOutcome.CONFLICT, RunOutcome.CHANGED_OUTSIDE, RunOutcome.UNSUPPORTED, RunOutcome.MISSING,
+                      RunOutcome.READONLY})
+_STYLES = {RunOutcome.APPLIED: "green", RunOutcome.ROLLED_BACK: "green", RunOutcome.NOOP: "dim",
+           RunOutcome.PLANNED: "cyan"}
+
+
+def _dry_run_outcome(plan: HostPlan) -> RunOutcome:
+    return RunOutcome.PLANNED if plan.outcome == "apply" else RunOutcome(plan.outcome)
+
+
 @dataclass(frozen=True)
 class HostOutcome:
     """What happened on one host; the CLI renders it, the tests assert on it."""
 
     host: str
     operation: str
-    outcome: str  # applied | noop | planned | rolled-back
+    outcome: RunOutcome
     plan: HostPlan
     recovered: str | None = None
     txn: str | None = None
@@ -66,9 +108,9 @@ class HostOutcome:
         parts = []
         if self.recovered:
             parts.append(f"recovered interrupted run ({self.recovered})")
-        if self.outcome == "noop":
+        if self.outcome is RunOutcome.NOOP:
             parts.append(self.plan.reason or "nothing to do")
-        elif self.outcome == "planned":
+        elif self.outcome is RunOutcome.PLANNED:
             parts.append(f"would {self.plan.operation}: {self.plan.summary()}")
         else:
             parts.append(f"{self.outcome}: {self.plan.summary()}")
@@ -203,11 +245,11 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
         b = bundle if isinstance(bundle, Bundle) else bundle(rs)
         plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version)
         if opts.dry_run:
-            return HostOutcome(host.name, "deploy", "planned" if plan.outcome == "apply" else plan.outcome, plan,
+            return HostOutcome(host.name, "deploy", _dry_run_outcome(plan), plan,
                                recovered=recovered, notes=plan.notes, state=rs)
         _raise_for_plan(plan, transport.host)
         if plan.outcome == "noop":
-            return HostOutcome(host.name, "deploy", "noop", plan, recovered=recovered, notes=plan.notes, state=rs)
+            return HostOutcome(host.name, "deploy", RunOutcome.NOOP, plan, recovered=recovered, notes=plan.notes, state=rs)
         payload, new_state, keep, drop = _deploy_payload(b, plan, rs, run.txn, run.holder)
         result = run.execute(plan, rs, payload, new_state, [list(v) for v in b.verify], keep, drop)
         files = dict(result.get("files") or {})
@@ -215,7 +257,7 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
             if files.get(a.path) != a.new_sha256:
                 raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after deploy, expected {a.new_sha256}",
                                   host=transport.host)
-        return HostOutcome(host.name, "deploy", "applied", plan, recovered=recovered, txn=run.txn, files=files,
+        return HostOutcome(host.name, "deploy", RunOutcome.APPLIED, plan, recovered=recovered, txn=run.txn, files=files,
                            notes=plan.notes, state=rs)
 
 
@@ -270,11 +312,11 @@ def rollback(transport: Transport, host: Host, opts: RunOptions = RunOptions(), 
         rs, recovered = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
         plan = plan_rollback(rs, force=opts.force)
         if opts.dry_run:
-            return HostOutcome(host.name, "rollback", "planned" if plan.outcome == "apply" else plan.outcome, plan,
+            return HostOutcome(host.name, "rollback", _dry_run_outcome(plan), plan,
                                recovered=recovered, state=rs)
         _raise_for_plan(plan, transport.host)
         if plan.outcome == "noop":
-            return HostOutcome(host.name, "rollback", "noop", plan, recovered=recovered, state=rs)
+            return HostOutcome(host.name, "rollback", RunOutcome.NOOP, plan, recovered=recovered, state=rs)
         payload: list[dict[str, Any]] = []
         drop: list[str] = []
         for a in plan.actions:
@@ -293,7 +335,7 @@ def rollback(transport: Transport, host: Host, opts: RunOptions = RunOptions(), 
             if files.get(a.path) != a.new_sha256:
                 raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after rollback, expected the original "
                                   f"{a.new_sha256}", host=transport.host)
-        return HostOutcome(host.name, "rollback", "rolled-back", plan, recovered=recovered, txn=run.txn, files=files,
+        return HostOutcome(host.name, "rollback", RunOutcome.ROLLED_BACK, plan, recovered=recovered, txn=run.txn, files=files,
                            notes=plan.notes, state=rs)
 
 

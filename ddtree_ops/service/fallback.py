@@ -9,28 +9,24 @@ tries graphs again (and forgets the record if they work).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable
 
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import RunConfig
-from ddtree_ops.service.logphases import CAPTURE_FAILED, CAPTURING, PhaseTracker
+from ddtree_ops.service.logphases import LogEvent, Phase, PhaseTracker
 from ddtree_ops.state import FallbackKey, StateStore
 
 
-def gpu_arch(gpus: Sequence[Any], host: Host) -> str:
-    """``sm_<major><minor>`` from the probe's compute capability, else the inventory's ``gpu``."""
-    for gpu in gpus:
-        cap = getattr(gpu, "compute_cap", None)
-        if cap:
-            return "sm_" + str(cap).replace(".", "")
-    return host.ddtree.gpu or "unknown"
+def probed_gpu_arch(compute_caps: Iterable[str | None]) -> str | None:
+    """``sm_<major><minor>`` of the first GPU whose compute capability the probe read."""
+    return next(("sm_" + cap.replace(".", "") for cap in compute_caps if cap), None)
 
 
-def fallback_key(host: Host, run: RunConfig, *, arch: str, sglang_version: str | None) -> FallbackKey:
+def fallback_key(host: Host, run: RunConfig, *, arch: str | None, sglang_version: str | None) -> FallbackKey:
+    """``arch`` is the probed GPU architecture; without one the inventory's ``gpu`` stands in."""
     return FallbackKey(
         host=host.name,
-        gpu_arch=arch,
+        gpu_arch=arch or host.ddtree.gpu or "unknown",
         sglang_version=sglang_version or "unknown",
         algorithm=run.algorithm,
         budget=run.budget,
@@ -54,10 +50,10 @@ def initial_cuda_graph(
 
 def capture_failure(tracker: PhaseTracker, *, alive: bool) -> str | None:
     """Why this launch counts as a CUDA-graph capture failure, or None."""
-    line = tracker.first_line(CAPTURE_FAILED)
+    line = tracker.first_line(LogEvent.CAPTURE_FAILED)
     if line is not None:
         return "CUDA-graph capture failed: " + _message(line)
-    if not alive and tracker.phase == CAPTURING:
+    if not alive and tracker.phase is Phase.CAPTURING:
         return "server died during CUDA-graph capture"
     return None
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.errors import (
     DdtreeOpsError,
@@ -31,19 +31,28 @@ from ddtree_ops.errors import (
 )
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import manager
-from ddtree_ops.service.fallback import capture_failure, fallback_key, gpu_arch, initial_cuda_graph
-from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec
-from ddtree_ops.service.logphases import (
-    CRASHED,
-    PORT_IN_USE,
-    READY,
-    PhaseEvent,
-    PhaseTracker,
+from ddtree_ops.service.fallback import (
+    capture_failure,
+    fallback_key,
+    initial_cuda_graph,
+    probed_gpu_arch,
 )
+from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec
+from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
 from ddtree_ops.service.manager import Launched, StopResult
-from ddtree_ops.service.readiness import DeadlinePolicy, WaitOutcome, judge, served_cuda_graph, wait_loop
+from ddtree_ops.service.readiness import (
+    DeadlinePolicy,
+    WaitOutcome,
+    WaitReason,
+    judge,
+    served_cuda_graph,
+    wait_loop,
+)
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
+
+if TYPE_CHECKING:  # the probe is the caller's business; only its facts' shape is read here
+    from ddtree_ops.probe import HostFacts
 
 PhaseCallback = Callable[[PhaseEvent], None]
 TAIL_LINES = 12
@@ -63,7 +72,7 @@ class RestartResult:
     argv: tuple[str, ...]
     cuda_graph: bool
     fallback_reason: str | None
-    phase_durations: Mapping[str, float]
+    phase_durations: Mapping[Phase, float]
     ready_s: float
     load_s: float
     deadline_s: float
@@ -79,7 +88,7 @@ class RestartResult:
         """Plain JSON-ready dict (``dataclasses.asdict`` cannot copy the read-only mapping)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["argv"] = list(self.argv)
-        out["phase_durations"] = dict(self.phase_durations)
+        out["phase_durations"] = {str(k): v for k, v in self.phase_durations.items()}
         out["stopped"] = asdict(self.stopped) if self.stopped is not None else None
         return out
 
@@ -112,45 +121,144 @@ class _Attempt:
     last_poll: dict[str, Any] = field(default_factory=dict)
 
 
-def _version_and_gpus(facts_or_version: Any) -> tuple[str | None, tuple[Any, ...]]:
-    if facts_or_version is None or isinstance(facts_or_version, str):
-        return facts_or_version, ()
-    return getattr(facts_or_version, "sglang_version", None), tuple(getattr(facts_or_version, "gpus", ()) or ())
+@dataclass(frozen=True)
+class LaunchFacts:
+    """What a launch needs to know about the host beyond the inventory.
+
+    ``sglang_version``: the SGLang installed there, which the launch flags are built for
+    (None: unknown, the newest flags). ``gpu_arch``: the probed ``sm_XY`` that keys an
+    eager-fallback record (None: the inventory's ``gpu`` stands in).
+    """
+
+    sglang_version: str | None = None
+    gpu_arch: str | None = None
+
+    @classmethod
+    def from_probe(cls, facts: HostFacts) -> LaunchFacts:
+        return cls(facts.sglang_version, probed_gpu_arch(gpu.compute_cap for gpu in facts.gpus))
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """One host's restart: what to launch there, and how long each step may take.
+
+    ``timeout`` overrides the load-aware deadline (``policy``) of each launch;
+    ``retry_cuda_graph`` tries CUDA graphs where a fallback is recorded; ``stop_grace_s``
+    is SIGTERM -> SIGKILL for the old process; ``port_wait_s`` how long a port held by a
+    process we did not launch is waited for; ``poll_interval_s`` the readiness poll period.
+    """
+
+    host: Host
+    run: RunConfig
+    facts: LaunchFacts = field(default_factory=LaunchFacts)
+    timeout: float | None = None
+    retry_cuda_graph: bool = False
+    policy: DeadlinePolicy = field(default_factory=DeadlinePolicy)
+    stop_grace_s: float = 30.0
+    port_wait_s: float = 120.0
+    poll_interval_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """A launch whose wait ended other than READY: what its error message says."""
+
+    host: str
+    pid: int
+    phase: Phase
+    outcome: WaitOutcome
+    tail: str
+    capture_failure: str
+    deadline_s: float
+    deadline_source: str
+
+
+@dataclass(frozen=True)
+class _Failure:
+    stop_server: bool  # stop our process before raising: it must not be left to be benchmarked
+    error: Callable[[_Ended], DdtreeOpsError]
+
+
+def _crashed_in_capture(e: _Ended) -> DdtreeOpsError:
+    return ServerCrashed(f"{e.capture_failure} (CUDA graphs forced on); log tail: {e.tail}", host=e.host)
+
+
+def _died(e: _Ended) -> DdtreeOpsError:
+    return ServerCrashed(
+        f"server exited during {e.phase} after {e.outcome.elapsed_s:.1f}s; log tail: {e.tail}", host=e.host
+    )
+
+
+def _misconfigured(e: _Ended) -> DdtreeOpsError:
+    # Our process, serving something else: stopped, never left to be benchmarked.
+    return ServiceError(f"{e.outcome.detail}; stopped it", host=e.host)
+
+
+def _port_in_use(e: _Ended) -> DdtreeOpsError:
+    return PortBusy(f"server reports its port is already in use; log tail: {e.tail}", host=e.host)
+
+
+def _cancelled(e: _Ended) -> DdtreeOpsError:
+    return Interrupted(
+        f"wait cancelled during {e.phase} after {e.outcome.elapsed_s:.1f}s; server left running "
+        f"(pid {e.pid}, not yet ready) — `ddtree-ops stop {e.host}` stops it",
+        host=e.host,
+    )
+
+
+def _unreachable(e: _Ended) -> DdtreeOpsError:
+    return ServiceError(
+        f"lost contact while waiting for readiness ({e.outcome.detail}); server pid {e.pid} state unknown", host=e.host
+    )
+
+
+def _timed_out(e: _Ended) -> DdtreeOpsError:
+    return ReadinessTimeout(
+        f"not ready after {e.deadline_s:.0f}s ({e.deadline_source} deadline), stuck in phase {e.phase} "
+        f"({e.outcome.detail}); server left running (pid {e.pid}); log tail: {e.tail}",
+        host=e.host,
+    )
+
+
+# Every way a launch's wait can end other than READY. CAPTURE_FAILED relaunches eager
+# instead where the run allows it (``cuda_graph: auto``), so this entry is only for
+# CUDA graphs forced on.
+_FAILURES: Mapping[WaitReason, _Failure] = MappingProxyType({
+    WaitReason.CAPTURE_FAILED: _Failure(True, _crashed_in_capture),
+    WaitReason.DIED: _Failure(False, _died),
+    WaitReason.MISCONFIGURED: _Failure(True, _misconfigured),
+    WaitReason.PORT_IN_USE: _Failure(True, _port_in_use),
+    WaitReason.CANCELLED: _Failure(False, _cancelled),
+    WaitReason.UNREACHABLE: _Failure(False, _unreachable),
+    WaitReason.TIMEOUT: _Failure(False, _timed_out),
+})
 
 
 def restart(
     transport: Transport,
-    host: Host,
-    facts_or_version: Any,
-    run: RunConfig,
+    request: RestartRequest,
     *,
     state: StateStore | None = None,
-    timeout: float | None = None,
-    retry_cuda_graph: bool = False,
     on_phase: PhaseCallback | None = None,
     cancel: threading.Event | None = None,
-    policy: DeadlinePolicy = DeadlinePolicy(),
-    stop_grace_s: float = 30.0,
-    port_wait_s: float = 120.0,
-    poll_interval_s: float = 0.5,
 ) -> RestartResult:
-    """Restart the SGLang server on ``host`` with ``run`` and wait until it provably serves.
+    """Restart the SGLang server of ``request.host`` with ``request.run`` and wait until it
+    provably serves.
 
-    ``facts_or_version`` is the probe's HostFacts (SGLang version + GPUs) or a bare
-    version string. ``timeout`` overrides the load-aware deadline for each launch.
     Raises ReadinessTimeout / ServerCrashed / PortBusy / Interrupted (on ``cancel``).
     """
+    host, run, version = request.host, request.run, request.facts.sglang_version
+    stop_grace_s, port_wait_s = request.stop_grace_s, request.port_wait_s
     state = state if state is not None else StateStore()
     emit = on_phase or (lambda _e: None)
-    version, gpus = _version_and_gpus(facts_or_version)
-    key = fallback_key(host, run, arch=gpu_arch(gpus, host), sglang_version=version)
-    cuda_graph, fallback_reason = initial_cuda_graph(run, state, key, retry_cuda_graph=retry_cuda_graph)
+    key = fallback_key(host, run, arch=request.facts.gpu_arch, sglang_version=version)
+    cuda_graph, fallback_reason = initial_cuda_graph(run, state, key, retry_cuda_graph=request.retry_cuda_graph)
     model = host.ddtree.server.model_path or ""
     learned = state.learned_load_s(host.name, model)
-    if timeout is not None:
-        deadline_s, deadline_source = float(timeout), "timeout"
+    if request.timeout is not None:
+        deadline_s, deadline_source = float(request.timeout), "timeout"
     else:
-        deadline_s, deadline_source = policy.deadline(host.ddtree.server.expected_load_s, learned)
+        deadline_s, deadline_source = request.policy.deadline(host.ddtree.server.expected_load_s, learned)
     # Build the first spec before touching the host: bad config fails with nothing stopped.
     spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
 
@@ -160,10 +268,10 @@ def restart(
 
     def took_over(t: manager.LockTakeover) -> None:
         age = f", held {t.age_s:.0f}s" if t.age_s is not None else ""
-        emit(PhaseEvent(host.name, "lock_taken_over", 0.0, note=f"restart lock of dead {t.holder}{age} taken over"))
+        emit(PhaseEvent(host.name, Phase.LOCK_TAKEN_OVER, 0.0, note=f"restart lock of dead {t.holder}{age} taken over"))
 
     with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, on_takeover=took_over):
-        emit(PhaseEvent(host.name, "stopping", 0.0))
+        emit(PhaseEvent(host.name, Phase.STOPPING, 0.0))
         stopped = manager.stop(transport, host, grace_s=stop_grace_s)
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
 
@@ -171,19 +279,20 @@ def restart(
         while True:
             attempt_no += 1
             launched = manager.start(transport, host, spec)
-            emit(PhaseEvent(host.name, "starting", 0.0, attempt=attempt_no, note="CUDA graphs" if spec.cuda_graph else "eager"))
+            note = "CUDA graphs" if spec.cuda_graph else "eager"
+            emit(PhaseEvent(host.name, Phase.STARTING, 0.0, attempt=attempt_no, note=note))
             outcome, attempt = wait_ready(
                 transport, host, spec, launched, deadline_s=deadline_s, attempt_no=attempt_no,
-                on_phase=emit, cancel=cancel, poll_interval_s=poll_interval_s,
+                on_phase=emit, cancel=cancel, poll_interval_s=request.poll_interval_s,
             )
             durations = attempt.tracker.finish(outcome.elapsed_s)
-            if outcome.reason == "ready":
+            if outcome.reason is WaitReason.READY:
                 ready_at = time.time()
                 ready_s = ready_at - launched.started_at
                 state.record_load_time(host.name, model, ready_s)
-                if spec.cuda_graph and retry_cuda_graph:
+                if spec.cuda_graph and request.retry_cuda_graph:
                     state.clear_fallback(key)
-                emit(PhaseEvent(host.name, READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
+                emit(PhaseEvent(host.name, Phase.READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
                 served = served_cuda_graph(attempt.last_poll.get("server_info") or {})
                 return RestartResult(
                     host=host.name,
@@ -205,46 +314,27 @@ def restart(
                     ready_line_ts=attempt.tracker.ready_line_ts,
                     stopped=stopped,
                 )
-            tail = _tail_text(attempt)
-            phase = attempt.tracker.phase
-            if outcome.reason == "capture_failed":
-                reason = capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail
-                manager.stop(transport, host, grace_s=stop_grace_s)
-                if run.cuda_graph == "auto" and spec.cuda_graph:
-                    state.record_fallback(key, reason)
-                    fallback_reason = reason
-                    emit(PhaseEvent(host.name, "fallback_eager", outcome.elapsed_s, attempt=attempt_no, note=reason))
-                    spec = build_launch_spec(host, run, version, cuda_graph=False)
-                    _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
-                    continue
-                raise ServerCrashed(f"{reason} (CUDA graphs forced on); log tail: {tail}", host=host.name)
-            if outcome.reason == "died":
-                raise ServerCrashed(
-                    f"server exited during {phase} after {outcome.elapsed_s:.1f}s; log tail: {tail}", host=host.name
-                )
-            if outcome.reason == "misconfigured":
-                # Our process, serving something else: never leave it to be benchmarked.
-                manager.stop(transport, host, grace_s=stop_grace_s)
-                raise ServiceError(f"{outcome.detail}; stopped it", host=host.name)
-            if outcome.reason == "port_in_use":
-                manager.stop(transport, host, grace_s=stop_grace_s)
-                raise PortBusy(f"server reports its port is already in use; log tail: {tail}", host=host.name)
-            if outcome.reason == "cancelled":
-                raise Interrupted(
-                    f"wait cancelled during {phase} after {outcome.elapsed_s:.1f}s; server left running "
-                    f"(pid {launched.pid}, not yet ready) — `ddtree-ops stop {host.name}` stops it",
-                    host=host.name,
-                )
-            if outcome.reason == "unreachable":
-                raise ServiceError(
-                    f"lost contact while waiting for readiness ({outcome.detail}); server pid {launched.pid} state unknown",
-                    host=host.name,
-                )
-            raise ReadinessTimeout(
-                f"not ready after {deadline_s:.0f}s ({deadline_source} deadline), stuck in phase {phase} "
-                f"({outcome.detail}); server left running (pid {launched.pid}); log tail: {tail}",
+            ended = _Ended(
                 host=host.name,
+                pid=launched.pid,
+                phase=attempt.tracker.phase,
+                outcome=outcome,
+                tail=_tail_text(attempt),
+                capture_failure=capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail,
+                deadline_s=deadline_s,
+                deadline_source=deadline_source,
             )
+            failure = _FAILURES[outcome.reason]
+            if failure.stop_server:
+                manager.stop(transport, host, grace_s=stop_grace_s)
+            if outcome.reason is WaitReason.CAPTURE_FAILED and run.cuda_graph == "auto" and spec.cuda_graph:
+                state.record_fallback(key, ended.capture_failure)
+                fallback_reason = ended.capture_failure
+                emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s, attempt=attempt_no, note=fallback_reason))
+                spec = build_launch_spec(host, run, version, cuda_graph=False)
+                _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                continue
+            raise failure.error(ended)
 
 
 def wait_ready(
@@ -267,7 +357,7 @@ def wait_ready(
     attempt = _Attempt(spec=spec, launched=launched, tracker=PhaseTracker(host.name, attempt=attempt_no))
     emit = on_phase or (lambda _e: None)
 
-    def step(elapsed: float) -> tuple[str | None, str]:
+    def step(elapsed: float) -> tuple[WaitReason | None, str]:
         decision, detail = _step(transport, host, attempt, elapsed, emit)
         if on_poll is not None:
             on_poll(attempt.last_poll, detail)
@@ -277,14 +367,16 @@ def wait_ready(
     return outcome, attempt
 
 
-def _step(transport: Transport, host: Host, attempt: _Attempt, elapsed: float, emit: PhaseCallback) -> tuple[str | None, str]:
+def _step(
+    transport: Transport, host: Host, attempt: _Attempt, elapsed: float, emit: PhaseCallback
+) -> tuple[WaitReason | None, str]:
     """One poll: read new log lines, advance phases, judge. Never raises (a failed poll
-    is reported as 'unreachable' and counted by the wait loop)."""
+    is reported as UNREACHABLE and counted by the wait loop)."""
     try:
         data = manager.poll(transport, host, attempt.launched, attempt.offset)
     except DdtreeOpsError as exc:
         attempt.last_poll = {}
-        return "unreachable", str(exc)
+        return WaitReason.UNREACHABLE, str(exc)
     attempt.last_poll = data
     attempt.offset = int(data.get("offset", attempt.offset))
     lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
@@ -293,19 +385,19 @@ def _step(transport: Transport, host: Host, attempt: _Attempt, elapsed: float, e
         emit(event)
     attempt.alive = bool(data.get("alive"))
     if attempt.spec.cuda_graph and capture_failure(attempt.tracker, alive=attempt.alive):
-        return "capture_failed", "CUDA-graph capture failed"
-    if attempt.tracker.has(PORT_IN_USE):
-        return "port_in_use", attempt.tracker.first_line(PORT_IN_USE) or ""
+        return WaitReason.CAPTURE_FAILED, "CUDA-graph capture failed"
+    if attempt.tracker.has(LogEvent.PORT_IN_USE):
+        return WaitReason.PORT_IN_USE, attempt.tracker.first_line(LogEvent.PORT_IN_USE) or ""
     if not attempt.alive:
-        return "died", "process exited"
-    if attempt.tracker.has(CRASHED):
+        return WaitReason.DIED, "process exited"
+    if attempt.tracker.has(LogEvent.CRASHED):
         # SGLang's parent may linger a moment after a child failed; the next poll sees it gone.
-        return None, attempt.tracker.first_line(CRASHED) or "crashed"
+        return None, attempt.tracker.first_line(LogEvent.CRASHED) or "crashed"
     verdict = judge(data, attempt.spec, attempt.launched.started_at)
     if verdict.ok:
-        return "ready", verdict.detail
+        return WaitReason.READY, verdict.detail
     if verdict.misconfigured:
-        return "misconfigured", verdict.detail
+        return WaitReason.MISCONFIGURED, verdict.detail
     return None, verdict.detail
 
 
@@ -319,27 +411,27 @@ def _wait_port_free(
 ) -> None:
     reported = False
 
-    def step(elapsed: float) -> tuple[str | None, str]:
+    def step(elapsed: float) -> tuple[WaitReason | None, str]:
         nonlocal reported
         try:
             busy = manager.port_open(transport, host)
         except DdtreeOpsError as exc:
-            return "unreachable", str(exc)
+            return WaitReason.UNREACHABLE, str(exc)
         if not busy:
-            return "free", "port free"
+            return WaitReason.READY, "port free"
         if not reported:
-            emit(PhaseEvent(host.name, "waiting_for_port", elapsed, note=f"port {host.ddtree.server.port} busy"))
+            emit(PhaseEvent(host.name, Phase.WAITING_FOR_PORT, elapsed, note=f"port {host.ddtree.server.port} busy"))
             reported = True
         return None, f"port {host.ddtree.server.port} still in use"
 
     outcome = wait_loop(step, deadline_s=port_wait_s, interval_s=0.25, cancel=cancel)
-    if outcome.reason == "free":
+    if outcome.reason is WaitReason.READY:  # the port is free
         return
-    if outcome.reason == "cancelled":
+    if outcome.reason is WaitReason.CANCELLED:
         raise Interrupted(
             f"cancelled while waiting for port {host.ddtree.server.port} to be free; nothing launched", host=host.name
         )
-    if outcome.reason == "unreachable":
+    if outcome.reason is WaitReason.UNREACHABLE:
         raise ServiceError(f"lost contact while waiting for the port: {outcome.detail}", host=host.name)
     raise PortBusy(
         f"port {host.ddtree.server.port} still in use after {port_wait_s:.0f}s by a process we did not launch; "
@@ -381,6 +473,8 @@ def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> S
 
 
 __all__ = [
+    "LaunchFacts",
+    "RestartRequest",
     "RestartResult",
     "RunConfig",
     "ServiceStatus",

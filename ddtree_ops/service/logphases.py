@@ -9,7 +9,9 @@ roll!"). Matching is by substring so that the ``[time TP0]`` prefixes SGLang add
 rank do not matter.
 
 Phases are "where the server is now"; a phase may recur (target then draft weights)
-and its durations add up.
+and its durations add up. :class:`Phase` also names the restart's own steps, so that
+every ``PhaseEvent`` carries one of its members; how a phase is shown (label, colour)
+lives with it.
 """
 
 from __future__ import annotations
@@ -18,39 +20,85 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
+from typing import Self
 
-STARTING = "starting"
-LOADING_WEIGHTS = "loading_weights"
-KV_CACHE = "allocating_kv_cache"
-CAPTURING = "capturing_cuda_graphs"
-WARMUP = "warmup"
-READY = "ready"
-PHASES: tuple[str, ...] = (STARTING, LOADING_WEIGHTS, KV_CACHE, CAPTURING, WARMUP, READY)
 
-# Events that are not phases but decide what the wait loop does.
-CAPTURE_FAILED = "capture_failed"
-CRASHED = "crashed"
-PORT_IN_USE = "port_in_use"
+class Phase(StrEnum):
+    """Where one host's restart is: ``PhaseEvent.phase``, and the keys of
+    ``RestartResult.phase_durations`` (the ledger's ``readiness_s``).
 
-_PHASE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"Load weight begin\."), LOADING_WEIGHTS),
-    (re.compile(r"Load weight end\."), KV_CACHE),
-    (re.compile(r"KV Cache is allocated\.|Memory pool end\."), WARMUP),
-    (re.compile(r"Capture .*CUDA graph begin\."), CAPTURING),
-    (re.compile(r"Capture .*CUDA graph end\."), WARMUP),
-    (re.compile(r"The server is fired up and ready to roll!"), READY),
+    The values are what ``--json``, the ledger and error messages say. The restart's own
+    steps: LOCK_TAKEN_OVER (a dead holder's restart lock was taken over), STOPPING (the
+    old server), WAITING_FOR_PORT (held by a process we did not launch), STARTING (the
+    launch), FALLBACK_EAGER (capture failed, relaunching without CUDA graphs). Read from
+    SGLang's log (with STARTING, :data:`STARTUP_PHASES`): LOADING_WEIGHTS, KV_CACHE,
+    CAPTURING, WARMUP, READY.
+    """
+
+    label: str  # what a person reads on the live board
+    style: str  # rich style of that label
+
+    def __new__(cls, value: str, label: str, style: str) -> Self:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.label = label
+        member.style = style
+        return member
+
+    LOCK_TAKEN_OVER = "lock_taken_over", "lock taken over", "yellow"
+    STOPPING = "stopping", "stopping", "dim"
+    WAITING_FOR_PORT = "waiting_for_port", "waiting for port", "yellow"
+    STARTING = "starting", "starting", "cyan"
+    LOADING_WEIGHTS = "loading_weights", "loading weights", "cyan"
+    KV_CACHE = "allocating_kv_cache", "allocating KV cache", "cyan"
+    CAPTURING = "capturing_cuda_graphs", "capturing CUDA graphs", "cyan"
+    WARMUP = "warmup", "warming up", "cyan"
+    FALLBACK_EAGER = "fallback_eager", "eager fallback", "bold yellow"
+    READY = "ready", "ready", "bold green"
+
+    @property
+    def markup(self) -> str:
+        """The label in rich markup."""
+        return f"[{self.style}]{self.label}[/]"
+
+
+STARTUP_PHASES: tuple[Phase, ...] = (
+    Phase.STARTING, Phase.LOADING_WEIGHTS, Phase.KV_CACHE, Phase.CAPTURING, Phase.WARMUP, Phase.READY
 )
-_EVENT_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"Capture cuda graph failed", re.IGNORECASE), CAPTURE_FAILED),
-    (re.compile(r"Scheduler hit an exception:|Received sigquit from a child process"), CRASHED),
-    (re.compile(r"Port is already in use"), PORT_IN_USE),
+
+
+class LogEvent(StrEnum):
+    """Log lines that are not phases but decide what the readiness wait does.
+
+    All three end a launch: CAPTURE_FAILED (eager fallback), CRASHED (a child failed; the
+    parent is seen gone at the next poll), PORT_IN_USE (SGLang's own port check failed).
+    """
+
+    CAPTURE_FAILED = "capture_failed"
+    CRASHED = "crashed"
+    PORT_IN_USE = "port_in_use"
+
+
+_PHASE_PATTERNS: tuple[tuple[re.Pattern[str], Phase], ...] = (
+    (re.compile(r"Load weight begin\."), Phase.LOADING_WEIGHTS),
+    (re.compile(r"Load weight end\."), Phase.KV_CACHE),
+    (re.compile(r"KV Cache is allocated\.|Memory pool end\."), Phase.WARMUP),
+    (re.compile(r"Capture .*CUDA graph begin\."), Phase.CAPTURING),
+    (re.compile(r"Capture .*CUDA graph end\."), Phase.WARMUP),
+    (re.compile(r"The server is fired up and ready to roll!"), Phase.READY),
+)
+_EVENT_PATTERNS: tuple[tuple[re.Pattern[str], LogEvent], ...] = (
+    (re.compile(r"Capture cuda graph failed", re.IGNORECASE), LogEvent.CAPTURE_FAILED),
+    (re.compile(r"Scheduler hit an exception:|Received sigquit from a child process"), LogEvent.CRASHED),
+    (re.compile(r"Port is already in use"), LogEvent.PORT_IN_USE),
 )
 # SGLang's logging format: "[2026-05-01 12:00:00] ..." or "[2026-05-01 12:00:00 TP0] ...";
 # fractional seconds accepted where a launcher configures them.
 _TIMESTAMP = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?)")
 
 
-def classify(line: str) -> tuple[str | None, str | None]:
+def classify(line: str) -> tuple[Phase | None, LogEvent | None]:
     """(phase, event) a single log line announces; either may be None."""
     phase = next((p for rx, p in _PHASE_PATTERNS if rx.search(line)), None)
     event = next((e for rx, e in _EVENT_PATTERNS if rx.search(line)), None)
@@ -75,7 +123,7 @@ class PhaseEvent:
     """Reported through ``on_phase``: host entered ``phase`` at ``elapsed_s`` since launch."""
 
     host: str
-    phase: str
+    phase: Phase
     elapsed_s: float
     line: str = ""
     attempt: int = 1
@@ -88,10 +136,10 @@ class PhaseTracker:
 
     host: str
     attempt: int = 1
-    phase: str = STARTING
+    phase: Phase = Phase.STARTING
     entered_at: float = 0.0
-    durations: dict[str, float] = field(default_factory=dict)
-    events: list[tuple[str, str]] = field(default_factory=list)
+    durations: dict[Phase, float] = field(default_factory=dict)
+    events: list[tuple[LogEvent, str]] = field(default_factory=list)
     ready_line_ts: float | None = None
 
     def feed(self, lines: Iterable[str], elapsed_s: float) -> list[PhaseEvent]:
@@ -106,7 +154,7 @@ class PhaseTracker:
                 self._close(elapsed_s)
                 self.phase = phase
                 self.entered_at = elapsed_s
-                if phase == READY:
+                if phase is Phase.READY:
                     self.ready_line_ts = line_timestamp(line)
                 changes.append(PhaseEvent(self.host, phase, elapsed_s, line, self.attempt))
         return changes
@@ -115,15 +163,15 @@ class PhaseTracker:
         spent = max(0.0, now - self.entered_at)
         self.durations[self.phase] = self.durations.get(self.phase, 0.0) + spent
 
-    def finish(self, elapsed_s: float) -> dict[str, float]:
+    def finish(self, elapsed_s: float) -> dict[Phase, float]:
         """Durations per phase up to ``elapsed_s`` (the current phase counted so far)."""
         out = dict(self.durations)
-        if self.phase != READY:
+        if self.phase is not Phase.READY:
             out[self.phase] = out.get(self.phase, 0.0) + max(0.0, elapsed_s - self.entered_at)
         return out
 
-    def has(self, event: str) -> bool:
+    def has(self, event: LogEvent) -> bool:
         return any(e == event for e, _ in self.events)
 
-    def first_line(self, event: str) -> str | None:
+    def first_line(self, event: LogEvent) -> str | None:
         return next((line for e, line in self.events if e == event), None)

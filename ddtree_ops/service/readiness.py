@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from ddtree_ops.service.launch import LaunchSpec
@@ -159,21 +160,52 @@ def launch_command_matches(reported: object, server_args: tuple[str, ...]) -> bo
     if not isinstance(reported, str):
         return False
     plain, quoted = " ".join(server_args), shlex.join(server_args)
-    return reported in (plain, quoted) or reported.endswith(" " + plain) or reported.endswith(" " + quoted)
+    return reported in (plain, quoted) or reported.endswith((" " + plain, " " + quoted))
+
+
+class WaitReason(StrEnum):
+    """What one poll of a wait decided (``step``'s answer), and how the wait ended
+    (``WaitOutcome.reason``).
+
+    Decided by a step: READY (what the wait waits for holds: our server provably serves,
+    or the port is free), CAPTURE_FAILED (CUDA-graph capture failed), PORT_IN_USE (SGLang
+    reports its port taken), DIED (the process exited), MISCONFIGURED (our process serves
+    another configuration), UNREACHABLE (a failed probe; it ends the wait only after
+    ``failure_threshold`` in a row). Decided by the loop: CANCELLED (``cancel`` was set),
+    TIMEOUT (the deadline passed).
+    """
+
+    READY = "ready"
+    CAPTURE_FAILED = "capture_failed"
+    PORT_IN_USE = "port_in_use"
+    DIED = "died"
+    MISCONFIGURED = "misconfigured"
+    UNREACHABLE = "unreachable"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+
+    @classmethod
+    def failed_reasons(cls) -> frozenset[WaitReason]:
+        """The ends that are failures: all but READY and an operator's CANCELLED."""
+        return frozenset(cls) - {cls.READY, cls.CANCELLED}
+
+    @property
+    def failed(self) -> bool:
+        return self in self.failed_reasons()
 
 
 @dataclass(frozen=True)
 class WaitOutcome:
-    """How a wait ended: 'ready', 'died', 'timeout', 'cancelled', 'unreachable', or 'stop' (asked by ``step``)."""
+    """How a wait ended (one of :class:`WaitReason`), when, and the last poll's detail."""
 
-    reason: str
+    reason: WaitReason
     elapsed_s: float
     detail: str
     polls: int
 
 
 def wait_loop(
-    step: Callable[[float], tuple[str | None, str]],
+    step: Callable[[float], tuple[WaitReason | None, str]],
     *,
     deadline_s: float,
     interval_s: float = 0.5,
@@ -183,32 +215,32 @@ def wait_loop(
     clock: Callable[[], float] = time.monotonic,
 ) -> WaitOutcome:
     """The one loop. ``step(elapsed)`` returns (decision, detail): decision None = keep
-    waiting, 'unreachable' = a failed probe (counted against ``failure_threshold``
-    consecutive failures), anything else ends the wait with that reason."""
+    waiting, UNREACHABLE = a failed probe (counted against ``failure_threshold``
+    consecutive failures), any other reason ends the wait with it."""
     start = clock()
     polls = 0
     failures = 0
     detail = "not polled yet"
     if initial_delay_s > 0 and _sleep(initial_delay_s, cancel):
-        return WaitOutcome("cancelled", clock() - start, detail, polls)
+        return WaitOutcome(WaitReason.CANCELLED, clock() - start, detail, polls)
     while True:
         elapsed = clock() - start
         if cancel is not None and cancel.is_set():
-            return WaitOutcome("cancelled", elapsed, detail, polls)
+            return WaitOutcome(WaitReason.CANCELLED, elapsed, detail, polls)
         polls += 1
         decision, detail = step(elapsed)
-        if decision == "unreachable":
+        if decision == WaitReason.UNREACHABLE:
             failures += 1
             if failures >= failure_threshold:
-                return WaitOutcome("unreachable", clock() - start, detail, polls)
+                return WaitOutcome(WaitReason.UNREACHABLE, clock() - start, detail, polls)
         elif decision is not None:
-            return WaitOutcome(decision, clock() - start, detail, polls)
+            return WaitOutcome(WaitReason(decision), clock() - start, detail, polls)
         else:
             failures = 0
         if clock() - start >= deadline_s:
-            return WaitOutcome("timeout", clock() - start, detail, polls)
+            return WaitOutcome(WaitReason.TIMEOUT, clock() - start, detail, polls)
         if _sleep(interval_s, cancel):
-            return WaitOutcome("cancelled", clock() - start, detail, polls)
+            return WaitOutcome(WaitReason.CANCELLED, clock() - start, detail, polls)
 
 
 def _sleep(seconds: float, cancel: threading.Event | None) -> bool:

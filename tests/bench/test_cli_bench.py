@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_json import json_data
 
 from ddtree_ops.bench import ledger
 
@@ -56,7 +56,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
                                                               "temperature": [0.0, 0.6]})
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    plan = json.loads(done.stdout)
+    plan = json_data(done.stdout)
     assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 3 and plan["rows_per_host"] == 6
     assert [g["server"] for g in plan["groups"]] == ["dflash", "ddtree-b4-k4", "ddtree-b8-k4"]
     assert plan["estimated_s"]["sim-x"] > 3 * 2  # at least the expected load time per launch

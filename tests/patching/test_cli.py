@@ -6,7 +6,6 @@ runs a real subprocess to prove the one-line error without traceback.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_json import json_data
 
 from patching.conftest import BUNDLES, MiniHost, make_prefix
 
@@ -65,7 +65,7 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
 
     dry = _cli(inv, "--json", "deploy", "test", bundle, "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    rows = json.loads(dry.stdout)
+    rows = json_data(dry.stdout)
     assert [r["outcome"] for r in rows] == ["planned", "planned"]
     assert not (mini.state_dir / "state.json").exists()
 
@@ -73,17 +73,17 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
     assert first.returncode == 0, first.stderr
     assert "applied" in first.stdout
     again = _cli(inv, "--json", "deploy", "test", bundle)
-    assert [r["outcome"] for r in json.loads(again.stdout)] == ["noop", "noop"]
-    assert all("already applied" in r["message"] for r in json.loads(again.stdout))
+    assert [r["outcome"] for r in json_data(again.stdout)] == ["noop", "noop"]
+    assert all("already applied" in r["message"] for r in json_data(again.stdout))
 
-    st = json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)
+    st = json_data(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)
     assert {r["bundle"]["name"] for r in st} == {"basic"}
     assert all(f["state"] == "patched" for r in st for f in r["files"])
 
     # A pip reinstall on h1 brings back the upstream worker: status shows it, deploy refuses to guess.
     worker = mini.file("srt/speculative/dflash_worker_v2.py")
     worker.write_text("# something else entirely\n")
-    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
+    st = {r["host"]: r for r in json_data(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
     assert {f["path"]: f["state"] for f in st["h1"]["files"]}["srt/speculative/dflash_worker_v2.py"] == "drifted"
     refused = _cli(inv, "deploy", "h1", bundle)
     assert refused.returncode == 7
@@ -91,9 +91,9 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
 
     back = _cli(inv, "rollback", "h2")
     assert back.returncode == 0, back.stderr
-    st = {r["host"]: r for r in json.loads(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
+    st = {r["host"]: r for r in json_data(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
     assert st["h2"]["bundle"] is None
-    noop = json.loads(_cli(inv, "--json", "rollback", "h2").stdout)
+    noop = json_data(_cli(inv, "--json", "rollback", "h2").stdout)
     assert noop[0]["outcome"] == "noop" and "nothing applied" in noop[0]["message"]
 
 
@@ -126,9 +126,9 @@ def test_plugin_bundle_diff_status_rollback(tmp_path: Path, mini: MiniHost, cli:
     meta_key = "../sglang_ddtree_mini-0.1.0.dist-info/METADATA"
     dry = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"), "--diff")
     assert dry.returncode == 0, dry.stderr
-    assert {f["path"]: f["action"] for f in json.loads(dry.stdout)[0]["plan"]["files"]}[meta_key] == "add"
+    assert {f["path"]: f["action"] for f in json_data(dry.stdout)[0]["plan"]["files"]}[meta_key] == "add"
     assert cli(inv, "deploy", "h1", str(BUNDLES / "plugin")).returncode == 0
-    st = json.loads(cli(inv, "--json", "status", "h1", "--bundle", str(BUNDLES / "plugin")).stdout)
+    st = json_data(cli(inv, "--json", "status", "h1", "--bundle", str(BUNDLES / "plugin")).stdout)
     assert {f["path"]: f["state"] for f in st[0]["files"]}[meta_key] == "patched"
 
     # The next build of the same distribution version changes its METADATA: diffed against the host's copy.
@@ -155,13 +155,13 @@ def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
     (work / "new_mod.py").write_text("Y = 2\n")
     res = _cli(inv, "--json", "deploy", "h1", "--from", str(work), "--to", "srt/speculative")
     assert res.returncode == 0, res.stderr
-    acts = {f["path"]: f["action"] for f in json.loads(res.stdout)[0]["plan"]["files"]}
+    acts = {f["path"]: f["action"] for f in json_data(res.stdout)[0]["plan"]["files"]}
     assert acts == {"srt/speculative/dflash_info.py": "replace", "srt/speculative/new_mod.py": "add"}
     assert mini.file("srt/speculative/dflash_info.py").read_text() == "X = 1\n"
     # Edit and overlay again: supersedes, the recorded original stays the upstream file.
     (work / "dflash_info.py").write_text("X = 2\n")
     res = _cli(inv, "--json", "deploy", "h1", "--from", str(work), "--to", "srt/speculative")
-    acts = {f["path"]: f["action"] for f in json.loads(res.stdout)[0]["plan"]["files"]}
+    acts = {f["path"]: f["action"] for f in json_data(res.stdout)[0]["plan"]["files"]}
     assert acts["srt/speculative/dflash_info.py"] == "supersede"
     assert _cli(inv, "rollback", "h1").returncode == 0
     assert "class" in mini.file("srt/speculative/dflash_info.py").read_text()  # the upstream file is back
@@ -208,7 +208,7 @@ def test_status_has_a_service_section(tmp_path: Path, mini: MiniHost, cli: Calla
     inv = _inventory(tmp_path, {"h1": mini.prefix})
     res = cli(inv, "--json", "status", "h1")
     assert res.returncode == 0, res.stderr
-    (row,) = json.loads(res.stdout)
+    (row,) = json_data(res.stdout)
     assert row["service"]["ok"] is True
     assert row["service"]["running"] is False
     assert row["service"]["pid"] is None

@@ -10,13 +10,13 @@ SSH fleet with the host's real ``pip install --force-reinstall``.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cli_json import json_data
 from ddtree_ops.errors import DriftError, PatchError
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import RunOptions, deploy, rollback
@@ -185,11 +185,11 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
     def status() -> dict[str, Any]:
         res = wide_cli("-i", inv, "--json", "status", both, "--bundle", str(bundle_dir))
         assert res.exit_code == 0, res.stdout + res.stderr
-        return {r["host"]: r for r in json.loads(res.stdout)}
+        return {r["host"]: r for r in json_data(res.stdout)}
 
     first = wide_cli("-i", inv, "--json", "deploy", both, str(bundle_dir))
     assert first.exit_code == 0, first.stdout + first.stderr
-    assert [r["outcome"] for r in json.loads(first.stdout)] == ["applied", "applied"]
+    assert [r["outcome"] for r in json_data(first.stdout)] == ["applied", "applied"]
     st = status()
     for name in (fa.name, fb.name):
         assert st[name]["bundle"]["identity"] == bundle.identity and st[name]["changed_outside"] is None
@@ -224,17 +224,17 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
 
     forced = wide_cli("-i", inv, "--json", "deploy", fa.name, str(bundle_dir), "--force")
     assert forced.exit_code == 0, forced.stdout + forced.stderr
-    (row,) = json.loads(forced.stdout)
+    (row,) = json_data(forced.stdout)
     assert row["outcome"] == "applied" and "re-applying over changes made outside ddtree-ops" in row["message"]
     again = wide_cli("-i", inv, "--json", "deploy", both, str(bundle_dir))
-    assert [r["outcome"] for r in json.loads(again.stdout)] == ["noop", "noop"]
+    assert [r["outcome"] for r in json_data(again.stdout)] == ["noop", "noop"]
     st = status()
     assert all(st[n]["changed_outside"] is None and {f["state"] for f in st[n]["files"]} == {"patched"}
                for n in (fa.name, fb.name))
 
     back = wide_cli("-i", inv, "--json", "rollback", both)
     assert back.exit_code == 0, back.stdout + back.stderr
-    assert [r["outcome"] for r in json.loads(back.stdout)] == ["rolled-back", "rolled-back"]
+    assert [r["outcome"] for r in json_data(back.stdout)] == ["rolled-back", "rolled-back"]
     st = status()
     for fh in (fa, fb):
         assert st[fh.name]["bundle"] is None and {f["state"] for f in st[fh.name]["files"]} == {"original"}
@@ -254,7 +254,7 @@ def test_pip_reinstall_leaves_the_plugin_bundle_applied(
         pytest.skip("a replacing bundle is undone by a reinstall (previous test)")
     inv = str(ssh_fleet.inventory)
     first = wide_cli("-i", inv, "--json", "deploy", fa.name, str(REAL_BUNDLE))
-    assert first.exit_code == 0 and json.loads(first.stdout)[0]["outcome"] == "applied", first.stdout + first.stderr
+    assert first.exit_code == 0 and json_data(first.stdout)[0]["outcome"] == "applied", first.stdout + first.stderr
     host_a = ssh_fleet.load().hosts[fa.name]
     with open_transport(host_a) as t:
         t.run([host_a.python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--no-compile",
@@ -264,7 +264,7 @@ def test_pip_reinstall_leaves_the_plugin_bundle_applied(
                         check=True).stdout
     assert "sglang.srt.speculative.ddtree_plugin:load" in plugins
     res = wide_cli("-i", inv, "--json", "status", fa.name, "--bundle", str(REAL_BUNDLE))
-    (st,) = json.loads(res.stdout)
+    (st,) = json_data(res.stdout)
     assert st["changed_outside"] is None and {f["state"] for f in st["files"]} == {"patched"}
     again = wide_cli("-i", inv, "--json", "deploy", fa.name, str(REAL_BUNDLE))
-    assert json.loads(again.stdout)[0]["outcome"] == "noop"
+    assert json_data(again.stdout)[0]["outcome"] == "noop"

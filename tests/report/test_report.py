@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from cli_json import json_data
 from report_rows import make_row
 
 from ddtree_ops import report as rep
@@ -172,7 +173,7 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
            "--csv-best", str(tmp_path / "b.csv"), "--compare", str(ledger), "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = json_data(done.stdout)
     assert len(out["cells"]) == 5 and len(out["best"]) == 2 and not any(c["changed"] for c in out["compare"])
     assert pd.read_csv(tmp_path / "b.csv")["budget"].tolist() == [32, 8]
     missing = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import free_port
+from cli_json import json_data
 from fleetlib import cached_prefix_template, find_wheel
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,7 +29,7 @@ def cli(inventory: Path, *args: str, env_state: Path) -> subprocess.CompletedPro
 
 def host_result(out: subprocess.CompletedProcess[str], name: str) -> dict:
     """The ``result`` of one host in the shared --json document of every fleet command."""
-    (row,) = [r for r in json.loads(out.stdout)["hosts"] if r["host"] == name]
+    (row,) = [r for r in json_data(out.stdout)["hosts"] if r["host"] == name]
     assert row["ok"], row["error"]
     return row["result"]
 

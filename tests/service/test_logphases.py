@@ -5,14 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from ddtree_ops.service.logphases import (
-    CAPTURE_FAILED,
-    CAPTURING,
-    CRASHED,
-    KV_CACHE,
-    LOADING_WEIGHTS,
-    PORT_IN_USE,
-    READY,
-    WARMUP,
+    LogEvent,
+    Phase,
     PhaseTracker,
     classify,
     line_timestamp,
@@ -30,12 +24,14 @@ STARTUP = [
 
 
 def test_each_sglang_line_maps_to_its_phase() -> None:
-    assert [classify(line)[0] for line in STARTUP] == [None, LOADING_WEIGHTS, KV_CACHE, WARMUP, CAPTURING, WARMUP, READY]
-    assert classify("[t TP0] Capture cuda graph failed: CUDA error: an illegal memory access")[1] == CAPTURE_FAILED
-    assert classify("[t] Scheduler hit an exception: Traceback")[1] == CRASHED
-    assert classify("[t] Received sigquit from a child process. It usually means the child failed.")[1] == CRASHED
-    assert classify("Port is already in use. dist_init_port=1")[1] == PORT_IN_USE
-    assert classify("KV Cache is allocated. #tokens: 1000")[0] == WARMUP
+    assert [classify(line)[0] for line in STARTUP] == [
+        None, Phase.LOADING_WEIGHTS, Phase.KV_CACHE, Phase.WARMUP, Phase.CAPTURING, Phase.WARMUP, Phase.READY
+    ]
+    assert classify("[t TP0] Capture cuda graph failed: CUDA error: an illegal memory access")[1] == LogEvent.CAPTURE_FAILED
+    assert classify("[t] Scheduler hit an exception: Traceback")[1] == LogEvent.CRASHED
+    assert classify("[t] Received sigquit from a child process. It usually means the child failed.")[1] == LogEvent.CRASHED
+    assert classify("Port is already in use. dist_init_port=1")[1] == LogEvent.PORT_IN_USE
+    assert classify("KV Cache is allocated. #tokens: 1000")[0] == Phase.WARMUP
 
 
 def test_tracker_durations_add_up_and_record_ready_timestamp() -> None:
@@ -43,12 +39,14 @@ def test_tracker_durations_add_up_and_record_ready_timestamp() -> None:
     changes = []
     for i, line in enumerate(STARTUP):
         changes += tracker.feed([line], float(i))
-    assert [c.phase for c in changes] == [LOADING_WEIGHTS, KV_CACHE, WARMUP, CAPTURING, WARMUP, READY]
+    assert [c.phase for c in changes] == [
+        Phase.LOADING_WEIGHTS, Phase.KV_CACHE, Phase.WARMUP, Phase.CAPTURING, Phase.WARMUP, Phase.READY
+    ]
     durations = tracker.finish(99.0)
     assert durations["starting"] == 1.0
-    assert durations[LOADING_WEIGHTS] == 1.0
-    assert durations[CAPTURING] == 1.0
-    assert durations[WARMUP] == 2.0  # before and after capture
+    assert durations[Phase.LOADING_WEIGHTS] == 1.0
+    assert durations[Phase.CAPTURING] == 1.0
+    assert durations[Phase.WARMUP] == 2.0  # before and after capture
     assert sum(durations.values()) == 6.0  # launch (0) to the ready line (6)
     assert tracker.ready_line_ts == datetime(2026, 5, 1, 12, 0, 10).timestamp()
 

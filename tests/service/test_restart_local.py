@@ -24,7 +24,8 @@ import pytest
 from ddtree_ops.errors import Interrupted, PortBusy, ReadinessTimeout, ServerCrashed, ServiceError
 from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.launch import build_launch_spec
-from ddtree_ops.service.logphases import LOADING_WEIGHTS, PhaseEvent
+from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
+from ddtree_ops.service.logphases import Phase, PhaseEvent
 from ddtree_ops.service.readiness import DeadlinePolicy
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
@@ -33,6 +34,11 @@ pytestmark = pytest.mark.timeout(120)
 
 DDTREE16 = RunConfig("DDTREE", budget=16, topk=4)
 FAST = dict(poll_interval_s=0.2, stop_grace_s=5.0)
+
+
+def req(host, run: RunConfig, **options) -> RestartRequest:  # type: ignore[no-untyped-def]
+    """``run`` on ``host`` as these tests restart it: SGLang 0.5.23, fast polls and stops."""
+    return RestartRequest(host, run, LaunchFacts("0.5.23"), **(FAST | options))
 
 
 def phases(events: list[PhaseEvent]) -> list[str]:
@@ -48,7 +54,7 @@ def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target)
     state = StateStore()
     events: list[PhaseEvent] = []
     t = sim_target.transport
-    first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+    first = lifecycle.restart(t, req(host, DDTREE16), state=state, on_phase=events.append)
     assert first.cuda_graph is True and first.fallback_reason is None and first.attempts == 1
     assert first.deadline_source == "inventory"
     seen = phases(events)
@@ -62,7 +68,7 @@ def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target)
     assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
 
     policy = DeadlinePolicy(factor=3.0, floor_s=0.5)
-    second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, policy=policy, **FAST)
+    second = lifecycle.restart(t, req(host, DDTREE16, policy=policy), state=state)
     assert second.deadline_source == "learned"
     assert second.deadline_s == pytest.approx(first.ready_s * 3.0)
     assert second.pid != first.pid
@@ -79,7 +85,7 @@ def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) ->
     state = StateStore()
     with LocalTransport(host.name) as t:
         events: list[PhaseEvent] = []
-        first = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+        first = lifecycle.restart(t, req(host, DDTREE16), state=state, on_phase=events.append)
         assert first.cuda_graph is False and first.attempts == 2
         assert "illegal memory access" in (first.fallback_reason or "")
         assert phases(events).count("starting") == 2 and "fallback_eager" in phases(events)
@@ -89,7 +95,7 @@ def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) ->
         assert (record.key.algorithm, record.key.budget, record.key.topk) == ("DDTREE", 16, 4)
 
         events.clear()
-        second = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, on_phase=events.append, **FAST)
+        second = lifecycle.restart(t, req(host, DDTREE16), state=state, on_phase=events.append)
         assert second.cuda_graph is False and second.attempts == 1
         assert phases(events).count("starting") == 1 and "capturing_cuda_graphs" not in phases(events)
         assert (second.fallback_reason or "").startswith("recorded fallback:")
@@ -98,7 +104,7 @@ def test_b300_budget_16_falls_back_to_eager_once_and_remembers(make_sim_host) ->
         assert state.fallback_for(replace(record.key, budget=8)) is None
 
         # --retry-cuda-graph re-tests: it fails again, falls back again, and keeps the record.
-        retried = lifecycle.restart(t, host, "0.5.23", DDTREE16, state=state, retry_cuda_graph=True, **FAST)
+        retried = lifecycle.restart(t, req(host, DDTREE16, retry_cuda_graph=True), state=state)
         assert retried.attempts == 2 and retried.cuda_graph is False
         assert len(state.fallbacks()) == 1
 
@@ -110,7 +116,7 @@ def test_a_server_resolving_another_tree_is_refused_and_stopped(make_sim_host) -
     run = RunConfig("DDTREE", budget=16, topk=4, extra_args=("--speculative-num-draft-tokens", "9"))
     with LocalTransport(host.name) as t:
         with pytest.raises(ServiceError, match=r"resolved DDTREE budget=8 topk=4, not the budget=16 topk=4"):
-            lifecycle.restart(t, host, "0.5.23", run, state=StateStore(), **FAST)
+            lifecycle.restart(t, req(host, run), state=StateStore())
         assert not lifecycle.service_status(t, host).running
 
 
@@ -118,19 +124,19 @@ def test_forced_graphs_do_not_fall_back(make_sim_host) -> None:
     host = make_sim_host(gpu="b300")
     run = RunConfig("DDTREE", budget=16, topk=4, cuda_graph="on")
     with LocalTransport(host.name) as t, pytest.raises(ServerCrashed, match="illegal memory access.*forced on"):
-        lifecycle.restart(t, host, "0.5.23", run, state=StateStore(), **FAST)
+        lifecycle.restart(t, req(host, run), state=StateStore())
 
 
 def test_crash_during_load_fails_fast_with_log_tail(sim_target) -> None:
     host = sim_target.host(load_s=600.0)
 
     def kill_when_loading(event: PhaseEvent) -> None:
-        if event.phase == LOADING_WEIGHTS:
+        if event.phase == Phase.LOADING_WEIGHTS:
             sim_target.signal_group(sim_target.launch_record(host)["pid"], "KILL")
 
     with pytest.raises(ServerCrashed) as info:
-        lifecycle.restart(sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=100,
-                          on_phase=kill_when_loading, **FAST)
+        lifecycle.restart(sim_target.transport, req(host, RunConfig("AR"), timeout=100), state=StateStore(),
+                          on_phase=kill_when_loading)
     message = str(info.value)
     assert message.startswith("sim: server exited during loading_weights")
     assert "Load weight begin." in message  # the log tail
@@ -139,7 +145,7 @@ def test_crash_during_load_fails_fast_with_log_tail(sim_target) -> None:
 def test_never_ready_times_out_naming_the_phase(make_sim_host) -> None:
     host = make_sim_host(load_s=600.0)
     with LocalTransport(host.name) as t, pytest.raises(ReadinessTimeout) as info:
-        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), timeout=12.0, **FAST)
+        lifecycle.restart(t, req(host, RunConfig("AR"), timeout=12.0), state=StateStore())
     message = str(info.value)
     assert "stuck in phase loading_weights" in message and "Load weight begin." in message
     assert "server left running" in message
@@ -163,7 +169,7 @@ def test_port_held_by_someone_else_is_waited_for(sim_target) -> None:
             threading.Thread(target=later, daemon=True).start()
 
     result = lifecycle.restart(
-        sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), on_phase=release_after_we_wait, **FAST
+        sim_target.transport, req(host, RunConfig("AR")), state=StateStore(), on_phase=release_after_we_wait
     )
     record = sim_target.launch_record(host)
     assert "waiting_for_port" in phases(events)
@@ -177,7 +183,7 @@ def test_port_never_freed_is_port_busy_and_nothing_launched(make_sim_host) -> No
         holder.bind(("127.0.0.1", host.ddtree.server.port))
         holder.listen()
         with LocalTransport(host.name) as t, pytest.raises(PortBusy, match="still in use after 1s.*nothing launched"):
-            lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), port_wait_s=1.0, **FAST)
+            lifecycle.restart(t, req(host, RunConfig("AR"), port_wait_s=1.0), state=StateStore())
     assert not Path(host.ddtree.run_dir, "launch.json").exists()
 
 
@@ -189,7 +195,7 @@ def test_drain_race_is_never_reported_ready(sim_target) -> None:
     )
     state = StateStore()
     t = sim_target.transport
-    old = lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=state, **FAST)
+    old = lifecycle.restart(t, req(host, RunConfig("AR")), state=state)
     old_info = sim_target.server_info(host)
     sim_target.signal_group(old.pid, "TERM")  # starts the 3 s (scaled) drain; port keeps answering 200
     time.sleep(0.3)
@@ -216,7 +222,7 @@ def test_hostile_extra_args_stay_data(sim_target, tmp_path: Path) -> None:
     # a newline and $HOME must reach the server as the same bytes.
     hostile = f"x; touch {marker} $(touch {marker}2) `touch {marker}3` ' \" $HOME\n|touch {marker}4"
     host = sim_target.host(extra_args=("--served-model-name", hostile))
-    result = lifecycle.restart(sim_target.transport, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+    result = lifecycle.restart(sim_target.transport, req(host, RunConfig("AR")), state=StateStore())
     assert sim_target.server_info(host)["served_model_name"] == hostile
     assert result.argv[-1] == hostile
     assert not any(sim_target.transport.exists(f"{marker}{n}") for n in ("", "2", "3", "4"))
@@ -227,13 +233,13 @@ def test_cancel_stops_waiting_and_describes_the_host(make_sim_host) -> None:
     cancel = threading.Event()
 
     def cancel_when_loading(event: PhaseEvent) -> None:
-        if event.phase == LOADING_WEIGHTS:
+        if event.phase == Phase.LOADING_WEIGHTS:
             cancel.set()
 
     with LocalTransport(host.name) as t:
         with pytest.raises(Interrupted, match="cancelled during loading_weights.*left running.*ddtree-ops stop sim"):
-            lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), cancel=cancel,
-                              on_phase=cancel_when_loading, timeout=100, **FAST)
+            lifecycle.restart(t, req(host, RunConfig("AR"), timeout=100), state=StateStore(), cancel=cancel,
+                              on_phase=cancel_when_loading)
         status = lifecycle.service_status(t, host)
         assert status.running and status.port_open is False
         stopped = lifecycle.stop(t, host, grace_s=2.0)
@@ -249,8 +255,8 @@ def test_concurrent_restart_is_refused_and_lock_released(make_sim_host) -> None:
     def first() -> None:
         try:
             with LocalTransport(host.name) as t1:
-                lifecycle.restart(t1, host, "0.5.23", RunConfig("AR"), state=StateStore(), cancel=cancel, timeout=100,
-                                  on_phase=lambda e: loading.set() if e.phase == LOADING_WEIGHTS else None, **FAST)
+                lifecycle.restart(t1, req(host, RunConfig("AR"), timeout=100), state=StateStore(), cancel=cancel,
+                                  on_phase=lambda e: loading.set() if e.phase == Phase.LOADING_WEIGHTS else None)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
 
@@ -259,7 +265,7 @@ def test_concurrent_restart_is_refused_and_lock_released(make_sim_host) -> None:
     try:
         assert loading.wait(60)
         with LocalTransport(host.name) as t2, pytest.raises(ServiceError, match="another restart is in progress"):
-            lifecycle.restart(t2, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+            lifecycle.restart(t2, req(host, RunConfig("AR")), state=StateStore())
     finally:
         cancel.set()
         worker.join(60)

@@ -27,11 +27,17 @@ from ddtree_ops.errors import ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig
+from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(180)
-FAST = dict(poll_interval_s=0.2, stop_grace_s=5.0)
+
+
+def ar(host: Host) -> RestartRequest:
+    """An AR restart of ``host`` on SGLang 0.5.23 with fast polls and stops."""
+    return RestartRequest(host, RunConfig("AR"), LaunchFacts("0.5.23"), poll_interval_s=0.2, stop_grace_s=5.0)
+
 
 HOLD_LOCK = """
 import sys, time
@@ -180,8 +186,7 @@ def test_restart_sigkilled_while_holding_the_lock_is_taken_over_at_once(tmp_path
     fast = sim_host(Path(slow.ddtree.run_dir), name="sim", port=slow.ddtree.server.port, load_s=0.5)
     events = []
     with LocalTransport(fast.name) as t:
-        result = lifecycle.restart(t, fast, "0.5.23", RunConfig("AR"), state=StateStore(tmp_path / "s2.json"),
-                                   on_phase=events.append, **FAST)
+        result = lifecycle.restart(t, ar(fast), state=StateStore(tmp_path / "s2.json"), on_phase=events.append)
     taken = [e for e in events if e.phase == "lock_taken_over"]
     assert len(taken) == 1 and f"pid {proc.pid}" in taken[0].note
     assert result.stopped is not None and result.stopped.was_running and result.stopped.pid == orphan
@@ -209,7 +214,7 @@ def test_live_holder_blocks_and_is_named(make_sim_host, lock_holder) -> None:
     holder = lock_holder(host)
     before = lock_path(host).read_text()
     with LocalTransport(host.name) as t, pytest.raises(ServiceError) as err:
-        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+        lifecycle.restart(t, ar(host), state=StateStore())
     msg = str(err.value)
     assert re.search(rf"another restart is in progress on this host: lock held by \S+@{re.escape(socket.gethostname())} "
                      rf"pid {holder.pid} \(restart\) for \d+s, still running; it expires in \d+m\d\ds$", msg), msg
@@ -227,7 +232,7 @@ def test_holder_recorded_elsewhere_blocks_until_expiry(make_sim_host, elsewhere:
     now = time.time()
     lock.write_text(json.dumps({"token": "t-else", "holder": holder, "taken_at": now - 125, "expires_at": now + 600}))
     with LocalTransport(host.name) as t, pytest.raises(ServiceError) as err:
-        lifecycle.restart(t, host, "0.5.23", RunConfig("AR"), state=StateStore(), **FAST)
+        lifecycle.restart(t, ar(host), state=StateStore())
     msg = str(err.value)
     assert f"@{holder['controller']} pid {holder['pid']} (restart) for 2m0" in msg, msg
     assert "cannot be checked from here" in msg and f"or delete {lock}" in msg

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import sim_host
 from ddtree_ops.service import RunConfig, lifecycle, manager
+from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport import open_transport
@@ -32,13 +33,14 @@ def test_b300_fallback_over_ssh_then_eager_directly(ssh_fleet, tmp_path: Path) -
             version = manager.sglang_version(t, host)
             assert version == "0.5.23"
             events: list[PhaseEvent] = []
-            first = lifecycle.restart(t, host, version, run, state=state, on_phase=events.append, poll_interval_s=0.2)
+            request = RestartRequest(host, run, LaunchFacts(version), poll_interval_s=0.2)
+            first = lifecycle.restart(t, request, state=state, on_phase=events.append)
             assert (first.cuda_graph, first.attempts) == (False, 2)
             assert [e.phase for e in events].count("starting") == 2
             assert first.argv[-4:] == ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
 
             events.clear()
-            second = lifecycle.restart(t, host, version, run, state=state, on_phase=events.append, poll_interval_s=0.2)
+            second = lifecycle.restart(t, request, state=state, on_phase=events.append)
             assert (second.cuda_graph, second.attempts) == (False, 1)
             assert "capturing_cuda_graphs" not in [e.phase for e in events]
             assert second.deadline_source == "learned"

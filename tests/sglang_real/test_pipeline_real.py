@@ -26,6 +26,7 @@ import httpx
 import pytest
 import yaml
 
+from cli_json import json_data
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.patching.bundle import load_bundle
@@ -60,7 +61,7 @@ def _sha256(path: Path) -> str:
 
 def _ok_json(result: Any, what: str) -> Any:
     assert result.exit_code == 0, f"{what} exited {result.exit_code}:\n{result.stderr[-4000:]}\n{result.stdout[-4000:]}"
-    return json.loads(result.stdout)
+    return json_data(result.stdout)
 
 
 def _server_log(run_dir: Path) -> str:
@@ -175,7 +176,7 @@ def test_deploy_restart_bench_report_on_real_sglang(
     restarted = cli("--json", *inv, "restart", HOST, "--algorithm", "DDTREE",
                     "--budget", str(BUDGET), "--topk", str(TOPK))
     assert restarted.exit_code == 0, f"restart: {restarted.stderr[-3000:]}\n{_server_log(run_dir)}"
-    result = json.loads(restarted.stdout)["hosts"][0]["result"]
+    result = json_data(restarted.stdout)["hosts"][0]["result"]
     info = httpx.get(cpu_host["url"] + "/server_info", timeout=10).json()
     assert info["speculative_algorithm"] == "DDTREE", info
     tree = info["ddtree"]
