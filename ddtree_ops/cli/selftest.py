@@ -1,11 +1,18 @@
-"""`ddtree-ops selftest TARGET`: run the bundle's selftest.py on each host, against the
-files deployed there.
+"""`ddtree-ops selftest TARGET [--e2e]`: run the bundle's self-tests on each host, against
+the files deployed there.
 
 The script is sent as a :class:`Script` on stdin to the host's own interpreter
 (``ddtree.python``), so nothing is copied to the host and the interpreter that SGLang
 runs under is the one that loads the deployed ``ddtree_utils.py``. One remote command
 per host. The script prints one JSON object; this module turns it into a
 :class:`SelftestResult` (or a clear error) and the command renders one row per host.
+
+``--e2e`` sends ``selftest_e2e.py`` instead (``selftest.py``'s text and the parameters
+follow it on stdin, after a NUL byte): it launches the host's real SGLang with tiny
+random-weight models, once alone and once per (budget, decode-graph mode) with DDTREE,
+compares greedy outputs token for token and reports what ``/server_info`` says about
+the verify path, plus ``selftest.py``'s checks. Its report becomes an :class:`E2eResult`
+(frozen, parsed here, pure) rendered one row per (host, budget, graph mode).
 """
 
 from __future__ import annotations
@@ -15,16 +22,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
-from ddtree_ops.cli.common import load_hosts, transport_for
+from ddtree_ops.cli.common import (
+    load_hosts,
+    raise_if_failed,
+    set_json_data,
+    transport_for,
+)
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.ddtree_core import REPO_ROOT
+from ddtree_ops.errors import (
+    BundleError,
+    CommandFailed,
+    ConfigError,
+    DdtreeOpsError,
+    PatchError,
+)
 from ddtree_ops.fleet import run_on_hosts
-from ddtree_ops.errors import BundleError, CommandFailed, DdtreeOpsError, FleetError, PatchError
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.patching.remote import _BOOT as STDIN_BOOTSTRAP
 from ddtree_ops.transport.base import Script, Transport
 
 DEFAULT_BUNDLE = REPO_ROOT / "patches" / "ddtree_temperature"
@@ -32,6 +51,13 @@ SELFTEST_NAME = "selftest.py"
 # Generous: the script takes a few seconds on a CPU host; a cold CUDA context plus the
 # kernel's JIT build on first use can take a minute.
 DEFAULT_TIMEOUT_S = 300.0
+E2E_NAME = "selftest_e2e.py"
+# Several server launches (one baseline + budgets x graph modes), each with CUDA-graph
+# capture and the first one with JIT builds: minutes each on a GPU, ~40 s on CPU.
+E2E_TIMEOUT_S = 3600.0
+E2E_BUDGETS = (4, 8, 16, 32)
+E2E_GRAPHS = ("on", "off")
+MAX_BUDGET = 256  # --speculative-num-draft-tokens 2..257
 
 
 @dataclass(frozen=True)
@@ -40,8 +66,16 @@ class CheckResult:
     detail: str
 
 
+class _Checked:
+    checks: Mapping[str, CheckResult]
+
+    @property
+    def failed_checks(self) -> list[str]:
+        return [name for name, c in self.checks.items() if not c.ok]
+
+
 @dataclass(frozen=True)
-class SelftestResult:
+class SelftestResult(_Checked):
     """What one host's selftest reported. ``ok`` is False when any check failed."""
 
     host: str
@@ -52,10 +86,6 @@ class SelftestResult:
     cuda: bool = False
     ddtree_utils: str | None = None
     seconds: float | None = None
-
-    @property
-    def failed_checks(self) -> list[str]:
-        return [name for name, c in self.checks.items() if not c.ok]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,17 +100,17 @@ class SelftestResult:
         }
 
 
-def selftest_source(bundle_dir: Path = DEFAULT_BUNDLE) -> str:
-    """The selftest program text, read from the bundle (the one copy)."""
-    path = Path(bundle_dir) / SELFTEST_NAME
+def selftest_source(bundle_dir: Path = DEFAULT_BUNDLE, name: str = SELFTEST_NAME) -> str:
+    """A self-test program's text, read from the bundle (the one copy)."""
+    path = Path(bundle_dir) / name
     try:
         return path.read_text()
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the bundle's selftest script ({exc.strerror})") from exc
 
 
-def parse_report(host: str, returncode: int, stdout: str, stderr: str, argv: Sequence[str]) -> SelftestResult:
-    """Turn the script's JSON line into a result; anything else becomes a clear error.
+def _read_report(host: str, returncode: int, stdout: str, stderr: str, argv: Sequence[str]) -> dict[str, Any]:
+    """The script's last stdout line as a JSON object, or a clear error.
 
     Exit 2 means the script could not test at all (bundle not deployed, no torch, no
     sglang): that is an error for the host, not a failed check.
@@ -97,17 +127,31 @@ def parse_report(host: str, returncode: int, stdout: str, stderr: str, argv: Seq
         )
     if not report.get("deployed", False):
         raise PatchError(str(report.get("error") or "bundle not deployed"), host=host)
-    if returncode == 2 or report.get("error"):
-        raise PatchError(f"selftest: {report['error']}", host=host)
-    checks = {
+    if returncode == 2:
+        raise PatchError(f"selftest: {report.get('error') or 'exit code 2'}", host=host)
+    return report
+
+
+def _checks(report: Mapping[str, Any]) -> Mapping[str, CheckResult]:
+    checks = report.get("checks")
+    return MappingProxyType({
         str(name): CheckResult(ok=bool(c.get("ok")), detail=str(c.get("detail", "")))
-        for name, c in (report.get("checks") or {}).items()
-    }
+        for name, c in (checks.items() if isinstance(checks, dict) else ())
+        if isinstance(c, dict)
+    })
+
+
+def parse_report(host: str, returncode: int, stdout: str, stderr: str, argv: Sequence[str]) -> SelftestResult:
+    """Turn selftest.py's JSON line into a result; anything else becomes a clear error."""
+    report = _read_report(host, returncode, stdout, stderr, argv)
+    if report.get("error"):
+        raise PatchError(f"selftest: {report['error']}", host=host)
+    checks = _checks(report)
     return SelftestResult(
         host=host,
         ok=bool(report.get("ok")) and returncode == 0 and all(c.ok for c in checks.values()),
         kernel=str(report.get("kernel", "unknown")),
-        checks=MappingProxyType(checks),
+        checks=checks,
         torch=report.get("torch"),
         cuda=bool(report.get("cuda")),
         ddtree_utils=report.get("ddtree_utils"),
@@ -124,6 +168,216 @@ def run_selftest(
     return parse_report(host.name, result.returncode, result.stdout, result.stderr, argv)
 
 
+# ------------------------------------------------------------------------------- e2e
+
+
+@dataclass(frozen=True)
+class E2eOptions:
+    """What ``--e2e`` runs: tree budgets x decode CUDA-graph modes ("on": SGLang's
+    default, "off": ``--cuda-graph-backend-decode disabled``)."""
+
+    budgets: tuple[int, ...] = E2E_BUDGETS
+    graphs: tuple[str, ...] = E2E_GRAPHS
+
+    def params(self, host: Host) -> dict[str, Any]:
+        """The script's parameters for ``host``: its usual server flags and environment."""
+        return {
+            "budgets": list(self.budgets),
+            "graphs": list(self.graphs),
+            "extra_args": list(host.ddtree.server.extra_args),
+            "env": dict(host.ddtree.server.env),
+        }
+
+
+def _comma_list(option: str, text: str) -> list[str]:
+    items = [part.strip() for part in text.split(",")]
+    if not all(items):
+        raise ConfigError(f"{option}: expected a comma list without empty items, got {text!r}")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{option}: {text!r} names an item twice")
+    return items
+
+
+def e2e_options(*, e2e: bool, budgets: str | None, graphs: str | None) -> E2eOptions | None:
+    """Validate the --e2e options (None without --e2e); ConfigError names the option."""
+    if not e2e:
+        for option, value in (("--budgets", budgets), ("--graphs", graphs)):
+            if value is not None:
+                raise ConfigError(f"{option} applies to --e2e only")
+        return None
+    picked = E2eOptions()
+    if budgets is not None:
+        values = []
+        for item in _comma_list("--budgets", budgets):
+            if not item.isdigit() or not 1 <= int(item) <= MAX_BUDGET:
+                raise ConfigError(f"--budgets: {item!r} is not a tree budget (an integer in 1..{MAX_BUDGET})")
+            values.append(int(item))
+        picked = E2eOptions(budgets=tuple(values), graphs=picked.graphs)
+    if graphs is not None:
+        modes = _comma_list("--graphs", graphs)
+        bad = [m for m in modes if m not in E2E_GRAPHS]
+        if bad:
+            raise ConfigError(f"--graphs: {bad[0]!r} is not a graph mode (on, off)")
+        picked = E2eOptions(budgets=picked.budgets, graphs=tuple(modes))
+    return picked
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a DDTREE output first left the target's own (``margin``: the target alone's
+    top-2 log-prob margin there; ``verdict`` "tie" when under the script's threshold)."""
+
+    position: int
+    margin: float | None
+    verdict: str
+    prompt: int | None = None
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class E2eRun:
+    """One DDTREE launch of the e2e test: a budget under one decode-graph mode."""
+
+    budget: int
+    graphs: str
+    ok: bool
+    served: bool
+    equal: bool | None = None
+    compared_tokens: int = 0
+    first_divergence: Divergence | None = None
+    accept_length: float | None = None
+    max_logprob_delta: float | None = None
+    verify_cuda_graph_captured: bool | None = None
+    verify_attention_backend: str | None = None
+    decode_cuda_graph: str | None = None
+    startup_s: float | None = None
+    error: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """"equal", "tie" (diverged only at near-ties) or "FAILED"."""
+        if not self.ok:
+            return "FAILED"
+        return "equal" if self.equal else "tie"
+
+
+@dataclass(frozen=True)
+class E2eResult(_Checked):
+    """What one host's ``selftest_e2e.py`` reported. ``ok`` is False when any run or
+    check failed; ``report`` is the script's JSON as received (written by ``--out``)."""
+
+    host: str
+    ok: bool
+    runs: tuple[E2eRun, ...] = ()
+    checks: Mapping[str, CheckResult] = field(default_factory=lambda: MappingProxyType({}))
+    kernel: str = "unknown"
+    sglang_version: str | None = None
+    device: str | None = None
+    baseline_startup_s: float | None = None
+    graph_capture: Mapping[int, bool] = field(default_factory=lambda: MappingProxyType({}))
+    seconds: float | None = None
+    error: str | None = None
+    report: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**json.loads(json.dumps(dict(self.report))), "host": self.host, "ok": self.ok}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _opt_bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _divergence(value: Any) -> Divergence | None:
+    if not isinstance(value, dict) or not isinstance(value.get("position"), int):
+        return None
+    return Divergence(
+        position=value["position"],
+        margin=_num(value.get("margin")),
+        verdict=str(value.get("verdict", "diverged")),
+        prompt=value.get("prompt") if isinstance(value.get("prompt"), int) else None,
+        batch=value.get("batch") if isinstance(value.get("batch"), int) else None,
+    )
+
+
+def _e2e_run(raw: Mapping[str, Any]) -> E2eRun:
+    return E2eRun(
+        budget=int(raw.get("budget", 0)),
+        graphs=str(raw.get("graphs", "?")),
+        ok=raw.get("ok") is True and not raw.get("error"),
+        served=raw.get("served") is True,
+        equal=_opt_bool(raw.get("equal")),
+        compared_tokens=int(raw.get("compared_tokens") or 0),
+        first_divergence=_divergence(raw.get("first_divergence")),
+        accept_length=_num(raw.get("accept_length")),
+        max_logprob_delta=_num(raw.get("max_logprob_delta")),
+        verify_cuda_graph_captured=_opt_bool(raw.get("verify_cuda_graph_captured")),
+        verify_attention_backend=_opt_str(raw.get("verify_attention_backend")),
+        decode_cuda_graph=_opt_str(raw.get("decode_cuda_graph")),
+        startup_s=_num(raw.get("startup_s")),
+        error=_opt_str(raw.get("error")),
+    )
+
+
+def parse_e2e_report(host: str, returncode: int, stdout: str, stderr: str, argv: Sequence[str]) -> E2eResult:
+    """Turn selftest_e2e.py's JSON line into an :class:`E2eResult`; no JSON, exit 2 or an
+    undeployed bundle become errors, as for :func:`parse_report`. A run or check that
+    failed is data (``ok`` False), not an error."""
+    report = _read_report(host, returncode, stdout, stderr, argv)
+    try:
+        runs = tuple(_e2e_run(r) for r in report.get("runs") or () if isinstance(r, dict))
+        capture = report.get("graph_capture") if isinstance(report.get("graph_capture"), dict) else {}
+        graph_capture = {int(b): v is True for b, v in capture.items()}
+    except (TypeError, ValueError) as exc:
+        raise CommandFailed(
+            returncode, list(argv), stderr, host=host, detail=f"selftest --e2e report is malformed ({exc})"
+        ) from exc
+    checks = _checks(report)
+    baseline = report.get("baseline") if isinstance(report.get("baseline"), dict) else {}
+    error = _opt_str(report.get("error"))
+    return E2eResult(
+        host=host,
+        ok=(report.get("ok") is True and returncode == 0 and not error and bool(runs)
+            and all(r.ok for r in runs) and all(c.ok for c in checks.values())),
+        runs=runs,
+        checks=checks,
+        kernel=str(report.get("kernel") or "unknown"),
+        sglang_version=_opt_str(report.get("sglang_version")),
+        device=_opt_str(report.get("device")),
+        baseline_startup_s=_num(baseline.get("startup_s")),
+        graph_capture=MappingProxyType(graph_capture),
+        seconds=_num(report.get("seconds")),
+        error=error,
+        report=MappingProxyType(report),
+    )
+
+
+def run_e2e(
+    transport: Transport,
+    host: Host,
+    *,
+    source: str,
+    selftest: str,
+    options: E2eOptions,
+    timeout: float = E2E_TIMEOUT_S,
+) -> E2eResult:
+    """Run ``selftest_e2e.py`` with ``host``'s interpreter (one round trip). Its parameters
+    and ``selftest.py`` travel on stdin (no value on the host's command line)."""
+    payload = json.dumps({"params": options.params(host), "selftest": selftest})
+    script = Script(argv=(host.python, "-c", STDIN_BOOTSTRAP), source=source + "\0", extra_stdin=payload)
+    result = transport.run(script, timeout=timeout)
+    return parse_e2e_report(
+        host.name, result.returncode, result.stdout, result.stderr, (host.python, "-c", f"<{E2E_NAME}>")
+    )
+
+
 # ---------------------------------------------------------------------------- command
 
 
@@ -134,20 +388,8 @@ def _summary(result: SelftestResult) -> str:
 
 
 def _render(obj: AppContext, results: Mapping[str, Any]) -> bool:
-    """Render one row per host (rich table, or JSON with --json). True if any failed."""
-    any_failed = False
-    rows: list[dict[str, Any]] = []
-    for name, r in results.items():
-        if isinstance(r, SelftestResult):
-            any_failed |= not r.ok
-            rows.append(r.as_dict())
-        else:
-            any_failed = True
-            msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
-            rows.append({"host": name, "ok": False, "error": msg})
-    if obj.json:
-        obj.console.print_json(json.dumps(rows))
-        return any_failed
+    """Render one row per host as a rich table. True if any failed."""
+    any_failed = any(not (isinstance(r, SelftestResult) and r.ok) for r in results.values())
     from rich.table import Table
 
     table = Table(title="selftest")
@@ -167,35 +409,153 @@ def _render(obj: AppContext, results: Mapping[str, Any]) -> bool:
     return any_failed
 
 
+def _run_cell(run: E2eRun) -> str:
+    """The result column of one e2e row."""
+    from rich.markup import escape
+
+    if run.verdict == "equal":
+        return "[green]equal[/]"
+    d = run.first_divergence
+    where = f" at token {d.position} (margin {d.margin:.3g})" if d is not None and d.margin is not None else ""
+    if run.verdict == "tie":
+        return f"[yellow]tie{where}[/]"
+    return f"[red]FAILED: {escape(run.error or 'diverged' + where)}[/]"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "" if value is None else ("yes" if value else "no")
+
+
+def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
+    """One row per (host, budget, graph mode), after a row with the host's checks. True if
+    any host failed."""
+    any_failed = any(not (isinstance(r, E2eResult) and r.ok) for r in results.values())
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="selftest --e2e")
+    for col in ("host", "budget", "graphs", "result", "graph captured", "accept length", "verify backend", "startup s"):
+        table.add_column(col)
+    for name, r in results.items():
+        if not isinstance(r, E2eResult):
+            msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
+            table.add_row(name, "", "", f"[red]error: {escape(msg)}[/]", "", "", "", "")
+            continue
+        checks = f"{len(r.checks)} checks passed" if not r.failed_checks else "failed: " + ", ".join(r.failed_checks)
+        style = "red" if r.failed_checks else "green"
+        head = f"[{style}]{checks}[/]; kernel {r.kernel}; sglang {r.sglang_version or '?'} on {r.device or '?'}"
+        table.add_row(name, "checks", "", head, "", "", "", f"{r.baseline_startup_s or 0:.0f}")
+        for run in r.runs:
+            accept = "" if run.accept_length is None else f"{run.accept_length:.2f}"
+            table.add_row(
+                "", str(run.budget), run.graphs, _run_cell(run), _yes_no(run.verify_cuda_graph_captured), accept,
+                run.verify_attention_backend or "", f"{run.startup_s or 0:.0f}",
+            )
+        if r.error:
+            table.add_row("", "", "", f"[red]error: {escape(r.error)}[/]", "", "", "", "")
+    obj.console.print(table)
+    return any_failed
+
+
+def _host_dict(name: str, result: Any) -> dict[str, Any]:
+    if isinstance(result, (SelftestResult, E2eResult)):
+        return result.as_dict()
+    msg = str(result) if isinstance(result, DdtreeOpsError) else f"{type(result).__name__}: {result}"
+    return {"host": name, "ok": False, "error": msg}
+
+
+def check_out_dir(out: Path | None) -> None:
+    """Refuse an --out that cannot become a directory, before any host is contacted."""
+    if out is not None and out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} exists and is not a directory")
+
+
+def write_reports(out: Path, results: Mapping[str, Any]) -> list[Path]:
+    """``out/<host>.json`` per host (failed hosts too: their error)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, r in results.items():
+            path = out / f"{name.replace('/', '_')}.json"
+            path.write_text(json.dumps(_host_dict(name, r), indent=2, sort_keys=True) + "\n")
+            written.append(path)
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write the reports into {out} ({exc.strerror or exc})") from exc
+    return written
+
+
 @app.command("selftest")
 def selftest_command(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list or 'all'."),
     bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Bundle directory holding selftest.py."),
-    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", min=1.0, help="Seconds per host."),
+    timeout: Optional[float] = typer.Option(
+        None, "--timeout", min=1.0,
+        help=f"Seconds per host (default {DEFAULT_TIMEOUT_S:.0f}; {E2E_TIMEOUT_S:.0f} with --e2e).",
+    ),
+    e2e: bool = typer.Option(
+        False, "--e2e", help="End to end: launch the host's SGLang with tiny models, alone and with DDTREE per budget "
+        "and decode-graph mode, and compare greedy outputs (GPU acceptance test; minutes per launch)."
+    ),
+    budgets: Optional[str] = typer.Option(
+        None, "--budgets", help="--e2e: comma list of tree budgets (default 4,8,16,32)."
+    ),
+    graphs: Optional[str] = typer.Option(
+        None, "--graphs", help="--e2e: comma list of decode CUDA-graph modes, on and/or off (default on,off)."
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write each host's report to DIR/<host>.json."),
 ) -> None:
     """Test the DEPLOYED DDTree files on each host with its own interpreter: golden
     encoding, tree properties, greedy walk, sampler exactness, and kernel vs reference
-    where CUDA and SGLang's kernel are available."""
+    where CUDA and SGLang's kernel are available. With --e2e, also the real server:
+    greedy DDTREE output equals the target alone per budget and graph mode."""
     obj: AppContext = ctx.obj
+    options = e2e_options(e2e=e2e, budgets=budgets, graphs=graphs)
+    check_out_dir(out)
     hosts = load_hosts(obj, target)
     source = selftest_source(bundle)
+    e2e_source = selftest_source(bundle, E2E_NAME) if options is not None else ""
 
-    def one(host: Host) -> SelftestResult:
+    def one(host: Host) -> SelftestResult | E2eResult:
         with transport_for(obj, host) as transport:
-            return run_selftest(transport, host, source=source, timeout=timeout)
+            if options is None:
+                return run_selftest(transport, host, source=source, timeout=timeout or DEFAULT_TIMEOUT_S)
+            return run_e2e(transport, host, source=e2e_source, selftest=source, options=options,
+                           timeout=timeout or E2E_TIMEOUT_S)
 
     results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
-    if _render(obj, results):
-        failed = [n for n, r in results.items() if not (isinstance(r, SelftestResult) and r.ok)]
-        raise FleetError(f"selftest failed on {len(failed)} of {len(results)} host(s): {', '.join(failed)}")
+    if out is not None:
+        write_reports(out, results)
+    set_json_data(obj, [_host_dict(name, r) for name, r in results.items()])
+    if not obj.json:
+        _render_e2e(obj, results) if options is not None else _render(obj, results)
+    raise_if_failed("selftest", results, failure=_failed_checks)
 
+
+def _failed_checks(result: SelftestResult | E2eResult) -> BaseException | None:
+    """A host whose script ran but reported a failure fails the command too."""
+    if result.ok:
+        return None
+    what = ", ".join(result.failed_checks) or (
+        "; ".join(f"budget {r.budget} graphs {r.graphs}: {r.verdict}" for r in getattr(result, "runs", ()) if not r.ok)
+        or getattr(result, "error", None) or "failed"
+    )
+    return PatchError(f"selftest: {what}", host=result.host)
 
 __all__ = [
     "CheckResult",
+    "Divergence",
+    "E2eOptions",
+    "E2eResult",
+    "E2eRun",
     "SelftestResult",
+    "check_out_dir",
+    "e2e_options",
+    "parse_e2e_report",
     "parse_report",
+    "run_e2e",
     "run_selftest",
     "selftest_command",
     "selftest_source",
+    "write_reports",
 ]

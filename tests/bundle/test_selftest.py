@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_json import json_data
 
 from ddtree_ops.cli.selftest import (
     DEFAULT_BUNDLE,
@@ -127,7 +128,7 @@ def test_cli_selftest_json_and_exit_code(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
     )
     assert proc.returncode == 7, proc.stderr  # FleetError: one host failed
-    rows = {r["host"]: r for r in json.loads(proc.stdout)}
+    rows = {r["host"]: r for r in json_data(proc.stdout)}
     assert rows["good-host"]["ok"] is True
     assert set(rows["good-host"]["checks"]) == EXPECTED_CHECKS
     assert rows["bare-host"]["ok"] is False and "bundle not deployed" in rows["bare-host"]["error"]
