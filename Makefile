@@ -12,7 +12,7 @@ WHEELS := .cache/wheels
 
 DEMO_HOSTS := sim-ct200 sim-b300
 
-.PHONY: venv test test-sglang sglang-cpu demo demo-hosts clean
+.PHONY: venv lint test test-sglang sglang-cpu demo demo-hosts clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# ruff (rules and 120 columns in pyproject.toml; patches/ has its own ruff.toml) and mypy
+# (its files and strictness in pyproject.toml too). CI runs it before `make test`.
+lint: $(STAMP)
+	$(PY) -m ruff check ddtree_ops tests benchmarks && $(PY) -m mypy
 
 test: $(STAMP) sglang-cpu
 	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
@@ -67,4 +72,4 @@ demo: demo-hosts
 	  --csv-best results/demo_best.csv --plots results/demo_plots/
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -51,8 +51,8 @@ import httpx
 from ddtree_ops.bench.client import LoadSpec, run_load
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.prompts import Prompt
-from ddtree_ops.sim.text import WORDS
 from ddtree_ops.sim.profiles import PROFILES
+from ddtree_ops.sim.text import WORDS
 
 
 def free_port() -> int:
@@ -130,11 +130,17 @@ def ours(url: str, c: int, n: int, input_len: int) -> dict[str, float]:
         raise SystemExit(f"c={c}: {m.failed} requests failed: {m.errors}")
     server_e2e = [r.server_e2e for r in load.results if r.server_e2e is not None]
     client_e2e = [r.e2e for r in load.results if r.server_e2e is not None]
-    return {"tok_s": m.output_tok_s, "itl_median_s": (m.itl_ms.median or 0) / 1000, "itl_mean_s": (m.itl_ms.mean or 0) / 1000,
-            "tokens": m.output_tokens, "prompt_tokens": m.input_tokens, "cpu_s": cpu,
-            # The server's view of the same wave: its slowest request's e2e bounds the wave.
-            "server_tok_s": m.output_tokens / max(server_e2e) if server_e2e else float("nan"),
-            "e2e_gap_ms": (sum(client_e2e) - sum(server_e2e)) / len(server_e2e) * 1e3 if server_e2e else float("nan")}
+    return {
+        "tok_s": m.output_tok_s,
+        "itl_median_s": (m.itl_ms.median or 0) / 1000,
+        "itl_mean_s": (m.itl_ms.mean or 0) / 1000,
+        "tokens": m.output_tokens,
+        "prompt_tokens": m.input_tokens,
+        "cpu_s": cpu,
+        # The server's view of the same wave: its slowest request's e2e bounds the wave.
+        "server_tok_s": m.output_tokens / max(server_e2e) if server_e2e else float("nan"),
+        "e2e_gap_ms": (sum(client_e2e) - sum(server_e2e)) / len(server_e2e) * 1e3 if server_e2e else float("nan"),
+    }
 
 
 # Runs exactly what ``python -m sglang.bench_serving`` runs (its ``cli_main``), but
@@ -151,7 +157,9 @@ print("BENCH_CPU_S", cpu)
 """
 
 
-def bench_serving(python: str, url: str, model_dir: Path, c: int, n: int, input_len: int, out: Path) -> dict[str, float]:
+def bench_serving(
+    python: str, url: str, model_dir: Path, c: int, n: int, input_len: int, out: Path
+) -> dict[str, float]:
     argv = ["--backend", "sglang", "--base-url", url, "--tokenizer", str(model_dir), "--model", str(model_dir),
             "--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len", str(n),
             "--random-range-ratio", "1.0", "--num-prompts", str(c), "--max-concurrency", str(c),
@@ -185,10 +193,15 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             with_bs = bool(args.bench_serving_python)
-            print(f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} tokens, "
-                  f"one wave of c requests per level; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
-            print(f"{'c':>3} {'model ITL ms':>12} {'our ITL ms':>10} {'err':>6} {'model tok/s':>11} {'our tok/s':>9} "
-                  f"{'err':>6} {'server tok/s':>12} {'err':>6} {'e2e gap ms':>10} {'our CPU us/tok':>14}" + ("  | bench_serving tok/s  ITL ms  CPU us/tok" if with_bs else ""))
+            print(
+                f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} tokens, "
+                f"one wave of c requests per level; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+            )
+            print(
+                f"{'c':>3} {'model ITL ms':>12} {'our ITL ms':>10} {'err':>6} {'model tok/s':>11} {'our tok/s':>9} "
+                f"{'err':>6} {'server tok/s':>12} {'err':>6} {'e2e gap ms':>10} {'our CPU us/tok':>14}"
+                + ("  | bench_serving tok/s  ITL ms  CPU us/tok" if with_bs else "")
+            )
             for c in levels:
                 got = ours(url, c, n, args.input_len)
                 itl_true, tok_true = truth(args.gpu, c, n, int(got["prompt_tokens"]))
@@ -198,7 +211,9 @@ def main() -> None:
                         f"{(got['tok_s'] / got['server_tok_s'] - 1) * 100:>+5.1f}% {got['e2e_gap_ms']:>10.2f} "
                         f"{got['cpu_s'] / got['tokens'] * 1e6:>14.1f}")
                 if with_bs:
-                    bs = bench_serving(args.bench_serving_python, url, model_dir, c, n, args.input_len, Path(tmp) / f"bs{c}.jsonl")
+                    bs = bench_serving(
+                        args.bench_serving_python, url, model_dir, c, n, args.input_len, Path(tmp) / f"bs{c}.jsonl"
+                    )
                     line += (f"  | {bs['tok_s']:>19.1f} {bs['itl_median_s'] * 1e3:>7.3f} "
                              f"{bs['cpu_s'] / bs['tokens'] * 1e6:>11.1f}")
                 print(line, flush=True)

@@ -209,9 +209,10 @@ def main() -> None:
         print(f"link: +{args.rtt_ms:g} ms RTT via user-space proxy; {args.repeat} repeats, medians")
         print(f"round trips per host: fresh deploy {c_fresh.commands} commands + {c_fresh.file_ops} file ops; "
               f"no-op re-deploy {c_noop.commands} + {c_noop.file_ops} ({noop_s:.2f} s)")
-        print(f"fresh deploy, 1 host:            {med(one_host):6.2f} s  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
-        print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s  ratio {med(n_hosts) / med(one_host):.2f}x"
-              f"  (all: {', '.join(f'{x:.2f}' for x in n_hosts)})")
+        print(f"fresh deploy, 1 host:            {med(one_host):6.2f} s"
+              f"  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
+        print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s"
+              f"  ratio {med(n_hosts) / med(one_host):.2f}x  (all: {', '.join(f'{x:.2f}' for x in n_hosts)})")
         print(f"naive scp+ssh per file, 1 host:  {med(naive):6.2f} s  ({2 * len(bundle.files)} connections; "
               f"{med(naive) / med(one_host):.1f}x slower, and no lock/backup/verify/atomicity)")
     finally:

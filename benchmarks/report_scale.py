@@ -60,6 +60,7 @@ _CONFIGS: tuple[tuple[str, int | None, int | None], ...] = (
     *(("DDTREE", b, k) for b in _BUDGETS for k in _TOPKS),
 )
 _PHASES = ("starting", "loading_weights", "allocating_kv_cache", "capturing_cuda_graphs", "warmup")
+_CAPTURE_FAILED = "Capture cuda graph failed: CUDA error: an illegal memory access was encountered"
 
 
 def _host(i: int) -> dict[str, Any]:
@@ -75,7 +76,8 @@ def _argv(algorithm: str, budget: int | None, topk: int | None, cuda_graph: bool
     argv = ["/opt/sglang/.venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.6",
             "--host", "0.0.0.0", "--port", "30000", "--tp", "8", "--trust-remote-code", "--mem-fraction-static", "0.85"]
     if algorithm != "AR":
-        argv += ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", "/models/Kimi-K2.6-DFlash-drafter"]
+        argv += ["--speculative-algorithm", algorithm,
+                 "--speculative-draft-model-path", "/models/Kimi-K2.6-DFlash-drafter"]
     if algorithm == "DDTREE":
         assert budget is not None and topk is not None
         argv += ddtree_flags(budget, topk)
@@ -114,7 +116,7 @@ def make_row(i: int, rng: random.Random) -> dict[str, Any]:
         "budget": budget,
         "topk": topk,
         "cuda_graph": cuda_graph,
-        "fallback_reason": None if cuda_graph else "Capture cuda graph failed: CUDA error: an illegal memory access was encountered",
+        "fallback_reason": None if cuda_graph else _CAPTURE_FAILED,
         "readiness_s": {p: rng.uniform(0.5, 360.0) for p in _PHASES},
         "workload_hash": "9b2e4d6f8a0c2e4b",  # prompts.py keeps 16 hex digits
         "workload_name": "mt-bench+humaneval",
@@ -169,7 +171,9 @@ def main() -> None:
         if not path.exists():
             t = time.perf_counter()
             make_ledger(path, args.rows)
-            print(f"wrote {args.rows:,} rows ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
+            print(
+                f"wrote {args.rows:,} rows ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s"
+            )
         size = path.stat().st_size
         load_before = os.getloadavg()
         cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -180,7 +184,9 @@ def main() -> None:
         cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
         load_after = os.getloadavg()
         rows, cells, best, bad, imp, load, agg, pick, peak = out.stdout.split()
-        print(f"ledger: {int(rows):,} rows, {size / 2**30:.2f} GiB ({size / int(rows):.0f} B/row), {int(bad)} bad lines")
+        print(
+            f"ledger: {int(rows):,} rows, {size / 2**30:.2f} GiB ({size / int(rows):.0f} B/row), {int(bad)} bad lines"
+        )
         print(f"report: {int(cells):,} per-host cells, {int(best)} best rows")
         print(f"wall {wall:.2f} s, CPU {cpu:.2f} s, peak RSS {float(peak):.0f} MiB  [target < 10 s, < 2048 MiB]")
         print(f"  import {float(imp):.2f} s, load {float(load):.2f} s, aggregate host+gpu {float(agg):.2f} s, "

@@ -70,7 +70,9 @@ def _start(flags: list[str], scale: float, gpu: str) -> tuple[subprocess.Popen[b
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"simulator exited with {proc.returncode} (b300 + DDTREE budget > 8 fails capture by design)")
+            raise SystemExit(
+                f"simulator exited with {proc.returncode} (b300 + DDTREE budget > 8 fails capture by design)"
+            )
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -129,8 +131,8 @@ def main() -> None:
                     cell = Cell(mode, scale, conc, tps, itl, model)
                     cells.append(cell)
                     flag = "" if cell.ratio <= 1.05 else "  <- distorted (>5%)"
-                    print(f"{mode:<10} {scale:>6g} {conc:>5} {tps:>9.0f} {itl:>8.2f} {model:>9.2f} {cell.ratio:>6.2f}{flag}",
-                          flush=True)
+                    print(f"{mode:<10} {scale:>6g} {conc:>5} {tps:>9.0f} {itl:>8.2f} {model:>9.2f}"
+                          f" {cell.ratio:>6.2f}{flag}", flush=True)
             finally:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()

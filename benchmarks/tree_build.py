@@ -20,6 +20,7 @@ per round.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -72,7 +73,7 @@ def naive_round(ids: list[list[int]], lps: list[list[float]], budget: int) -> in
         kids = sorted((c for c in range(1, n) if parents[c] == p), key=lambda c: (-logws[c], c))
         if kids:
             next_token[p] = kids[0]
-            for a, b in zip(kids, kids[1:]):
+            for a, b in itertools.pairwise(kids):
                 next_sibling[a] = b
     mask = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
@@ -123,8 +124,8 @@ def layout_table(du: ModuleType, args: argparse.Namespace) -> None:
         top = torch.log_softmax(torch.randn(batch, args.depth, 4096, generator=g) * 3.0, dim=-1).topk(k, dim=-1)
         ids, lps = top.indices, top.values
         prefixes = [1000 + 17 * b for b in range(batch)]
-        old = round_us(lambda: per_request_round(du, ids, lps, budget, prefixes), args.repeats * 2)
-        new = round_us(lambda: batched_round(du, ids, lps, budget, prefixes), args.repeats * 2)
+        old = round_us(functools.partial(per_request_round, du, ids, lps, budget, prefixes), args.repeats * 2)
+        new = round_us(functools.partial(batched_round, du, ids, lps, budget, prefixes), args.repeats * 2)
         print(f"{budget:>6} {k:>4} {batch:>5} {old:>12.0f} {new:>9.0f} {old / new:>7.1f}x")
 
 
@@ -174,13 +175,13 @@ def main() -> None:
     for budget, k, batch in itertools.product(args.budgets, args.topks, args.batches):
         ids, lps = drafter_topk(args.depth, k, args.vocab, seed=budget * 100 + k)
         nodes = fast_round(du, ids, lps, budget)
-        fast = per_request_us(lambda: fast_round(du, ids, lps, budget), batch, args.repeats)
+        fast = per_request_us(functools.partial(fast_round, du, ids, lps, budget), batch, args.repeats)
         n_paths = sum(k**d for d in range(1, args.depth + 1))
         if n_paths <= args.naive_max_paths:
             # Once per (budget, top-k): its per-request cost does not depend on the batch,
             # and one run is enough to show the gap while keeping the script short.
             if (budget, k) not in naive_cache:
-                naive_cache[budget, k] = per_request_us(lambda: naive_round(ids, lps, budget), 1, 1)
+                naive_cache[budget, k] = per_request_us(functools.partial(naive_round, ids, lps, budget), 1, 1)
             naive = naive_cache[budget, k]
             naive_s, speed_s = f"{naive:12.0f}", f"{naive / fast:7.0f}x"
         else:

@@ -99,7 +99,9 @@ def load_inventory(paths: Sequence[Path], *, ssh_config: Path | None = None) -> 
     ``ansible_host``: such a host must be an alias there, otherwise nothing could reach it.
     """
     if not paths:
-        raise InventoryError("no inventory given: pass -i PATH or set DDTREE_OPS_INVENTORY (no inventories/*.yaml here)")
+        raise InventoryError(
+            "no inventory given: pass -i PATH or set DDTREE_OPS_INVENTORY (no inventories/*.yaml here)"
+        )
     aliases = _SshAliases(ssh_config if ssh_config is not None else Path("~/.ssh/config").expanduser())
     hosts: dict[str, Host] = {}
     groups: dict[str, list[str]] = {}
@@ -161,7 +163,9 @@ def _load_file(path: Path, aliases: _SshAliases) -> list[tuple[Host, tuple[str, 
         if body is None:
             body = {}
         if not isinstance(body, dict):
-            raise InventoryError(f"{path}: {keypath}: a group must be a mapping of {'/'.join(GROUP_KEYS)}, got {_kind(body)}")
+            raise InventoryError(
+                f"{path}: {keypath}: a group must be a mapping of {'/'.join(GROUP_KEYS)}, got {_kind(body)}"
+            )
         for key in body:
             if key not in GROUP_KEYS:
                 raise InventoryError(f"{path}: {keypath}.{key}: unknown group key{_did_you_mean(str(key), GROUP_KEYS)}")
@@ -273,11 +277,14 @@ def _type_problem(kind: str, value: Any) -> str | None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
         return None if ok else "expected a positive number of seconds"
     if kind == "str_list":
-        ok = isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value)
+        ok = isinstance(value, list) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value
+        )
         return None if ok else "expected a list of strings"
     if kind == "str_map":
         ok = isinstance(value, dict) and all(
-            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool) for k, v in value.items()
+            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+            for k, v in value.items()
         )
         return None if ok else "expected a mapping of NAME: value (strings or numbers)"
     if kind == "manager":
@@ -357,7 +364,9 @@ def _build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> D
         run_dir = _against(base_dir, run_dir)
     if known_hosts is not None:
         known_hosts = _against(base_dir, known_hosts)  # always a file on this machine
-    return DdtreeSettings(python=python, gpu=raw.get("gpu", defaults.gpu), run_dir=run_dir, known_hosts=known_hosts, server=server)
+    return DdtreeSettings(
+        python=python, gpu=raw.get("gpu", defaults.gpu), run_dir=run_dir, known_hosts=known_hosts, server=server
+    )
 
 
 def _against(base_dir: Path, value: str) -> str:
@@ -400,4 +409,5 @@ def _did_you_mean(key: str, valid: Sequence[str]) -> str:
 def _kind(value: Any) -> str:
     if value is None:
         return "nothing"
-    return {dict: "a mapping", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {dict: "a mapping", list: "a list", str: "a string"}
+    return names.get(type(value), type(value).__name__)

@@ -6,9 +6,10 @@ depend on the types without the YAML machinery. Defaults live here, in one place
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Literal
 
 DEFAULT_SERVER_COMMAND = "{python} -m sglang.launch_server"
 

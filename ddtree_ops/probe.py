@@ -75,7 +75,8 @@ def main(port, bind_host):
                         gpus.append({"name": parts[0], "driver_version": parts[1],
                                      "memory_total": parts[2], "compute_cap": parts[3]})
             else:
-                out["gpu_error"] = "nvidia-smi exit %d: %s" % (res.returncode, (res.stderr or res.stdout).strip()[-300:])
+                tail = (res.stderr or res.stdout).strip()[-300:]
+                out["gpu_error"] = "nvidia-smi exit %d: %s" % (res.returncode, tail)
         except Exception as exc:
             out["gpu_error"] = "nvidia-smi failed: %s" % exc
     out["gpus"] = gpus
@@ -171,7 +172,9 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
     try:
         result = transport.run(script, timeout=timeout)
     except DdtreeOpsError as exc:
-        return HostFacts(host=host.name, python=host.python, port=port, error=exc.message or str(exc), error_type=type(exc).__name__)
+        return HostFacts(
+            host=host.name, python=host.python, port=port, error=exc.message or str(exc), error_type=type(exc).__name__
+        )
     line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(MARKER)), None)
     if line is None:
         if result.returncode in (126, 127):
@@ -222,7 +225,9 @@ def probe_hosts(
 
     def one(host: Host) -> HostFacts:
         counter = counters.get(host.name) if counters is not None else None
-        with open_transport(host, host_key_policy=host_key_policy, connect_timeout=connect_timeout, counter=counter) as t:
+        with open_transport(
+            host, host_key_policy=host_key_policy, connect_timeout=connect_timeout, counter=counter
+        ) as t:
             return probe_host(t, host)
 
     return run_on_hosts(hosts, one, max_parallel=max_parallel)

@@ -120,7 +120,9 @@ class StateStore:
         entry = self._load()["fallbacks"].get(key.as_str())
         if not isinstance(entry, dict):
             return None
-        return FallbackRecord(key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0)))
+        return FallbackRecord(
+            key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0))
+        )
 
     def fallbacks(self) -> list[FallbackRecord]:
         out: list[FallbackRecord] = []
@@ -131,7 +133,11 @@ class StateStore:
                 key = FallbackKey(**entry["key"])
             except TypeError:
                 continue
-            out.append(FallbackRecord(key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0))))
+            out.append(
+                FallbackRecord(
+                    key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0))
+                )
+            )
         return out
 
     # -- writing -------------------------------------------------------------

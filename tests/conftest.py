@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fleetlib import Fleet, build_fleet, fast_root
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
-from fleetlib import Fleet, build_fleet, fast_root
 
 FLEET_SIZE = int(os.environ.get("DDTREE_OPS_FLEET_SIZE", "3"))
 

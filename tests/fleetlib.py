@@ -9,8 +9,9 @@ some hosts find an ``nvidia-smi`` stand-in printing what the real tool prints fo
 PRO 6000 Blackwell or a B300, and one host finds none.
 
 The slow part is the prefixes: one template (``pip install --no-compile``), cached under
-``.cache/fleet-prefix`` across sessions, copied per host. sshd itself starts in milliseconds, so tests may stop and start a host's
-sshd freely (fault tests cut a host mid-run).
+``.cache/fleet-prefix`` across sessions, copied per host. sshd itself starts in
+milliseconds, so tests may stop and start a host's sshd freely (fault tests cut a host
+mid-run).
 """
 
 from __future__ import annotations
@@ -319,7 +320,8 @@ def find_wheel(wheels_dir: Path | None = None) -> Path:
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SGLANG_VERSION}", "-d", str(wheels)],
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SGLANG_VERSION}",
+             "-d", str(wheels)],
             check=True,
         )
         found = sorted(wheels.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
@@ -414,7 +416,13 @@ def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300"
             home=hdir / "home",
         )
         return FleetHost(
-            name=name, gpu=gpu, server=server, prefix=prefix, bin_dir=bin_dir, run_dir=hdir / "run", server_port=free_port()
+            name=name,
+            gpu=gpu,
+            server=server,
+            prefix=prefix,
+            bin_dir=bin_dir,
+            run_dir=hdir / "run",
+            server_port=free_port(),
         )
 
     with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
@@ -454,7 +462,11 @@ def fleet_inventory(fleet: Fleet) -> dict[str, object]:
     hosts: dict[str, object] = {}
     for h in fleet.hosts:
         # All test hosts share one machine, so each needs its own server port.
-        ddtree: dict[str, object] = {"python": str(h.python), "run_dir": str(h.run_dir), "server": {"port": h.server_port}}
+        ddtree: dict[str, object] = {
+            "python": str(h.python),
+            "run_dir": str(h.run_dir),
+            "server": {"port": h.server_port},
+        }
         if h.gpu:
             ddtree["gpu"] = h.gpu
         hosts[h.name] = {"ansible_host": "127.0.0.1", "ansible_port": h.port, "ddtree": ddtree}

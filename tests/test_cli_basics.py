@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cli_json import json_data
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
@@ -75,7 +74,10 @@ def write(tmp_path: Path, text: str) -> Path:
             "all:\n  hosts:\n    a:\n      ansible_host: x\n      ddtree: {server: {port: abc}}\n",
             r"inv\.yaml: all\.hosts\.a\.ddtree\.server\.port: expected a port number .*got 'abc'",
         ),
-        ("all:\n  hosts:\n    lonely: {}\n", r"host 'lonely' has no ansible_host and .*ssh/config has no 'Host lonely' entry"),
+        (
+            "all:\n  hosts:\n    lonely: {}\n",
+            r"host 'lonely' has no ansible_host and .*ssh/config has no 'Host lonely' entry",
+        ),
     ],
     ids=["yaml-syntax", "unknown-key", "wrong-type", "no-address"],
 )

@@ -28,14 +28,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
 from cli_json import json_data
+from fleetlib import cached_prefix_template, fast_root, find_wheel, free_port
+
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.patching.bundle import load_bundle
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport.local import LocalTransport
-from fleetlib import cached_prefix_template, fast_root, find_wheel, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from cli_json import json_data, read_envelope
+from fleetlib import GPU_MODELS, Fleet
+
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.probe import probe_host, probe_hosts
 from ddtree_ops.transport import RoundTripCounter, open_transport
-from fleetlib import GPU_MODELS, Fleet
 
 pytestmark = pytest.mark.fleet
 

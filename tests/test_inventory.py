@@ -156,7 +156,9 @@ def test_yaml_syntax_error_has_file_and_line(tmp_path: Path) -> None:
     ],
 )
 def test_bad_values_name_file_and_key(tmp_path: Path, snippet: str, expected: str) -> None:
-    with pytest.raises(InventoryError, match=rf"inv\.yaml: {expected}" if expected.startswith("all") else expected) as info:
+    with pytest.raises(
+        InventoryError, match=rf"inv\.yaml: {expected}" if expected.startswith("all") else expected
+    ) as info:
         load(tmp_path, f"all:\n  hosts:\n    h:\n      ansible_host: 10.0.0.1\n      {snippet}\n")
     assert str(info.value).startswith(str(tmp_path / "inv.yaml"))
     assert "\n" not in str(info.value)
@@ -164,7 +166,10 @@ def test_bad_values_name_file_and_key(tmp_path: Path, snippet: str, expected: st
 
 def test_group_level_error_points_at_group_vars(tmp_path: Path) -> None:
     with pytest.raises(InventoryError, match=r"all\.children\.g\.vars\.ddtree\.gpuu: unknown key \(did you mean 'gpu'"):
-        load(tmp_path, "all:\n  children:\n    g:\n      vars: {ddtree: {gpuu: b300}}\n      hosts: {h: {ansible_host: x}}\n")
+        load(
+            tmp_path,
+            "all:\n  children:\n    g:\n      vars: {ddtree: {gpuu: b300}}\n      hosts: {h: {ansible_host: x}}\n",
+        )
 
 
 def test_unknown_group_key(tmp_path: Path) -> None:

@@ -73,7 +73,9 @@ def test_run_outcome_is_its_string_and_knows_its_rendering() -> None:
     assert json.dumps([RunOutcome.NOOP]) == '["noop"]'
     assert RunOutcome.APPLIED.style == "green" and RunOutcome.PLANNED.style == "cyan" and RunOutcome.NOOP.style == "dim"
     assert RunOutcome.CONFLICT.is_failure and RunOutcome.CONFLICT.style == "yellow"
-    assert not any(o.is_failure for o in (RunOutcome.APPLIED, RunOutcome.ROLLED_BACK, RunOutcome.NOOP, RunOutcome.PLANNED))
+    assert not any(
+        o.is_failure for o in (RunOutcome.APPLIED, RunOutcome.ROLLED_BACK, RunOutcome.NOOP, RunOutcome.PLANNED)
+    )
 
 
 @pytest.fixture
@@ -84,8 +86,16 @@ def inventory(tmp_path: Path) -> Path:
         "all": {
             "vars": {"ansible_connection": "local"},
             "hosts": {
-                "here": {"ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run-here"), "server": {"port": 39517}}},
-                "broken": {"ddtree": {"python": str(tmp_path / "no" / "python"), "run_dir": str(tmp_path / "run-broken")}},
+                "here": {
+                    "ddtree": {
+                        "python": sys.executable,
+                        "run_dir": str(tmp_path / "run-here"),
+                        "server": {"port": 39517},
+                    }
+                },
+                "broken": {
+                    "ddtree": {"python": str(tmp_path / "no" / "python"), "run_dir": str(tmp_path / "run-broken")}
+                },
             },
         }
     }
@@ -117,7 +127,12 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
         "stop": (["here"], ["nosuchhost"], "target", 2),
         "service-status": (["here"], ["broken"], "fleet", 7),
         "logs": (["here"], ["here", "--follow"], "config", 2),
-        "bench": (["--sweep", sweep, "--target", "here", "--dry-run"], ["--sweep", sweep, "--target", "nosuchhost"], "target", 2),
+        "bench": (
+            ["--sweep", sweep, "--target", "here", "--dry-run"],
+            ["--sweep", sweep, "--target", "nosuchhost"],
+            "target",
+            2,
+        ),
         "report": ([str(ledger), "--min-repeats", "1"], [str(tmp_path / "nope.jsonl")], "config", 2),
         "selftest": (None, ["broken"], "fleet", 7),
     }
@@ -140,7 +155,8 @@ def test_every_command_writes_one_envelope(
             assert env["data"] is not None
         res = cli("-i", str(inventory), "--json", command, *bad)
         env = read_envelope(res.stdout)
-        assert (env["command"], env["ok"], env["exit_code"], res.exit_code) == (command, False, exit_code, exit_code), res
+        got = (env["command"], env["ok"], env["exit_code"], res.exit_code)
+        assert got == (command, False, exit_code, exit_code), res
         assert env["errors"][0]["code"] == code, env["errors"]
         assert "Traceback" not in res.stderr
         if code == "fleet":  # the failed host is named, with its own error's code
@@ -162,7 +178,9 @@ def test_unknown_host_is_code_target_exit_2(inventory: Path, cli: Any, clean_hom
 def test_usage_error_and_report_flag(inventory: Path, cli: Any, clean_home: Path) -> None:
     res = cli("-i", str(inventory), "--json", "deploy", "here", "--no-such-flag")
     env = read_envelope(res.stdout)
-    assert res.exit_code == 2 and env["errors"][0]["code"] == "config" and "--no-such-flag" in env["errors"][0]["message"]
+    assert (
+        res.exit_code == 2 and env["errors"][0]["code"] == "config" and "--no-such-flag" in env["errors"][0]["message"]
+    )
     # report's own --json flag gives the same envelope, on errors too.
     res = cli("report", "/nonexistent/ledger.jsonl", "--json")
     assert res.exit_code == 2 and read_envelope(res.stdout)["errors"][0]["code"] == "config"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import random
 import ssl
@@ -217,7 +218,7 @@ async def _stream_openai(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSp
     itls: tuple[float, ...] = ()
     if len(times) >= 2 and tokens > 1:
         per_chunk_tokens = (tokens - 1) / (len(times) - 1)
-        itls = tuple((b - a) / per_chunk_tokens for a, b in zip(times, times[1:]))
+        itls = tuple((b - a) / per_chunk_tokens for a, b in itertools.pairwise(times))
     return RequestResult(
         ok=True,
         start=start,

@@ -103,7 +103,9 @@ def calculate_metrics(results: Sequence[RequestResult], *, duration_s: float | N
     output_tokens = sum(r.completion_tokens for r in good)
     ttfts = [r.ttft for r in good if r.ttft is not None]
     itls = [x for r in good for x in r.itls]
-    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in good if r.ttft is not None and r.completion_tokens > 1]
+    tpots = [
+        (r.e2e - r.ttft) / (r.completion_tokens - 1) for r in good if r.ttft is not None and r.completion_tokens > 1
+    ]
     spec = [r for r in good if r.spec_verify_ct]
     verify = sum(r.spec_verify_ct or 0 for r in spec)
     accept = sum(r.completion_tokens for r in spec) / verify if verify else None

@@ -1,11 +1,12 @@
 """Sweep spec -> ordered cells, grouped so that each server configuration starts once.
 
-Pure: no I/O, no clock. A *cell* is one server configuration (algorithm, budget, top-k) with one sampling setting and one concurrency. Only the server
-configuration needs a restart; temperature, top-p/top-k and concurrency are request
-parameters and run on the live server, so cells are grouped by server configuration and
-the groups are ordered to restart as rarely as possible (the configuration already
-running on a host goes first). Baselines run on every host with the same sampling grid
-and workload as the DDTree cells, so every DDTree row has a comparable baseline row.
+Pure: no I/O, no clock. A *cell* is one server configuration (algorithm, budget, top-k)
+with one sampling setting and one concurrency. Only the server configuration needs a
+restart; temperature, top-p/top-k and concurrency are request parameters and run on the
+live server, so cells are grouped by server configuration and the groups are ordered to
+restart as rarely as possible (the configuration already running on a host goes first).
+Baselines run on every host with the same sampling grid and workload as the DDTree
+cells, so every DDTree row has a comparable baseline row.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
     axes = list(GRID_DEFAULTS)
     cells: dict[str, Cell] = {}
     for combo in itertools.product(*(spec.grid[a] for a in axes)):
-        values = dict(zip(axes, combo))
+        values = dict(zip(axes, combo, strict=True))
         if _excluded(values, spec.exclude):
             continue
         cell = _cell_of(values)
@@ -138,7 +139,7 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
     sampling_axes = ("temperature", "top_p", "top_k", "concurrency")
     for base in spec.baselines:
         for combo in itertools.product(*(spec.grid[a] for a in sampling_axes)):
-            values = dict(zip(sampling_axes, combo)) | {"algorithm": base, "budget": None, "topk": None}
+            values = dict(zip(sampling_axes, combo, strict=True)) | {"algorithm": base, "budget": None, "topk": None}
             if _excluded(values, spec.exclude):
                 continue
             cell = _cell_of(values, baseline=True)

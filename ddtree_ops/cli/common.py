@@ -175,13 +175,17 @@ def render_host_results(
     for name, value in results.items():
         reason = reasons.get(name)
         failed_call = name in results.failed
-        status = Text(f"FAILED ({type(value).__name__})" if failed_call else "FAILED", style="bold red") if reason else Text("ok", style="green")
+        status = (
+            Text(f"FAILED ({type(value).__name__})" if failed_call else "FAILED", style="bold red")
+            if reason
+            else Text("ok", style="green")
+        )
         cells = [] if failed_call else [_cell(getter(value)) for _, getter in columns]
         if long:
             grid = Table.grid(padding=(0, 1))
             grid.add_column(style="dim", no_wrap=True)
             grid.add_column(overflow="fold")
-            for (header, _), cell in zip(columns, cells):
+            for (header, _), cell in zip(columns, cells, strict=False):  # no cells when the call failed
                 grid.add_row(header, cell)
             if reason:
                 grid.add_row(Text("error", style="red"), Text(reason, style="red"))
@@ -195,7 +199,9 @@ def render_host_results(
     console = ctx_obj.console
     console.print(table)
     if failures:
-        console.print(Text(f"{len(failures)} of {len(results)} host(s) failed: {', '.join(failures)}", style="bold red"))
+        console.print(
+            Text(f"{len(failures)} of {len(results)} host(s) failed: {', '.join(failures)}", style="bold red")
+        )
     return bool(failures)
 
 

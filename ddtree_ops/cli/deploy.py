@@ -12,7 +12,7 @@ import difflib
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -29,6 +29,7 @@ from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
 from ddtree_ops.service.lifecycle import service_status
+
 DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
 
 
@@ -70,19 +71,20 @@ def _outcome_json(o: HostOutcome) -> dict[str, Any]:
 
 def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutcome], *, show_files: bool) -> None:
     """Render per-host results (a table, or the --json data: one row per host)."""
-    failed = results.failed
+    failed, succeeded = results.failed, results.succeeded
     if obj.json:
-        set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(r) for n, r in results.items()])
+        set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(succeeded[n]) for n in results])
         return
     table = Table(title=title, show_lines=False)
     table.add_column("host", style="bold")
     table.add_column("result")
     table.add_column("bundle")
     table.add_column("detail", overflow="fold")
-    for name, r in results.items():
+    for name in results:
         if name in failed:
             table.add_row(name, "[red]failed[/]", "", error_text(failed[name]))
             continue
+        r = succeeded[name]
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
         table.add_row(name, f"[{r.outcome.style}]{r.outcome.label}[/]", bundle, r.message)
     obj.console.print(table)
@@ -97,7 +99,9 @@ def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutco
             ft.add_column("after")
             ft.add_column("why", overflow="fold")
             for a in r.plan.actions:
-                ft.add_row(a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason)
+                ft.add_row(
+                    a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason
+                )
             obj.console.print(ft)
 
 
@@ -121,16 +125,24 @@ def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: H
 def deploy_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
-    bundle_dir: Optional[Path] = typer.Argument(None, help=f"Bundle directory (default {DEFAULT_BUNDLE})."),
-    from_dir: Optional[Path] = typer.Option(None, "--from", help="Overlay mode: local directory to copy over the package."),
-    to_dir: Optional[str] = typer.Option(None, "--to", help="Overlay mode: package subdirectory, e.g. srt/speculative."),
+    bundle_dir: Path | None = typer.Argument(None, help=f"Bundle directory (default {DEFAULT_BUNDLE})."),
+    from_dir: Path | None = typer.Option(
+        None, "--from", help="Overlay mode: local directory to copy over the package."
+    ),
+    to_dir: str | None = typer.Option(None, "--to", help="Overlay mode: package subdirectory, e.g. srt/speculative."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
-    diff: bool = typer.Option(False, "--diff", help="Show unified diffs of replaced files vs the remote originals (implies --dry-run)."),
+    diff: bool = typer.Option(
+        False, "--diff", help="Show unified diffs of replaced files vs the remote originals (implies --dry-run)."
+    ),
     force: bool = typer.Option(False, "--force", help="Back up drifted files and overwrite them."),
-    force_version: bool = typer.Option(False, "--force-version", help="Deploy to a package version the bundle was not made for."),
+    force_version: bool = typer.Option(
+        False, "--force-version", help="Deploy to a package version the bundle was not made for."
+    ),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
     lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
-    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1, help="Hosts at once (default: global option)."),
+    max_parallel: int | None = typer.Option(
+        None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
+    ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
     restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
     budget: int = typer.Option(16, "--budget", min=1, help="DDTree budget for --restart."),
@@ -175,7 +187,7 @@ def deploy_cmd(
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
     _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0)
     if diff and not obj.json:
-        for name, texts in diffs.items():
+        for texts in diffs.values():
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
     raise_if_failed("deploy", results)
@@ -188,7 +200,9 @@ def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], N
         from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
         from ddtree_ops.service.lifecycle import restart as service_restart
     except ImportError as exc:
-        raise ServiceError(f"--restart is not available: the service lifecycle module cannot be imported ({exc})") from exc
+        raise ServiceError(
+            f"--restart is not available: the service lifecycle module cannot be imported ({exc})"
+        ) from exc
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
 
     def hook(transport: Any, host: Host, version: str | None) -> None:
@@ -202,10 +216,12 @@ def rollback_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be restored."),
-    force: bool = typer.Option(False, "--force", help="Restore originals even over drifted files (drifted content is backed up)."),
+    force: bool = typer.Option(
+        False, "--force", help="Restore originals even over drifted files (drifted content is backed up)."
+    ),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
     lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
-    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1),
+    max_parallel: int | None = typer.Option(None, "--max-parallel", min=1),
     serial: bool = typer.Option(False, "--serial"),
 ) -> None:
     """Restore the original files on each host and clear the applied-bundle record."""
@@ -218,7 +234,9 @@ def rollback_cmd(
             return rollback(t, h, opts)
 
     results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
-    _render_outcomes(obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0)
+    _render_outcomes(
+        obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0
+    )
     raise_if_failed("rollback", results)
 
 
@@ -253,10 +271,10 @@ def _service_text(svc: Any) -> str:
 def status_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
-    bundle_dir: Optional[Path] = typer.Option(
+    bundle_dir: Path | None = typer.Option(
         None, "--bundle", help=f"Also classify this bundle's files (default {DEFAULT_BUNDLE} when it exists)."
     ),
-    max_parallel: Optional[int] = typer.Option(None, "--max-parallel", min=1),
+    max_parallel: int | None = typer.Option(None, "--max-parallel", min=1),
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
     obj: AppContext = ctx.obj
@@ -279,21 +297,29 @@ def status_cmd(
     both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
     results = both.map(lambda r: r[0])
     services = {n: r[1] for n, r in both.succeeded.items()}
-    failed = results.failed
+    failed, succeeded = results.failed, results.succeeded
     if obj.json:
-        set_json_data(obj, [
-            failure_row(n, failed[n]) if n in failed else {"ok": True, **r.to_json(), "service": _service_json(services[n])}
-            for n, r in results.items()
-        ])
+        set_json_data(
+            obj,
+            [
+                failure_row(n, failed[n])
+                if n in failed
+                else {"ok": True, **succeeded[n].to_json(), "service": _service_json(services[n])}
+                for n in results
+            ],
+        )
     else:
         table = Table(title="patch and service status")
         for col in ("host", "sglang", "bundle", "applied", "files", "leftovers", "server"):
             table.add_column(col, overflow="fold")
-        for n, r in results.items():
+        for n in results:
             if n in failed:
                 table.add_row(n, "", "", "", "[red]failed[/]", error_text(failed[n]), "")
                 continue
-            bundle_txt = f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
+            r = succeeded[n]
+            bundle_txt = (
+                f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
+            )
             applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
             counts: dict[str, int] = {}
             for f in r.files:
@@ -309,7 +335,9 @@ def status_cmd(
             if r.journal:
                 left.append(f"journal {str(r.journal.get('txn', '?'))[:12]} ({r.journal.get('phase', '?')})")
             if r.lock:
-                left.append(f"lock by {r.lock.get('user', '?')}@{r.lock.get('controller', '?')} pid {r.lock.get('pid', '?')}")
+                left.append(
+                    f"lock by {r.lock.get('user', '?')}@{r.lock.get('controller', '?')} pid {r.lock.get('pid', '?')}"
+                )
             if r.state_error:
                 left.append(f"state unreadable: {r.state_error}")
             table.add_row(n, r.package_version or "[red]not installed[/]", bundle_txt, applied, files_txt,

@@ -36,7 +36,9 @@ def hosts_cmd(
         table.add_column(header, overflow="fold")
     for h in hosts:
         s = h.ddtree.server
-        table.add_row(h.name, ",".join(h.groups), _address(h), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}", s.model_path or "-")
+        table.add_row(
+            h.name, ",".join(h.groups), _address(h), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}", s.model_path or "-"
+        )
     obj.console.print(table)
     if obj.verbose:
         for h in hosts:

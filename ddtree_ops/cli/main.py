@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -71,8 +71,11 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def main(
     ctx: typer.Context,
-    inventory: Optional[list[Path]] = typer.Option(
-        None, "-i", "--inventory", help="Inventory YAML (repeatable). Default: $DDTREE_OPS_INVENTORY or inventories/*.yaml."
+    inventory: list[Path] | None = typer.Option(
+        None,
+        "-i",
+        "--inventory",
+        help="Inventory YAML (repeatable). Default: $DDTREE_OPS_INVENTORY or inventories/*.yaml.",
     ),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
     verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More detail (repeat for more)."),
@@ -83,7 +86,9 @@ def main(
         help="strict: reject unknown host keys (default); accept-new: add unknown keys, still reject changed ones.",
     ),
     max_parallel: int = typer.Option(8, "--max-parallel", min=1, help="Hosts worked on at once."),
-    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Show the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Show the version."
+    ),
 ) -> None:
     if host_key_policy not in ("strict", "accept-new"):
         raise typer.BadParameter("must be 'strict' or 'accept-new'", param_hint="--host-key-policy")
@@ -156,7 +161,9 @@ def run() -> None:
             exc.show()
             # Bad command-line input (a usage error, exit 2) is a ConfigError's case.
             message = exc.format_message()
-            _json_envelope(obj, ConfigError(message) if exc.exit_code == ConfigError.exit_code else DdtreeOpsError(message))
+            _json_envelope(
+                obj, ConfigError(message) if exc.exit_code == ConfigError.exit_code else DdtreeOpsError(message)
+            )
             sys.exit(exc.exit_code)
         raise
     _json_envelope(obj)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 import typer
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from ddtree_ops import report as rep
@@ -65,7 +66,7 @@ def _best_tables(best: pd.DataFrame, group_by: str) -> list[tuple[Table, list[st
             title=f"Best configuration — {_machine(machine)}",
             title_justify="left",
         )
-        for col, justify in (
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
             ("temp", "right"),
             ("conc", "right"),
             ("modes", "left"),
@@ -75,7 +76,8 @@ def _best_tables(best: pd.DataFrame, group_by: str) -> list[tuple[Table, list[st
             ("accept len", "right"),
             ("vs AR", "right"),
             ("vs DFlash", "right"),
-        ):
+        )
+        for col, justify in columns:
             table.add_column(col, justify=justify, overflow="fold")
         details: list[str] = []
         for _, row in rows.iterrows():
@@ -96,16 +98,33 @@ def _best_tables(best: pd.DataFrame, group_by: str) -> list[tuple[Table, list[st
                 extra.append(str(row["note"]))
             if extra:
                 details.append(
-                    f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}: " + "; ".join(extra)
+                    f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}: "
+                    + "; ".join(extra)
                 )
         out.append((table, details))
     return out
 
 
 def _tidy_table(tidy: pd.DataFrame, limit: int) -> Table:
-    table = Table(title=f"Cells per host ({len(tidy)} rows{', first ' + str(limit) if len(tidy) > limit else ''})", title_justify="left")
+    table = Table(
+        title=f"Cells per host ({len(tidy)} rows{', first ' + str(limit) if len(tidy) > limit else ''})",
+        title_justify="left",
+    )
     # min–max and every percentile are in --csv; the terminal keeps what fits.
-    for col in ("host", "temp", "conc", "config", "graph", "n", "tok/s ± MAD", "accept len", "TTFT p50 ms", "ITL p50 ms", "vs AR", "vs DFlash"):
+    for col in (
+        "host",
+        "temp",
+        "conc",
+        "config",
+        "graph",
+        "n",
+        "tok/s ± MAD",
+        "accept len",
+        "TTFT p50 ms",
+        "ITL p50 ms",
+        "vs AR",
+        "vs DFlash",
+    ):
         table.add_column(col, justify="left" if col in ("host", "config", "graph") else "right")
     for _, row in tidy.head(limit).iterrows():
         table.add_row(
@@ -132,10 +151,13 @@ def _compare_table(cmp: pd.DataFrame) -> Table:
     for _, row in cmp.iterrows():
         graph = row["cuda_graph_b"] if row["cuda_graph_b"] is not pd.NA else row["cuda_graph_a"]
         label = rep.describe_cell({**row.to_dict(), "cuda_graph": bool(graph) if graph is not pd.NA else True})
-        change = (
-            f"only in {row['only_in']}" if row["only_in"]
-            else f"[{'green' if row['direction'] == 'faster' else 'red'}]{row['direction']}[/]" if row["changed"] else ""
-        )
+        if row["only_in"]:
+            change = f"only in {row['only_in']}"
+        elif row["changed"]:
+            colour = "green" if row["direction"] == "faster" else "red"
+            change = f"[{colour}]{row['direction']}[/]"
+        else:
+            change = ""
         table.add_row(
             str(row["machine"]), _fmt(row["temperature"], 2), _fmt(row["concurrency"]), label,
             _fmt(row["output_tok_s_a"]), _fmt(row["output_tok_s_b"]), _fmt(row["ratio"], 3), change,
@@ -146,15 +168,25 @@ def _compare_table(cmp: pd.DataFrame) -> Table:
 @app.command("report")
 def report_command(
     ctx: typer.Context,
-    ledgers: Optional[list[Path]] = typer.Argument(None, help="Ledger files or folders (default: every *.jsonl under results/)."),
-    csv: Optional[Path] = typer.Option(None, "--csv", help="Write the tidy per-(host, cell) table here."),
-    csv_best: Optional[Path] = typer.Option(None, "--csv-best", help="Write the best configurations here."),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
-    group_by: str = typer.Option("gpu", "--group-by", help="Machine for best configs and plots: gpu (GPU type) or host."),
-    min_repeats: int = typer.Option(rep.DEFAULT_MIN_REPEATS, "--min-repeats", help="Refuse cells with fewer ok repeats."),
+    ledgers: list[Path] | None = typer.Argument(
+        None, help="Ledger files or folders (default: every *.jsonl under results/)."
+    ),
+    csv: Path | None = typer.Option(None, "--csv", help="Write the tidy per-(host, cell) table here."),
+    csv_best: Path | None = typer.Option(None, "--csv-best", help="Write the best configurations here."),
+    plots: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
+    group_by: str = typer.Option(
+        "gpu", "--group-by", help="Machine for best configs and plots: gpu (GPU type) or host."
+    ),
+    min_repeats: int = typer.Option(
+        rep.DEFAULT_MIN_REPEATS, "--min-repeats", help="Refuse cells with fewer ok repeats."
+    ),
     mix_modes: bool = typer.Option(False, "--mix-modes", help="Rank eager and CUDA-graph cells together (flagged)."),
-    compare_with: Optional[list[Path]] = typer.Option(None, "--compare", help="Other ledger(s): per-cell ratio against them."),
-    show_cells: int = typer.Option(40, "--show-cells", help="Rows of the per-cell table shown in the terminal (0 = none)."),
+    compare_with: list[Path] | None = typer.Option(
+        None, "--compare", help="Other ledger(s): per-cell ratio against them."
+    ),
+    show_cells: int = typer.Option(
+        40, "--show-cells", help="Rows of the per-cell table shown in the terminal (0 = none)."
+    ),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
 ) -> None:
     """Aggregate benchmark ledgers: per-cell table, speedups, best config per machine, plots."""
@@ -212,8 +244,12 @@ def report_command(
     refusals = result.best.refusals
     if len(refusals):
         console.print(f"[yellow]{len(refusals)} cell(s) not eligible for best config:[/]", highlight=False)
-        for _, r in refusals.head(10).iterrows():
-            console.print(f"  {r['machine']} T={r['temperature']:g} c={r['concurrency']} {r['cell']}: {r['reason']}", highlight=False)
+        for _, refusal in refusals.head(10).iterrows():
+            console.print(
+                f"  {refusal['machine']} T={refusal['temperature']:g} c={refusal['concurrency']} {refusal['cell']}:"
+                f" {refusal['reason']}",
+                highlight=False,
+            )
         if len(refusals) > 10:
             console.print(f"  … and {len(refusals) - 10} more (see --json)", highlight=False)
     for label, path in (("tidy CSV", csv), ("best CSV", csv_best)):

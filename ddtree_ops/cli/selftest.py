@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -333,14 +333,18 @@ def parse_e2e_report(host: str, returncode: int, stdout: str, stderr: str, argv:
     report = _read_report(host, returncode, stdout, stderr, argv)
     try:
         runs = tuple(_e2e_run(r) for r in report.get("runs") or () if isinstance(r, dict))
-        capture = report.get("graph_capture") if isinstance(report.get("graph_capture"), dict) else {}
+        capture = report.get("graph_capture")
+        if not isinstance(capture, dict):
+            capture = {}
         graph_capture = {int(b): v is True for b, v in capture.items()}
     except (TypeError, ValueError) as exc:
         raise CommandFailed(
             returncode, list(argv), stderr, host=host, detail=f"selftest --e2e report is malformed ({exc})"
         ) from exc
     checks = _checks(report)
-    baseline = report.get("baseline") if isinstance(report.get("baseline"), dict) else {}
+    baseline = report.get("baseline")
+    if not isinstance(baseline, dict):
+        baseline = {}
     error = _opt_str(report.get("error"))
     return E2eResult(
         host=host,
@@ -489,7 +493,7 @@ def selftest_command(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list or 'all'."),
     bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Bundle directory holding selftest.py."),
-    timeout: Optional[float] = typer.Option(
+    timeout: float | None = typer.Option(
         None, "--timeout", min=1.0,
         help=f"Seconds per host (default {DEFAULT_TIMEOUT_S:.0f}; {E2E_TIMEOUT_S:.0f} with --e2e).",
     ),
@@ -497,13 +501,13 @@ def selftest_command(
         False, "--e2e", help="End to end: launch the host's SGLang with tiny models, alone and with DDTREE per budget "
         "and decode-graph mode, and compare greedy outputs (GPU acceptance test; minutes per launch)."
     ),
-    budgets: Optional[str] = typer.Option(
+    budgets: str | None = typer.Option(
         None, "--budgets", help="--e2e: comma list of tree budgets (default 4,8,16,32)."
     ),
-    graphs: Optional[str] = typer.Option(
+    graphs: str | None = typer.Option(
         None, "--graphs", help="--e2e: comma list of decode CUDA-graph modes, on and/or off (default on,off)."
     ),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write each host's report to DIR/<host>.json."),
+    out: Path | None = typer.Option(None, "--out", help="Also write each host's report to DIR/<host>.json."),
 ) -> None:
     """Test the DEPLOYED DDTree files on each host with its own interpreter: golden
     encoding, tree properties, greedy walk, sampler exactness, and kernel vs reference

@@ -157,7 +157,7 @@ class Package(object):
         if os.path.basename(parent) not in SITE_DIR_NAMES:
             raise Refused("escape", "%s, which holds package %s, is not a site-packages or dist-packages directory"
                           " (an editable install?); refusing to write beside it" % (parent, self.name))
-        on_path = set(os.path.realpath(p) for p in sys.path if p)
+        on_path = {os.path.realpath(p) for p in sys.path if p}
         if parent not in on_path:
             raise Refused("escape", "%s, which holds package %s, is not a directory on %s's sys.path;"
                           " refusing to write beside it" % (parent, self.name, sys.executable))
@@ -269,7 +269,7 @@ def acquire_lock(holder, break_txn):
             shutil.rmtree(lock, ignore_errors=True)
             os.mkdir(lock)
         else:
-            raise Refused("locked", "host is locked by another deploy", holder=current)
+            raise Refused("locked", "host is locked by another deploy", holder=current) from None
     write_json_atomic(os.path.join(lock, "info.json"), dict(holder, remote_pid=os.getpid()))
 
 
@@ -352,7 +352,7 @@ def do_gather(p):
     if pkg.dir is not None:
         for rel in paths:
             files[rel] = file_sha(pkg, rel)
-    writable = bool(pkg.dir) and os.access(pkg.dir, os.W_OK)
+    writable = bool(pkg.dir and os.access(pkg.dir, os.W_OK))
     site_dir = None
     if pkg.dir is not None and any(is_site_key(rel) for rel in paths):
         try:
@@ -574,13 +574,14 @@ def do_commit(p):
                 try:
                     recompile(e["target"], e["path"])
                 except py_compile.PyCompileError as exc:
-                    raise Refused("verify", "%s does not compile: %s" % (e["path"], str(exc).strip().splitlines()[-1]))
+                    raise Refused("verify", "%s does not compile: %s"
+                                  % (e["path"], str(exc).strip().splitlines()[-1])) from exc
         for argv in p.get("verify", []):
             try:
                 proc = subprocess.run([sys.executable] + list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       timeout=p.get("verify_timeout", 300), cwd=sd)
-            except subprocess.TimeoutExpired:
-                raise Refused("verify", "verify command timed out: %s" % " ".join(argv))
+            except subprocess.TimeoutExpired as exc:
+                raise Refused("verify", "verify command timed out: %s" % " ".join(argv)) from exc
             if proc.returncode != 0:
                 tail = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()[-3:]
                 raise Refused("verify", "verify command failed (exit %d): %s — %s"
@@ -589,11 +590,11 @@ def do_commit(p):
         problems = _rollback_entries(entries)
         if problems:
             # Leave the journal: a person (or the next run) must look at it.
-            raise Refused("recover", "rollback after failure left problems: %s" % "; ".join(problems))
+            raise Refused("recover", "rollback after failure left problems: %s" % "; ".join(problems)) from exc
         _finish(journal, committed=False)
         if isinstance(exc, Refused):
             raise
-        raise Refused("io", "commit failed and was rolled back: %s" % (exc,))
+        raise Refused("io", "commit failed and was rolled back: %s" % (exc,)) from exc
     new_state = journal["new_state"]
     if new_state:
         new_state = dict(new_state)
@@ -663,10 +664,11 @@ def main(payload):
         result = {"ok": False, "kind": exc.kind, "message": exc.message, "extra": exc.extra}
     except OSError as exc:
         where = exc.filename or ""
-        result = {"ok": False, "kind": "io", "message": "%s%s" % (exc.strerror or exc, (": " + str(where)) if where else "")}
+        message = "%s%s" % (exc.strerror or exc, (": " + str(where)) if where else "")
+        result = {"ok": False, "kind": "io", "message": message}
     sys.stdout.write("\n" + MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main(PAYLOAD)  # noqa: F821 - provided by the bootstrap that runs this text
+    main(globals()["PAYLOAD"])  # set by the bootstrap that runs this text (remote.py)

@@ -230,7 +230,9 @@ def _source_file(bundle_dir: Path, rel: str, *, where: str) -> Path:
 def _expect_keys(obj: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(obj) - allowed)
     if unknown:
-        raise BundleError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}")
+        raise BundleError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def load_bundle(path: Path | str) -> Bundle:
@@ -296,7 +298,8 @@ def parse_manifest(doc: Mapping[str, Any], raw: bytes, *, bundle_dir: Path, wher
         if root == "site-packages":
             if op != "add":
                 raise BundleError(
-                    f"{fwhere}: root: site-packages allows op 'add' only (files of other distributions are never replaced)"
+                    f"{fwhere}: root: site-packages allows op 'add' only"
+                    " (files of other distributions are never replaced)"
                 )
             tpath = normalize_site_path(entry.get("path"), package=package, where=fwhere)
             default_source = f"{SITE_SOURCE_DIR}/{tpath}"
@@ -360,7 +363,9 @@ def synthetic_bundle(
         "version": version,
         "description": description,
         "target": {"package": package, "versions": list(versions)},
-        "files": [{"op": f.op, "path": f.path, "base_sha256": f.base_sha256} for f in sorted(files, key=lambda f: f.path)],
+        "files": [
+            {"op": f.op, "path": f.path, "base_sha256": f.base_sha256} for f in sorted(files, key=lambda f: f.path)
+        ],
     }
     raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return Bundle(

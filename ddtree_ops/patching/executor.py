@@ -38,6 +38,7 @@ from ddtree_ops.patching.plan import FileAction, HostPlan, plan_deploy, plan_rol
 from ddtree_ops.patching.remote import RemoteRefusal, run_step
 from ddtree_ops.transport.base import Transport
 
+
 @dataclass(frozen=True)
 class RunOptions:
     force: bool = False
@@ -136,7 +137,8 @@ def describe_lock(lock: Mapping[str, Any]) -> str:
         return f"a lock without holder information ({lock['unreadable']})"
     since = lock.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
-    return f"{lock.get('user', '?')}@{lock.get('controller', '?')} pid {lock.get('pid', '?')} since {when} ({lock.get('command', '?')})"
+    who = f"{lock.get('user', '?')}@{lock.get('controller', '?')} pid {lock.get('pid', '?')}"
+    return f"{who} since {when} ({lock.get('command', '?')})"
 
 
 class _Run:
@@ -249,7 +251,9 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
                                recovered=recovered, notes=plan.notes, state=rs)
         _raise_for_plan(plan, transport.host)
         if plan.outcome == "noop":
-            return HostOutcome(host.name, "deploy", RunOutcome.NOOP, plan, recovered=recovered, notes=plan.notes, state=rs)
+            return HostOutcome(
+                host.name, "deploy", RunOutcome.NOOP, plan, recovered=recovered, notes=plan.notes, state=rs
+            )
         payload, new_state, keep, drop = _deploy_payload(b, plan, rs, run.txn, run.holder)
         result = run.execute(plan, rs, payload, new_state, [list(v) for v in b.verify], keep, drop)
         files = dict(result.get("files") or {})
@@ -306,7 +310,9 @@ def _deploy_payload(bundle: Bundle, plan: HostPlan, rs: RemoteState, txn: str, h
     return payload, new_state, keep, drop
 
 
-def rollback(transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang") -> HostOutcome:
+def rollback(
+    transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang"
+) -> HostOutcome:
     """Put every recorded file back to its original and clear the state record."""
     with _Run(transport, host, opts, "rollback") as run:
         rs, recovered = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
@@ -335,11 +341,22 @@ def rollback(transport: Transport, host: Host, opts: RunOptions = RunOptions(), 
             if files.get(a.path) != a.new_sha256:
                 raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after rollback, expected the original "
                                   f"{a.new_sha256}", host=transport.host)
-        return HostOutcome(host.name, "rollback", RunOutcome.ROLLED_BACK, plan, recovered=recovered, txn=run.txn, files=files,
-                           notes=plan.notes, state=rs)
+        return HostOutcome(
+            host.name,
+            "rollback",
+            RunOutcome.ROLLED_BACK,
+            plan,
+            recovered=recovered,
+            txn=run.txn,
+            files=files,
+            notes=plan.notes,
+            state=rs,
+        )
 
 
-def recover(transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang") -> str | None:
+def recover(
+    transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang"
+) -> str | None:
     """Only the recovery part: settle a leftover journal/lock. Returns what was done, or None."""
     with _Run(transport, host, opts, "recover") as run:
         _rs, recovered = run.settle(package, [])

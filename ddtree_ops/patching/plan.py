@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ddtree_ops.patching.bundle import Bundle, key_root
 from ddtree_ops.patching.gather import AppliedRecord, RemoteState
@@ -79,7 +79,9 @@ class HostPlan:
                 counts[a.kind] = counts.get(a.kind, 0) + 1
             parts = [f"{n} {k}" for k, n in sorted(counts.items())]
             if not parts:
-                parts = ["state record only" if self.operation == "deploy" else "record cleared, files already original"]
+                parts = [
+                    "state record only" if self.operation == "deploy" else "record cleared, files already original"
+                ]
             return ", ".join(parts)
         return self.reason or self.outcome
 
@@ -146,7 +148,7 @@ def _short(sha: str | None) -> str:
 
 
 def _is_error_sha(sha: str | None) -> bool:
-    return sha is not None and (sha.startswith("escape:") or sha.startswith("notfile:"))
+    return sha is not None and sha.startswith(("escape:", "notfile:"))
 
 
 def plan_deploy(
@@ -157,18 +159,28 @@ def plan_deploy(
     force_version: bool = False,
 ) -> HostPlan:
     """Decide what deploying ``bundle`` means on the host described by ``rs``."""
-    common = dict(host=rs.host, operation="deploy", bundle_name=bundle.name, bundle_identity=bundle.identity,
-                  package_version=rs.version)
+    common: dict[str, Any] = {
+        "host": rs.host,
+        "operation": "deploy",
+        "bundle_name": bundle.name,
+        "bundle_identity": bundle.identity,
+        "package_version": rs.version,
+    }
     if rs.journal is not None or rs.lock is not None:
         what = "an interrupted deploy's journal" if rs.journal is not None else "a deploy lock"
-        return HostPlan(outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common)
+        return HostPlan(
+            outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common
+        )
     if rs.package_dir is None:
         return HostPlan(outcome="missing", actions=(),
                         reason=f"package {bundle.package!r} is not installed for {rs.python or 'the host interpreter'}",
                         **common)
     notes: list[str] = []
     if bundle.versions and rs.version not in bundle.versions:
-        msg = f"{bundle.package} {rs.version or '(unknown version)'} is not a version this bundle was made for ({', '.join(bundle.versions)})"
+        msg = (
+            f"{bundle.package} {rs.version or '(unknown version)'} is not a version this bundle was made for"
+            f" ({', '.join(bundle.versions)})"
+        )
         if not force_version:
             return HostPlan(outcome="unsupported", actions=(), reason=msg + "; --force-version overrides", **common)
         notes.append(msg + "; proceeding because of --force-version")
@@ -188,7 +200,7 @@ def plan_deploy(
         actions.append(_plan_file(f.path, f.op, f.sha256, f.base_sha256, rs.files.get(f.path), rec, force))
     in_bundle = {f.path for f in bundle.files}
     if rec is not None:
-        for path, recf in rec.files.items():
+        for path in rec.files:
             if path not in in_bundle:
                 actions.append(_plan_restore(path, rs.files.get(path), rec, force))
 
@@ -208,7 +220,11 @@ def plan_deploy(
     if not changing and rec is not None and rec.identity == bundle.identity:
         return HostPlan(outcome="noop", actions=tuple(actions), notes=tuple(notes),
                         reason=f"already applied: {bundle.name} {bundle.identity[:12]}", **common)
-    if changing and not rs.writable and any(a.kind in ("add", "replace", "supersede", "restore", "delete") for a in changing):
+    if (
+        changing
+        and not rs.writable
+        and any(a.kind in ("add", "replace", "supersede", "restore", "delete") for a in changing)
+    ):
         return HostPlan(outcome="readonly", actions=tuple(actions), notes=tuple(notes),
                         reason=f"{_dirs_written(rs, changing)} not writable by the remote user", **common)
     return HostPlan(outcome="apply", actions=tuple(actions), notes=tuple(notes), **common)
@@ -284,7 +300,13 @@ def _plan_restore(path: str, cur: str | None, rec: AppliedRecord, force: bool) -
     if cur == orig:
         return FileAction(path, "patched", cur, orig, reason="already original")
     if orig is not None and recf.backup is None:
-        return FileAction(path, "blocked", cur, orig, reason="no backup of the original was recorded; reinstall the package to restore it")
+        return FileAction(
+            path,
+            "blocked",
+            cur,
+            orig,
+            reason="no backup of the original was recorded; reinstall the package to restore it",
+        )
     kind: FileActionKind = "delete" if orig is None else "restore"
     if cur == recf.patched_sha256:
         return FileAction(path, kind, cur, orig, original_sha256=orig, original_backup=recf.backup)
@@ -298,11 +320,18 @@ def _plan_restore(path: str, cur: str | None, rec: AppliedRecord, force: bool) -
 def plan_rollback(rs: RemoteState, *, force: bool = False) -> HostPlan:
     """Restore every file the state record lists to its original content."""
     rec = rs.applied
-    common = dict(host=rs.host, operation="rollback", package_version=rs.version,
-                  bundle_name=rec.name if rec else None, bundle_identity=rec.identity if rec else None)
+    common: dict[str, Any] = {
+        "host": rs.host,
+        "operation": "rollback",
+        "package_version": rs.version,
+        "bundle_name": rec.name if rec else None,
+        "bundle_identity": rec.identity if rec else None,
+    }
     if rs.journal is not None or rs.lock is not None:
         what = "an interrupted deploy's journal" if rs.journal is not None else "a deploy lock"
-        return HostPlan(outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common)
+        return HostPlan(
+            outcome="recover", actions=(), reason=f"{what} is present; it must be recovered first", **common
+        )
     if rs.state_error:
         return HostPlan(outcome="conflict", actions=(), reason=f"state record unreadable: {rs.state_error}", **common)
     if rec is None:
@@ -322,10 +351,15 @@ def plan_rollback(rs: RemoteState, *, force: bool = False) -> HostPlan:
         return HostPlan(outcome="conflict", actions=actions, reason=detail + " — --force restores the originals anyway",
                         notes=outside, **common)
     if not rs.writable and any(a.changes for a in actions):
-        return HostPlan(outcome="readonly", actions=actions,
-                        reason=f"{_dirs_written(rs, [a for a in actions if a.changes])} not writable by the remote user",
-                        **common)
-    notes = ("--force: drifted files are backed up, then the originals restored",) if any(a.forced for a in actions) else ()
+        return HostPlan(
+            outcome="readonly",
+            actions=actions,
+            reason=f"{_dirs_written(rs, [a for a in actions if a.changes])} not writable by the remote user",
+            **common,
+        )
+    notes: tuple[str, ...] = ()
+    if any(a.forced for a in actions):
+        notes = ("--force: drifted files are backed up, then the originals restored",)
     return HostPlan(outcome="apply", actions=actions, notes=outside + notes, **common)
 
 

@@ -42,7 +42,9 @@ def program_text() -> str:
 class RemoteRefusal(PatchError):
     """A remote step declined on purpose; ``kind`` says why, ``extra`` carries details."""
 
-    def __init__(self, kind: str, message: str, *, host: str | None = None, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, *, host: str | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message, host=host)
         self.kind = kind
         self.extra = extra or {}

@@ -121,7 +121,9 @@ def status_from_state(rs: RemoteState, bundle: Bundle | None = None) -> HostPatc
     )
 
 
-def host_status(transport: Transport, host: Host, *, package: str = "sglang", bundle: Bundle | None = None) -> HostPatchStatus:
+def host_status(
+    transport: Transport, host: Host, *, package: str = "sglang", bundle: Bundle | None = None
+) -> HostPatchStatus:
     """One round trip: the patch status of ``host`` (files of ``bundle`` included when given)."""
     paths = [f.path for f in bundle.files] if bundle is not None else []
     rs = gather(transport, host.python, bundle.package if bundle else package, paths)

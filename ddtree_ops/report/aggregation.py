@@ -176,7 +176,7 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
 
     # Host lists from the few thousand fine groups, in plain Python: a pandas per-group
     # lambda costs more than the join itself.
-    pairs = sorted(set(zip(cell_of_group.tolist(), fine_keys["host"].tolist())))
+    pairs = sorted(set(zip(cell_of_group.tolist(), fine_keys["host"].tolist(), strict=True)))
     hosts = [""] * n_cells
     for cell, members in itertools.groupby(pairs, key=operator.itemgetter(0)):
         hosts[cell] = ",".join(host for _, host in members)
@@ -232,7 +232,8 @@ def _add_speedups(cells: pd.DataFrame) -> pd.DataFrame:
         baseline = same_mode.where(~use_other, other_mode)
         cells[f"speedup_vs_{prefix}"] = cells["output_tok_s_median"] / baseline
         mode = cells["cuda_graph"].astype("boolean").where(~use_other, ~cells["cuda_graph"].astype(bool))
-        cells[f"{prefix}_cuda_graph"] = mode.where(baseline.notna(), pd.NA)
+        # pandas-stubs does not accept pd.NA as where()'s `other`; pandas does (a nullable-boolean NA).
+        cells[f"{prefix}_cuda_graph"] = mode.where(baseline.notna(), pd.NA)  # type: ignore[call-overload]
         mixed |= use_other & (cells["algorithm"] != algo)
     cells["modes_mixed"] = mixed
     return cells
@@ -253,4 +254,4 @@ def as_dtype(column: pd.Series, dtype: str) -> pd.Series:
         return pd.to_numeric(column, errors="coerce").round().astype("Int64")
     if dtype == "object":
         return column.astype(object).where(column.notna(), None)
-    return column.astype(dtype)
+    return column.astype(pd.api.types.pandas_dtype(dtype))  # what astype does with a dtype name

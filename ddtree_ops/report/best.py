@@ -123,8 +123,8 @@ def best_configs(
     refused = reasons != ""
     refusals = _refusal_frame(
         [
-            (row["machine"], row["temperature"], row["concurrency"], describe_cell(row), reasons[index])
-            for index, row in grouped[refused].iterrows()
+            (row["machine"], row["temperature"], row["concurrency"], describe_cell(row), reason)
+            for (_, row), reason in zip(grouped[refused].iterrows(), reasons[refused], strict=True)
         ]
     )
 
@@ -147,8 +147,8 @@ def best_configs(
     ranking = _rank(candidates[~candidates["_refused"]].copy(), tie_tolerance)
     situations = candidates.drop_duplicates("_situation").set_index("_situation").sort_index()
     rows = [
-        _best_row(situation, first_cell, counts.loc[situation], ranking, tie_tolerance)
-        for situation, first_cell in situations.iterrows()
+        _best_row(situation, situations.loc[situation], counts.loc[situation], ranking, tie_tolerance)
+        for situation in situations.index.tolist()
     ]
     best = pd.DataFrame(rows).reindex(columns=list(BEST_COLUMNS))
     for name, dtype in _BEST_DTYPES.items():
@@ -234,7 +234,8 @@ def _best_row(
     return row
 
 
-def _pct(value: float, ref: float) -> str:
+def _pct(value: Any, ref: Any) -> str:
+    """``value`` over ``ref`` as a signed percentage; "n/a" where either is missing (NA)."""
     if not ref or pd.isna(ref) or pd.isna(value):
         return "n/a"
     return f"{(value / ref - 1) * 100:+.1f}%"

@@ -145,7 +145,7 @@ def _careful_block(
         numbers = [first_lineno + i for i, raw in enumerate(lines) if raw.strip()]
         bad_numbers = {n for n, _ in read.bad_lines}
         numbers = [n for n in numbers if n not in bad_numbers]
-        for lineno, row in zip(numbers, read.rows):
+        for lineno, row in zip(numbers, read.rows, strict=True):
             missing = [column for column in _NEEDED if row.get(column) is None]
             if missing:
                 bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))

@@ -21,6 +21,7 @@ matplotlib.use("Agg")  # headless: never needs a display
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 
 from ddtree_ops.errors import ConfigError
 
@@ -96,9 +97,9 @@ def _line_plot(
         ax.grid(alpha=0.3)
     # One legend for all panels, below them, so that no curve is hidden behind it; a
     # baseline's label names its level per panel, the legend keeps the name only.
-    handles: dict[str, object] = {}
+    handles: dict[str, Artist] = {}
     for ax in axes.ravel():
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label.split(" (")[0], handle)
     if (~trees["cuda_graph"]).any():
         handles["hollow diamond = eager mode (no CUDA graph)"] = plt.Line2D(

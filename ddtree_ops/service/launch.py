@@ -69,7 +69,7 @@ class RunConfig:
             raise ConfigError("extra_args must be strings")
 
     def describe(self) -> str:
-        parts = [self.algorithm]
+        parts: list[str] = [self.algorithm]
         if self.budget is not None:
             parts.append(f"budget={self.budget}")
         if self.topk is not None:

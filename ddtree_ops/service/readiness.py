@@ -141,9 +141,11 @@ def tree_mismatch(info: Mapping[str, Any], spec: LaunchSpec) -> str | None:
     if served is None:
         return None
     wanted = (run.budget, run.topk)
-    if all(got is None or got == want for got, want in zip(served, wanted)):
+    if all(got is None or got == want for got, want in zip(served, wanted, strict=True)):
         return None
-    shown = " ".join(f"{name}={'?' if got is None else got}" for name, got in zip(("budget", "topk"), served))
+    shown = " ".join(
+        f"{name}={'?' if got is None else got}" for name, got in zip(("budget", "topk"), served, strict=True)
+    )
     return (
         f"the server resolved DDTREE {shown}, not the budget={run.budget} topk={run.topk} we launched "
         "(an older DDTree bundle on the host? `ddtree-ops status`, then `ddtree-ops deploy`)"

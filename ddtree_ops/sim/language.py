@@ -90,7 +90,12 @@ class SyntheticLanguage:
         return self._logits(keys, positions, last_tokens, beta, w)
 
     def _logits(
-        self, keys: torch.Tensor, positions: torch.Tensor, last_tokens: torch.Tensor, beta: torch.Tensor, w: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        last_tokens: torch.Tensor,
+        beta: torch.Tensor,
+        w: torch.Tensor,
     ) -> torch.Tensor:
         pos_key = _mix(keys * 7919 + positions)
         path_key = _mix(pos_key * 131 + last_tokens + 1)

@@ -111,7 +111,9 @@ def acceptance_table(
         for temp in temperatures:
             ar = run_offline(server_args([]), settings, temperature=temp, max_new_tokens=max_new_tokens)
             rows.append(f"| {gpu} | {temp:g} | AR | - | 1.00 | {ar.tokens_per_s:.0f} | 1.00x |")
-            configs: list[tuple[str, str, list[str]]] = [("DFLASH", "16 (chain)", ["--speculative-algorithm", "DFLASH"])]
+            configs: list[tuple[str, str, list[str]]] = [
+                ("DFLASH", "16 (chain)", ["--speculative-algorithm", "DFLASH"])
+            ]
             configs += [
                 ("DDTREE", str(b), ["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(b + 1),
                                     "--speculative-eagle-topk", "4"])

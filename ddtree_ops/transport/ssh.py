@@ -319,9 +319,14 @@ class SSHTransport:
         transport = client.get_transport()
         assert transport is not None
         jump, to = f"jump host {via.hostname}:{via.port}", f"{nxt.hostname}:{nxt.port}"
-        unreachable: Message = lambda exc: f"{jump} could not reach {to}: {getattr(exc, 'text', exc)}"
-        messages = {paramiko.ChannelException: unreachable}
-        with translate_errors(self.host, f"{jump} could not open a channel to {to}", error=ConnectError, messages=messages):
+
+        def unreachable(exc: BaseException) -> str:
+            return f"{jump} could not reach {to}: {getattr(exc, 'text', exc)}"
+
+        messages: dict[type[BaseException], Message] = {paramiko.ChannelException: unreachable}
+        with translate_errors(
+            self.host, f"{jump} could not open a channel to {to}", error=ConnectError, messages=messages
+        ):
             return transport.open_channel(
                 "direct-tcpip", (nxt.hostname, nxt.port), ("127.0.0.1", 0), timeout=self.connect_timeout
             )
@@ -367,7 +372,8 @@ class SSHTransport:
                 hop.hostname,
                 port=hop.port,
                 username=hop.user,
-                key_filename=[k for k in hop.key_files if os.path.exists(k)] or None,
+                # paramiko takes a list of key files too (its docstring); types-paramiko says str.
+                key_filename=[k for k in hop.key_files if os.path.exists(k)] or None,  # type: ignore[arg-type]
                 look_for_keys=not hop.key_files,
                 allow_agent=not hop.key_files,
                 sock=sock,
@@ -446,7 +452,9 @@ class SSHTransport:
         for attempt in (1, 2):
             transport = self._client().get_transport()
             try:
-                with translate_errors(self.host, "cannot open a session channel", error=ConnectError, on_error=self._drop):
+                with translate_errors(
+                    self.host, "cannot open a session channel", error=ConnectError, on_error=self._drop
+                ):
                     if transport is None:
                         raise paramiko.SSHException("no transport")
                     return transport.open_session(timeout=self.connect_timeout)
@@ -505,7 +513,12 @@ class SSHTransport:
                         take(chan.recv(65536))
                     while chan.recv_stderr_ready():
                         err.append(chan.recv_stderr(65536))
-                    if chan.exit_status_ready() and chan.eof_received and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    if (
+                        chan.exit_status_ready()
+                        and chan.eof_received
+                        and not chan.recv_ready()
+                        and not chan.recv_stderr_ready()
+                    ):
                         break
                     if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
                         break
@@ -577,7 +590,10 @@ class SSHTransport:
         """Translation for one SFTP request. An OSError is the server's answer (no such file,
         permission denied) and leaves the session usable; a session that broke is dropped,
         so that the next call reconnects."""
-        lost: Message = lambda exc: f"{doing}: connection lost ({text_or_type(exc)})"
+
+        def lost(exc: BaseException) -> str:
+            return f"{doing}: connection lost ({text_or_type(exc)})"
+
         return translate_errors(
             self.host,
             doing,
@@ -705,7 +721,8 @@ def _sftp_fsync(sftp: paramiko.SFTPClient, fh: paramiko.SFTPFile) -> None:
     from paramiko.sftp import CMD_EXTENDED
 
     try:
-        sftp._request(CMD_EXTENDED, "fsync@openssh.com", fh.handle)
+        # SFTPClient._request is private, so not in types-paramiko; it is how an extension is sent.
+        sftp._request(CMD_EXTENDED, "fsync@openssh.com", fh.handle)  # type: ignore[attr-defined]
     except OSError as exc:
         if "unsupported" not in str(exc).lower():
             raise

@@ -94,8 +94,13 @@ def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
     inv = write_inventory(tmp_path, port)
     sweep = write_sweep(tmp_path)
     out = tmp_path / "ledger.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep),
-                             "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):

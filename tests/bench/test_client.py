@@ -55,7 +55,7 @@ def test_failures_are_recorded_not_raised(server) -> None:
     url, state = server
     mixed = (Prompt("fine"), Prompt("fail500 please"), Prompt("die now"), Prompt("error here"))
     load = run_load(url, LoadSpec(prompts=mixed, max_new_tokens=12, concurrency=4))
-    by_text = dict(zip([p.text for p in mixed], load.results))
+    by_text = dict(zip([p.text for p in mixed], load.results, strict=True))
     assert by_text["fine"].ok
     assert by_text["fail500 please"].error.startswith("HTTP 500")
     assert not by_text["die now"].ok and by_text["die now"].error

@@ -80,7 +80,11 @@ def test_tree_fields_belong_to_one_launch() -> None:
                                  {"draft_block_size": True}, {"draft_block_size": 0}, {"sampler": "  "}])
 def test_malformed_tree_fields_are_null(bad: dict[str, Any]) -> None:
     got = _with_server_info(PROBED_NO_GPU, {"ddtree": {**TREE, **bad}})
-    fields = {"verify_attention_backend": got.verify_attention_backend, "verify_cuda_graph_captured": got.verify_cuda_graph,
-              "draft_block_size": got.draft_block_size, "sampler": got.tree_sampler}
+    fields = {
+        "verify_attention_backend": got.verify_attention_backend,
+        "verify_cuda_graph_captured": got.verify_cuda_graph,
+        "draft_block_size": got.draft_block_size,
+        "sampler": got.tree_sampler,
+    }
     (key,) = bad
     assert fields[key] is None, got

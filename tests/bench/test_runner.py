@@ -140,7 +140,8 @@ def test_runner_sigkilled_during_a_restart_then_resume_completes_only_missing_ro
     minutes for it to expire, and runs exactly the rows that are missing."""
     run_dir = tmp_path / "run"
     host = local_host(tmp_path, "sim-r")
-    host = dataclasses.replace(host, ddtree=dataclasses.replace(host.ddtree, run_dir=str(run_dir)))  # what stop_all stops
+    # what stop_all stops
+    host = dataclasses.replace(host, ddtree=dataclasses.replace(host.ddtree, run_dir=str(run_dir)))
     inv = tmp_path / "inv.yaml"
     srv = host.ddtree.server
     inv.write_text(yaml.safe_dump({"all": {"hosts": {"sim-r": {"ansible_connection": "local", "ddtree": {

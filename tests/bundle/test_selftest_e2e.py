@@ -285,7 +285,7 @@ def _out(ids: list[int], tops: list[list[float]] | None = None) -> dict:
     """One /generate output; ``tops``: the top-2 log-probs per position."""
     tops = tops or [[-0.1, -2.0]] * len(ids)
     return {"output_ids": ids, "meta_info": {
-        "output_top_logprobs": [[[a, t, None], [b, t + 1, None]] for (a, b), t in zip(tops, ids)],
+        "output_top_logprobs": [[[a, t, None], [b, t + 1, None]] for (a, b), t in zip(tops, ids, strict=True)],
         "spec_accept_length": 1.5, "spec_verify_ct": 4,
     }}
 

@@ -13,7 +13,6 @@ The wheel is read in place (zipfile), never unpacked: only ``.py`` members are n
 from __future__ import annotations
 
 import ast
-import hashlib
 import os
 import py_compile
 import subprocess

@@ -74,7 +74,7 @@ def test_compile_retrieve_batch_default_width_and_tensor_inputs(du: ModuleType) 
         [torch.tensor(p) for p, _ in trees], [torch.tensor(w, dtype=torch.float64) for _, w in trees]
     )
     assert ref[0].shape[1] == max(len(p) for p, _ in trees)
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
 
 
@@ -92,7 +92,7 @@ def test_mask_batch_equals_per_request_with_root_padding(du: ModuleType, seed: i
 
 def test_mask_batch_of_a_long_chain(du: ModuleType) -> None:
     # Depth n - 1: the doubling must run to the top of the deepest tree.
-    chain = [-1] + list(range(0, 99))
+    chain = [-1] + list(range(99))
     masks = du.tree_attention_mask_batch([chain, [-1, 0]], 100)
     assert torch.equal(masks[0], torch.ones(100, 100, dtype=torch.bool).tril())
     assert torch.equal(masks[1], du.tree_attention_mask([-1, 0] + [0] * 98))

@@ -58,7 +58,7 @@ def test_builder_is_top_budget_by_brute_force(du: ModuleType, case: tuple) -> No
     assert len(set(ranks_of)) == n, "no path appears twice"
     # Non-increasing pop order, and the multiset of chosen weights is the top-budget one
     # (ties may be broken either way, so compare weights rather than paths).
-    assert all(a >= b for a, b in zip(tree.node_logws[1:], tree.node_logws[2:]))
+    assert all(a >= b for a, b in itertools.pairwise(tree.node_logws[1:]))
     best = sorted((w for _, w in paths), reverse=True)[: n - 1]
     assert sorted(tree.node_logws[1:], reverse=True) == best
 

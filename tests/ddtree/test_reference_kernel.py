@@ -8,6 +8,7 @@ and which token the bonus draw picks.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from types import ModuleType
 
@@ -267,7 +268,7 @@ def _random_case(seed: int) -> dict:
             order = [kids[p][j] for j in torch.randperm(len(kids[p]), generator=g).tolist()]
             if order:
                 nt[b, p] = order[0]
-                for a, c in zip(order, order[1:]):
+                for a, c in itertools.pairwise(order):
                     ns[b, a] = c
     probs = torch.rand(bs, n, vocab, generator=g) * (torch.rand(bs, n, vocab, generator=g) < 0.6)
     probs[..., 0] += 1e-3  # every row keeps some mass

@@ -19,6 +19,7 @@ rejects a lossy sampler (threshold_acc < 1), so the check has power.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,7 +209,9 @@ def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
     for b in range(8):
         accepted, proposed = out[b]
         assert accepted[0] == 0 and len(proposed) == len(accepted)
-        for parent, child, tok in zip(accepted, accepted[1:], proposed):
+        # Each accepted node's token was proposed; the last proposed token is the bonus
+        # token sampled after the tree.
+        for (parent, child), tok in zip(itertools.pairwise(accepted), proposed[:-1], strict=True):
             assert trees[b].parents[child] == parent and trees[b].token_ids[child] == tok
 
 

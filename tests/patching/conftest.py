@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fleetlib import SGLANG_VERSION, find_wheel
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
-from fleetlib import SGLANG_VERSION, find_wheel
 
 BUNDLES = Path(__file__).parent / "bundles"
 # The real 0.5.23 files the test bundles replace, copied into every test prefix.

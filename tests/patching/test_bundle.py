@@ -82,7 +82,8 @@ SITE = "site-packages/sglang_x-1.0.dist-info/METADATA"
          "must be a file inside a '<name>-<version>.dist-info/' directory"),
         ("  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info, source: files/srt/x.py}\n",
          "must be a file inside a '<name>-<version>.dist-info/' directory"),
-        ("  - {op: add, root: site-packages, path: sglang-0.5.23.dist-info/entry_points.txt, source: files/srt/x.py}\n",
+        ("  - {op: add, root: site-packages, path: sglang-0.5.23.dist-info/entry_points.txt,"
+         " source: files/srt/x.py}\n",
          "inside sglang's own metadata directory"),
         ("  - {op: add, root: site-packages, path: SGLang-0.5.23.dist-info/RECORD, source: files/srt/x.py}\n",
          "inside sglang's own metadata directory"),
@@ -90,13 +91,15 @@ SITE = "site-packages/sglang_x-1.0.dist-info/METADATA"
          "escapes the site-packages directory ('..')"),
         ("  - {op: add, root: site-packages, path: ../sglang_x-1.0.dist-info/METADATA, source: files/srt/x.py}\n",
          "escapes the site-packages directory ('..')"),
-        ("  - {op: add, root: site-packages, path: /usr/lib/sglang_x-1.0.dist-info/METADATA, source: files/srt/x.py}\n",
+        ("  - {op: add, root: site-packages, path: /usr/lib/sglang_x-1.0.dist-info/METADATA,"
+         " source: files/srt/x.py}\n",
          "is absolute; paths are relative to the site-packages directory"),
         ("  - {op: add, root: site-packages, path: 'sglang_x-1.0.dist-info\\METADATA', source: files/srt/x.py}\n",
          "contains a backslash"),
         ("  - {op: replace, root: site-packages, path: sglang_x-1.0.dist-info/METADATA, base_sha256: " + BASE + "}\n",
          "root: site-packages allows op 'add' only"),
-        ("  - {op: add, root: purelib, path: sglang_x-1.0.dist-info/METADATA}\n", "root must be 'package' or 'site-packages'"),
+        ("  - {op: add, root: purelib, path: sglang_x-1.0.dist-info/METADATA}\n",
+         "root must be 'package' or 'site-packages'"),
         ("  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA}\n"
          "  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info//METADATA}\n", "duplicate path"),
     ],
@@ -113,7 +116,11 @@ def test_site_packages_entry_keys_and_default_source(tmp_path: Path) -> None:
     d = _bundle(tmp_path, "  - {op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA}\n",
                 sources={SITE: "Name: sglang-x\n"})
     (f,) = load_bundle(d).files
-    assert (f.path, f.root, f.rel) == ("../sglang_x-1.0.dist-info/METADATA", "site-packages", "sglang_x-1.0.dist-info/METADATA")
+    assert (f.path, f.root, f.rel) == (
+        "../sglang_x-1.0.dist-info/METADATA",
+        "site-packages",
+        "sglang_x-1.0.dist-info/METADATA",
+    )
     assert f.source == str((d / SITE).resolve()) and f.content == b"Name: sglang-x\n"
 
 
@@ -123,10 +130,20 @@ def test_identity_changes_when_a_file_moves_between_roots(tmp_path: Path) -> Non
     (tmp_path / "b").mkdir()
     sources = {"files/sglang_x-1.0.dist-info/METADATA": "Name: sglang-x\n"}
     src = "source: files/sglang_x-1.0.dist-info/METADATA"
-    in_pkg = load_bundle(_bundle(tmp_path / "a", f"  - {{op: add, root: package, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
-                                 sources=sources))
-    beside = load_bundle(_bundle(tmp_path / "b", f"  - {{op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
-                                 sources=sources))
+    in_pkg = load_bundle(
+        _bundle(
+            tmp_path / "a",
+            f"  - {{op: add, root: package, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
+            sources=sources,
+        )
+    )
+    beside = load_bundle(
+        _bundle(
+            tmp_path / "b",
+            f"  - {{op: add, root: site-packages, path: sglang_x-1.0.dist-info/METADATA, {src}}}\n",
+            sources=sources,
+        )
+    )
     assert in_pkg.files[0].sha256 == beside.files[0].sha256
     assert in_pkg.files[0].path != beside.files[0].path
     assert in_pkg.identity != beside.identity

@@ -192,7 +192,9 @@ def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHos
     hosts = {"h1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
                                "server": server}}}
     inv = tmp_path / "inv.yaml"
-    inv.write_text(yaml.safe_dump({"all": {"children": {"t": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}))
+    inv.write_text(
+        yaml.safe_dump({"all": {"children": {"t": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}})
+    )
     host = load_inventory([inv]).hosts["h1"]
     try:
         res = cli(inv, "deploy", "h1", str(BUNDLES / "basic"), "--restart", "--budget", "8", "--topk", "2")

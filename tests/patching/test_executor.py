@@ -60,7 +60,7 @@ def _assert_clean(mini: MiniHost) -> None:
     sd = mini.state_dir
     assert not (sd / "journal.json").exists()
     assert not (sd / "lock").exists()
-    temps = [p for p in mini.pkg.rglob(".ddtree-tmp-*")] + list(mini.pkg.parent.glob("*.dist-info/.ddtree-tmp-*"))
+    temps = list(mini.pkg.rglob(".ddtree-tmp-*")) + list(mini.pkg.parent.glob("*.dist-info/.ddtree-tmp-*"))
     assert temps == []
 
 
@@ -108,7 +108,10 @@ def test_fresh_deploy_three_round_trips_noop_one(mini: MiniHost, basic: Bundle) 
 
 
 def test_rollback_restores_originals_and_twice_is_noop(mini: MiniHost, basic: Bundle) -> None:
-    before = {rel: mini.file(rel).read_bytes() for rel in ("srt/speculative/dflash_worker_v2.py", "srt/speculative/dflash_info.py")}
+    before = {
+        rel: mini.file(rel).read_bytes()
+        for rel in ("srt/speculative/dflash_worker_v2.py", "srt/speculative/dflash_info.py")
+    }
     deploy(_t(mini), mini.host, basic)
     out = rollback(_t(mini), mini.host)
     assert out.outcome == "rolled-back"
@@ -219,7 +222,9 @@ def test_disk_full_changes_nothing(mini: MiniHost, basic: Bundle) -> None:
 
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("step", [0, 1, 2], ids=["gather", "prepare", "commit"])
-def test_connection_cut_at_every_step_then_rerun_converges(mini: MiniHost, bundle: Bundle, step: int, when: str) -> None:
+def test_connection_cut_at_every_step_then_rerun_converges(
+    mini: MiniHost, bundle: Bundle, step: int, when: str
+) -> None:
     with pytest.raises(ConnectError):
         deploy(CuttingTransport(_t(mini), cut_at=step, when=when), mini.host, bundle)
     _assert_not_mixed(mini, bundle)
@@ -265,9 +270,13 @@ def test_state_written_but_journal_left_is_completed_not_undone(mini: MiniHost, 
     deploy(_t(mini), mini.host, basic)
     state = json.loads((mini.state_dir / "state.json").read_text())
     # As if the commit step died after writing the state record, before dropping its journal.
-    (mini.state_dir / "journal.json").write_text(json.dumps({"txn": state["txn"], "phase": "committing", "entries": []}))
+    (mini.state_dir / "journal.json").write_text(
+        json.dumps({"txn": state["txn"], "phase": "committing", "entries": []})
+    )
     (mini.state_dir / "lock").mkdir()
-    (mini.state_dir / "lock" / "info.json").write_text(json.dumps({"txn": state["txn"], "controller": "elsewhere", "pid": 1}))
+    (mini.state_dir / "lock" / "info.json").write_text(
+        json.dumps({"txn": state["txn"], "controller": "elsewhere", "pid": 1})
+    )
     with pytest.raises(LockError, match="--break-lock"):
         deploy(_t(mini), mini.host, basic)
     out = deploy(_t(mini), mini.host, basic, RunOptions(break_lock=True))

@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fleetlib import Fleet, FleetHost, cached_prefix_template, find_wheel
 
-from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.errors import TransportError
+from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import RunOptions, deploy, rollback
 from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport import open_transport
 from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter
-from fleetlib import Fleet, FleetHost, cached_prefix_template, find_wheel
 from patching.conftest import BUNDLES, LIST_ENTRY_POINTS, PLUGIN_GROUP
 
 REAL_BUNDLE = Path(__file__).resolve().parents[2] / "patches" / "ddtree_temperature"

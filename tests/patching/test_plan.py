@@ -141,7 +141,11 @@ def test_unrecorded_existing_site_packages_file_is_blocked_even_forced() -> None
 
 
 def test_recorded_site_packages_file_supersedes_and_drift_is_forceable() -> None:
-    rec = {"name": "t", "identity": "old", "files": {META: {"original_sha256": None, "patched_sha256": OTHER, "backup": None}}}
+    rec = {
+        "name": "t",
+        "identity": "old",
+        "files": {META: {"original_sha256": None, "patched_sha256": OTHER, "backup": None}},
+    }
     p = plan_deploy(_plugin(), _rs({"srt/b.py": None, META: OTHER}, applied=rec))
     assert {a.path: a.kind for a in p.actions} == {"srt/b.py": "add", META: "supersede"}
     drifted = _rs({"srt/b.py": None, META: ORIG_B}, applied=rec)
@@ -157,6 +161,9 @@ def test_recorded_site_packages_file_supersedes_and_drift_is_forceable() -> None
 def test_readonly_names_the_site_packages_directory_when_it_is_written() -> None:
     rs = replace(_rs({"srt/b.py": None, META: None}, writable=False), site_dir="/p")
     p = plan_deploy(_plugin(), rs)
-    assert p.outcome == "readonly" and p.reason == "package directory /p/sglang or site-packages directory /p is not writable by the remote user"
+    assert (
+        p.outcome == "readonly"
+        and p.reason == "package directory /p/sglang or site-packages directory /p is not writable by the remote user"
+    )
     assert plan_deploy(_bundle(), replace(_rs({"srt/a.py": BASE, "srt/b.py": None}, writable=False), site_dir="/p")
                        ).reason == "package directory /p/sglang is not writable by the remote user"

@@ -64,7 +64,9 @@ def test_deploy_registers_the_entry_point_and_rollback_removes_the_distribution(
     assert rollback(_t(mini), mini.host).outcome == "noop"
 
 
-def test_next_version_moves_the_dist_info_and_removes_the_old_one(mini: MiniHost, plugin: Bundle, tmp_path: Path) -> None:
+def test_next_version_moves_the_dist_info_and_removes_the_old_one(
+    mini: MiniHost, plugin: Bundle, tmp_path: Path
+) -> None:
     """The distribution's version is in its directory name: v2 deletes v1's files and its emptied directory."""
     deploy(_t(mini), mini.host, plugin)
     d = tmp_path / "v2"
@@ -121,7 +123,10 @@ def test_old_format_record_rolls_back(mini: MiniHost) -> None:
 
 def test_old_format_record_then_plugin_bundle(mini: MiniHost, plugin: Bundle) -> None:
     """The next bundle is the plugin: basic's files go back, the plugin's come in, in one transaction."""
-    upstream = {rel: mini.file(rel).read_bytes() for rel in ("srt/speculative/dflash_info.py", "srt/speculative/dflash_worker_v2.py")}
+    upstream = {
+        rel: mini.file(rel).read_bytes()
+        for rel in ("srt/speculative/dflash_info.py", "srt/speculative/dflash_worker_v2.py")
+    }
     basic = _deploy_with_old_format_record(mini)
     out = deploy(_t(mini), mini.host, plugin)
     assert {a.path: a.kind for a in out.plan.changes} == {
@@ -146,7 +151,9 @@ def test_package_outside_site_packages_is_refused(mini: MiniHost, plugin: Bundle
     src.mkdir()
     shutil.move(str(mini.pkg), str(src / "sglang"))
     (_site(mini) / "sglang-src.pth").write_text(f"{src}\n")
-    with pytest.raises(DriftError, match=r"not a site-packages or dist-packages directory.*refusing to write beside it"):
+    with pytest.raises(
+        DriftError, match=r"not a site-packages or dist-packages directory.*refusing to write beside it"
+    ):
         deploy(_t(mini), mini.host, plugin, RunOptions(force=True))
     _no_dist_info_written(src)
     _no_dist_info_written(_site(mini))

@@ -27,7 +27,9 @@ def write(path: Path, rows: list[dict]) -> Path:
 def known_ledger(path: Path) -> Path:
     """AR ~100, DFLASH ~200, DDTREE b=8 ~297, b=16 ~300 (within 1%), b=32 eager ~400."""
     rows = []
-    for rep_i, (ar, df, b8, b16, b32) in enumerate([(100, 200, 297, 300, 400), (104, 190, 299, 290, 410), (98, 210, 295, 310, 390)]):
+    for rep_i, (ar, df, b8, b16, b32) in enumerate(
+        [(100, 200, 297, 300, 400), (104, 190, 299, 290, 410), (98, 210, 295, 310, 390)]
+    ):
         rows += [
             make_row(algorithm="AR", repeat=rep_i, output_tok_s=ar),
             make_row(algorithm="DFLASH", repeat=rep_i, output_tok_s=df),
@@ -94,7 +96,7 @@ def test_refusals_say_why(tmp_path: Path) -> None:
     rows += [make_row(budget=32, repeat=i, output_tok_s=300.0, status="failed" if i == 2 else "ok") for i in range(3)]
     rows += [make_row(budget=64, repeat=i, output_tok_s=200.0) for i in range(3)]
     r = rep.build_report([write(tmp_path / "l.jsonl", rows)])
-    reasons = dict(zip(r.best.refusals["cell"], r.best.refusals["reason"]))
+    reasons = dict(zip(r.best.refusals["cell"], r.best.refusals["reason"], strict=True))
     assert reasons == {
         "DDTREE b=8 k=4": "1 failed request(s)",
         "DDTREE b=16 k=4": "n=2 < min repeats 3",
@@ -106,17 +108,23 @@ def test_refusals_say_why(tmp_path: Path) -> None:
 
 
 def test_group_by_gpu_pools_hosts(tmp_path: Path) -> None:
-    rows = [make_row(host=h, repeat=i, output_tok_s=v) for h, vals in (("a", (100, 110)), ("b", (120, 130))) for i, v in enumerate(vals)]
+    rows = [
+        make_row(host=h, repeat=i, output_tok_s=v)
+        for h, vals in (("a", (100, 110)), ("b", (120, 130)))
+        for i, v in enumerate(vals)
+    ]
     r = rep.build_report([write(tmp_path / "l.jsonl", rows)], group_by="gpu", min_repeats=1)
     assert list(r.tidy["machine"]) == ["a", "b"]
     pooled = r.grouped.iloc[0]
-    assert (pooled["machine"], pooled["hosts"], pooled["n"], pooled["output_tok_s_median"]) == ("RTX PRO 6000", "a,b", 4, 115.0)
+    got = (pooled["machine"], pooled["hosts"], pooled["n"], pooled["output_tok_s_median"])
+    assert got == ("RTX PRO 6000", "a,b", 4, 115.0)
 
 
 def test_bad_lines_counted_not_fatal(tmp_path: Path) -> None:
     path = known_ledger(tmp_path / "l.jsonl")
     with open(path, "ab") as fh:
-        fh.write(b"garbage\n" + json.dumps({**make_row(), "cuda_graph": None}).encode() + b"\n" + b'{"schema_version": 1, "ho')
+        good = json.dumps({**make_row(), "cuda_graph": None}).encode()
+        fh.write(b"garbage\n" + good + b"\n" + b'{"schema_version": 1, "ho')
     for use_arrow in (True, False):
         r = rep.build_report([tmp_path], use_arrow=use_arrow)
         assert len(r.loaded.frame) == 15
@@ -134,7 +142,9 @@ def test_empty_ledger_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_tidy_csv_schema_is_stable(tmp_path: Path) -> None:
     r = rep.build_report([known_ledger(tmp_path / "l.jsonl")])
-    assert {c: str(t) for c, t in r.tidy.dtypes.items()} == {c: ("str" if t == "object" and str(r.tidy[c].dtype) == "str" else t) for c, t in rep.TIDY_DTYPES.items()}
+    assert {c: str(t) for c, t in r.tidy.dtypes.items()} == {
+        c: ("str" if t == "object" and str(r.tidy[c].dtype) == "str" else t) for c, t in rep.TIDY_DTYPES.items()
+    }
     out = tmp_path / "t.csv"
     r.tidy.to_csv(out, index=False)
     back = pd.read_csv(out)
@@ -145,8 +155,16 @@ def test_tidy_csv_schema_is_stable(tmp_path: Path) -> None:
 
 
 def test_compare_flags_changes_beyond_spread(tmp_path: Path) -> None:
-    a = [make_row(budget=b, repeat=i, output_tok_s=v + d) for i, d in enumerate((0, 2, -2)) for b, v in ((8, 300), (16, 400), (32, 500))]
-    b = [make_row(budget=b, repeat=i, output_tok_s=v + d) for i, d in enumerate((0, 2, -2)) for b, v in ((8, 301), (16, 450), (64, 600))]
+    a = [
+        make_row(budget=b, repeat=i, output_tok_s=v + d)
+        for i, d in enumerate((0, 2, -2))
+        for b, v in ((8, 300), (16, 400), (32, 500))
+    ]
+    b = [
+        make_row(budget=b, repeat=i, output_tok_s=v + d)
+        for i, d in enumerate((0, 2, -2))
+        for b, v in ((8, 301), (16, 450), (64, 600))
+    ]
     ta = rep.load_tidy([write(tmp_path / "a.jsonl", a)])
     tb = rep.load_tidy([write(tmp_path / "b.jsonl", b)])
     cmp = rep.compare(ta, tb).set_index("budget")
@@ -161,7 +179,11 @@ def test_plots_written_and_non_empty(tmp_path: Path) -> None:
 
     r = rep.build_report([known_ledger(tmp_path / "l.jsonl")])
     paths = write_plots(r.grouped, tmp_path / "plots")
-    assert sorted(p.name for p in paths) == ["rtx-pro-6000-accept-length.png", "rtx-pro-6000-speedup-heatmap.png", "rtx-pro-6000-throughput.png"]
+    assert sorted(p.name for p in paths) == [
+        "rtx-pro-6000-accept-length.png",
+        "rtx-pro-6000-speedup-heatmap.png",
+        "rtx-pro-6000-throughput.png",
+    ]
     for p in paths:
         data = p.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
@@ -176,7 +198,12 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     out = json_data(done.stdout)
     assert len(out["cells"]) == 5 and len(out["best"]) == 2 and not any(c["changed"] for c in out["compare"])
     assert pd.read_csv(tmp_path / "b.csv")["budget"].tolist() == [32, 8]
-    missing = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "ddtree_ops", "report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "nope: no such ledger" in missing.stderr and "Traceback" not in missing.stderr
 
 

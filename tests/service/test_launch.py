@@ -12,9 +12,13 @@ from ddtree_ops.service.launch import RunConfig, build_launch_spec, eager_flags,
 
 
 def make_host(**server: object) -> Host:
-    settings = dict(model_path="/models/qwen", draft_model_path="/models/qwen-dflash", port=30100)
+    settings = {"model_path": "/models/qwen", "draft_model_path": "/models/qwen-dflash", "port": 30100}
     settings.update(server)
-    return Host(name="h1", connection="local", ddtree=DdtreeSettings(python="/opt/py/bin/python", server=ServerSettings(**settings)))
+    return Host(
+        name="h1",
+        connection="local",
+        ddtree=DdtreeSettings(python="/opt/py/bin/python", server=ServerSettings(**settings)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,7 +74,12 @@ def test_dflash_budget_stays_the_draft_token_count() -> None:
 def test_eager_spec_uses_remote_version_flags() -> None:
     new = build_launch_spec(make_host(), RunConfig("DDTREE", budget=16, topk=4), "0.5.23", cuda_graph=False)
     old = build_launch_spec(make_host(), RunConfig("DDTREE", budget=16, topk=4), "0.5.10", cuda_graph=False)
-    assert new.server_args[-4:] == ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
+    assert new.server_args[-4:] == (
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+    )
     assert old.server_args[-1] == "--disable-cuda-graph"
     assert new.argv_hash != old.argv_hash
 
@@ -81,14 +90,18 @@ def test_eager_without_version_is_a_config_error() -> None:
 
 
 def test_ar_has_no_speculative_flags_and_command_template_is_honoured() -> None:
-    spec = build_launch_spec(make_host(command="{python} -m ddtree_ops.sim"), RunConfig("AR"), "0.5.23", cuda_graph=True)
+    spec = build_launch_spec(
+        make_host(command="{python} -m ddtree_ops.sim"), RunConfig("AR"), "0.5.23", cuda_graph=True
+    )
     assert spec.argv[:3] == ("/opt/py/bin/python", "-m", "ddtree_ops.sim")
     assert not any(a.startswith("--speculative") for a in spec.argv)
 
 
 def test_hostile_extra_args_stay_single_argv_entries() -> None:
     hostile = ("--served-model-name", "x; touch /tmp/pwned $(id) `id`", "--tokenizer-path", "' \" \\n")
-    spec = build_launch_spec(make_host(extra_args=("--log-level", "info")), RunConfig("AR", extra_args=hostile), "0.5.23", cuda_graph=True)
+    spec = build_launch_spec(
+        make_host(extra_args=("--log-level", "info")), RunConfig("AR", extra_args=hostile), "0.5.23", cuda_graph=True
+    )
     assert spec.argv[-4:] == hostile
     assert spec.argv[-6:-4] == ("--log-level", "info")
     # The shell rendering (for display only) round-trips to the same list.
@@ -98,12 +111,12 @@ def test_hostile_extra_args_stay_single_argv_entries() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(algorithm="EAGLE"), "algorithm must be one of"),
-        (dict(algorithm="AR", budget=4), "budget/topk only apply"),
-        (dict(algorithm="DDTREE", budget=0, topk=4), "budget must be a positive integer"),
-        (dict(algorithm="DDTREE", budget=257, topk=4), "budget must be at most 256 for DDTREE"),
-        (dict(algorithm="DFLASH", budget=8, topk=2), "topk only applies to DDTREE"),
-        (dict(algorithm="AR", cuda_graph="maybe"), "cuda_graph must be"),
+        ({"algorithm": "EAGLE"}, "algorithm must be one of"),
+        ({"algorithm": "AR", "budget": 4}, "budget/topk only apply"),
+        ({"algorithm": "DDTREE", "budget": 0, "topk": 4}, "budget must be a positive integer"),
+        ({"algorithm": "DDTREE", "budget": 257, "topk": 4}, "budget must be at most 256 for DDTREE"),
+        ({"algorithm": "DFLASH", "budget": 8, "topk": 2}, "topk only applies to DDTREE"),
+        ({"algorithm": "AR", "cuda_graph": "maybe"}, "cuda_graph must be"),
     ],
 )
 def test_run_config_validation(kwargs: dict[str, object], message: str) -> None:
@@ -115,6 +128,8 @@ def test_missing_model_or_draft_names_the_key() -> None:
     with pytest.raises(ConfigError, match="model_path is not set"):
         build_launch_spec(make_host(model_path=None), RunConfig("AR"), "0.5.23", cuda_graph=True)
     with pytest.raises(ConfigError, match="draft_model_path"):
-        build_launch_spec(make_host(draft_model_path=None), RunConfig("DDTREE", budget=8, topk=2), "0.5.23", cuda_graph=True)
+        build_launch_spec(
+            make_host(draft_model_path=None), RunConfig("DDTREE", budget=8, topk=2), "0.5.23", cuda_graph=True
+        )
     with pytest.raises(ConfigError, match="DDTREE needs both"):
         build_launch_spec(make_host(), RunConfig("DDTREE", budget=8), "0.5.23", cuda_graph=True)

@@ -27,9 +27,14 @@ def test_each_sglang_line_maps_to_its_phase() -> None:
     assert [classify(line)[0] for line in STARTUP] == [
         None, Phase.LOADING_WEIGHTS, Phase.KV_CACHE, Phase.WARMUP, Phase.CAPTURING, Phase.WARMUP, Phase.READY
     ]
-    assert classify("[t TP0] Capture cuda graph failed: CUDA error: an illegal memory access")[1] == LogEvent.CAPTURE_FAILED
+    assert (
+        classify("[t TP0] Capture cuda graph failed: CUDA error: an illegal memory access")[1]
+        == LogEvent.CAPTURE_FAILED
+    )
     assert classify("[t] Scheduler hit an exception: Traceback")[1] == LogEvent.CRASHED
-    assert classify("[t] Received sigquit from a child process. It usually means the child failed.")[1] == LogEvent.CRASHED
+    assert (
+        classify("[t] Received sigquit from a child process. It usually means the child failed.")[1] == LogEvent.CRASHED
+    )
     assert classify("Port is already in use. dist_init_port=1")[1] == LogEvent.PORT_IN_USE
     assert classify("KV Cache is allocated. #tokens: 1000")[0] == Phase.WARMUP
 

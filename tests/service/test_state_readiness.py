@@ -91,7 +91,11 @@ def poll(**over: object) -> dict[str, object]:
         (poll(listener_ours=False), False, True),
         (poll(listener_ours=None), True, False),  # no /proc: identity rests on launch_command + startup_time
         (poll(server_info={"status": 200, "launch_command": "--port 1", "startup_time": 10.0}), False, True),
-        (poll(server_info={"status": 200, "launch_command": "--port 1", "startup_time": {"load_weight": 3.0}}), True, False),
+        (
+            poll(server_info={"status": 200, "launch_command": "--port 1", "startup_time": {"load_weight": 3.0}}),
+            True,
+            False,
+        ),
         (poll(server_info=None), False, False),
     ],
 )
@@ -174,7 +178,10 @@ def test_wait_loop_deadline_threshold_and_cancel() -> None:
     "info, expected",
     [
         # The DDTree plugin's own word wins: it knows whether its verify graph was captured.
-        ({"ddtree": {"verify_cuda_graph_captured": False}, "cuda_graph_config": {"decode": {"backend": "full"}}}, False),
+        (
+            {"ddtree": {"verify_cuda_graph_captured": False}, "cuda_graph_config": {"decode": {"backend": "full"}}},
+            False,
+        ),
         ({"ddtree": {"verify_cuda_graph_captured": True}}, True),
         # SGLang 0.5.23's resolved config: on CPU it disables decode graphs by itself.
         ({"cuda_graph_config": {"decode": {"backend": "disabled"}}, "cuda_graph_backend_decode": None}, False),

@@ -82,7 +82,9 @@ def reference_outputs(real_servers, tiny_models) -> list:
 @pytest.fixture(scope="session")
 def oracle_file(reference_outputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("oracle") / "oracle.json"
-    path.write_text(json.dumps({",".join(map(str, p)): o.output_ids for p, o in zip(PROMPTS, reference_outputs)}))
+    path.write_text(
+        json.dumps({",".join(map(str, p)): o.output_ids for p, o in zip(PROMPTS, reference_outputs, strict=True)})
+    )
     return path
 
 
@@ -143,11 +145,11 @@ def oracle_server(request, real_servers, ddtree_python, tiny_models, oracle_file
 
 def assert_same_as_target(got, want, label: str) -> None:
     assert [len(o.output_ids) for o in got] == [NEW_TOKENS] * len(got), label
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.output_ids == w.output_ids[:NEW_TOKENS], f"{label} prompt {i}: DDTREE diverged from the target alone"
         w_top = w.meta_info["output_top_logprobs"][:NEW_TOKENS]
         g_top = g.meta_info["output_top_logprobs"]
-        for pos, (wt, gt) in enumerate(zip(w_top, g_top)):
+        for pos, (wt, gt) in enumerate(zip(w_top, g_top, strict=True)):
             assert [t[1] for t in gt] == [t[1] for t in wt], f"{label} prompt {i} token {pos}: top ids differ"
             assert [t[0] for t in gt] == pytest.approx([t[0] for t in wt], abs=LOGPROB_ATOL), (
                 f"{label} prompt {i} token {pos}: log-probs differ: {gt} vs {wt}"
@@ -185,7 +187,8 @@ def test_draft_block_is_the_trained_block(oracle_server):
     assert {w["tokens_per_req"] for w in seen if w["runner"] == "draft"} == {8}, seen
     assert {w["tokens_per_req"] for w in seen if w["runner"] == "target"} == {budget + 1}, seen
     info = srv.server_info()["ddtree"]
-    assert (info["budget"], info["topk"], info["draft_block_size"], info["verify_width"]) == (budget, TOPK, 8, budget + 1)
+    got = (info["budget"], info["topk"], info["draft_block_size"], info["verify_width"])
+    assert got == (budget, TOPK, 8, budget + 1)
     assert info["max_depth"] == min(7, budget)
 
 
@@ -215,7 +218,7 @@ def test_sampled_request_is_aborted_alone_and_the_server_keeps_serving(random_se
 
 
 def test_sampled_requests_are_served_with_the_reference_sampler(oracle_server):
-    budget, srv = oracle_server.budget, oracle_server.server()
+    srv = oracle_server.server()
     outs = srv.generate(PROMPTS, max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9)
     for o in outs:
         assert len(o.output_ids) == 16 and o.meta_info["spec_verify_ct"] > 0, o.meta_info
@@ -276,7 +279,7 @@ def refusals(ddtree_python, tiny_models, tmp_path_factory) -> dict[str, dict]:
         groups.setdefault(json.dumps(env, sort_keys=True), []).append(case)
     for env_key, cases in groups.items():
         argvs = [base + REFUSALS[case][0] for case in cases]  # argparse: the last flag wins
-        for case, result in zip(cases, _resolve_all(ddtree_python, argvs, json.loads(env_key), cwd)):
+        for case, result in zip(cases, _resolve_all(ddtree_python, argvs, json.loads(env_key), cwd), strict=True):
             out[case] = result
     return out
 

@@ -42,12 +42,12 @@ def test_dflash_greedy_equals_target_alone(case, baseline_server, dflash_server)
     got = dflash_server.generate(prompts, max_new_tokens=NEW_TOKENS, top_logprobs=TOP_LOGPROBS)
 
     assert [len(o.output_ids) for o in want] == [NEW_TOKENS] * len(prompts)
-    for i, (w, g) in enumerate(zip(want, got)):
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
         assert g.output_ids == w.output_ids, f"prompt {i}: DFLASH diverged from the target alone"
         assert g.meta_info["completion_tokens"] == NEW_TOKENS
         w_top, g_top = w.meta_info["output_top_logprobs"], g.meta_info["output_top_logprobs"]
         assert len(g_top) == len(w_top) == NEW_TOKENS
-        for pos, (wt, gt) in enumerate(zip(w_top, g_top)):
+        for pos, (wt, gt) in enumerate(zip(w_top, g_top, strict=True)):
             assert [t[1] for t in gt] == [t[1] for t in wt], f"prompt {i} token {pos}: top-{TOP_LOGPROBS} ids differ"
             assert [t[0] for t in gt] == pytest.approx([t[0] for t in wt], abs=LOGPROB_ATOL), (
                 f"prompt {i} token {pos}: top-{TOP_LOGPROBS} log-probs differ: {gt} vs {wt}"

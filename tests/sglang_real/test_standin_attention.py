@@ -27,7 +27,7 @@ HQ, HK, D = 4, 2, 8
 def reference(q, k_cache, v_cache, req_to_token, rows, prefix_lens, n, allowed):
     """Plain softmax attention; ``allowed(i, p) -> [n, p+n] bool``."""
     out = torch.empty_like(q)
-    for i, (row, p) in enumerate(zip(rows, prefix_lens)):
+    for i, (row, p) in enumerate(zip(rows, prefix_lens, strict=True)):
         slots = req_to_token[row, : p + n]
         mask = allowed(i, p)
         for h in range(HQ):
@@ -50,7 +50,7 @@ def batch(prefix_lens, n, seed=0):
     perm = torch.randperm(slots_total, generator=g)
     rows = [5, 2, 7][: len(prefix_lens)]
     used = 0
-    for row, p in zip(rows, prefix_lens):
+    for row, p in zip(rows, prefix_lens, strict=True):
         req_to_token[row, : p + n] = perm[used : used + p + n]
         used += p + n
     return q, k_cache, v_cache, req_to_token, rows

@@ -57,7 +57,10 @@ def test_ddtree_draft_block_comes_from_the_draft_config(tmp_path: Path, capsys: 
         _parse("--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(trained),
                "--speculative-dflash-block-size", "16")
     assert exc.value.code == 2
-    assert "error: --speculative-dflash-block-size 16 differs from the draft model's trained block_size 8" in capsys.readouterr().err
+    assert (
+        "error: --speculative-dflash-block-size 16 differs from the draft model's trained block_size 8"
+        in capsys.readouterr().err
+    )
 
     untrained = tmp_path / "draft-no-block"
     untrained.mkdir()
@@ -131,8 +134,11 @@ def test_old_ddtree_flags_are_unknown_like_real_sglang(flag: str, capsys: pytest
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--speculative-num-draft-tokens", "1"),
-         "--speculative-num-draft-tokens is the DDTREE verify window (root + budget nodes) and must be in 2..257, got 1."),
+        (
+            ("--speculative-num-draft-tokens", "1"),
+            "--speculative-num-draft-tokens is the DDTREE verify window (root + budget nodes)"
+            " and must be in 2..257, got 1.",
+        ),
         (("--speculative-eagle-topk", "0"), "--speculative-eagle-topk must be >= 1, got 0."),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -67,7 +68,10 @@ def test_server_info_reports_the_ddtree_object(ddtree_server) -> None:
 def test_generate_non_stream_spec_fields_consistent(ddtree_server) -> None:
     r = httpx.post(
         ddtree_server.url + "/generate",
-        json={"text": "def add(a, b): return a + b", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}},
+        json={
+            "text": "def add(a, b): return a + b",
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+        },
         timeout=30,
     )
     assert r.status_code == 200
@@ -99,7 +103,7 @@ def test_generate_stream_chunks_are_cumulative_and_end_with_done(ddtree_server) 
     assert len(chunks) >= 2
     lengths = [c["meta_info"]["completion_tokens"] for c in chunks]
     assert lengths == sorted(lengths) and lengths[-1] == 24
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in itertools.pairwise(chunks):
         assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
@@ -109,7 +113,12 @@ def test_sampling_seed_makes_outputs_repeatable(ddtree_server) -> None:
     def run(seed: int) -> list[int]:
         r = httpx.post(
             ddtree_server.url + "/generate",
-            json={"text": "tell me about the sea", "sampling_params": {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}},
+            json={
+                "text": "tell me about the sea",
+                "sampling_params": {
+                    "max_new_tokens": 32, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True
+                },
+            },
             timeout=30,
         )
         return r.json()["output_ids"]

@@ -65,7 +65,8 @@ def test_phases_in_order_port_closed_while_loading_then_503_then_200(sim_factory
 
 
 def test_b300_ddtree_budget_over_8_fails_in_capture_and_eager_starts(sim_factory) -> None:
-    flags = ("--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17", "--speculative-eagle-topk", "4")
+    flags = ("--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "17",
+             "--speculative-eagle-topk", "4")
     failing = sim_factory(*flags, env={"SIM_GPU": "b300"})
     eager = sim_factory(*flags, "--cuda-graph-backend-decode", "disabled", env={"SIM_GPU": "b300"})
     rc = failing.wait_exit()

@@ -22,7 +22,8 @@ TOKENS = 48
 def _run(gpu: str, algo: str, budget: int, temperature: float, prompts: tuple[str, ...] = PROMPTS) -> OfflineResult:
     flags: list[str] = []
     if algo == "DDTREE":
-        flags = ["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(budget + 1), "--speculative-eagle-topk", "4"]
+        flags = ["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", str(budget + 1),
+                 "--speculative-eagle-topk", "4"]
     elif algo == "DFLASH":
         flags = ["--speculative-algorithm", "DFLASH"]
     return run_offline(server_args(flags), SimSettings(gpu=gpu, seed=0), temperature=temperature,
@@ -73,7 +74,8 @@ def test_same_seeds_same_tokens_different_seed_different_tokens() -> None:
 @pytest.mark.parametrize("gpu", ["h200", "b300", "rtx-pro-6000"])
 def test_eager_mode_is_3_8x_slower_per_step(gpu: str) -> None:
     args = server_args(["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "9"])
-    eager = server_args(["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "9", "--cuda-graph-backend-decode", "disabled"])
+    eager = server_args(["--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "9",
+                         "--cuda-graph-backend-decode", "disabled"])
     g = run_offline(args, SimSettings(gpu=gpu), temperature=0.0, max_new_tokens=16, prompts=PROMPTS[:1])
     e = run_offline(eager, SimSettings(gpu=gpu), temperature=0.0, max_new_tokens=16, prompts=PROMPTS[:1])
     assert e.tokens == g.tokens and e.verify_steps == g.verify_steps  # same tokens, only slower

@@ -29,9 +29,9 @@ def any_transport(
         home = tmp_path / "home"
         home.mkdir()
         monkeypatch.setenv("HOME", str(home))
-        from ddtree_ops.inventory_types import Host
-
         import sys
+
+        from ddtree_ops.inventory_types import Host
 
         transport = open_transport(Host("local-test", connection="local"), counter=counter)
         scratch = tmp_path / "scratch"

@@ -14,6 +14,7 @@ import pytest
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
 from ddtree_ops.transport import Script
 
+
 def hostile(marker: Path) -> list[str]:
     """Arguments a shell would act on; any of them reaching a shell creates ``marker``."""
     return [
@@ -56,7 +57,9 @@ def test_script_on_stdin_with_hostile_argv(any_transport, tmp_path: Path) -> Non
 def test_shell_script_with_extra_stdin(any_transport) -> None:
     # `bash -s` reads its program from a pipe line by line, so the program can read the
     # rest of stdin as data. (dash and python read ahead: see Script's docstring.)
-    script = Script(("bash", "-s", "--", "arg one"), 'printf "%s|" "$1"; read -r line; printf "%s\\n" "$line"\n', "data $(x)\n")
+    script = Script(
+        ("bash", "-s", "--", "arg one"), 'printf "%s|" "$1"; read -r line; printf "%s\\n" "$line"\n', "data $(x)\n"
+    )
     result = any_transport.transport.run(script, check=True)
     assert result.stdout == "arg one|data $(x)\n"
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
 from ddtree_ops.errors import AuthError, ConnectError, HostKeyError
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.transport.ssh import _PROLOGUE, SSHTransport, _strip_pgid_marker, build_command_line, resolve_endpoint
-from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
 pytestmark = pytest.mark.fleet
 
@@ -132,7 +132,10 @@ def test_command_runs_as_its_own_process_group(ssh_fleet: Fleet, home: Path) -> 
 def bastion(ssh_fleet: Fleet, tmp_path: Path) -> Iterator[SshdServer]:
     key = keygen(tmp_path / "bastion_host_key", "bastion")
     server = SshdServer(
-        root=tmp_path / "bastion", port=free_port(), host_key=key, authorized_keys=ssh_fleet.client_key.parent / "authorized_keys"
+        root=tmp_path / "bastion",
+        port=free_port(),
+        host_key=key,
+        authorized_keys=ssh_fleet.client_key.parent / "authorized_keys",
     )
     server.start()
     try:
@@ -146,7 +149,8 @@ def test_proxyjump_through_a_bastion(ssh_fleet: Fleet, home: Path, bastion: Sshd
     known = tmp_path / "known_hosts"
     known.write_text(ssh_fleet.known_hosts.read_text() + known_hosts_line(bastion.port, bastion.host_key) + "\n")
     (home / ".ssh" / "config").write_text(
-        f"Host jumpbox\n  HostName 127.0.0.1\n  Port {bastion.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n\n"
+        f"Host jumpbox\n  HostName 127.0.0.1\n  Port {bastion.port}\n  User root\n"
+        f"  IdentityFile {ssh_fleet.client_key}\n\n"
         f"Host behind\n  HostName 127.0.0.1\n  Port {fh.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n"
         f"  ProxyJump jumpbox\n"
     )
@@ -194,10 +198,17 @@ def test_wrong_key_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path
 
 def test_encrypted_key_without_passphrase_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
     locked = tmp_path / "locked"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True, stdin=subprocess.DEVNULL
+    )
     host = replace(fleet_host(ssh_fleet), key_file=str(locked))
-    with SSHTransport(host) as t, pytest.raises(
-        AuthError, match=rf"private key for host root@127\.0\.0\.1:\d+ is encrypted and no passphrase is available \(tried {locked}\)$"
+    with (
+        SSHTransport(host) as t,
+        pytest.raises(
+            AuthError,
+            match=rf"private key for host root@127\.0\.0\.1:\d+ is encrypted"
+            rf" and no passphrase is available \(tried {locked}\)$",
+        ),
     ):
         t.run(["true"])
 

@@ -50,7 +50,8 @@ def verify_masks(prefix_lens: list[int], n: int, custom_mask, encoder_only: bool
     if custom_mask is not None:
         if custom_mask.dtype != torch.bool or custom_mask.dim() != 1:
             raise VerifyMaskError(
-                f"custom_mask must be a flat bool tensor, got dtype={custom_mask.dtype} shape={tuple(custom_mask.shape)}"
+                "custom_mask must be a flat bool tensor, got"
+                f" dtype={custom_mask.dtype} shape={tuple(custom_mask.shape)}"
             )
         expected = sum(n * (p + n) for p in prefix_lens)
         # Like the GPU backends (which index the mask through offsets of their own), a
@@ -100,7 +101,7 @@ def verify_attention(
     """
     bs = len(prefix_lens)
     n = q.shape[0] // bs if bs else 0
-    for i, (p, row, mask) in enumerate(zip(prefix_lens, pool_rows, masks)):
+    for i, (p, row, mask) in enumerate(zip(prefix_lens, pool_rows, masks, strict=True)):
         slots = req_to_token[row, : p + n]
         # [tokens, heads, dim] -> [heads, tokens, dim]
         query = q[i * n : (i + 1) * n].movedim(0, 1)

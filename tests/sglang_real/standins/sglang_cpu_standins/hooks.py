@@ -182,7 +182,11 @@ def _standins():
     from . import attention, ddtree, kernels
 
     table = {
-        "dflash_device": ("sglang.srt.arg_groups.speculative_hook._handle_dflash", handle_dflash_on_cpu, HookType.AROUND),
+        "dflash_device": (
+            "sglang.srt.arg_groups.speculative_hook._handle_dflash",
+            handle_dflash_on_cpu,
+            HookType.AROUND,
+        ),
         "draft_backend": allow_torch_native_draft_backend,
         "kv_copy_warmup": (
             "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",

@@ -20,7 +20,7 @@ def _req_spans(start_offset: torch.Tensor, end_offset: torch.Tensor):
     starts = start_offset.tolist()
     ends = end_offset.tolist()
     packed = 0
-    for i, (s, e) in enumerate(zip(starts, ends)):
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
         n = max(int(e) - int(s), 0)
         yield i, int(s), int(e), packed
         packed += n
