@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
@@ -40,6 +41,20 @@ def watch_for_ready(log: Path, seen: list[float], stop: threading.Event) -> None
         time.sleep(0.005)
 
 
+def start_watcher_on_launch(
+    log: Path, seen: list[float], halt: threading.Event, watcher: list[threading.Thread]
+) -> Callable[[PhaseEvent], None]:
+    """An ``on_phase`` callback that starts ``watch_for_ready`` once the server is launched."""
+
+    def on_phase(event: PhaseEvent) -> None:
+        if event.phase is Phase.STARTING:
+            th = threading.Thread(target=watch_for_ready, args=(log, seen, halt), daemon=True)
+            th.start()
+            watcher.append(th)
+
+    return on_phase
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--restarts", type=int, default=10)
@@ -53,7 +68,11 @@ def main() -> int:
         model_path="sim/qwen3-8b", port=args.port, expected_load_s=5.0, command="{python} -m ddtree_ops.sim",
         env={"SIM_GPU": "h200", "SIM_LOAD_S": str(args.load_s), "SIM_TIME_SCALE": "0.2"},
     )
-    host = Host(name="bench", connection="local", ddtree=DdtreeSettings(python=sys.executable, run_dir=str(work / "run"), server=server))
+    host = Host(
+        name="bench",
+        connection="local",
+        ddtree=DdtreeSettings(python=sys.executable, run_dir=str(work / "run"), server=server),
+    )
     log = work / "run" / "server.log"
     state = StateStore(work / "state.json")
     overheads: list[float] = []
@@ -62,15 +81,10 @@ def main() -> int:
             seen: list[float] = []
             halt = threading.Event()
             watcher: list[threading.Thread] = []
-
-            def on_phase(event: PhaseEvent) -> None:
-                if event.phase is Phase.STARTING:
-                    th = threading.Thread(target=watch_for_ready, args=(log, seen, halt), daemon=True)
-                    th.start()
-                    watcher.append(th)
-
+            on_phase = start_watcher_on_launch(log, seen, halt, watcher)
             request = RestartRequest(host, RunConfig("AR"), LaunchFacts("0.5.23"),
-                                     poll_interval_s=args.poll_interval, stop_grace_s=5.0)
+                                     poll_interval_s=args.poll_interval, stop_grace_s=5.0,
+                                     smoke=None)  # the poll's own overhead; smoke_overhead.py times the smoke
             result = lifecycle.restart(t, request, state=state, on_phase=on_phase)
             halt.set()
             for th in watcher:
@@ -80,7 +94,8 @@ def main() -> int:
                 continue
             overhead = result.ready_at - seen[0]
             overheads.append(overhead)
-            print(f"restart {i + 1:2d}: launch->ready {result.ready_s:6.2f}s  ready line->our ready {overhead * 1000:7.1f} ms")
+            print(f"restart {i + 1:2d}: launch->ready {result.ready_s:6.2f}s"
+                  f"  ready line->our ready {overhead * 1000:7.1f} ms")
         # What one readiness poll costs on its own (agent round trip + HTTP + /proc scan).
         launched = manager.Launched(pid=result.pid, pstart=None, started_at=result.ready_at, log_path=str(log))
         poll_s = []

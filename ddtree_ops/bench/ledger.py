@@ -82,6 +82,10 @@ class LedgerRow:
     verify_cuda_graph: bool | None = field(default=None, kw_only=True)
     draft_block_size: int | None = field(default=None, kw_only=True)
     tree_sampler: str | None = field(default=None, kw_only=True)
+    # The restart's speculative smoke (real decodes before "ready"): "passed" or
+    # "skipped" (--no-smoke); None where no server was started. Optional: older rows lack it.
+    smoke: str | None = field(default=None, kw_only=True)
+    smoke_s: float | None = field(default=None, kw_only=True)
     readiness_s: dict[str, float]
     # workload and sampling
     workload_hash: str

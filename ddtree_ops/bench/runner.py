@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,9 +47,10 @@ from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
 
 if TYPE_CHECKING:
+    from ddtree_ops.service.launch import Algorithm
     from ddtree_ops.service.lifecycle import RestartRequest
 
-LEDGER_ALGORITHM = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
+LEDGER_ALGORITHM: dict[str, Algorithm] = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
 # Errors after which nothing more can be done on the host in this sweep.
 _HOST_LOST = (ConnectError, AuthError, HostKeyError)
 
@@ -100,7 +101,9 @@ class SweepOutcome:
 class RestartHook(Protocol):
     """``lifecycle.restart`` as the runner calls it."""
 
-    def __call__(self, transport: Transport, request: RestartRequest, *, cancel: threading.Event | None = ...) -> Any: ...
+    def __call__(
+        self, transport: Transport, request: RestartRequest, *, cancel: threading.Event | None = ...
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -120,16 +123,20 @@ def default_services(*, host_key_policy: str = "strict") -> Services:
     from ddtree_ops.service import lifecycle
     from ddtree_ops.transport import open_transport
 
-    probe = None
+    probe: Callable[[Transport, Host], Any] | None = None
     try:
-        from ddtree_ops.probe import probe_host as probe
+        from ddtree_ops.probe import probe_host
     except ImportError:  # provenance degrades to what the patch status knows
         pass
-    patch_status = None
+    else:
+        probe = probe_host
+    patch_status: Callable[[Transport, Host], Any] | None = None
     try:
-        from ddtree_ops.patching.status import host_status as patch_status
+        from ddtree_ops.patching.status import host_status
     except ImportError:
         pass
+    else:
+        patch_status = host_status
     return Services(
         open_transport=lambda h: open_transport(h, host_key_policy=host_key_policy),
         restart=lifecycle.restart,
@@ -154,8 +161,16 @@ def run_config(server: ServerConfig) -> Any:
     return RunConfig(algorithm=algo, budget=server.budget, topk=server.topk)
 
 
+def _smoke_status(restart: Any) -> str | None:
+    """The ledger's ``smoke``: None where no server started, else passed or skipped."""
+    if restart is None:
+        return None
+    result = getattr(restart, "smoke", None)
+    return "passed" if result is not None and result.passed else "skipped"
+
+
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -243,7 +258,9 @@ def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Pro
             cap = sim.get("compute_cap")
             changes["gpu_arch"] = _arch(cap) if isinstance(cap, (str, int, float)) else None
             count = sim.get("count")
-            changes["gpu_count"] = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+            changes["gpu_count"] = (
+                count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+            )
     changes.update(_tree_provenance(info.get("ddtree")))
     return dataclasses.replace(prov, **changes)
 
@@ -251,7 +268,9 @@ def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Pro
 def _tree_provenance(tree: object) -> dict[str, Any]:
     """The DDTree plugin's ``/server_info.ddtree`` fields a row keeps. Every launch reads
     them afresh: an AR or DFLASH server has no such object, and its rows say None."""
-    out: dict[str, Any] = dict.fromkeys(("verify_attention_backend", "verify_cuda_graph", "draft_block_size", "tree_sampler"))
+    out: dict[str, Any] = dict.fromkeys(
+        ("verify_attention_backend", "verify_cuda_graph", "draft_block_size", "tree_sampler")
+    )
     if not isinstance(tree, Mapping):
         return out
     for key, name in (("verify_attention_backend", "verify_attention_backend"), ("sampler", "tree_sampler")):
@@ -309,6 +328,7 @@ class SweepRunner:
         fail_fast: bool = False,
         keep_server: bool = False,
         restart_timeout: float | None = None,
+        smoke: bool = True,
         services: Services | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         cancel: threading.Event | None = None,
@@ -322,6 +342,7 @@ class SweepRunner:
         self.fail_fast = fail_fast
         self.keep_server = keep_server
         self.restart_timeout = restart_timeout
+        self.smoke = smoke
         self.services = services or default_services()
         self.shared = _Shared(
             cancel=cancel or threading.Event(), stop_all=threading.Event(), on_progress=on_progress or (lambda _p: None)
@@ -410,7 +431,9 @@ class SweepRunner:
                 transport.close()
         interrupted = self.shared.cancel.is_set() and hr.done < len(hr.pending)
         self._emit(hr, "failed" if error else "finished", message=error or "")
-        return HostSummary(host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted)
+        return HostSummary(
+            host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted
+        )
 
     def _run_groups(self, hr: _HostRun, transport: Transport, prov: _Provenance) -> tuple[str | None, bool]:
         """Run the host's pending cells server group by server group. Returns (host-level
@@ -425,7 +448,7 @@ class SweepRunner:
                 return None, started
             self._emit(hr, "restarting", cell=server.key)
             try:
-                restart = self._restart(hr, transport, prov, server)
+                restart = self._restart(hr, transport, prov, server, runs)
                 started = True
             except _HOST_LOST as exc:
                 self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
@@ -443,7 +466,7 @@ class SweepRunner:
                 if row["status"] == "failed" and not self._serving(transport, host):
                     self._emit(hr, "restarting", cell=server.key, message="server gone; restarting")
                     try:
-                        restart = self._restart(hr, transport, prov, server)
+                        restart = self._restart(hr, transport, prov, server, runs)
                     except _HOST_LOST as exc:
                         self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
                         return str(exc), started
@@ -456,12 +479,20 @@ class SweepRunner:
                     served = self._served(hr, prov)
         return None, started
 
-    def _restart(self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig) -> Any:
+    def _restart(
+        self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig,
+        runs: Sequence[tuple[Cell, int]],
+    ) -> Any:
         from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
+        from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 
         hr.restarts += 1
         facts = LaunchFacts.from_probe(prov.facts) if prov.facts is not None else LaunchFacts(prov.sglang_version)
-        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout)
+        # The smoke decodes at the sampling settings this server is about to be measured at.
+        smoke = SmokeSpec.for_samplings(
+            SmokeSampling.of(c.sampling.temperature, c.sampling.top_p, c.sampling.top_k) for c, _ in runs
+        ) if self.smoke else None
+        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke)
         return self.services.restart(transport, request, cancel=self.shared.cancel)
 
     def _served(self, hr: _HostRun, prov: _Provenance) -> _Provenance:
@@ -545,6 +576,8 @@ class SweepRunner:
             server_argv=list(getattr(restart, "argv", ()) or ()),
             cuda_graph=bool(getattr(restart, "cuda_graph", False)),
             fallback_reason=getattr(restart, "fallback_reason", None),
+            smoke=_smoke_status(restart),
+            smoke_s=getattr(getattr(restart, "smoke", None), "seconds", None),
             readiness_s=dict(getattr(restart, "phase_durations", {}) or {}),
             workload_name=name,
             workload_num_prompts=len(self.workload.prompts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
@@ -108,14 +108,19 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
 def bench(
     ctx: typer.Context,
     sweep: Path = typer.Option(..., "--sweep", "-s", help="Sweep file (YAML), e.g. bench_configs/demo.yaml."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Hosts/groups to run on instead of the sweep's targets."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Ledger file. Default: results/<sweep name>.jsonl."),
+    target: str | None = typer.Option(
+        None, "--target", "-t", help="Hosts/groups to run on instead of the sweep's targets."
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Ledger file. Default: results/<sweep name>.jsonl."),
     resume: bool = typer.Option(False, "--resume", help="Skip runs that already have an ok row in the ledger."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop every host at the first failed row."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (cells, launches, estimated time) and exit."),
     keep_server: bool = typer.Option(False, "--keep-server", help="Leave the last server running when done."),
-    restart_timeout: Optional[float] = typer.Option(
+    restart_timeout: float | None = typer.Option(
         None, "--restart-timeout", min=1, help="Seconds to wait for each server launch (default: learned load time)."
+    ),
+    no_smoke: bool = typer.Option(
+        False, "--no-smoke", help="Measure as soon as a server answers: skip the restart's speculative smoke."
     ),
 ) -> None:
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
@@ -160,6 +165,7 @@ def bench(
             fail_fast=fail_fast,
             keep_server=keep_server,
             restart_timeout=restart_timeout,
+            smoke=not no_smoke,
             services=default_services(host_key_policy=obj.host_key_policy),
             on_progress=on_progress,
             cancel=cancel,

@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from ddtree_ops.cli.common import (
@@ -35,6 +36,7 @@ from ddtree_ops.probe import probe_host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.logphases import Phase, PhaseEvent
+from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 from ddtree_ops.state import StateStore
 
 T = TypeVar("T")
@@ -116,16 +118,41 @@ def restart(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
     algorithm: str = typer.Option("AR", "--algorithm", help="AR, DFLASH or DDTREE."),
-    budget: Optional[int] = typer.Option(None, "--budget", min=1, help="DDTree node budget, launched as --speculative-num-draft-tokens BUDGET+1 (DFLASH: the draft tokens)."),
-    topk: Optional[int] = typer.Option(None, "--topk", min=1, help="DDTree top-k (--speculative-eagle-topk)."),
+    budget: int | None = typer.Option(
+        None,
+        "--budget",
+        min=1,
+        help="DDTree node budget, launched as --speculative-num-draft-tokens BUDGET+1 (DFLASH: the draft tokens).",
+    ),
+    topk: int | None = typer.Option(None, "--topk", min=1, help="DDTree top-k (--speculative-eagle-topk)."),
     eager: bool = typer.Option(False, "--eager", help="Launch without CUDA graphs."),
-    retry_cuda_graph: bool = typer.Option(False, "--retry-cuda-graph", help="Try CUDA graphs even where a fallback is recorded."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="Readiness deadline per launch (default: load-aware)."),
-    extra_arg: Optional[list[str]] = typer.Option(None, "--extra-arg", help="Extra server argument (repeatable; one argv entry each)."),
-    grace: float = typer.Option(30.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL for the old process."),
+    retry_cuda_graph: bool = typer.Option(
+        False, "--retry-cuda-graph", help="Try CUDA graphs even where a fallback is recorded."
+    ),
+    timeout: float | None = typer.Option(
+        None, "--timeout", min=1, help="Readiness deadline per launch (default: load-aware)."
+    ),
+    extra_arg: list[str] | None = typer.Option(
+        None, "--extra-arg", help="Extra server argument (repeatable; one argv entry each)."
+    ),
+    grace: float = typer.Option(
+        30.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL for the old process."
+    ),
+    no_smoke: bool = typer.Option(
+        False, "--no-smoke", help="Ready as soon as the server answers: skip the speculative smoke (real decodes)."
+    ),
+    smoke_temperature: list[float] | None = typer.Option(
+        None, "--smoke-temperature", min=0.0,
+        help="Also smoke-test at this temperature (repeatable; greedy always runs). Use the sweep's settings.",
+    ),
 ) -> None:
-    """Restart SGLang and wait until the NEW process serves (eager fallback on capture failure)."""
+    """Restart SGLang and wait until the NEW process serves: it answers, and a short
+    speculative smoke (greedy and sampled, alone and batched) decodes without crashing.
+    Eager fallback when CUDA-graph capture or the first decodes fail with graphs on."""
     obj: AppContext = ctx.obj
+    if no_smoke and smoke_temperature:
+        raise ConfigError("--smoke-temperature and --no-smoke contradict each other")
+    smoke = None if no_smoke else SmokeSpec.for_samplings(SmokeSampling.of(t) for t in smoke_temperature or ())
     run = RunConfig(
         algorithm=algorithm.upper(),  # type: ignore[arg-type]
         budget=budget,
@@ -141,7 +168,8 @@ def restart(
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
             request = lifecycle.RestartRequest(
-                host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace
+                host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace,
+                smoke=smoke,
             )
             try:
                 result = lifecycle.restart(t, request, state=state, on_phase=board.on_phase, cancel=cancel)
@@ -167,6 +195,7 @@ def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResul
         ("why eager", lambda r: r.fallback_reason),
         ("ready after", lambda r: f"{r.ready_s:.1f}s ({r.attempts} launch{'es' if r.attempts > 1 else ''})"),
         ("deadline", lambda r: f"{r.deadline_s:.0f}s ({r.deadline_source})"),
+        ("smoke", lambda r: "skipped" if r.smoke is None else r.smoke.detail),
         ("phases", lambda r: ", ".join(f"{k.label} {v:.1f}s" for k, v in r.phase_durations.items())),
     ]
     render_host_results(obj, "restart", results, columns)
@@ -174,8 +203,10 @@ def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResul
         return
     for name, r in results.succeeded.items():
         if r.attempts > 1 and not r.cuda_graph:
+            what = "the first decodes failed" if (r.fallback_reason or "").startswith("first decode") else \
+                "CUDA-graph capture failed"
             obj.console.print(
-                f"[bold yellow]{name}: CUDA-graph capture failed; now serving in EAGER mode[/] — {r.fallback_reason}",
+                f"[bold yellow]{name}: {what}; now serving in EAGER mode[/] — {escape(r.fallback_reason or '')}",
                 highlight=False,
             )
 

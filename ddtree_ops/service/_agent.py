@@ -7,7 +7,9 @@ constant of ours. It prints exactly one JSON object on stdout.
 
 One ``poll`` is one round trip that answers everything the readiness loop needs: is the
 launched process alive, what did its log say since the last poll, who listens on the
-port, and what do ``/health_generate`` and ``/server_info`` answer.
+port, and what do ``/health_generate`` and ``/server_info`` answer. ``smoke`` sends the
+few generation requests that prove the server decodes (and speculates) before a restart
+says ready.
 """
 
 import errno
@@ -84,7 +86,7 @@ def _alive(pid, pstart):
 
 
 def _session_pids(sid):
-    out = []
+    out = []  # type: list[int]
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -126,7 +128,7 @@ def _listener_ours(port, sid):
         return None
     if not inodes or not sid:
         return False
-    wanted = set("socket:[%s]" % i for i in inodes)
+    wanted = {"socket:[%s]" % i for i in inodes}
     for pid in _session_pids(sid):
         fd_dir = "/proc/%d/fd" % pid
         try:
@@ -287,6 +289,72 @@ def action_poll(p):
     return out
 
 
+def _post_json(host, port, path, body, timeout):
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read(1 << 22)
+    finally:
+        conn.close()
+
+
+def _smoke_one(host, port, request, timeout, out):
+    """One /generate request of the smoke; ``out`` (a dict) receives its answer."""
+    started = time.time()
+    try:
+        status, body = _post_json(host, port, "/generate", request, timeout)
+        out["status"] = status
+        try:
+            answer = json.loads(body.decode("utf-8", "replace"))
+        except ValueError:
+            answer = None
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        if isinstance(meta, dict):
+            out["completion_tokens"] = meta.get("completion_tokens")
+            out["spec_verify_ct"] = meta.get("spec_verify_ct")
+        if status != 200:
+            out["error"] = body.decode("utf-8", "replace")[:300]
+    except socket.timeout:
+        out["error"] = "timed out after %.0f s" % timeout
+        out["timed_out"] = True
+    except Exception as exc:  # a reset or refused connection is an answer, not a crash of the probe
+        out["error"] = "%s: %s" % (type(exc).__name__, exc)
+    out["seconds"] = time.time() - started
+
+
+def action_smoke(p):
+    """Send the smoke's rounds of /generate requests (each round's requests at once, so
+    a round of several is one decode batch), stopping at the first round that fails;
+    then say whether the launched process still lives."""
+    import threading
+
+    host, port, timeout = p["probe_host"], p["port"], float(p.get("request_timeout", 60.0))
+    started = time.time()
+    results = []
+    for round_no, requests in enumerate(p["rounds"]):
+        answers = [{"round": round_no} for _ in requests]
+        threads = [
+            threading.Thread(target=_smoke_one, args=(host, port, req, timeout, ans))
+            for req, ans in zip(requests, answers)
+        ]
+        for t in threads:
+            t.daemon = True
+            t.start()
+        for t in threads:
+            t.join(timeout + 5.0)
+        results.extend(answers)
+        if any(a.get("error") or a.get("status") != 200 for a in answers):
+            break
+    return {
+        "results": results,
+        "seconds": time.time() - started,
+        "alive": _alive(p["pid"], p.get("pstart")),
+    }
+
+
 def _signal_group(pid, sig):
     try:
         os.killpg(pid, sig)
@@ -302,7 +370,7 @@ def _signal_group(pid, sig):
 def action_stop(p):
     run_dir = _run_dir(p)
     rec = _read_launch(run_dir)
-    out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}
+    out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}  # type: dict[str, object]
     if not rec:
         return out
     pid, pstart = rec.get("pid"), rec.get("pstart")
@@ -452,6 +520,7 @@ ACTIONS = {
     "status": action_status,
     "logs": action_logs,
     "portcheck": action_portcheck,
+    "smoke": action_smoke,
 }
 
 

@@ -7,8 +7,10 @@ the host, the phase and the log tail; fan-out over hosts is the caller's busines
 
 Restart = stop what we launched last time -> prove the port is free (connect test from
 the host, waiting with a deadline, never launching into SGLang's 30 s "Port is already
-in use" failure) -> launch -> wait until the NEW process serves -> on a CUDA-graph
-capture failure relaunch eager once and remember it.
+in use" failure) -> launch -> wait until the NEW process serves -> a speculative smoke
+(``smoke.py``: real decodes, greedy and sampled, alone and batched) -> ready. A
+CUDA-graph capture failure, or a crash or hang of the first decodes with decode graphs
+on, relaunches eager once and is remembered.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ddtree_ops.service.readiness import (
     served_cuda_graph,
     wait_loop,
 )
+from ddtree_ops.service.smoke import SmokeFailure, SmokeResult, SmokeSpec, crash_line, judge_smoke
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
 
@@ -62,9 +65,10 @@ TAIL_LINES = 12
 class RestartResult:
     """A server that was proven to be the one we launched and to answer generation.
 
-    ``ready_s`` (= ``load_s``, what is learned for the next deadline) and
-    ``phase_durations`` describe the final launch; ``attempts`` counts launches, so an
-    eager fallback shows as 2.
+    ``load_s`` (launch -> the server answers: what is learned for the next deadline),
+    ``ready_s`` (launch -> the smoke passed) and ``phase_durations`` (``smoke`` among
+    them) describe the final launch; ``attempts`` counts launches, so an eager fallback
+    shows as 2. ``smoke`` is the speculative smoke's verdict (None when skipped).
     """
 
     host: str
@@ -83,6 +87,7 @@ class RestartResult:
     ready_at: float
     ready_line_ts: float | None
     stopped: StopResult | None = None
+    smoke: SmokeResult | None = None  # None: skipped (--no-smoke)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` cannot copy the read-only mapping)."""
@@ -90,6 +95,7 @@ class RestartResult:
         out["argv"] = list(self.argv)
         out["phase_durations"] = {str(k): v for k, v in self.phase_durations.items()}
         out["stopped"] = asdict(self.stopped) if self.stopped is not None else None
+        out["smoke"] = asdict(self.smoke) if self.smoke is not None else None  # failure: a StrEnum, JSON as its value
         return out
 
 
@@ -145,7 +151,9 @@ class RestartRequest:
     ``timeout`` overrides the load-aware deadline (``policy``) of each launch;
     ``retry_cuda_graph`` tries CUDA graphs where a fallback is recorded; ``stop_grace_s``
     is SIGTERM -> SIGKILL for the old process; ``port_wait_s`` how long a port held by a
-    process we did not launch is waited for; ``poll_interval_s`` the readiness poll period.
+    process we did not launch is waited for; ``poll_interval_s`` the readiness poll period;
+    ``smoke`` the requests that prove the server decodes before it is called ready (None
+    skips them: ``--no-smoke``).
     """
 
     host: Host
@@ -157,6 +165,7 @@ class RestartRequest:
     stop_grace_s: float = 30.0
     port_wait_s: float = 120.0
     poll_interval_s: float = 0.5
+    smoke: SmokeSpec | None = field(default_factory=SmokeSpec)
 
 
 @dataclass(frozen=True)
@@ -276,6 +285,7 @@ def restart(
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
 
         attempt_no = 0
+        pending_fallback: str | None = None
         while True:
             attempt_no += 1
             launched = manager.start(transport, host, spec)
@@ -287,12 +297,36 @@ def restart(
             )
             durations = attempt.tracker.finish(outcome.elapsed_s)
             if outcome.reason is WaitReason.READY:
+                load_s = time.time() - launched.started_at
+                state.record_load_time(host.name, model, load_s)
+                smoke = None
+                if request.smoke is not None:
+                    smoke = _smoke(transport, host, run, attempt, request.smoke, outcome.elapsed_s, emit)
+                    durations[Phase.SMOKE] = smoke.seconds
+                    if not smoke.passed:
+                        reason = _smoke_failure_reason(transport, host, attempt, smoke)
+                        manager.stop(transport, host, grace_s=stop_grace_s)
+                        if smoke.failure is not None and smoke.failure.decode_broke and spec.cuda_graph \
+                                and run.cuda_graph == "auto":
+                            # Remembered once eager serves: a crash that eager repeats is
+                            # not the graphs' doing (e.g. a sampled request the build cannot serve).
+                            pending_fallback = reason
+                            fallback_reason = reason
+                            emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s + smoke.seconds,
+                                            attempt=attempt_no, note=reason))
+                            spec = build_launch_spec(host, run, version, cuda_graph=False)
+                            _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                            continue
+                        raise _smoke_error(host.name, spec, smoke, reason, _tail_text(attempt))
                 ready_at = time.time()
                 ready_s = ready_at - launched.started_at
-                state.record_load_time(host.name, model, ready_s)
+                if pending_fallback is not None:
+                    state.record_fallback(key, pending_fallback)
                 if spec.cuda_graph and request.retry_cuda_graph:
                     state.clear_fallback(key)
-                emit(PhaseEvent(host.name, Phase.READY, outcome.elapsed_s, attempt=attempt_no, note="serving"))
+                note = "serving" if smoke is None else f"serving; smoke {smoke.detail}"
+                smoke_s = smoke.seconds if smoke is not None else 0.0
+                emit(PhaseEvent(host.name, Phase.READY, outcome.elapsed_s + smoke_s, attempt=attempt_no, note=note))
                 served = served_cuda_graph(attempt.last_poll.get("server_info") or {})
                 return RestartResult(
                     host=host.name,
@@ -304,7 +338,7 @@ def restart(
                     fallback_reason=fallback_reason,
                     phase_durations=MappingProxyType(durations),
                     ready_s=ready_s,
-                    load_s=ready_s,
+                    load_s=load_s,
                     deadline_s=deadline_s,
                     deadline_source=deadline_source,
                     attempts=attempt_no,
@@ -313,6 +347,7 @@ def restart(
                     ready_at=ready_at,
                     ready_line_ts=attempt.tracker.ready_line_ts,
                     stopped=stopped,
+                    smoke=smoke,
                 )
             ended = _Ended(
                 host=host.name,
@@ -330,11 +365,59 @@ def restart(
             if outcome.reason is WaitReason.CAPTURE_FAILED and run.cuda_graph == "auto" and spec.cuda_graph:
                 state.record_fallback(key, ended.capture_failure)
                 fallback_reason = ended.capture_failure
-                emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s, attempt=attempt_no, note=fallback_reason))
+                emit(
+                    PhaseEvent(
+                        host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s, attempt=attempt_no, note=fallback_reason
+                    )
+                )
                 spec = build_launch_spec(host, run, version, cuda_graph=False)
                 _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
                 continue
             raise failure.error(ended)
+
+
+def _smoke(
+    transport: Transport,
+    host: Host,
+    run: RunConfig,
+    attempt: _Attempt,
+    smoke: SmokeSpec,
+    elapsed_s: float,
+    emit: PhaseCallback,
+) -> SmokeResult:
+    """Run the speculative smoke against the server that just answered."""
+    rounds = smoke.rounds()
+    requests = sum(len(r) for r in rounds)
+    emit(PhaseEvent(host.name, Phase.SMOKE, elapsed_s, attempt=attempt.tracker.attempt,
+                    note=f"{requests} requests, {len(smoke.samplings)} sampling setting(s)"))
+    answer = manager.smoke(transport, host, attempt.launched, rounds, request_timeout=smoke.request_timeout_s)
+    return judge_smoke(answer, smoke, speculative=run.algorithm != "AR")
+
+
+def _smoke_failure_reason(transport: Transport, host: Host, attempt: _Attempt, smoke: SmokeResult) -> str:
+    """What the fallback record and the error say: the log's own error line when the
+    server crashed (read once more: it wrote it while dying), else the smoke's detail."""
+    line = None
+    if smoke.failure is SmokeFailure.CRASHED:
+        try:
+            data = manager.poll(transport, host, attempt.launched, attempt.offset)
+        except DdtreeOpsError:
+            data = {}
+        lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
+        attempt.tail.extend(lines)
+        line = crash_line(lines)
+    what = "crashed" if smoke.failure is SmokeFailure.CRASHED else "failed"
+    if smoke.failure is SmokeFailure.HUNG:
+        what = "hung"
+    return f"first decode {what}: {line or smoke.detail}"
+
+
+def _smoke_error(host: str, spec: LaunchSpec, smoke: SmokeResult, reason: str, tail: str) -> DdtreeOpsError:
+    mode = "CUDA graphs forced on" if spec.cuda_graph else "eager mode"
+    message = f"speculative smoke failed in {mode}: {reason}; stopped it; log tail: {tail}"
+    if smoke.failure is SmokeFailure.CRASHED:
+        return ServerCrashed(message, host=host)
+    return ServiceError(message, host=host)
 
 
 def wait_ready(

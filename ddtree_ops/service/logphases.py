@@ -31,7 +31,8 @@ class Phase(StrEnum):
     The values are what ``--json``, the ledger and error messages say. The restart's own
     steps: LOCK_TAKEN_OVER (a dead holder's restart lock was taken over), STOPPING (the
     old server), WAITING_FOR_PORT (held by a process we did not launch), STARTING (the
-    launch), FALLBACK_EAGER (capture failed, relaunching without CUDA graphs). Read from
+    launch), SMOKE (the server answers; a few real decodes prove it, ``smoke.py``),
+    FALLBACK_EAGER (capture or the first decode failed, relaunching without CUDA graphs). Read from
     SGLang's log (with STARTING, :data:`STARTUP_PHASES`): LOADING_WEIGHTS, KV_CACHE,
     CAPTURING, WARMUP, READY.
     """
@@ -54,6 +55,7 @@ class Phase(StrEnum):
     KV_CACHE = "allocating_kv_cache", "allocating KV cache", "cyan"
     CAPTURING = "capturing_cuda_graphs", "capturing CUDA graphs", "cyan"
     WARMUP = "warmup", "warming up", "cyan"
+    SMOKE = "smoke", "speculative smoke", "cyan"
     FALLBACK_EAGER = "fallback_eager", "eager fallback", "bold yellow"
     READY = "ready", "ready", "bold green"
 

@@ -66,7 +66,9 @@ def call_agent(
     try:
         data = json.loads(result.stdout)
     except json.JSONDecodeError as exc:
-        raise ServiceError(f"service agent ({action}) answered non-JSON: {result.stdout[:200]!r}", host=host.name) from exc
+        raise ServiceError(
+            f"service agent ({action}) answered non-JSON: {result.stdout[:200]!r}", host=host.name
+        ) from exc
     if not isinstance(data, dict):
         raise ServiceError(f"service agent ({action}) answered {type(data).__name__}", host=host.name)
     if data.get("error") == "agent":
@@ -102,7 +104,9 @@ def start(transport: Transport, host: Host, spec: LaunchSpec, *, check_port: boo
     data = call_agent(transport, host, "start", payload, timeout=60)
     err = data.get("error")
     if err == "running":
-        raise ServiceError(f"a server we launched is still running (pid {data.get('pid')}); stop it first", host=host.name)
+        raise ServiceError(
+            f"a server we launched is still running (pid {data.get('pid')}); stop it first", host=host.name
+        )
     if err == "port_busy":
         raise PortBusy(f"port {host.ddtree.server.port} is in use by another process", host=host.name)
     if err == "exec":
@@ -139,6 +143,20 @@ def poll(
     return call_agent(transport, host, "poll", payload, timeout=http_timeout * 2 + 30)
 
 
+def smoke(
+    transport: Transport, host: Host, launched: Launched, rounds: list[list[dict[str, Any]]], *, request_timeout: float
+) -> dict[str, Any]:
+    """Send the smoke's request rounds from the host itself (one round trip); the answer
+    is judged by :func:`ddtree_ops.service.smoke.judge_smoke`."""
+    payload = base_payload(host) | {
+        "pid": launched.pid,
+        "pstart": launched.pstart,
+        "rounds": rounds,
+        "request_timeout": request_timeout,
+    }
+    return call_agent(transport, host, "smoke", payload, timeout=len(rounds) * (request_timeout + 10) + 30)
+
+
 def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any]:
     return call_agent(transport, host, "status", base_payload(host) | {"lines": lines}, timeout=30)
 
@@ -165,7 +183,8 @@ def _lock_refusal(host: Host, held: dict[str, Any], now: float | None) -> str:
         who = f"{lockholder.describe_holder(holder)} ({holder.get('command', 'restart')})"
         why = lockholder.holder_state(holder)
     else:  # a lock written by an older ddtree-ops: only an owner string
-        who, why = str(held.get("owner", "an unknown holder")), "recorded without holder details, so it cannot be checked"
+        who = str(held.get("owner", "an unknown holder"))
+        why = "recorded without holder details, so it cannot be checked"
     hint = "" if why == "still running" else f", or delete {path} if no restart runs there"
     return f"another restart is in progress on this host: lock held by {who}{age}, {why}{left}{hint}"
 
@@ -203,7 +222,11 @@ def restart_lock(
                 data = call_agent(transport, host, "lock", payload | {"take_over": held.get("token")})
                 if data.get("ok") and on_takeover is not None:
                     taken = held.get("taken_at")
-                    age = refused_at - taken if isinstance(taken, (int, float)) and isinstance(refused_at, (int, float)) else None
+                    age = (
+                        refused_at - taken
+                        if isinstance(taken, (int, float)) and isinstance(refused_at, (int, float))
+                        else None
+                    )
                     on_takeover(LockTakeover(host.name, lockholder.describe_holder(holder), age))
             if not data.get("ok"):
                 raise ServiceError(_lock_refusal(host, data.get("held") or {}, data.get("now")), host=host.name)

@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", type=str, default="info")
     parser.add_argument("--speculative-algorithm", type=str, default=None)
     parser.add_argument(
-        "--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path", type=str, default=None
+        "--speculative-draft-model-path",
+        "--speculative-draft-model",
+        dest="speculative_draft_model_path",
+        type=str,
+        default=None,
     )
     # Plain ints, as in SGLang: the range checks come after parsing, per algorithm.
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None)
@@ -285,7 +289,10 @@ def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
         if num_draft < 2:
             parser.error("--speculative-num-draft-tokens must be at least 2 when speculating")
         # SGLang's _handle_dflash: the EAGLE fields are forced to 1, with a warning.
-        for name, value in (("speculative_num_steps", ns.speculative_num_steps), ("speculative_eagle_topk", ns.speculative_eagle_topk)):
+        for name, value in (
+            ("speculative_num_steps", ns.speculative_num_steps),
+            ("speculative_eagle_topk", ns.speculative_eagle_topk),
+        ):
             if value is not None and value != 1:
                 warnings.append(f"DFLASH only supports {name} == 1; overriding {name}={value} to 1.")
         topk = steps = 1
@@ -335,6 +342,12 @@ class SimSettings:
     seed: int = 0
     port_wait_s: float = 30.0
     warmup_s: float = 2.0
+    # Failure modes of the first decodes (see ddtree_ops/sim/README.md): a speculative
+    # server with decode CUDA graphs on and a tree budget above this crashes at its first
+    # verify-graph replay; with crash_sampled, any decode with a request at temperature > 0
+    # takes the scheduler down (graphs or not).
+    replay_crash_budget_over: int | None = None
+    crash_sampled: bool = False
 
     def scaled(self, sim_seconds: float) -> float:
         """Real seconds to sleep for ``sim_seconds`` of simulated time."""
@@ -359,8 +372,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
-    """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S
-    and SGLang's own SGLANG_WAIT_PORT_TIMEOUT."""
+    """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S,
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED and SGLang's own SGLANG_WAIT_PORT_TIMEOUT."""
     env = os.environ if env is None else env
     gpu = env.get("SIM_GPU", "h200") or "h200"
     if gpu not in PROFILES:
@@ -380,4 +393,22 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         seed=seed,
         port_wait_s=port_wait,
         warmup_s=_env_float(env, "SIM_WARMUP_S", 2.0),
+        replay_crash_budget_over=_env_int_or_none(env, "SIM_REPLAY_CRASH_BUDGET_OVER"),
+        crash_sampled=_env_flag(env, "SIM_CRASH_SAMPLED"),
     )
+
+
+def _env_int_or_none(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit():
+        raise SimSettingsError(f"{name}={raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise SimSettingsError(f"{name}={raw!r} must be 0 or 1")
+    return raw == "1"

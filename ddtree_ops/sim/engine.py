@@ -24,9 +24,10 @@ import torch
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
 from ddtree_ops.sim.language import CATEGORIES, Category, SyntheticLanguage
+from ddtree_ops.sim.logs import scheduler_crash
 from ddtree_ops.sim.params import SamplingParams, StepOutput
-from ddtree_ops.sim.text import EOS_TOKEN, VOCAB, hash_ints
 from ddtree_ops.sim.profiles import PROFILES, GpuProfile
+from ddtree_ops.sim.text import EOS_TOKEN, VOCAB, hash_ints
 
 
 def load_core() -> ModuleType:
@@ -63,6 +64,33 @@ class GenRequest:
         """Absolute position of the next token to generate."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+
+# What SGLang 0.5.23 logs when a decode CUDA graph's replay faults (the error surfaces at
+# the replay: decode_cuda_graph_runner.execute -> the graph backend's replay).
+_REPLAY_CRASH_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "sglang/srt/managers/scheduler.py", in event_loop_overlap\n'
+    "    batch_result = self.run_batch(batch)\n"
+    '  File "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py", line 2011, in execute\n'
+    "    output = self.backend.replay(self._replay_graph_key, forward_batch)\n"
+    '  File "sglang/srt/model_executor/runner_backend/full_cuda_graph_backend.py", in replay\n'
+    "    graph.replay()\n"
+    "torch.AcceleratorError: CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+    "below might be incorrect.\n"
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+)
+# A sampled request that the verify path cannot serve raising inside the forward (what
+# issue-12's bundle did without the sampling kernel), graphs or not.
+_SAMPLED_CRASH_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "sglang/srt/managers/scheduler.py", in event_loop_overlap\n'
+    "    batch_result = self.run_batch(batch)\n"
+    '  File "sglang/srt/speculative/ddtree_worker_v2.py", in forward_batch_generation\n'
+    "    raise RuntimeError(\n"
+    "RuntimeError: DDTree sampled verify needs sgl_kernel's tree_speculative_sampling_target_only"
+)
 
 # How far behind its planned timeline the loop may fall and still catch up; beyond it
 # the simulator is overloaded and restarts the timeline rather than bursting.
@@ -122,12 +150,16 @@ class Engine:
         return self.total_completion_tokens / self.total_verify_ct
 
     # ---------------------------------------------------------------- requests
-    def submit(self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None) -> GenRequest:
+    def submit(
+        self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None
+    ) -> GenRequest:
         n = next(self._counter)
         rid = rid or f"sim-{n:08x}"
         prompt = [int(t) % VOCAB for t in prompt_ids] or [1]
         key = hash_ints(self.settings.seed, *prompt[-64:], len(prompt))
-        gen_seed = hash_ints(self.settings.seed, params.sampling_seed if params.sampling_seed is not None else 1_000_003 + n, key)
+        gen_seed = hash_ints(
+            self.settings.seed, params.sampling_seed if params.sampling_seed is not None else 1_000_003 + n, key
+        )
         req = GenRequest(
             rid=rid,
             prompt_ids=prompt,
@@ -178,6 +210,7 @@ class Engine:
                 self._running.extend(batch)
             else:
                 batch = list(self._running)
+                self._crash_if_configured(batch)
                 outputs, verify_tokens = self._decode(batch)
                 ms = self.profile.step_ms(
                     batch=len(batch),
@@ -188,9 +221,23 @@ class Engine:
             self.last_step_ms = ms
             self._planned_end = t0 + self.settings.scaled(ms / 1000.0)
             await asyncio.sleep(max(0.0, self._planned_end - loop.time()))
-            for req, new_ids in zip(batch, outputs):
+            for req, new_ids in zip(batch, outputs, strict=True):
                 self._commit(req, new_ids)
             self._running = [r for r in self._running if r.finish_reason is None]
+
+    def _crash_if_configured(self, batch: Sequence[GenRequest]) -> None:
+        """The failure modes of a decode step (SimSettings), with the lines SGLang logs."""
+        args, settings = self.args, self.settings
+        limit = settings.replay_crash_budget_over
+        if limit is not None and args.speculating and args.decode_cuda_graph and self._tree_budget() > limit:
+            scheduler_crash(args.tp_size, _REPLAY_CRASH_TRACE)
+        if settings.crash_sampled and any(r.params.temperature > 0 for r in batch):
+            scheduler_crash(args.tp_size, _SAMPLED_CRASH_TRACE)
+
+    def _tree_budget(self) -> int:
+        if self.args.ddtree is not None:
+            return self.args.ddtree.budget
+        return max(0, (self.args.speculative_num_draft_tokens or 1) - 1)
 
     def _commit(self, req: GenRequest, new_ids: list[int]) -> None:
         if req.aborted or req.finish_reason is not None:
@@ -263,7 +310,7 @@ class Engine:
         row_pos: list[int] = []
         row_last: list[int] = []
         row_cats: list[Category] = []
-        for req, tree in zip(batch, trees):
+        for req, tree in zip(batch, trees, strict=True):
             pad = n - len(tree.parents)  # padding rows repeat the root; they are unreachable
             base = req.position
             row_keys.extend([req.key] * n)
@@ -294,7 +341,7 @@ class Engine:
                 [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                 generator=self._generator, use_kernel=False,
             )
-            for b, res in zip(shared, outs):
+            for b, res in zip(shared, outs, strict=True):
                 results[b] = res
         for b, req in enumerate(batch):
             if results[b] is not None:
@@ -305,7 +352,7 @@ class Engine:
                 generator=req.generator, use_kernel=False,
             )[0]
         outputs: list[list[int]] = []
-        for req, res in zip(batch, results):
+        for req, res in zip(batch, results, strict=True):
             assert res is not None
             accepted, proposed = res
             req.verify_ct += 1

@@ -9,6 +9,8 @@ lines carry `` TP<rank>`` when tp_size > 1, one line per rank, as real multi-GPU
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 _FORMAT_DATE = "%Y-%m-%d %H:%M:%S"
@@ -51,3 +53,25 @@ def log_ranks(tp_size: int, level: int, message: str) -> None:
         return
     for rank in range(tp_size):
         scheduler_logger.log(level, message, extra={"prefix": f" TP{rank}"})
+
+
+def die_like_sglang(message_lines: list[str]) -> None:
+    """Scheduler exception path: log, SIGQUIT the parent, which kills its process tree.
+
+    SGLang's launcher answers the SIGQUIT with ``kill_process_tree(os.getpid())``, which
+    SIGKILLs itself too, so the exit status is -9 (137 in a shell).
+    """
+    for line in message_lines:
+        main_logger.error(line, extra={"prefix": ""})
+    main_logger.error("Received sigquit from a child process. It usually means the child failed.", extra={"prefix": ""})
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scheduler_crash(tp_size: int, trace: str) -> None:
+    """Every scheduler rank logs the exception, then the process tree dies."""
+    for rank in range(max(1, tp_size)):
+        prefix = f" TP{rank}" if tp_size > 1 else ""
+        scheduler_logger.error(f"Scheduler hit an exception: {trace}", extra={"prefix": prefix})
+    die_like_sglang([])

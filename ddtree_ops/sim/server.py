@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -30,10 +28,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
+from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash
 from ddtree_ops.sim.params import RequestError, SamplingParams
-from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
-from ddtree_ops.sim.logs import log_ranks, main_logger
 from ddtree_ops.sim.profiles import PROFILES
+from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
 
 if TYPE_CHECKING:  # the engine imports torch; the server loads it during "Load weight"
     from ddtree_ops.sim.engine import Engine, GenRequest
@@ -82,7 +80,9 @@ def _error(message: str, status_code: int = 400) -> JSONResponse:
 
 def _openai_error(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
     """SGLang's OpenAI error shape (``OpenAIServingBase.create_error_response``)."""
-    return _json({"object": "error", "message": message, "type": err_type, "param": None, "code": status_code}, status_code)
+    return _json(
+        {"object": "error", "message": message, "type": err_type, "param": None, "code": status_code}, status_code
+    )
 
 
 async def _read_json(request: Request) -> Any:
@@ -359,11 +359,12 @@ async def _openai(request: Request, *, chat: bool) -> Response:
         if chat:
             text = _chat_prompt(obj.get("messages"))
         else:
-            text = obj.get("prompt")
-            if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-                text = text[0]
-            if not isinstance(text, str):
+            prompt = obj.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
                 raise RequestError("prompt must be a string")
+            text = prompt
         params = _openai_params(obj)
         stream = obj.get("stream", False)
         opts = obj.get("stream_options") or {}
@@ -396,7 +397,12 @@ async def _openai(request: Request, *, chat: bool) -> Response:
         text_out = detokenize(req.output_ids)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish(), "matched_stop": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text_out, "reasoning_content": None, "tool_calls": None}
+            choice["message"] = {
+                "role": "assistant",
+                "content": text_out,
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
         else:
             choice["text"] = text_out
         return _json({"id": cid, "object": obj_name, "created": created, "model": model,
@@ -412,13 +418,18 @@ async def _openai(request: Request, *, chat: bool) -> Response:
     async def events() -> AsyncIterator[bytes]:
         try:
             if chat:
-                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                role_delta = {"role": "assistant", "content": ""}
+                yield event([{"index": 0, "delta": role_delta, "logprobs": None, "finish_reason": None}])
             while True:
                 out = await req.queue.get()
                 if out.new_ids:
                     delta = detokenize(list(out.new_ids))
                     body = {"content": delta} if chat else None
-                    ch: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish() if out.finished else None}
+                    ch: dict[str, Any] = {
+                        "index": 0,
+                        "logprobs": None,
+                        "finish_reason": finish() if out.finished else None,
+                    }
                     if chat:
                         ch["delta"] = body
                     else:
@@ -487,20 +498,6 @@ class _Server(uvicorn.Server):
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def _die_like_sglang(message_lines: list[str]) -> None:
-    """Scheduler exception path: log, SIGQUIT the parent, which kills its process tree.
-
-    SGLang's launcher answers the SIGQUIT with ``kill_process_tree(os.getpid())``, which
-    SIGKILLs itself too, so the exit status is -9 (137 in a shell).
-    """
-    for line in message_lines:
-        main_logger.error(line, extra={"prefix": ""})
-    main_logger.error("Received sigquit from a child process. It usually means the child failed.", extra={"prefix": ""})
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) -> int:
@@ -580,12 +577,7 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
                 "    raise Exception(\n"
                 f"Exception: {error}"
             )
-            for rank in range(tp):
-                prefix = f" TP{rank}" if tp > 1 else ""
-                logging.getLogger("sglang.sim.scheduler").error(
-                    f"Scheduler hit an exception: {trace}", extra={"prefix": prefix}
-                )
-            _die_like_sglang([])
+            scheduler_crash(tp, trace)
             return 1  # not reached
         log_ranks(
             tp,
@@ -643,6 +635,6 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     await engine.stop()
     try:
         await asyncio.wait_for(server_task, timeout=5)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
+    except (TimeoutError, asyncio.CancelledError):
         server_task.cancel()
     return 0

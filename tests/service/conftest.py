@@ -11,68 +11,20 @@ the remote path end to end.
 from __future__ import annotations
 
 import json
-import socket
-import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from simhosts import sim_host
 
-from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport import Script, Transport, open_transport
 from ddtree_ops.transport.local import LocalTransport
 
 SimHostFactory = Callable[..., Host]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def sim_host(
-    run_dir: Path,
-    *,
-    name: str = "sim",
-    gpu: str = "rtx-pro-6000",
-    load_s: float = 2.0,
-    time_scale: float = 0.1,
-    expected_load_s: float = 2.0,
-    python: str = sys.executable,
-    port: int | None = None,
-    extra_env: dict[str, str] | None = None,
-    extra_args: tuple[str, ...] = (),
-    connection: str = "local",
-    base: Host | None = None,
-    **host_fields: object,
-) -> Host:
-    """A host whose server command is the simulator. With ``base`` (a fleet host) the
-    connection settings are ``base``'s and ``python`` is the host's own interpreter."""
-    env = {"SIM_GPU": gpu, "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": str(time_scale)}
-    env.update(extra_env or {})
-    server = ServerSettings(
-        model_path="sim/qwen3-8b",
-        draft_model_path="sim/qwen3-8b-dflash",
-        port=port or free_port(),
-        env=env,
-        expected_load_s=expected_load_s,
-        command="{python} -m ddtree_ops.sim",
-        extra_args=extra_args,
-    )
-    if base is not None:
-        ddtree = replace(base.ddtree, python=base.python, run_dir=str(run_dir), gpu=gpu, server=server)
-        return replace(base, name=name, ddtree=ddtree, **host_fields)  # type: ignore[arg-type]
-    return Host(
-        name=name,
-        connection=connection,  # type: ignore[arg-type]
-        ddtree=DdtreeSettings(python=python, run_dir=str(run_dir), gpu=gpu, server=server),
-        source="<test>",
-        **host_fields,  # type: ignore[arg-type]
-    )
 
 
 @pytest.fixture

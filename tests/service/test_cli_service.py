@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from conftest import free_port
 from cli_json import json_data
 from fleetlib import cached_prefix_template, find_wheel
+from simhosts import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,7 +72,8 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     try:
         # b300 budget 8 is below the capture-failure threshold: graphs on, one launch.
-        out = cli(inventory, "--json", "restart", "all", "--algorithm", "DDTREE", "--budget", "8", "--topk", "4", env_state=state)
+        out = cli(inventory, "--json", "restart", "all", "--algorithm", "DDTREE", "--budget", "8", "--topk", "4",
+                  env_state=state)
         assert out.returncode == 0, out.stderr
         result = host_result(out, "sim-a")
         assert result["cuda_graph"] is True and result["attempts"] == 1

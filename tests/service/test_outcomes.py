@@ -9,8 +9,8 @@ from enum import StrEnum
 from pathlib import Path
 
 import pytest
-from conftest import sim_host
 from rich.text import Text
+from simhosts import sim_host
 
 from ddtree_ops.errors import (
     Interrupted,
@@ -31,7 +31,7 @@ from ddtree_ops.service.readiness import WaitOutcome, WaitReason
 def test_values_are_the_strings_json_the_ledger_and_messages_carry() -> None:
     assert [p.value for p in Phase] == [
         "lock_taken_over", "stopping", "waiting_for_port", "starting", "loading_weights",
-        "allocating_kv_cache", "capturing_cuda_graphs", "warmup", "fallback_eager", "ready",
+        "allocating_kv_cache", "capturing_cuda_graphs", "warmup", "smoke", "fallback_eager", "ready",
     ]
     assert [e.value for e in LogEvent] == ["capture_failed", "crashed", "port_in_use"]
     assert [r.value for r in WaitReason] == [
@@ -66,7 +66,9 @@ def test_failed_reasons_are_all_but_ready_and_cancelled() -> None:
 
 
 EXPECTED_ERRORS = {
-    WaitReason.CAPTURE_FAILED: (ServerCrashed, True, "CUDA-graph capture failed: boom (CUDA graphs forced on); log tail: a | b"),
+    WaitReason.CAPTURE_FAILED: (ServerCrashed, True, (
+        "CUDA-graph capture failed: boom (CUDA graphs forced on); log tail: a | b"
+    )),
     WaitReason.DIED: (ServerCrashed, False, "server exited during loading_weights after 3.2s; log tail: a | b"),
     WaitReason.MISCONFIGURED: (ServiceError, True, "the server resolved another tree; stopped it"),
     WaitReason.PORT_IN_USE: (PortBusy, True, "server reports its port is already in use; log tail: a | b"),

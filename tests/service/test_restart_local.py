@@ -33,7 +33,7 @@ from ddtree_ops.transport.local import LocalTransport
 pytestmark = pytest.mark.timeout(120)
 
 DDTREE16 = RunConfig("DDTREE", budget=16, topk=4)
-FAST = dict(poll_interval_s=0.2, stop_grace_s=5.0)
+FAST = {"poll_interval_s": 0.2, "stop_grace_s": 5.0}
 
 
 def req(host, run: RunConfig, **options) -> RestartRequest:  # type: ignore[no-untyped-def]
@@ -64,13 +64,17 @@ def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target)
     info = sim_target.server_info(host)
     assert info["ddtree"]["budget"] == 16 and info["cuda_graph_backend_decode"] != "disabled"
     assert (info["speculative_num_draft_tokens"], info["speculative_eagle_topk"]) == (17, 4)
-    assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.ready_s)
-    assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs"}
+    # Learned: launch -> the server answers; ready (and the restart) comes after the smoke.
+    assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.load_s)
+    assert first.ready_s > first.load_s
+    assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs", "smoke"}
+    assert seen[-2:] == ["smoke", "ready"] and first.smoke is not None and first.smoke.passed
+    assert first.smoke.verify_ct > 0 and first.smoke.accept_length >= 1
 
     policy = DeadlinePolicy(factor=3.0, floor_s=0.5)
     second = lifecycle.restart(t, req(host, DDTREE16, policy=policy), state=state)
     assert second.deadline_source == "learned"
-    assert second.deadline_s == pytest.approx(first.ready_s * 3.0)
+    assert second.deadline_s == pytest.approx(first.load_s * 3.0)
     assert second.pid != first.pid
     assert second.stopped is not None and second.stopped.was_running and second.stopped.pid == first.pid
     assert sim_target.process_gone(first.pid)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from simhosts import sim_host
 
-from conftest import sim_host
 from ddtree_ops import lockholder
 from ddtree_ops.errors import ServiceError
 from ddtree_ops.inventory_types import Host
@@ -118,7 +118,10 @@ def test_identity_names_this_process_and_its_start_time() -> None:
 def test_live_process_is_alive_only_under_its_own_start_time() -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        holder = lockholder.controller_identity() | {"pid": sleeper.pid, "pstart": lockholder.process_start(sleeper.pid)}
+        holder = lockholder.controller_identity() | {
+            "pid": sleeper.pid,
+            "pstart": lockholder.process_start(sleeper.pid),
+        }
         assert not lockholder.holder_is_dead(holder)
         # The same pid with another start time is another process: the pid was reused.
         assert lockholder.holder_is_dead(holder | {"pstart": holder["pstart"] - 1})
@@ -216,13 +219,18 @@ def test_live_holder_blocks_and_is_named(make_sim_host, lock_holder) -> None:
     with LocalTransport(host.name) as t, pytest.raises(ServiceError) as err:
         lifecycle.restart(t, ar(host), state=StateStore())
     msg = str(err.value)
-    assert re.search(rf"another restart is in progress on this host: lock held by \S+@{re.escape(socket.gethostname())} "
-                     rf"pid {holder.pid} \(restart\) for \d+s, still running; it expires in \d+m\d\ds$", msg), msg
+    assert re.search(
+        rf"another restart is in progress on this host: lock held by \S+@{re.escape(socket.gethostname())} "
+        rf"pid {holder.pid} \(restart\) for \d+s, still running; it expires in \d+m\d\ds$",
+        msg,
+    ), msg
     assert lock_path(host).read_text() == before
     assert not Path(host.ddtree.run_dir, "launch.json").exists()  # refused before stopping or launching anything
 
 
-@pytest.mark.parametrize("elsewhere", [{"controller": "gpu-ctl-7"}, {"boot_id": "00000000-0000-0000-0000-000000000000"}])
+@pytest.mark.parametrize(
+    "elsewhere", [{"controller": "gpu-ctl-7"}, {"boot_id": "00000000-0000-0000-0000-000000000000"}]
+)
 def test_holder_recorded_elsewhere_blocks_until_expiry(make_sim_host, elsewhere: dict) -> None:
     host = make_sim_host()
     lock = lock_path(host)
@@ -244,7 +252,9 @@ def test_concurrent_takeovers_of_one_dead_lock_leave_one_winner(make_sim_host) -
     lock = lock_path(host)
     lock.parent.mkdir(parents=True, exist_ok=True)
     dead = lockholder.holder_record("t-dead", "restart") | {"pid": dead_pid(), "pstart": None}
-    lock.write_text(json.dumps({"token": "t-dead", "holder": dead, "taken_at": time.time(), "expires_at": time.time() + 600}))
+    lock.write_text(
+        json.dumps({"token": "t-dead", "holder": dead, "taken_at": time.time(), "expires_at": time.time() + 600})
+    )
     answers: list[dict] = []
     go = threading.Barrier(4)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from simhosts import sim_host
 
-from conftest import sim_host
 from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.service.logphases import PhaseEvent
@@ -37,7 +37,12 @@ def test_b300_fallback_over_ssh_then_eager_directly(ssh_fleet, tmp_path: Path) -
             first = lifecycle.restart(t, request, state=state, on_phase=events.append)
             assert (first.cuda_graph, first.attempts) == (False, 2)
             assert [e.phase for e in events].count("starting") == 2
-            assert first.argv[-4:] == ("--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled")
+            assert first.argv[-4:] == (
+                "--cuda-graph-backend-decode",
+                "disabled",
+                "--cuda-graph-backend-prefill",
+                "disabled",
+            )
 
             events.clear()
             second = lifecycle.restart(t, request, state=state, on_phase=events.append)
