@@ -120,30 +120,18 @@ class Services:
 
 
 def default_services(*, host_key_policy: str = "strict") -> Services:
+    from ddtree_ops.patching.status import host_status
+    from ddtree_ops.probe import probe_host
     from ddtree_ops.service import lifecycle
     from ddtree_ops.transport import open_transport
 
-    probe: Callable[[Transport, Host], Any] | None = None
-    try:
-        from ddtree_ops.probe import probe_host
-    except ImportError:  # provenance degrades to what the patch status knows
-        pass
-    else:
-        probe = probe_host
-    patch_status: Callable[[Transport, Host], Any] | None = None
-    try:
-        from ddtree_ops.patching.status import host_status
-    except ImportError:
-        pass
-    else:
-        patch_status = host_status
     return Services(
         open_transport=lambda h: open_transport(h, host_key_policy=host_key_policy),
         restart=lifecycle.restart,
         stop=lifecycle.stop,
         status=lifecycle.service_status,
-        probe=probe,
-        patch_status=patch_status,
+        probe=probe_host,
+        patch_status=host_status,
     )
 
 

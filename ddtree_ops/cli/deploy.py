@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ddtree_ops.cli.common import error_text, failure_row, load_hosts, raise_if_failed, set_json_data, transport_for
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, ServiceError
+from ddtree_ops.errors import ConfigError, DdtreeOpsError
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
@@ -194,15 +194,11 @@ def deploy_cmd(
 
 
 def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], None]:
-    """The lifecycle restart, resolved before any host is touched so a missing module fails early."""
-    try:
-        from ddtree_ops.service.launch import RunConfig
-        from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
-        from ddtree_ops.service.lifecycle import restart as service_restart
-    except ImportError as exc:
-        raise ServiceError(
-            f"--restart is not available: the service lifecycle module cannot be imported ({exc})"
-        ) from exc
+    """The lifecycle restart of ``deploy --restart``; its run config is checked before any host is touched."""
+    from ddtree_ops.service.launch import RunConfig
+    from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
+    from ddtree_ops.service.lifecycle import restart as service_restart
+
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
 
     def hook(transport: Any, host: Host, version: str | None) -> None:

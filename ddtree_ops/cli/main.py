@@ -115,12 +115,7 @@ def _register() -> None:
         "bench",
         "report",
     ):
-        try:
-            importlib.import_module(f"ddtree_ops.cli.{name}")
-        except ModuleNotFoundError as exc:
-            # A command module not written yet; anything else missing is a real error.
-            if exc.name != f"ddtree_ops.cli.{name}":
-                raise
+        importlib.import_module(f"ddtree_ops.cli.{name}")
 
 
 def _json_envelope(obj: AppContext, error: BaseException | None = None) -> None:
