@@ -28,7 +28,9 @@ where they occur: transports, config loaders, HTTP).
     │   ├── ServerCrashed
     │   └── PortBusy
     ├── BenchError                      exit 6
-    └── FleetError                      exit 7   at least one host failed in a fan-out
+    └── FleetError                      exit 7   at least one host failed in a fan-out; when
+                                                 every failed host's error has the same exit
+                                                 code, that one (all unreachable: 3)
 
 ``Interrupted`` (exit 130) is raised when the user presses Ctrl-C during a wait.
 
@@ -39,7 +41,7 @@ exception (``internal`` for one that is not ours).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 
@@ -191,6 +193,10 @@ class FleetError(DdtreeOpsError):
     (``result``, a :class:`ddtree_ops.fleet.FleetResult`) and each failed host's error
     (``failures``: the result's exceptions, plus any failure a host's value carried
     itself), so a caller (the ``--json`` envelope) reads them instead of re-deriving them.
+
+    Its ``exit_code`` is the failed hosts' own when they all share one (every host
+    unreachable exits 3, as README "Exit codes" promises), 7 only for a mix; ``code``
+    stays ``fleet`` either way.
     """
 
     code = "fleet"
@@ -209,6 +215,7 @@ class FleetError(DdtreeOpsError):
             failed = getattr(result, "failed", None)
             failures = failed if failed is not None else {}
         self.failures = MappingProxyType(dict(failures))
+        self.exit_code = shared_exit_code(self.failures.values(), default=FleetError.exit_code)
 
 
 class Interrupted(DdtreeOpsError):
@@ -230,6 +237,17 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, KeyboardInterrupt):
         return Interrupted.code
     return "internal"
+
+
+def shared_exit_code(errors: Iterable[BaseException], *, default: int) -> int:
+    """The exit code every one of ``errors`` has, ``default`` when they differ (or one is
+    not ours): all hosts unreachable exits 3 like one unreachable host, a mix exits 7."""
+    codes = {exc.exit_code if isinstance(exc, DdtreeOpsError) else None for exc in errors}
+    if len(codes) == 1:
+        (code,) = codes
+        if code is not None:
+            return code
+    return default
 
 
 def recorded_error(type_name: str | None, message: str, *, host: str | None = None) -> DdtreeOpsError:

@@ -94,7 +94,7 @@ def test_doctor_one_host_down_others_reported(ssh_fleet: Fleet, clean_home: Path
         res = cli("-i", str(ssh_fleet.inventory), "--json", "doctor", "all")
     finally:
         ssh_fleet.start(down)
-    assert res.exit_code == 7  # FleetError: some host failed
+    assert res.exit_code == 3  # the one failed host's own code: connection (README "Exit codes")
     rows = {row["host"]: row for row in json_data(res.stdout)["hosts"]}
     assert rows[down]["ok"] is False and "connection refused" in rows[down]["error"]
     assert rows[down]["result"]["error_type"] == "ConnectError"

@@ -13,6 +13,7 @@ import pytest
 import typer
 import yaml
 from cli_json import read_envelope
+from fleetlib import free_port
 
 from ddtree_ops import errors
 from ddtree_ops.cli import main as cli_main
@@ -64,6 +65,13 @@ def test_envelope_of_a_fan_out_lists_every_failed_host() -> None:
     assert envelope("hosts", data=[]) == {
         "schema_version": 1, "command": "hosts", "ok": True, "exit_code": 0, "data": [], "errors": []
     }
+    # Every failed host failed alike: the command exits with their code, still under "fleet".
+    same = FleetError("doctor failed on 2 of 2 host(s): b, c", failures={
+        "b": ConnectError("connection refused", host="b"), "c": errors.AuthError("key rejected", host="c")
+    })
+    env = envelope("doctor", error=same)
+    assert env["exit_code"] == same.exit_code == 3
+    assert [e["code"] for e in env["errors"]] == ["fleet", "connect", "auth"]
     interrupted = envelope("restart", error=Interrupted("interrupted", failures={"a": Interrupted("wait cancelled")}))
     assert interrupted["exit_code"] == 130 and [e["code"] for e in interrupted["errors"]] == ["interrupted"] * 2
 
@@ -114,18 +122,21 @@ def _ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # command -> (arguments that succeed, or None where a success is too slow for this test;
-#             arguments that fail, the first error's code, the exit code)
+#             arguments that fail, the first error's code, the exit code).
+# A fan-out whose hosts all failed alike exits with their errors' own code (README "Exit
+# codes"): ``broken``'s missing interpreter is command_failed (3) for the commands that run
+# a remote step, a service error (5) for the service agent's; the first error stays "fleet".
 def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, list[str], str, int]]:
     sweep = str(REPO / "bench_configs" / "demo.yaml")
     return {
         "hosts": (["here"], ["nosuchhost"], "target", 2),
-        "doctor": (["here"], ["broken"], "fleet", 7),
+        "doctor": (["here"], ["broken"], "fleet", 3),
         "deploy": (["here", str(BUNDLE), "--dry-run"], ["nosuchhost"], "target", 2),
-        "rollback": (["here", "--dry-run"], ["broken"], "fleet", 7),
-        "status": (["here", "--bundle", str(BUNDLE)], ["broken", "--bundle", str(BUNDLE)], "fleet", 7),
-        "restart": (None, ["broken"], "fleet", 7),
+        "rollback": (["here", "--dry-run"], ["broken"], "fleet", 3),
+        "status": (["here", "--bundle", str(BUNDLE)], ["broken", "--bundle", str(BUNDLE)], "fleet", 3),
+        "restart": (None, ["broken"], "fleet", 5),
         "stop": (["here"], ["nosuchhost"], "target", 2),
-        "service-status": (["here"], ["broken"], "fleet", 7),
+        "service-status": (["here"], ["broken"], "fleet", 5),
         "logs": (["here"], ["here", "--follow"], "config", 2),
         "bench": (
             ["--sweep", sweep, "--target", "here", "--dry-run"],
@@ -134,7 +145,7 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
             2,
         ),
         "report": ([str(ledger), "--min-repeats", "1"], [str(tmp_path / "nope.jsonl")], "config", 2),
-        "selftest": (None, ["broken"], "fleet", 7),
+        "selftest": (None, ["broken"], "fleet", 3),
     }
 
 
@@ -187,3 +198,22 @@ def test_usage_error_and_report_flag(inventory: Path, cli: Any, clean_home: Path
     # --help stays help.
     res = cli("--json", "hosts", "--help")
     assert res.exit_code == 0 and not res.stdout.lstrip().startswith("{")
+
+
+def test_exit_code_is_the_failed_hosts_shared_one(inventory: Path, tmp_path: Path, cli: Any, clean_home: Path) -> None:
+    """README "Exit codes": every host unreachable exits 3 (not 7); a connection failure on
+    one host and a service failure on another exit 7. The envelope's exit_code is the process's."""
+    doc = yaml.safe_load(inventory.read_text())
+    for name in ("down1", "down2"):
+        port = free_port()
+        doc["all"]["hosts"][name] = {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": port}
+    inventory.write_text(yaml.safe_dump(doc))
+    res = cli("-i", str(inventory), "--json", "doctor", "down1,down2", "--connect-timeout", "5")
+    env = read_envelope(res.stdout)
+    assert res.exit_code == env["exit_code"] == 3, res
+    assert [e["code"] for e in env["errors"]] == ["fleet", "connect", "connect"]
+    assert res.stderr.startswith("error: doctor failed on 2 of 2 host(s)")
+    res = cli("-i", str(inventory), "--json", "restart", "broken,down1")
+    env = read_envelope(res.stdout)
+    assert res.exit_code == env["exit_code"] == 7, res
+    assert sorted(e["code"] for e in env["errors"]) == ["connect", "fleet", "service"]

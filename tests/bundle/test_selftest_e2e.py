@@ -423,12 +423,13 @@ def test_a_launcher_dies_with_the_script_even_on_sigkill(e2e: ModuleType, tmp_pa
 
 def test_cli_e2e_runs_the_checks_and_reports_a_server_that_cannot_start(cli, tmp_path: Path) -> None:
     """The whole path without a real SGLang: bootstrap, parameters and selftest.py on stdin,
-    the checks in the report, the launch failure with its log tail, one row, exit 7."""
+    the checks in the report, the launch failure with its log tail, one row, exit 4 (the
+    one failed host's own code: a selftest failure is a PatchError)."""
     python = _fake_sglang(tmp_path, "print('Load weight begin.', flush=True)\nraise SystemExit(3)\n")
     inv = _inventory(tmp_path, str(python))
     res = cli("-i", str(inv), "--json", "selftest", "h1", "--e2e", "--budgets", "4", "--graphs", "off",
               "--out", str(tmp_path / "reports"))
-    assert res.exit_code == 7, res
+    assert res.exit_code == 4, res
     [row] = json_data(res.stdout)
     assert row["host"] == "h1" and row["ok"] is False and row["deployed"] is True
     assert {"golden_encoding", "greedy_walk"} <= set(row["checks"])
@@ -445,7 +446,7 @@ def test_cli_e2e_runs_the_checks_and_reports_a_server_that_cannot_start(cli, tmp
 def test_cli_e2e_says_bundle_not_deployed(cli, tmp_path: Path) -> None:
     python = _fake_sglang(tmp_path, "raise SystemExit(3)\n", deployed=False)
     res = cli("-i", str(_inventory(tmp_path, str(python))), "--json", "selftest", "h1", "--e2e")
-    assert res.exit_code == 7, res
+    assert res.exit_code == 4, res
     [row] = json_data(res.stdout)
     assert row["ok"] is False and row["error"].startswith("h1: bundle not deployed"), row
     assert "h1" in res.stderr.splitlines()[-1]

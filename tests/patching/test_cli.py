@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_json import json_data
+from cli_json import json_data, read_envelope
+from fleetlib import free_port
 
 from patching.conftest import BUNDLES, MiniHost, make_prefix
 
@@ -86,7 +87,7 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
     st = {r["host"]: r for r in json_data(_cli(inv, "--json", "status", "test", "--bundle", bundle).stdout)}
     assert {f["path"]: f["state"] for f in st["h1"]["files"]}["srt/speculative/dflash_worker_v2.py"] == "drifted"
     refused = _cli(inv, "deploy", "h1", bundle)
-    assert refused.returncode == 7
+    assert refused.returncode == 4  # the one failed host's own exit code: patch refused (README)
     assert "drifted" in refused.stdout and "--force" in refused.stdout
 
     back = _cli(inv, "rollback", "h2")
@@ -95,6 +96,30 @@ def test_deploy_status_rollback_two_hosts(tmp_path: Path, mini: MiniHost, cli: C
     assert st["h2"]["bundle"] is None
     noop = json_data(_cli(inv, "--json", "rollback", "h2").stdout)
     assert noop[0]["outcome"] == "noop" and "nothing applied" in noop[0]["message"]
+
+
+def test_exit_code_is_the_failed_hosts_shared_one(tmp_path: Path, cli: Callable[..., Res]) -> None:
+    """README "Exit codes": a patch refused on every host exits 4, like on one host; a mix
+    of failures (refused here, unreachable there) exits 7. The envelope's first error stays
+    ``fleet`` and its ``exit_code`` is the process's."""
+    old = {name: make_prefix(tmp_path / name, version="0.4.0") for name in ("h1", "h2")}
+    inv = _inventory(tmp_path, old)
+    bundle = str(BUNDLES / "basic")
+    refused = cli(inv, "--json", "deploy", "test", bundle)
+    assert refused.returncode == 4, refused.stderr
+    env = read_envelope(refused.stdout)
+    assert env["exit_code"] == 4
+    assert [e["code"] for e in env["errors"]] == ["fleet", "unsupported_version", "unsupported_version"]
+    doc = yaml.safe_load(inv.read_text())
+    doc["all"]["children"]["test"]["hosts"]["down"] = {
+        "ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": free_port()
+    }
+    inv.write_text(yaml.safe_dump(doc))
+    mixed = cli(inv, "--json", "deploy", "test", bundle)
+    env = read_envelope(mixed.stdout)
+    assert mixed.returncode == env["exit_code"] == 7, mixed.stderr
+    codes = sorted(e["code"] for e in env["errors"])
+    assert codes == ["connect", "fleet", "unsupported_version", "unsupported_version"]
 
 
 def test_bad_bundle_is_one_line_error(tmp_path: Path, mini: MiniHost) -> None:
