@@ -12,7 +12,9 @@ reads), and it outlives both: rows written today are read by next month's report
   it does not know instead of silently misreading them;
 * appending is one ``write`` of one complete line, flushed and fsynced, so a crash loses
   at most the line being written — and a truncated last line is reported by
-  :func:`read_ledger`, never fatal, and never glued to the next appended row.
+  :func:`read_ledger`, never fatal, and never glued to the next appended row
+  (``bench --resume`` cuts it off first: :func:`heal_truncated_tail`);
+* every row carries its sweep's hash, so ``--resume`` can refuse another sweep's ledger.
 
 The field list, units and meaning are documented in ``results/README.md``; the constants
 below are the single source of truth the README is checked against.
@@ -29,7 +31,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from ddtree_ops.errors import BenchError
+from ddtree_ops.errors import BenchError, ConfigError
 
 SCHEMA_VERSION = 1
 
@@ -53,6 +55,9 @@ class LedgerRow:
     # identity and provenance
     run_id: str
     sweep: str
+    # sha256 of the sweep's parsed content (``sweep.sweep_hash``): ``--resume`` refuses a
+    # ledger holding another sweep's rows. Optional: rows written before it lack it.
+    sweep_hash: str | None = field(default=None, kw_only=True)
     started_at: str  # ISO 8601 UTC, e.g. 2026-05-01T12:00:00Z
     finished_at: str
     host: str
@@ -261,6 +266,94 @@ def append_row(path: Path | str, row: Mapping[str, Any] | LedgerRow) -> None:
                 os.close(fd)
     except OSError as exc:
         raise BenchError(f"{path}: cannot append to the ledger: {exc.strerror or exc}") from exc
+
+
+def check_writable(path: Path | str) -> None:
+    """ConfigError naming ``path`` unless a ledger can be appended there.
+
+    Run before any host is touched, so that a typo in ``--out`` fails in a second instead
+    of after an hour of measurements that could not be written. An existing file must be
+    appendable (opened for append, nothing written); a new one needs its nearest existing
+    ancestor to be a writable directory (``append_row`` creates the missing ones).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: cannot write the ledger there: it is a directory")
+    if path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot append to the ledger: {exc.strerror or exc}") from None
+        return
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{path}: cannot create the ledger: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{path}: cannot create the ledger: directory {ancestor} is not writable")
+
+
+def check_same_sweep(rows: Iterable[Mapping[str, Any]], *, sweep: str, sweep_hash: str, path: Path | str) -> None:
+    """ConfigError unless every row that carries a sweep hash carries ``sweep_hash``.
+
+    ``--resume`` continues one sweep; resuming onto another sweep's ledger would mix two
+    designs under one ledger and skip cells by keys that mean something else. Rows without
+    a hash (written before the field existed) are not held against it.
+    """
+    for row in rows:
+        other = row.get("sweep_hash")
+        if other and other != sweep_hash:
+            raise ConfigError(
+                f"{path}: --resume refused: the ledger holds sweep {row.get('sweep')!r} ({str(other)[:12]}), "
+                f"this is sweep {sweep!r} ({sweep_hash[:12]}); pass another --out"
+            )
+
+
+def heal_truncated_tail(path: Path | str) -> int:
+    """Cut a truncated last line (no newline, not valid JSON) off the ledger; bytes removed.
+
+    Such a line is what a writer killed mid-write leaves. ``append_row`` alone would start
+    a new line after it, keeping it as a bad line in the middle of the ledger for good;
+    ``--resume`` calls this first, so the row is measured again and the file stays clean.
+    The file is truncated to the end of its last complete line, under the writer's lock.
+    A last line that parses (a complete row whose newline is missing) is kept.
+    """
+    path = Path(path)
+    with _lock_for(path):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise BenchError(f"{path}: cannot open the ledger: {exc.strerror or exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if not size or os.pread(fd, 1, size - 1) == b"\n":
+                return 0
+            start = size
+            while start > 0:
+                block_start = max(0, start - 65536)
+                block = os.pread(fd, start - block_start, block_start)
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    start = block_start + newline + 1
+                    break
+                start = block_start
+            tail = os.pread(fd, size - start, start)
+            try:
+                json.loads(tail)
+                return 0
+            except (ValueError, UnicodeDecodeError):
+                pass
+            os.ftruncate(fd, start)
+            os.fsync(fd)
+            return size - start
+        except OSError as exc:
+            raise BenchError(f"{path}: cannot repair the ledger's last line: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
 
 
 def parse_lines(lines: Iterable[bytes], *, first_lineno: int = 1, at_eof: bool = True) -> LedgerRead:

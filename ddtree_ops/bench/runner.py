@@ -14,7 +14,9 @@ requests the server is checked and restarted before the next cell if it is gone.
 
 Interruption (Ctrl-C in the CLI sets ``cancel``): each worker finishes the row it is
 measuring, writes it, stops the server it started and returns. ``resume`` skips runs whose
-ledger key (host, configuration, workload hash, repeat) already has an ``ok`` row.
+ledger key (host, configuration, workload hash, repeat) already has an ``ok`` row; it
+refuses a ledger of another sweep (rows carry ``sweep_hash``) and cuts off a truncated
+last line first (:meth:`SweepRunner.prepare`, before any host is touched).
 
 How the client reaches the server: directly over HTTP at the host's inventory address
 (``127.0.0.1`` for local hosts) and the server's port — so on a real fleet the server
@@ -41,7 +43,7 @@ from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load, server_info
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, plan_sweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
-from ddtree_ops.bench.sweep import SweepSpec
+from ddtree_ops.bench.sweep import SweepSpec, sweep_hash
 from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
@@ -88,6 +90,8 @@ class SweepOutcome:
     ledger: Path
     hosts: tuple[HostSummary, ...]
     bad_ledger_lines: tuple[tuple[int, str], ...] = ()
+    # What --resume repaired before running (a truncated last line cut off), to be said once.
+    healed: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -336,7 +340,10 @@ class SweepRunner:
             cancel=cancel or threading.Event(), stop_all=threading.Event(), on_progress=on_progress or (lambda _p: None)
         )
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+        self.sweep_hash = sweep_hash(spec)
         self.bad_lines: tuple[tuple[int, str], ...] = ()
+        self.healed: str | None = None
+        self._done: set[str] | None = None
 
     # -- planning ---------------------------------------------------------------------
 
@@ -364,12 +371,34 @@ class SweepRunner:
             if ledger.row_key(self.key_fields(host, cell, r)) not in done
         ]
 
-    def done_keys(self) -> set[str]:
+    def prepare(self) -> None:
+        """Check the ledger before any host is touched (idempotent; :meth:`run` calls it).
+
+        The ledger must be writable (ConfigError naming it). With ``resume``, its rows
+        must belong to this sweep (same sweep hash; ConfigError naming both sweeps and
+        the ledger), and a truncated last line left by a crash is cut off, so that new
+        rows never follow it; :attr:`healed` says so.
+        """
+        if self._done is not None:
+            return
+        ledger.check_writable(self.ledger_path)
         if not self.resume:
-            return set()
+            self._done = set()
+            return
         read = ledger.read_ledger(self.ledger_path)
-        self.bad_lines = tuple(read.bad_lines)
-        return ledger.completed_keys(read.rows)
+        ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.sweep_hash, path=self.ledger_path)
+        bad = list(read.bad_lines)
+        removed = ledger.heal_truncated_tail(self.ledger_path)
+        if removed:
+            lineno = bad.pop()[0] if bad and bad[-1][1].startswith("truncated") else None
+            where = f"{self.ledger_path}:{lineno}" if lineno is not None else str(self.ledger_path)
+            self.healed = f"{where}: removed a truncated last line ({removed} bytes; a writer stopped mid-line)"
+        self.bad_lines = tuple(bad)
+        self._done = ledger.completed_keys(read.rows)
+
+    def done_keys(self) -> set[str]:
+        self.prepare()
+        return self._done or set()
 
     # -- running ----------------------------------------------------------------------
 
@@ -382,7 +411,7 @@ class SweepRunner:
             runs.append(_HostRun(host, pending, planned=plan.runs, skipped=plan.runs - len(pending)))
         with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="bench") as pool:
             summaries = list(pool.map(self._run_host, runs))
-        return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines)
+        return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines, self.healed)
 
     def _emit(self, hr: _HostRun, phase: str, **kw: Any) -> None:
         self.shared.on_progress(
@@ -547,6 +576,7 @@ class SweepRunner:
         row.update(
             run_id=self.run_id,
             sweep=self.spec.name,
+            sweep_hash=self.sweep_hash,
             started_at=started_at,
             finished_at=_now_iso(),
             gpu_name=prov.gpu_name,

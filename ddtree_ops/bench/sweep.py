@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +300,44 @@ def load_sweep(path: Path) -> SweepSpec:
         where = f":{mark.line + 1}" if mark is not None else ""
         raise SweepError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
     return parse_sweep(data, path)
+
+
+def _canonical_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
+    return {axis: sorted(v) if isinstance(v, tuple) else v for axis, v in sorted(rule.items())}
+
+
+def sweep_hash(spec: SweepSpec) -> str:
+    """sha256 (hex) of what the sweep measures, stable across formatting and ordering.
+
+    Hashed: the baselines, the grid (each axis's values sorted: ``[8, 4]`` asks for the
+    same cells as ``[4, 8]``), the exclude/include rules, the workload (prompt files by
+    name, not by where the checkout lies), repeats, warmup, request rate and API -- the
+    parsed values, so ``0`` and ``0.0`` or a reflowed file give the same hash. Not hashed:
+    the name, description and targets (running the same sweep on more hosts is the same
+    sweep) and the request timeout (a limit, not part of the measurement). ``bench
+    --resume`` refuses a ledger whose rows carry another sweep's hash.
+    """
+    wl = spec.workload
+    content = {
+        "baselines": sorted(spec.baselines),
+        "grid": {axis: sorted(values) for axis, values in sorted(spec.grid.items())},
+        "exclude": sorted((_canonical_rule(r) for r in spec.exclude), key=lambda r: json.dumps(r, sort_keys=True)),
+        "include": sorted((_canonical_rule(r) for r in spec.include), key=lambda r: json.dumps(r, sort_keys=True)),
+        "workload": {
+            "prompt_files": [p.name for p in wl.prompt_files],
+            "prompt_set": wl.prompt_set,
+            "num_prompts": wl.num_prompts,
+            "max_new_tokens": wl.max_new_tokens,
+            "ignore_eos": wl.ignore_eos,
+            "seed": wl.seed,
+        },
+        "repeats": spec.repeats,
+        "warmup": spec.warmup,
+        "request_rate": spec.request_rate,
+        "api": spec.api,
+    }
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def check_targets(spec: SweepSpec, resolve: Callable[[str], Sequence[object]]) -> None:

@@ -9,6 +9,7 @@ and ``--resume`` continues) and picks the exit code (7 when any row failed).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
             "ledger": str(outcome.ledger),
             "hosts": [h.__dict__ for h in outcome.hosts],
             "bad_ledger_lines": [list(b) for b in outcome.bad_ledger_lines],
+            "ledger_healed": outcome.healed,
         })
         return
     for lineno, reason in outcome.bad_ledger_lines:
@@ -135,6 +137,32 @@ def bench(
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
     cancel = threading.Event()
     holder: dict[str, Any] = {}
+    # The progress display exists only once the ledger has been checked; until then the
+    # runner's events go nowhere (prepare() emits none).
+    sink: list[Callable[[RunProgress], None]] = []
+
+    def forward(p: RunProgress) -> None:
+        for f in sink:
+            f(p)
+
+    runner = SweepRunner(
+        spec,
+        hosts,
+        workload,
+        ledger_path=ledger_path,
+        resume=resume,
+        fail_fast=fail_fast,
+        keep_server=keep_server,
+        restart_timeout=restart_timeout,
+        smoke=not no_smoke,
+        services=default_services(host_key_policy=obj.host_key_policy),
+        on_progress=forward,
+        cancel=cancel,
+    )
+    # Writable ledger, same sweep on --resume, truncated last line cut off: before any host.
+    runner.prepare()
+    if runner.healed:
+        err_console.print(runner.healed, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
     with Progress(
         TextColumn("{task.fields[host]:<12}"),
@@ -156,20 +184,7 @@ def bench(
             done = total if p.phase == "finished" and not p.total else p.done
             bar.update(tasks[p.host], completed=done, total=total, description=desc)
 
-        runner = SweepRunner(
-            spec,
-            hosts,
-            workload,
-            ledger_path=ledger_path,
-            resume=resume,
-            fail_fast=fail_fast,
-            keep_server=keep_server,
-            restart_timeout=restart_timeout,
-            smoke=not no_smoke,
-            services=default_services(host_key_policy=obj.host_key_policy),
-            on_progress=on_progress,
-            cancel=cancel,
-        )
+        sink.append(on_progress)
 
         finished = threading.Event()
 

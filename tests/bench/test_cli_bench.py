@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import yaml
 from cli_json import json_data
 
 from ddtree_ops.bench import ledger
+from ddtree_ops.bench.sweep import load_sweep, sweep_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,3 +119,54 @@ def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
     assert read.bad_lines == [] and 1 <= len(read.rows) < 6  # whole rows only, sweep not finished
     with socket.socket() as s:  # the server it started is stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_resume_onto_another_sweeps_ledger_is_refused_before_launch(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "l.jsonl"
+    foreign = {"schema_version": 1, "sweep": "older", "sweep_hash": "f" * 64, "status": "ok"}
+    out.write_text(json.dumps(foreign) + "\n")
+    before = out.read_bytes()
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    own = sweep_hash(load_sweep(sweep))
+    assert str(out) in lines[0] and "'older' (ffffffffffff)" in lines[0] and f"'cli' ({own[:12]})" in lines[0]
+    assert out.read_bytes() == before and not (tmp_path / "run").exists()  # no server was launched
+
+
+def test_unwritable_out_is_refused_before_any_host(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path)
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "l.jsonl"
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(out) in lines[0] and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # the host was never touched
+
+
+@pytest.mark.slow
+def test_resume_cuts_a_truncated_last_line_and_stamps_the_sweep_hash(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path, grid={"algorithm": ["autoregressive"], "concurrency": [1, 2]})
+    out = tmp_path / "l.jsonl"
+    first = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    lines = out.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 2
+    out.write_bytes(lines[0] + lines[1][: len(lines[1]) // 2])  # the second row's write was cut by a crash
+
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("removed a truncated last line") == 1 and f"{out}:2" in done.stderr
+    data = json_data(done.stdout)
+    assert "truncated" in data["ledger_healed"] and data["bad_ledger_lines"] == []
+    assert [h["skipped"] for h in data["hosts"]] == [1] and [h["ok_rows"] for h in data["hosts"]] == [1]
+    read = ledger.read_ledger(out)
+    assert read.bad_lines == [] and sorted(r["concurrency"] for r in read.rows) == [1, 2]
+    assert {r["sweep_hash"] for r in read.rows} == {sweep_hash(load_sweep(sweep))}

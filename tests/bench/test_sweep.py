@@ -102,3 +102,23 @@ def test_unknown_target(tmp_path: Path) -> None:
     with pytest.raises(SweepError, match=r"targets: unknown target 'ct9000'"):
         check_targets(spec, resolve)
     check_targets(load_sweep(write(tmp_path, base())), resolve)
+
+
+def test_sweep_hash_is_the_parsed_content_not_the_file(tmp_path: Path) -> None:
+    from ddtree_ops.bench.sweep import sweep_hash
+
+    first = sweep_hash(load_sweep(write(tmp_path, base())))
+    assert len(first) == 64 and int(first, 16) >= 0
+    # Reflowed YAML, reordered lists, 0 for 0.0, other name/description/targets: same sweep.
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        "# same sweep, written differently\n"
+        "workload:   {num_prompts: 4, prompt_files: [p.jsonl]}\n"
+        "grid:\n  temperature: [0.6, 0]\n  budget: [8, 4]\n  topk: [4]\n"
+        "name: renamed\ndescription: hello\ntargets: [elsewhere]\nrequest_timeout_s: 5\n"
+    )
+    assert sweep_hash(load_sweep(path)) == first
+    # What is measured changes the hash.
+    for change in ({"grid": {"budget": [4, 16], "temperature": [0.0, 0.6]}}, {"repeats": 2},
+                   {"workload": {"prompt_files": ["p.jsonl"], "num_prompts": 8}}, {"baselines": ["dflash"]}):
+        assert sweep_hash(load_sweep(write(tmp_path, base() | change))) != first, change

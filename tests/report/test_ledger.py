@@ -11,7 +11,7 @@ import pytest
 from report_rows import make_row
 
 from ddtree_ops.bench import ledger
-from ddtree_ops.errors import BenchError
+from ddtree_ops.errors import BenchError, ConfigError
 
 README = Path(__file__).resolve().parents[2] / "results" / "README.md"
 
@@ -61,6 +61,53 @@ def test_truncated_last_line_reported_and_not_glued_to_next_row(tmp_path: Path) 
     assert [r["repeat"] for r in second.rows] == [0, 2]
     assert len(second.bad_lines) == 1 and second.bad_lines[0][0] == 2
     assert second.bad_lines[0][1].startswith("not valid JSON")
+
+
+def test_heal_cuts_only_a_truncated_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "l.jsonl"
+    assert ledger.heal_truncated_tail(path) == 0  # no file: nothing to do, nothing created
+    assert not path.exists()
+    ledger.append_row(path, make_row(repeat=0))
+    complete = path.read_bytes()
+    assert ledger.heal_truncated_tail(path) == 0 and path.read_bytes() == complete
+    full = ledger.encode_row(make_row(repeat=1))
+    with open(path, "ab") as fh:  # a writer killed mid-line
+        fh.write(full[:100])
+    assert ledger.heal_truncated_tail(path) == 100
+    assert path.read_bytes() == complete
+    ledger.append_row(path, make_row(repeat=1))
+    assert [r["repeat"] for r in ledger.read_ledger(path).rows] == [0, 1]
+    assert ledger.read_ledger(path).bad_lines == []
+    # A complete row whose newline alone is missing is a row, not a crash artefact: kept.
+    with open(path, "ab") as fh:
+        fh.write(full[:-1])
+    assert ledger.heal_truncated_tail(path) == 0 and len(ledger.read_ledger(path).rows) == 3
+    # A file that is one truncated line becomes empty.
+    one = tmp_path / "one.jsonl"
+    one.write_bytes(full[:50])
+    assert ledger.heal_truncated_tail(one) == 50 and one.read_bytes() == b""
+
+
+def test_check_writable_names_the_path(tmp_path: Path) -> None:
+    ledger.check_writable(tmp_path / "new" / "deeper" / "l.jsonl")  # created later by append_row
+    (tmp_path / "l.jsonl").write_text("")
+    ledger.check_writable(tmp_path / "l.jsonl")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"afile/l\.jsonl: cannot create the ledger: .*afile is not a directory"):
+        ledger.check_writable(tmp_path / "afile" / "l.jsonl")
+    with pytest.raises(ConfigError, match="is a directory"):
+        ledger.check_writable(tmp_path)
+
+
+def test_check_same_sweep_names_both_sweeps_and_the_ledger() -> None:
+    rows = [make_row(sweep="old", sweep_hash="a" * 64), make_row(sweep="old", sweep_hash=None)]
+    ledger.check_same_sweep(rows, sweep="old", sweep_hash="a" * 64, path="l.jsonl")
+    ledger.check_same_sweep(rows[1:], sweep="new", sweep_hash="b" * 64, path="l.jsonl")  # rows predating the field
+    with pytest.raises(ConfigError) as info:
+        ledger.check_same_sweep(rows, sweep="new", sweep_hash="b" * 64, path="l.jsonl")
+    message = str(info.value)
+    assert message.startswith("l.jsonl: ") and "\n" not in message
+    assert "'old' (aaaaaaaaaaaa)" in message and "'new' (bbbbbbbbbbbb)" in message
 
 
 def test_bad_lines_counted_with_reasons(tmp_path: Path) -> None:
