@@ -185,3 +185,32 @@ def test_hostile_python_path_reaches_the_host_as_data(ssh_fleet: Fleet, clean_ho
     row = json_data(res.stdout)["hosts"][0]
     assert "remote interpreter" in row["error"] and hostile in row["error"]
     assert not canary.exists()
+
+
+def test_names_paths_and_errors_are_printed_literally_not_as_markup(
+    cli, clean_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host called ``gpu-[a:h]`` and a path holding ``[bold]x[/]`` reach the terminal as
+    they are: rich would otherwise eat ``[a:h]`` as a style tag and ``[bold]``/``[/]`` as markup."""
+    from ddtree_ops.cli import main
+
+    monkeypatch.setattr(main.console, "width", 250)
+    monkeypatch.setattr(main.err_console, "width", 250)
+    python = f"{tmp_path}/[bold]x[/]/python"
+    doc = {"all": {"vars": {"ansible_connection": "local"}, "hosts": {
+        "gpu-[a:h]": {"ddtree": {"python": python, "run_dir": str(tmp_path / "[red]run")}},
+    }}}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    listed = cli("-i", str(inv), "-v", "hosts")
+    assert listed.exit_code == 0 and "gpu-[a:h]" in listed.stdout and "[bold]x[/]/python" in listed.stdout
+    bundle = str(REPO / "tests" / "patching" / "bundles" / "basic")
+    for command in (["doctor"], ["restart"], ["status", "--bundle", bundle], ["logs"]):
+        res = cli("-i", str(inv), *command[:1], "gpu-[a:h]", *command[1:])
+        assert res.exit_code != 0, (command, res)
+        if command != ["logs"]:
+            assert "│ gpu-[a:h]" in res.stdout, (command, res.stdout)
+        assert "[bold]x[/]/python" in res.stdout, (command, res.stdout)
+        assert one_error_line(res.stderr).endswith(": gpu-[a:h]"), res.stderr
+    missing = cli("-i", str(tmp_path / "[bold]nope[/].yaml"), "hosts")
+    assert missing.exit_code == 2 and "[bold]nope[/].yaml" in one_error_line(missing.stderr)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -164,7 +165,7 @@ def render_host_results(
 
     # Many columns do not fit a terminal: then one row per (host, column) instead.
     long = len(columns) > 3
-    table = Table(title=title, title_justify="left", show_lines=long)
+    table = Table(title=escape(title), title_justify="left", show_lines=long)
     table.add_column("host", style="bold", no_wrap=True)
     table.add_column("status", no_wrap=True)
     if long:
@@ -189,11 +190,11 @@ def render_host_results(
                 grid.add_row(header, cell)
             if reason:
                 grid.add_row(Text("error", style="red"), Text(reason, style="red"))
-            table.add_row(name, status, grid)
+            table.add_row(escape(name), status, grid)
         else:
             if failed_call:
                 cells = [Text(reason or "", style="red")] + [""] * (len(columns) - 1)
-            table.add_row(name, status, *cells[: len(columns)])
+            table.add_row(escape(name), status, *cells[: len(columns)])
             if reason and not failed_call and columns:
                 table.add_row("", "", Text(reason, style="red"), *[""] * (len(columns) - 1))
     console = ctx_obj.console
@@ -210,7 +211,7 @@ def _cell(value: object) -> Text | str:
         return value
     if value is None:
         return Text("-", style="dim")
-    return str(value)
+    return escape(str(value))  # a host's data (a path, a log line) is never markup
 
 
 def raise_if_failed(what: str, results: FleetResult[Any], *, failure: Judge | None = None) -> None:

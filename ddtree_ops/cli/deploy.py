@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ddtree_ops.cli.common import error_text, failure_row, load_hosts, raise_if_failed, set_json_data, transport_for
@@ -75,24 +76,24 @@ def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutco
     if obj.json:
         set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(succeeded[n]) for n in results])
         return
-    table = Table(title=title, show_lines=False)
+    table = Table(title=escape(title), show_lines=False)
     table.add_column("host", style="bold")
     table.add_column("result")
     table.add_column("bundle")
     table.add_column("detail", overflow="fold")
     for name in results:
         if name in failed:
-            table.add_row(name, "[red]failed[/]", "", error_text(failed[name]))
+            table.add_row(escape(name), "[red]failed[/]", "", escape(error_text(failed[name])))
             continue
         r = succeeded[name]
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
-        table.add_row(name, f"[{r.outcome.style}]{r.outcome.label}[/]", bundle, r.message)
+        table.add_row(escape(name), f"[{r.outcome.style}]{r.outcome.label}[/]", escape(bundle), escape(r.message))
     obj.console.print(table)
     if show_files:
         for name, r in results.succeeded.items():
             if not r.plan.actions:
                 continue
-            ft = Table(title=f"{name}: files", title_justify="left")
+            ft = Table(title=f"{escape(name)}: files", title_justify="left")
             ft.add_column("path")
             ft.add_column("action")
             ft.add_column("now")
@@ -100,7 +101,8 @@ def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutco
             ft.add_column("why", overflow="fold")
             for a in r.plan.actions:
                 ft.add_row(
-                    a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason
+                    escape(a.path), a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12],
+                    escape(a.reason),
                 )
             obj.console.print(ft)
 
@@ -255,7 +257,7 @@ def _service_json(svc: Any) -> dict[str, Any]:
 def _service_text(svc: Any) -> str:
     """One cell: is the server we launched running, ready, on CUDA graphs?"""
     if isinstance(svc, BaseException):
-        return f"[red]{error_text(svc)}[/]"
+        return f"[red]{escape(error_text(svc))}[/]"
     if not svc.running:
         return "stopped" + (" (port held by another process)" if svc.port_open else "")
     ready = "ready" if svc.health == 200 and svc.serving_ours else f"not ready (health {svc.health})"
@@ -310,20 +312,21 @@ def status_cmd(
             table.add_column(col, overflow="fold")
         for n in results:
             if n in failed:
-                table.add_row(n, "", "", "", "[red]failed[/]", error_text(failed[n]), "")
+                table.add_row(escape(n), "", "", "", "[red]failed[/]", escape(error_text(failed[n])), "")
                 continue
             r = succeeded[n]
-            bundle_txt = (
+            bundle_txt = escape(
                 f"{r.bundle_name} {r.bundle_version} {(r.bundle_identity or '')[:12]}" if r.bundle_name else "-"
             )
-            applied = f"{_fmt_time(r.applied_at)} by {r.applied_by}" if r.bundle_name else "-"
+            applied = escape(f"{_fmt_time(r.applied_at)} by {r.applied_by}") if r.bundle_name else "-"
             counts: dict[str, int] = {}
             for f in r.files:
                 counts[f.state] = counts.get(f.state, 0) + 1
             files_txt = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "-"
             if r.outside_change is not None:
                 # Named, not just coloured: deploy refuses this host until --force or rollback.
-                files_txt = f"[bold yellow]changed outside ddtree-ops: {r.outside_change.describe()}[/] ({files_txt})"
+                outside = escape(r.outside_change.describe())
+                files_txt = f"[bold yellow]changed outside ddtree-ops: {outside}[/] ({files_txt})"
             elif any(f.state in ("drifted", "missing") for f in r.files) or (r.bundle_name and not r.consistent):
                 # A recorded bundle whose files are not all patched was changed outside ddtree-ops.
                 files_txt = f"[yellow]{files_txt}[/]"
@@ -336,11 +339,14 @@ def status_cmd(
                 )
             if r.state_error:
                 left.append(f"state unreadable: {r.state_error}")
-            table.add_row(n, r.package_version or "[red]not installed[/]", bundle_txt, applied, files_txt,
-                          "; ".join(left) or "-", _service_text(services[n]))
+            version = escape(r.package_version) if r.package_version else "[red]not installed[/]"
+            table.add_row(escape(n), version, bundle_txt, applied, files_txt,
+                          escape("; ".join(left) or "-"), _service_text(services[n]))
         obj.console.print(table)
         if obj.verbose:
             for n, r in results.succeeded.items():
                 for f in r.files:
-                    obj.console.print(f"  {n} {f.path}: {f.state} {(f.sha256 or 'absent')[:12]}", highlight=False)
+                    obj.console.print(
+                        f"  {n} {f.path}: {f.state} {(f.sha256 or 'absent')[:12]}", markup=False, highlight=False
+                    )
     raise_if_failed("status", results)

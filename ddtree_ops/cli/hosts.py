@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ddtree_ops.cli.common import load_hosts, set_json_data
@@ -30,23 +31,27 @@ def hosts_cmd(
     if obj.json:
         set_json_data(obj, [{"name": h.name, **_as_dict(h)} for h in hosts])
         return
-    table = Table(title=f"hosts: {target}", title_justify="left")
+    table = Table(title=escape(f"hosts: {target}"), title_justify="left")
     table.add_column("host", no_wrap=True, style="bold")
     for header in ("groups", "connect", "gpu", "server", "model"):
         table.add_column(header, overflow="fold")
     for h in hosts:
         s = h.ddtree.server
-        table.add_row(
+        cells = (
             h.name, ",".join(h.groups), _address(h), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}", s.model_path or "-"
         )
+        table.add_row(*(escape(c) for c in cells))  # names and paths are data, never markup
     obj.console.print(table)
     if obj.verbose:
         for h in hosts:
             s = h.ddtree.server
             obj.console.print(
-                f"[bold]{h.name}[/] ({h.source}): python={h.python!r} run_dir={h.ddtree.run_dir!r} "
-                f"command={s.command!r} draft={s.draft_model_path!r} "
-                f"extra_args={list(s.extra_args)} env={dict(s.env)} expected_load_s={s.expected_load_s:g}",
+                f"[bold]{escape(h.name)}[/] "
+                + escape(
+                    f"({h.source}): python={h.python!r} run_dir={h.ddtree.run_dir!r} "
+                    f"command={s.command!r} draft={s.draft_model_path!r} "
+                    f"extra_args={list(s.extra_args)} env={dict(s.env)} expected_load_s={s.expected_load_s:g}"
+                ),
                 highlight=False,
             )
 

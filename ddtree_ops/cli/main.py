@@ -17,6 +17,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ddtree_ops import __version__
 from ddtree_ops.cli.common import write_envelope
@@ -136,7 +137,7 @@ def run() -> None:
     except DdtreeOpsError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         _json_envelope(obj, exc)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -394,6 +394,7 @@ def _summary(result: SelftestResult) -> str:
 def _render(obj: AppContext, results: Mapping[str, Any]) -> bool:
     """Render one row per host as a rich table. True if any failed."""
     any_failed = any(not (isinstance(r, SelftestResult) and r.ok) for r in results.values())
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="selftest")
@@ -402,13 +403,16 @@ def _render(obj: AppContext, results: Mapping[str, Any]) -> bool:
     for name, r in results.items():
         if isinstance(r, SelftestResult):
             style = "green" if r.ok else "red"
-            table.add_row(name, f"[{style}]{_summary(r)}[/]", r.kernel, r.torch or "", f"{r.seconds or 0:.1f}")
+            table.add_row(
+                escape(name), f"[{style}]{escape(_summary(r))}[/]", escape(r.kernel), escape(r.torch or ""),
+                f"{r.seconds or 0:.1f}",
+            )
             if obj.verbose:
                 for check, c in r.checks.items():
-                    table.add_row("", f"  {check}: {'ok' if c.ok else 'FAILED'}", c.detail, "", "")
+                    table.add_row("", escape(f"  {check}: {'ok' if c.ok else 'FAILED'}"), escape(c.detail), "", "")
         else:
             msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
-            table.add_row(name, f"[red]error: {msg}[/]", "", "", "")
+            table.add_row(escape(name), f"[red]error: {escape(msg)}[/]", "", "", "")
     obj.console.print(table)
     return any_failed
 
@@ -443,17 +447,21 @@ def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
     for name, r in results.items():
         if not isinstance(r, E2eResult):
             msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
-            table.add_row(name, "", "", f"[red]error: {escape(msg)}[/]", "", "", "", "")
+            table.add_row(escape(name), "", "", f"[red]error: {escape(msg)}[/]", "", "", "", "")
             continue
-        checks = f"{len(r.checks)} checks passed" if not r.failed_checks else "failed: " + ", ".join(r.failed_checks)
+        checks = escape(
+            f"{len(r.checks)} checks passed" if not r.failed_checks else "failed: " + ", ".join(r.failed_checks)
+        )
         style = "red" if r.failed_checks else "green"
-        head = f"[{style}]{checks}[/]; kernel {r.kernel}; sglang {r.sglang_version or '?'} on {r.device or '?'}"
-        table.add_row(name, "checks", "", head, "", "", "", f"{r.baseline_startup_s or 0:.0f}")
+        head = f"[{style}]{checks}[/]" + escape(
+            f"; kernel {r.kernel}; sglang {r.sglang_version or '?'} on {r.device or '?'}"
+        )
+        table.add_row(escape(name), "checks", "", head, "", "", "", f"{r.baseline_startup_s or 0:.0f}")
         for run in r.runs:
             accept = "" if run.accept_length is None else f"{run.accept_length:.2f}"
             table.add_row(
-                "", str(run.budget), run.graphs, _run_cell(run), _yes_no(run.verify_cuda_graph_captured), accept,
-                run.verify_attention_backend or "", f"{run.startup_s or 0:.0f}",
+                "", str(run.budget), escape(run.graphs), _run_cell(run), _yes_no(run.verify_cuda_graph_captured),
+                accept, escape(run.verify_attention_backend or ""), f"{run.startup_s or 0:.0f}",
             )
         if r.error:
             table.add_row("", "", "", f"[red]error: {escape(r.error)}[/]", "", "", "", "")

@@ -109,7 +109,7 @@ class _Live:
             for h in self.hosts:
                 row = self.rows[h]
                 elapsed = time.monotonic() - self.start[h]
-                table.add_row(h, row["phase"], f"{elapsed:5.1f}s", row["attempt"], row["note"][:80])
+                table.add_row(escape(h), row["phase"], f"{elapsed:5.1f}s", row["attempt"], escape(row["note"][:80]))
         return table
 
 
@@ -205,8 +205,9 @@ def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResul
         if r.attempts > 1 and not r.cuda_graph:
             what = "the first decodes failed" if (r.fallback_reason or "").startswith("first decode") else \
                 "CUDA-graph capture failed"
+            reason = escape(r.fallback_reason or "")
             obj.console.print(
-                f"[bold yellow]{name}: {what}; now serving in EAGER mode[/] — {escape(r.fallback_reason or '')}",
+                f"[bold yellow]{escape(name)}: {what}; now serving in EAGER mode[/] — {reason}",
                 highlight=False,
             )
 
@@ -296,14 +297,15 @@ def logs(
             except DdtreeOpsError as exc:
                 values[h.name] = exc
                 if not obj.json:
-                    obj.console.print(f"[red]{error_text(exc)}[/]", highlight=False)
+                    obj.console.print(f"[red]{escape(error_text(exc))}[/]", highlight=False)
                 continue
             values[h.name] = {"exists": bool(data.get("exists")), "lines": list(data.get("lines") or [])}
             offsets[h.name] = int(data.get("offset", 0))
             if obj.json:
                 continue
             if not data.get("exists"):
-                obj.console.print(f"[dim]{h.name}: no server log yet in {h.ddtree.run_dir}[/]", highlight=False)
+                missing = escape(f"{h.name}: no server log yet in {h.ddtree.run_dir}")
+                obj.console.print(f"[dim]{missing}[/]", highlight=False)
             _print_lines(obj, h.name, data.get("lines") or [], prefix)
         while follow and offsets:
             try:
