@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -214,3 +215,24 @@ def test_names_paths_and_errors_are_printed_literally_not_as_markup(
         assert one_error_line(res.stderr).endswith(": gpu-[a:h]"), res.stderr
     missing = cli("-i", str(tmp_path / "[bold]nope[/].yaml"), "hosts")
     assert missing.exit_code == 2 and "[bold]nope[/].yaml" in one_error_line(missing.stderr)
+
+
+def test_help_shows_flags_without_a_type_placeholder(cli) -> None:
+    """A flag takes no value, so ``--help`` shows none: no ``<bool>`` after ``--dry-run``,
+    no ``<int>`` after ``-v`` (a count), no ``BOOLEAN``; options that take one keep it."""
+    import typer
+
+    from ddtree_ops.cli import main as cli_main
+
+    cli_main._register()
+    group = typer.main.get_command(cli_main.app)
+    commands = sorted(group.commands)  # type: ignore[attr-defined]
+    assert {"deploy", "restart", "report", "bench"} <= set(commands)
+    for args in ([], *([c] for c in commands)):
+        res = cli(*args, "--help")
+        assert res.exit_code == 0 and "Usage:" in res.stdout, (args, res)
+        assert "<bool>" not in res.stdout and "BOOLEAN" not in res.stdout, (args, res.stdout)
+    top = cli("--help").stdout
+    assert re.search(r"^\s*-v, --verbose\s+More detail", top, re.M), top
+    assert re.search(r"^\s*--max-parallel <int", top, re.M), top
+    assert re.search(r"^\s*--dry-run\s+Show the plan", cli("deploy", "--help").stdout, re.M)

@@ -29,6 +29,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's own help formatter: flags (--dry-run, -v, --help) without a value placeholder;
+    # typer's rich panels print "<bool>" / "<int>" after them as if they took one.
+    rich_markup_mode=None,
+    # A wide terminal gets the whole first sentence of each command's help (click stops at 80).
+    context_settings={"max_content_width": 120},
 )
 
 console = Console()
