@@ -9,7 +9,8 @@ from typing import Any
 
 import pandas as pd
 import typer
-from rich.console import JustifyMethod
+from rich.console import Console, JustifyMethod
+from rich.markup import escape
 from rich.table import Table
 
 from ddtree_ops import report as rep
@@ -165,6 +166,25 @@ def _compare_table(cmp: pd.DataFrame) -> Table:
     return table
 
 
+def _print_skipped(console: Console, loaded: rep.LoadedLedgers) -> None:
+    """What was read but not counted: bad lines (unparsable, old schema, missing fields,
+    non-finite metrics) with file and line, and copies of rows already read, per ledger.
+    The terminal shows the first ten bad lines; ``--json`` lists them all."""
+    if loaded.duplicates:
+        where = escape(", ".join(f"{f} ({n})" for f, n in loaded.duplicates))
+        console.print(
+            f"[yellow]Counted {loaded.duplicate_rows} duplicate row(s) once (same run_id, cell and repeat):[/] "
+            f"{where}",
+            highlight=False, soft_wrap=True,
+        )
+    if loaded.bad_lines:
+        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s):[/]", highlight=False)
+        for f, n, r in loaded.bad_lines[:10]:
+            console.print(f"  {f}:{n}: {r}", highlight=False, markup=False, soft_wrap=True)
+        if len(loaded.bad_lines) > 10:
+            console.print(f"  … and {len(loaded.bad_lines) - 10} more (see --json)", highlight=False)
+
+
 @app.command("report")
 def report_command(
     ctx: typer.Context,
@@ -215,6 +235,7 @@ def report_command(
             "files": [str(p) for p in loaded.files],
             "rows": len(loaded.frame),
             "bad_lines": [{"file": f, "line": n, "reason": r} for f, n, r in loaded.bad_lines],
+            "duplicates": [{"file": f, "rows": n} for f, n in loaded.duplicates],
             "cells": _records(result.tidy),
             "best": _records(result.best.best),
             "refusals": _records(result.best.refusals),
@@ -229,12 +250,7 @@ def report_command(
 
     console = obj.console
     console.print(f"Read {len(loaded.frame):,} rows from {len(loaded.files)} ledger(s).", highlight=False)
-    if loaded.bad_lines:
-        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s):[/]", highlight=False)
-        for f, n, r in loaded.bad_lines[:10]:
-            console.print(f"  {f}:{n}: {r}", highlight=False)
-        if len(loaded.bad_lines) > 10:
-            console.print(f"  … and {len(loaded.bad_lines) - 10} more", highlight=False)
+    _print_skipped(console, loaded)
     if show_cells:
         console.print(_tidy_table(result.tidy, show_cells))
         if result.tidy["modes_mixed"].any():

@@ -8,11 +8,18 @@ anything that is not exactly one object per line — is split in halves and retr
 to a small slice that is re-read line by line with the ledger's own parser, so bad lines
 are counted with their line numbers, never fatal, and a row reads the same on either
 path. Without pyarrow every block takes the line-by-line path (correct, slower).
+
+Two kinds of row are not counted as measured: a row with a non-finite metric (NaN or
+infinity in a column the report reads: one such value would turn a cell's median or
+score into NaN) is a bad line with its file and line number; and a row read twice —
+the same ``run_id``, cell identity and repeat (:data:`DUPLICATE_KEYS`), e.g. a ledger
+copied next to itself — is counted once, and the copies are reported per ledger.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -23,13 +30,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ddtree_ops.bench.ledger import SCHEMA_VERSION, parse_lines
+from ddtree_ops.bench.ledger import KEY_FIELDS, SCHEMA_VERSION, parse_lines
 from ddtree_ops.errors import ConfigError
 
 _STR_COLS = (
-    "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name", "status"
+    "run_id", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name",
+    "status",
 )
-_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "failed")
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed")
 #: Per-row metrics whose per-cell median the tidy table reports.
 MEDIAN_COLS: tuple[str, ...] = (
     "output_tok_s",
@@ -42,6 +50,8 @@ MEDIAN_COLS: tuple[str, ...] = (
     "e2e_ms_median",
 )
 _FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS)
+#: One row per measurement: a second row with these values is a copy, counted once.
+DUPLICATE_KEYS: tuple[str, ...] = ("run_id", *KEY_FIELDS)
 _BOOL_COLS = ("cuda_graph",)
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
 #: (each column read costs parse time on every row, so only what aggregation uses).
@@ -67,6 +77,12 @@ class LoadedLedgers:
     frame: pd.DataFrame
     files: tuple[Path, ...]
     bad_lines: tuple[tuple[str, int, str], ...]  # (file, 1-based line, reason)
+    # (file, rows of it dropped as copies of a row read before), in file order
+    duplicates: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def duplicate_rows(self) -> int:
+        return sum(n for _, n in self.duplicates)
 
 
 def find_ledgers(paths: Sequence[Path | str], *, default_dir: Path = Path("results")) -> list[Path]:
@@ -131,7 +147,20 @@ def _fast_block(block: Any, arrow: Any) -> Any | None:
         return None
     if any(table.column(name).null_count for name in _NEEDED):
         return None
+    # NaN/inf metrics are refused line by line (with their line numbers) by the careful path.
+    if any(pc.any(pc.invert(pc.is_finite(table.column(name)))).as_py() for name in MEDIAN_COLS):
+        return None
     return table
+
+
+def _non_finite(row: dict[str, Any]) -> str | None:
+    """Why ``row`` is refused for a NaN/inf metric, or None."""
+    bad: list[str] = []
+    for name in MEDIAN_COLS:
+        value = row.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(f"{name}={value}")
+    return f"non-finite metric(s): {', '.join(bad)}" if bad else None
 
 
 def _careful_block(
@@ -149,6 +178,8 @@ def _careful_block(
             missing = [column for column in _NEEDED if row.get(column) is None]
             if missing:
                 bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))
+            elif reason := _non_finite(row):
+                bad.append((name, lineno, reason))
             else:
                 kept.append({column: row.get(column) for column in LOAD_COLUMNS})
     return pd.DataFrame.from_records(kept, columns=list(LOAD_COLUMNS))
@@ -300,10 +331,13 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
     arrow = _arrow() if use_arrow is not False else None
     parts: list[Any] = []
     bad: list[tuple[str, int, str]] = []
+    rows_per_file: list[int] = []
     for path in files:
         reader = _LedgerFile(path, arrow, bad)
         reader.read()
         parts.extend(reader.parts)
+        rows_per_file.append(sum(part.num_rows if not isinstance(part, pd.DataFrame) else len(part)
+                                 for part in reader.parts))
     frames: list[pd.DataFrame] = []
     tables: list[Any] = []
     for part in parts:
@@ -324,5 +358,23 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
         frame = _coerce(pd.concat([part for part in frames if len(part)] or frames[:1], ignore_index=True))
     else:
         frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
+    frame, duplicates = _drop_duplicates(frame, files, rows_per_file)
     bad.sort(key=lambda item: (item[0], item[1]))  # by file, then line number
-    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad))
+    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad), duplicates=duplicates)
+
+
+def _drop_duplicates(
+    frame: pd.DataFrame, files: Sequence[Path], rows_per_file: Sequence[int]
+) -> tuple[pd.DataFrame, tuple[tuple[str, int], ...]]:
+    """``frame`` without the second and later copies of a row (:data:`DUPLICATE_KEYS`), and
+    how many copies each ledger held. The first copy (file order) stays."""
+    if len(frame) < 2:
+        return frame, ()
+    copies = frame.duplicated(subset=list(DUPLICATE_KEYS), keep="first").to_numpy()
+    if not copies.any():
+        return frame, ()
+    # Rows are in file order, so row i belongs to the file whose row range holds it.
+    owner = np.repeat(np.arange(len(files)), rows_per_file)
+    per_file = np.bincount(owner[copies], minlength=len(files))
+    duplicates = tuple((str(path), int(n)) for path, n in zip(files, per_file, strict=True) if n)
+    return frame.loc[~copies].reset_index(drop=True), duplicates

@@ -85,3 +85,44 @@ def test_empty_and_blank_only_files(tmp_path: Path) -> None:
     loaded = rep.load_ledgers([tmp_path])
     assert loaded.frame.empty and loaded.bad_lines == ()
     assert list(loaded.frame.columns) == list(rep.LOAD_COLUMNS)
+
+
+def test_non_finite_metrics_refused_with_file_and_line_on_both_paths(tmp_path: Path, small_blocks: None) -> None:
+    lines = [good(i) for i in range(200)]
+
+    def with_value(i: int, **values: float) -> bytes:
+        # json.dumps writes NaN / Infinity as bare words (what another writer could leave);
+        # 1e999 is a valid JSON number that overflows to infinity.
+        return json.dumps({**json.loads(good(i)), **values}).encode() + b"\n"
+
+    lines[5] = with_value(5, output_tok_s=float("nan"))
+    lines[60] = with_value(60, ttft_ms_p99=float("inf"), accept_length=float("-inf"))
+    lines[61] = with_value(61, itl_ms_median=1.0).replace(b'"itl_ms_median": 1.0', b'"itl_ms_median": 1e999')
+    lines[150] = with_value(150, ttft_ms_mean=float("nan"))  # a stat the report does not read: kept
+    path = tmp_path / "l.jsonl"
+    path.write_bytes(b"".join(lines))
+    loaded = assert_paths_agree(path)
+    assert [(f, n, r) for f, n, r in loaded.bad_lines] == [
+        (str(path), 6, "non-finite metric(s): output_tok_s=nan"),
+        (str(path), 61, "non-finite metric(s): accept_length=-inf, ttft_ms_p99=inf"),
+        (str(path), 62, "non-finite metric(s): itl_ms_median=inf"),
+    ]
+    assert len(loaded.frame) == 197 and 150 in set(loaded.frame["repeat"])
+
+
+def test_duplicate_rows_counted_once_and_attributed_to_their_ledger(tmp_path: Path, small_blocks: None) -> None:
+    lines = [good(i) for i in range(100)]
+    first = tmp_path / "a.jsonl"
+    first.write_bytes(b"".join(lines) + lines[7])  # one row written twice
+    (tmp_path / "copy").mkdir()
+    copy = tmp_path / "copy" / "b.jsonl"
+    # a copy of the first 50 rows, and one row of another run (not a copy: a measurement)
+    again = json.dumps({**json.loads(lines[3]), "run_id": "run-2"}).encode() + b"\n"
+    copy.write_bytes(b"".join(lines[:50]) + again)
+    for use_arrow in (None, False):
+        loaded = rep.load_ledgers([first, copy], use_arrow=use_arrow)
+        assert loaded.duplicates == ((str(first), 1), (str(copy), 50)) and loaded.duplicate_rows == 51
+        assert len(loaded.frame) == 101 and list(loaded.frame["repeat"][:100]) == list(range(100))
+        assert loaded.bad_lines == ()
+    alone = rep.load_ledgers([copy])
+    assert alone.duplicates == () and len(alone.frame) == 51

@@ -220,3 +220,26 @@ def test_terminal_tables_fit_80_columns(tmp_path: Path) -> None:
     titles = [line for line in lines if line.startswith("Best configuration — ")]
     assert len(titles) == 1 and "RTX PRO 6000" in titles[0]
     assert any("runner-up" in line for line in lines)
+
+
+def test_duplicates_and_non_finite_rows_listed_in_the_output(tmp_path: Path) -> None:
+    ledger = known_ledger(tmp_path / "l.jsonl")
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(ledger.read_bytes())  # the same rows again: counted once
+    with open(ledger, "a") as fh:  # a row another writer left with a NaN metric
+        fh.write(json.dumps({**make_row(repeat=9), "output_tok_s": float("nan")}) + "\n")
+    alone = rep.build_report([known_ledger(tmp_path / "alone" / "l.jsonl")])
+    both = rep.build_report([ledger, copy])
+    pd.testing.assert_frame_equal(both.tidy, alone.tidy)
+    assert both.loaded.duplicates == ((str(copy), 15),)
+
+    cmd = [sys.executable, "-m", "ddtree_ops", "report", str(ledger), str(copy)]
+    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json_data(done.stdout)
+    assert out["duplicates"] == [{"file": str(copy), "rows": 15}]
+    assert out["bad_lines"] == [{"file": str(ledger), "line": 16, "reason": "non-finite metric(s): output_tok_s=nan"}]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert text.returncode == 0, text.stderr
+    assert f"Counted 15 duplicate row(s) once (same run_id, cell and repeat): {copy} (15)" in text.stdout
+    assert f"{ledger}:16: non-finite metric(s): output_tok_s=nan" in text.stdout
