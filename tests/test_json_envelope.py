@@ -217,3 +217,31 @@ def test_exit_code_is_the_failed_hosts_shared_one(inventory: Path, tmp_path: Pat
     env = read_envelope(res.stdout)
     assert res.exit_code == env["exit_code"] == 7, res
     assert sorted(e["code"] for e in env["errors"]) == ["connect", "fleet", "service"]
+
+
+def test_global_options_also_work_after_the_command(inventory: Path, cli: Any, clean_home: Path) -> None:
+    """``deploy here -i inv.yaml --json`` works like ``-i inv.yaml --json deploy here``; a
+    command's own option of the same name stays its own, a value is never taken for a
+    global option, and nothing after ``--`` moves."""
+    inv = str(inventory)
+    res = cli("deploy", "here", str(BUNDLE), "--dry-run", "-i", inv, "--json", "--host-key-policy", "accept-new")
+    env = read_envelope(res.stdout)
+    assert res.exit_code == 0 and env["command"] == "deploy" and env["data"][0]["host"] == "here", res
+    # -i before and after (repeatable: both count), --max-parallel=N, -vv, --debug after the command.
+    other = inventory.with_name("other.yaml")
+    other.write_text(yaml.safe_dump({"all": {"hosts": {"other": {"ansible_connection": "local"}}}}))
+    listed = cli("-i", inv, "hosts", "-i", str(other), "--max-parallel=2", "-vv", "--debug")
+    assert listed.exit_code == 0 and "python=" in listed.stdout, listed  # -v's detail line
+    assert "here" in listed.stdout and "other" in listed.stdout
+    # status has its own --max-parallel: it stays status's (the global one would be fine too).
+    res = cli("status", "here", "--max-parallel", "1", "--bundle", str(BUNDLE), "--json", "-i", inv)
+    assert res.exit_code == 0 and read_envelope(res.stdout)["command"] == "status", res
+    # A bad global value after the command is the same usage error as before it.
+    res = cli("hosts", "-i", inv, "--host-key-policy", "yolo")
+    assert res.exit_code == 2 and "strict" in res.stderr
+    # "--json" as --extra-arg's value is restart's, not the global flag: a table, exit 5.
+    res = cli("restart", "broken", "--extra-arg", "--json", "-i", inv, "--no-smoke")
+    assert res.exit_code == 5 and not res.stdout.lstrip().startswith("{") and "broken" in res.stdout, res
+    # After "--", "--json" is the target.
+    res = cli("hosts", "-i", inv, "--", "--json")
+    assert res.exit_code == 2 and "unknown target '--json'" in res.stderr, res

@@ -4,13 +4,15 @@ This is the ONLY place that catches :class:`DdtreeOpsError`: it prints one line 
 with the error's exit code (a traceback only with ``--debug``). Under ``--json`` it also
 writes the command's one JSON document, the envelope (:func:`ddtree_ops.cli.common.envelope`),
 on success and on failure alike. Each command group lives in its own module under
-``ddtree_ops/cli/`` and registers itself in :func:`_register`.
+``ddtree_ops/cli/`` and registers itself in :func:`_register`. Global options may also
+follow the command: :func:`hoist_global_options` moves them before it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,13 +134,82 @@ def _json_envelope(obj: AppContext, error: BaseException | None = None) -> None:
     write_envelope(obj.command, data=obj.data, error=error)
 
 
+def _option_names(command: Any, *, with_values: bool) -> dict[str, int]:
+    """A click command's option names -> how many values each takes (0 for flags and counts)."""
+    names: dict[str, int] = {}
+    for param in command.params:
+        if param.param_type_name != "option" or (param.is_eager and not with_values):
+            continue
+        takes = 0 if param.is_flag or param.count else param.nargs
+        for name in (*param.opts, *param.secondary_opts):
+            names[name] = takes
+    return names
+
+
+def hoist_global_options(group: Any, argv: Sequence[str]) -> list[str]:
+    """``deploy ct200 -i inv.yaml --json`` -> ``-i inv.yaml --json deploy ct200``.
+
+    Global options written after the command move before it, so they work on either side.
+    A command's own option of the same name stays its own (``report --json``, ``deploy
+    --max-parallel``), a value of one of its options is never taken for a global option
+    (``--extra-arg --json``), and nothing after ``--`` moves. Anything else (no command, an
+    unknown one) is left for click to report.
+    """
+    args = list(argv)
+    global_opts = _option_names(group, with_values=False)  # not --version / --help
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        name = args[i].split("=", 1)[0]
+        i += 1 + (global_opts.get(name, 0) if "=" not in args[i] else 0)
+    command = group.commands.get(args[i]) if i < len(args) else None
+    if command is None or hasattr(command, "commands"):
+        return args
+    own = _option_names(command, with_values=True)
+    own.setdefault("--help", 0)
+    moved: list[str] = []
+    kept: list[str] = []
+    j = i + 1
+    while j < len(args):
+        token = args[j]
+        if token == "--":
+            kept.extend(args[j:])
+            break
+        name, attached = token.split("=", 1)[0], "=" in token
+        if name in own:
+            n = 1 + (0 if attached else own[name])
+            kept.extend(args[j : j + n])
+        elif name in global_opts:
+            n = 1 + (0 if attached else global_opts[name])
+            moved.extend(args[j : j + n])
+        elif _short_globals(token, global_opts, own):  # -vv, -iinv.yaml
+            n = 1
+            moved.append(token)
+        else:
+            n = 1
+            kept.append(token)
+        j += n
+    return [*args[:i], *moved, args[i], *kept]
+
+
+def _short_globals(token: str, global_opts: dict[str, int], own: dict[str, int]) -> bool:
+    """``-vv`` (a repeated global flag) or ``-iPATH`` (a global short option with its value
+    attached), when the command has no short option of that letter."""
+    if not token.startswith("-") or token.startswith("--") or len(token) <= 2:
+        return False
+    first = token[:2]
+    if first in own or first not in global_opts:
+        return False
+    return global_opts[first] > 0 or all(f"-{c}" == first for c in token[1:])
+
+
 def run() -> None:
     """Console-script entry point."""
     _register()
     debug = "--debug" in sys.argv
     obj = AppContext()
     try:
-        app(standalone_mode=False, obj=obj)
+        args = hoist_global_options(typer.main.get_command(app), sys.argv[1:])
+        app(args=args, standalone_mode=False, obj=obj)
     except DdtreeOpsError as exc:
         if debug:
             err_console.print_exception()
