@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._counter = itertools.count()
         self._task: asyncio.Task[None] | None = None
-        self._planned_end = 0.0
+        # End of the last step on the loop's clock; -inf: no step to continue from.
+        self._planned_end = -math.inf
         self._generator = torch.Generator().manual_seed(hash_ints(settings.seed, 77))
         self.total_verify_ct = 0
         self.total_completion_tokens = 0
@@ -189,6 +191,10 @@ class Engine:
             if not self._running and not self._waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                # Idle time is not lateness: the step after an idle spell starts when its
+                # work arrived, not at the last step's planned end (which would count the
+                # idle gap as prefill already done and make TTFT read short).
+                self._planned_end = -math.inf
                 continue
             # Steps run on an absolute timeline: when the previous step just ended, this
             # one starts at its *planned* end, so the event loop waking a little late
@@ -200,13 +206,10 @@ class Engine:
                 batch = self._waiting[:room]
                 del self._waiting[:room]
                 outputs = self._prefill(batch)
-                ms = self.profile.step_ms(
-                    batch=0,
-                    verify_tokens=0,
-                    draft_positions=0,
-                    prefill_tokens=sum(len(r.prompt_ids) for r in batch),
+                ms = self.profile.prefill_ms(
+                    sum(len(r.prompt_ids) for r in batch),
                     cuda_graph=self.args.cuda_graph_backend_prefill != "disabled",
-                ) + self.profile.base_ms
+                )
                 self._running.extend(batch)
             else:
                 batch = list(self._running)

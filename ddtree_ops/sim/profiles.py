@@ -66,6 +66,14 @@ class GpuProfile:
             ms *= self.eager_factor
         return ms
 
+    def prefill_ms(self, prompt_tokens: int, *, cuda_graph: bool = True) -> float:
+        """Simulated duration of a prefill step over ``prompt_tokens`` new prompt tokens:
+        the fixed cost of a forward pass plus the per-token prefill cost. The engine
+        charges exactly this, so it is also the floor of TTFT at an idle server."""
+        return self.step_ms(
+            batch=0, verify_tokens=0, draft_positions=0, prefill_tokens=prompt_tokens, cuda_graph=cuda_graph
+        ) + self.base_ms
+
 
 PROFILES: dict[str, GpuProfile] = {
     "h200": GpuProfile(
