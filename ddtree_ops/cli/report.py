@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,10 @@ def _print_skipped(console: Console, loaded: rep.LoadedLedgers) -> None:
             highlight=False, soft_wrap=True,
         )
     if loaded.bad_lines:
-        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s):[/]", highlight=False)
+        kinds = Counter(reason.split(":")[0] for _, _, reason in loaded.bad_lines)
+        summary = escape(", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
+        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s)[/] ({summary}):", highlight=False,
+                      soft_wrap=True)
         for f, n, r in loaded.bad_lines[:10]:
             console.print(f"  {f}:{n}: {r}", highlight=False, markup=False, soft_wrap=True)
         if len(loaded.bad_lines) > 10:

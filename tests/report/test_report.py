@@ -242,4 +242,5 @@ def test_duplicates_and_non_finite_rows_listed_in_the_output(tmp_path: Path) -> 
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert text.returncode == 0, text.stderr
     assert f"Counted 15 duplicate row(s) once (same run_id, cell and repeat): {copy} (15)" in text.stdout
+    assert "Skipped 1 bad line(s) (1 non-finite metric(s)):" in text.stdout
     assert f"{ledger}:16: non-finite metric(s): output_tok_s=nan" in text.stdout
