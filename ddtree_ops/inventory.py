@@ -14,6 +14,11 @@ key by key (so a group can set ``server.port`` and a host only ``server.model_pa
 other variables are replaced whole. Group vars apply to the hosts of the file they are
 written in: loading ``ct200.yaml`` and ``local.yaml`` together must not let one file's
 ``all: vars:`` leak into the other's hosts.
+
+Nothing is overridden silently: a mapping key written twice is an error (file:line and
+the key), and so is a host listed under two groups of a file with two different values
+for one variable, or defined in two files that resolve it differently (both files and
+the key). A host in several groups, or files, that agree stays one host in all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import difflib
 import fnmatch
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +36,7 @@ import yaml
 
 from ddtree_ops.errors import InventoryError, TargetError
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.yamlfile import safe_load_unique
 
 GROUP_KEYS = ("hosts", "vars", "children")
 SSH_CONNECTIONS = ("ssh", "paramiko", "smart")
@@ -108,7 +114,9 @@ def load_inventory(paths: Sequence[Path], *, ssh_config: Path | None = None) -> 
     for path in paths:
         for host, host_groups in _load_file(Path(path), aliases):
             if host.name in hosts:
-                raise InventoryError(f"{path}: host {host.name!r} is already defined in {hosts[host.name].source}")
+                first = hosts[host.name]
+                _check_same_host(first, host)
+                host = replace(first, groups=(*first.groups, *(g for g in host.groups if g not in first.groups)))
             hosts[host.name] = host
             for group in host_groups:
                 members = groups.setdefault(group, [])
@@ -139,7 +147,7 @@ def _read_yaml(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise InventoryError(f"cannot read inventory {path}: {exc}") from None
     try:
-        return yaml.safe_load(text)
+        return safe_load_unique(text, source=str(path), error=InventoryError)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -203,6 +211,7 @@ def _load_file(path: Path, aliases: _SshAliases) -> list[tuple[Host, tuple[str, 
 
     result = []
     for hname, entry in entries.items():
+        _check_layers_agree(hname, entry.vars_layers, path)
         entry.groups.add("all")
         ordered = sorted(entry.groups, key=lambda g: (depth.get(g, 0), g != "all", g))
         merged: dict[str, Any] = {}
@@ -214,6 +223,70 @@ def _load_file(path: Path, aliases: _SshAliases) -> list[tuple[Host, tuple[str, 
         host = _build_host(hname, merged, path, entry.vars_layers[0][0], aliases, groups=member_of)
         result.append((host, member_of))
     return result
+
+
+def _check_same_host(first: Host, again: Host) -> None:
+    """A host in two files is one host only if both resolve to the same settings.
+
+    Ansible lets a host sit in several groups, and in several inventory files; but two
+    files that disagree on where or how to reach it (or how to launch its server) have
+    no single right answer, and the later file must not win silently.
+    """
+    names = {
+        "connection": "ansible_connection",
+        "address": "ansible_host",
+        "port": "ansible_port",
+        "user": "ansible_user",
+        "key_file": "ansible_ssh_private_key_file",
+    }
+    for f in fields(Host):
+        if f.name in ("name", "groups", "source"):
+            continue
+        ours, theirs = getattr(again, f.name), getattr(first, f.name)
+        if ours == theirs:
+            continue
+        key, ours, theirs = _first_difference(f.name, ours, theirs)
+        raise InventoryError(
+            f"{again.source}: host {again.name!r} is already defined in {first.source} with another "
+            f"{names.get(key, key)}: {ours!r} here, {theirs!r} there"
+        )
+
+
+def _first_difference(key: str, ours: Any, theirs: Any) -> tuple[str, Any, Any]:
+    """Descend into the settings dataclasses to the first field whose values differ."""
+    if type(ours) is type(theirs) and hasattr(ours, "__dataclass_fields__"):
+        for f in fields(ours):
+            a, b = getattr(ours, f.name), getattr(theirs, f.name)
+            if a != b:
+                return _first_difference(f"{key}.{f.name}", a, b)
+    return key, ours, theirs
+
+
+def _check_layers_agree(name: str, layers: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> None:
+    """A host listed under several groups of one file may carry vars in each, but not two
+    different values for one variable: which would win depends on group order, not intent."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for keypath, hvars in layers:
+        for key, value in _leaves(hvars):
+            if key in seen and seen[key][1] != value:
+                where, before = seen[key]
+                raise InventoryError(
+                    f"{path}: host {name!r} is defined twice with different {key}: "
+                    f"{before!r} at {where}, {value!r} at {keypath}"
+                )
+            seen.setdefault(key, (keypath, value))
+
+
+def _leaves(vars_: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``ddtree:`` is merged key by key, so compare it leaf by leaf; other vars whole."""
+    out: list[tuple[str, Any]] = []
+    for key, value in vars_.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and (prefix or key == "ddtree"):
+            out.extend(_leaves(value, f"{dotted}."))
+        else:
+            out.append((dotted, value))
+    return out
 
 
 def _merge_vars(into: dict[str, Any], layer: Mapping[str, Any]) -> None:

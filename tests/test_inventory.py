@@ -202,3 +202,76 @@ def test_hostile_strings_are_kept_verbatim(tmp_path: Path) -> None:
     doc = {"all": {"hosts": {"h": {"ansible_host": "x", "ddtree": {"server": {"model_path": hostile}}}}}}
     inv = load(tmp_path, yaml.safe_dump(doc))
     assert inv.hosts["h"].ddtree.server.model_path == hostile
+
+
+def test_duplicate_yaml_key_names_file_line_and_key(tmp_path: Path) -> None:
+    text = "all:\n  hosts:\n    h:\n      ansible_host: 1.1.1.1\n      ansible_host: 2.2.2.2\n"
+    with pytest.raises(InventoryError, match=r"inv\.yaml:5: duplicate key 'ansible_host' \(first at line 4\)$"):
+        load(tmp_path, text)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    text = """
+    all:
+      vars:
+        base: &base {ansible_user: u, ansible_port: 22}
+      hosts:
+        h: {<<: *base, ansible_port: 2222, ansible_host: 1.1.1.1}
+    """
+    assert load(tmp_path, text).hosts["h"].port == 2222
+
+
+def test_host_in_two_groups_with_the_same_vars_is_fine(tmp_path: Path) -> None:
+    inv = load(
+        tmp_path,
+        """
+        all:
+          children:
+            a: {hosts: {h: {ansible_host: 1.1.1.1, ddtree: {server: {port: 1}}}}}
+            b: {hosts: {h: {ansible_host: 1.1.1.1, ddtree: {python: /py}}}}
+        """,
+    )
+    host = inv.hosts["h"]
+    assert host.groups == ("a", "b") and host.ddtree.server.port == 1 and host.python == "/py"
+
+
+def test_host_in_two_groups_with_conflicting_vars_is_an_error(tmp_path: Path) -> None:
+    text = """
+    all:
+      children:
+        a: {hosts: {h: {ansible_host: 1.1.1.1, ddtree: {server: {port: 1}}}}}
+        b: {hosts: {h: {ansible_host: 1.1.1.1, ddtree: {server: {port: 2}}}}}
+    """
+    with pytest.raises(
+        InventoryError,
+        match=r"inv\.yaml: host 'h' is defined twice with different ddtree\.server\.port: "
+        r"1 at all\.children\.a\.hosts\.h, 2 at all\.children\.b\.hosts\.h$",
+    ):
+        load(tmp_path, text)
+
+
+def test_same_host_in_two_files_that_agree_is_one_host(tmp_path: Path) -> None:
+    a = write(tmp_path, "ct200:\n  hosts: {h: {ansible_host: 1.1.1.1}}\n", "a.yaml")
+    b = write(tmp_path, "gpus:\n  hosts: {h: {ansible_host: 1.1.1.1}}\n", "b.yaml")
+    inv = load_inventory([a, b], ssh_config=tmp_path / "none")
+    assert [h.name for h in inv.resolve("gpus")] == ["h"] and inv.hosts["h"].groups == ("ct200", "gpus")
+
+
+def test_duplicate_yaml_key_in_a_sweep_file(tmp_path: Path) -> None:
+    from ddtree_ops.bench.sweep import load_sweep
+    from ddtree_ops.errors import SweepError
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nrepeats: 1\nrepeats: 3\n")
+    with pytest.raises(SweepError, match=r"s\.yaml:3: duplicate key 'repeats' \(first at line 2\)$"):
+        load_sweep(sweep)
+
+
+def test_duplicate_host_across_files_cli_names_both_files_and_key(tmp_path: Path, cli, clean_home: Path) -> None:
+    a = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: x}}\n", "a.yaml")
+    b = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: y}}\n", "b.yaml")
+    res = cli("-i", str(a), "-i", str(b), "hosts")
+    assert res.exit_code == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "b.yaml: host 'h' is already defined in" in lines[0]
+    assert "a.yaml with another ansible_user: 'y' here, 'x' there" in lines[0]

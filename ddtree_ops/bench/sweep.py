@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from ddtree_ops.errors import DdtreeOpsError, SweepError
+from ddtree_ops.yamlfile import safe_load_unique
 
 ALGORITHMS = ("ddtree", "dflash", "autoregressive")
 BASELINES = ("autoregressive", "dflash")
@@ -294,7 +295,7 @@ def load_sweep(path: Path) -> SweepSpec:
     except OSError as exc:
         raise SweepError(f"{path}: cannot read sweep file: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load_unique(text, source=str(path), error=SweepError)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import yaml
 
 from ddtree_ops.errors import BundleError
+from ddtree_ops.yamlfile import safe_load_unique
 
 MANIFEST_NAME = "patch.yaml"
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -245,7 +246,7 @@ def load_bundle(path: Path | str) -> Bundle:
     raw = manifest_path.read_bytes()
     where = str(manifest_path)
     try:
-        doc = yaml.safe_load(raw)
+        doc = safe_load_unique(raw, source=where, error=BundleError)
     except yaml.YAMLError as exc:
         raise BundleError(f"{where}: not valid YAML: {exc}".splitlines()[0]) from exc
     if not isinstance(doc, dict):
