@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddtree_ops.errors import DdtreeOpsError, FleetError, Interrupted, error_code
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
 from ddtree_ops.inventory_types import Host
@@ -35,6 +35,26 @@ Column = tuple[str, Callable[[Any], object]]
 # A value that carries its own failure (doctor's facts of an unreachable host) -> that error.
 Judge = Callable[[Any], "BaseException | None"]
 SCHEMA_VERSION = 1
+
+
+def check_output_path(option: str, path: Path | None, *, directory: bool = False) -> None:
+    """Refuse an output path whose parent directory does not exist, before any work.
+
+    A typo in ``--csv /tmp/reprots/x.csv`` must not create a directory tree somewhere
+    (nor only fail after minutes of work): the parent must already be a directory. With
+    ``directory=True`` the path itself is a folder we may create (``--plots DIR``), so it
+    must not be an existing file.
+    """
+    if path is None:
+        return
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"{option} {path}: directory {parent} {what}")
+    if directory and path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path}: exists and is not a directory")
+    if not directory and path.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory, expected a file name")
 
 
 def load_inventory_for(ctx_obj: Any) -> Inventory:

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ddtree_ops import report as rep
+from ddtree_ops.cli.common import check_output_path
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError
 
@@ -38,8 +39,7 @@ def _cell(row: Any) -> str:
 
 
 def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the parent was checked before any work (check_output_path)
         frame.to_csv(path, index=False)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write the CSV: {exc.strerror or exc}") from exc
@@ -218,6 +218,9 @@ def report_command(
     obj.json = as_json = json_output or obj.json  # either --json: the envelope, errors included
     if group_by not in ("gpu", "host"):
         raise ConfigError(f"--group-by must be 'gpu' or 'host', not {group_by!r}")
+    check_output_path("--csv", csv)
+    check_output_path("--csv-best", csv_best)
+    check_output_path("--plots", plots, directory=True)
     result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes)  # type: ignore[arg-type]
     cmp = None
     if compare_with:

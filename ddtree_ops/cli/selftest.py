@@ -27,6 +27,7 @@ from typing import Any
 import typer
 
 from ddtree_ops.cli.common import (
+    check_output_path,
     load_hosts,
     raise_if_failed,
     set_json_data,
@@ -477,15 +478,15 @@ def _host_dict(name: str, result: Any) -> dict[str, Any]:
 
 
 def check_out_dir(out: Path | None) -> None:
-    """Refuse an --out that cannot become a directory, before any host is contacted."""
-    if out is not None and out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {out} exists and is not a directory")
+    """Refuse an --out that cannot become a directory (its parent must exist), before any
+    host is contacted."""
+    check_output_path("--out", out, directory=True)
 
 
 def write_reports(out: Path, results: Mapping[str, Any]) -> list[Path]:
     """``out/<host>.json`` per host (failed hosts too: their error)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
         written = []
         for name, r in results.items():
             path = out / f"{name.replace('/', '_')}.json"

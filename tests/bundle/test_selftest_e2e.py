@@ -128,6 +128,7 @@ def _inventory(tmp_path: Path, python: str) -> Path:
         (["--e2e", "--graphs", "on,eager"], "--graphs: 'eager' is not a graph mode"),
         (["--budgets", "4"], "--budgets applies to --e2e only"),
         (["--e2e", "--out", "FILE"], "exists and is not a directory"),
+        (["--out", "NODIR/reports"], "directory NODIR does not exist"),
     ],
 )
 def test_cli_refuses_bad_options_in_one_line_before_any_host(
@@ -136,10 +137,13 @@ def test_cli_refuses_bad_options_in_one_line_before_any_host(
     (tmp_path / "FILE").write_text("")
     # The host's python does not exist: reaching the host would be a different error.
     inv = _inventory(tmp_path, str(tmp_path / "no-python"))
-    res = cli("-i", str(inv), "selftest", "h1", *[str(tmp_path / a) if a == "FILE" else a for a in args])
+    args = [str(tmp_path / a) if a.startswith(("FILE", "NODIR")) else a for a in args]
+    res = cli("-i", str(inv), "selftest", "h1", *args)
     assert res.exit_code == 2, res
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    message = message.replace("NODIR", str(tmp_path / "NODIR"))
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+    assert not (tmp_path / "NODIR").exists()
 
 
 # --------------------------------------------------------------------- report parsing

@@ -244,3 +244,30 @@ def test_duplicates_and_non_finite_rows_listed_in_the_output(tmp_path: Path) -> 
     assert f"Counted 15 duplicate row(s) once (same run_id, cell and repeat): {copy} (15)" in text.stdout
     assert "Skipped 1 bad line(s) (1 non-finite metric(s)):" in text.stdout
     assert f"{ledger}:16: non-finite metric(s): output_tok_s=nan" in text.stdout
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "missing"),
+    [
+        ("--csv", "nodir/x.csv", "nodir"),
+        ("--csv-best", "nodir/deeper/b.csv", "nodir/deeper"),
+        ("--plots", "nodir/plots", "nodir"),
+    ],
+)
+def test_output_paths_need_an_existing_parent(
+    cli, tmp_path: Path, option: str, value: str, missing: str
+) -> None:
+    """A typo in an output path is one line before any work, not a directory tree created anywhere."""
+    ledger = known_ledger(tmp_path / "l.jsonl")
+    res = cli("report", str(ledger), option, str(tmp_path / value))
+    assert res.exit_code == 2, res
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"{option} {tmp_path / value}: directory {tmp_path / missing} does not exist" in lines[0]
+    assert not (tmp_path / "nodir").exists() and res.stdout == ""
+
+
+def test_plots_folder_is_created_when_its_parent_exists(cli, tmp_path: Path) -> None:
+    ledger = known_ledger(tmp_path / "l.jsonl")
+    res = cli("report", str(ledger), "--plots", str(tmp_path / "plots"), "--show-cells", "0")
+    assert res.exit_code == 0, res.stderr
+    assert any((tmp_path / "plots").glob("*.png"))
