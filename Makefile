@@ -68,7 +68,7 @@ demo: demo-hosts
 	$(DEMO_OPS) restart local --algorithm DDTREE --budget 16 --topk 4
 	rm -rf results/demo.jsonl results/demo_plots
 	$(DEMO_OPS) bench --sweep bench_configs/demo.yaml --out results/demo.jsonl
-	$(DEMO_OPS) report results/demo.jsonl --min-repeats 1 --csv results/demo.csv \
+	$(DEMO_OPS) report results/demo.jsonl --csv results/demo.csv \
 	  --csv-best results/demo_best.csv --plots results/demo_plots/
 
 clean:

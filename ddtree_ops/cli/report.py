@@ -17,7 +17,7 @@ from rich.table import Table
 from ddtree_ops import report as rep
 from ddtree_ops.cli.common import check_output_path
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import ConfigError
+from ddtree_ops.errors import BenchError, ConfigError
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -201,8 +201,9 @@ def report_command(
     group_by: str = typer.Option(
         "gpu", "--group-by", help="Machine for best configs and plots: gpu (GPU type) or host."
     ),
-    min_repeats: int = typer.Option(
-        rep.DEFAULT_MIN_REPEATS, "--min-repeats", help="Refuse cells with fewer ok repeats."
+    min_repeats: int | None = typer.Option(
+        None, "--min-repeats",
+        help="Refuse cells with fewer ok repeats (default: the repeats each ledger's sweep planned).",
     ),
     mix_modes: bool = typer.Option(False, "--mix-modes", help="Rank eager and CUDA-graph cells together (flagged)."),
     compare_with: list[Path] | None = typer.Option(
@@ -246,6 +247,7 @@ def report_command(
             "cells": _records(result.tidy),
             "best": _records(result.best.best),
             "refusals": _records(result.best.refusals),
+            "min_repeats": result.min_repeats,
             "plots": [str(p) for p in written],
         }
         if cmp is not None:
@@ -253,6 +255,7 @@ def report_command(
         from ddtree_ops.cli.common import set_json_data
 
         set_json_data(obj, payload)
+        _raise_if_all_refused(result)
         return
 
     console = obj.console
@@ -289,3 +292,18 @@ def report_command(
         console.print(table)
         for line in details:
             console.print(line, highlight=False, soft_wrap=True)
+    _raise_if_all_refused(result)
+
+
+def _raise_if_all_refused(result: rep.Report) -> None:
+    """No cell may be recommended: a report of nothing but refusals is a failed report
+    (exit 6, like a failed benchmark), so a script does not take "none" for an answer."""
+    if not result.all_refused:
+        return
+    reasons = Counter(str(r).split("; ")[0] for r in result.best.refusals["reason"])
+    reason, count = reasons.most_common(1)[0]
+    source = " (planned by the ledgers' sweeps)" if result.min_repeats_planned else ""
+    raise BenchError(
+        f"every one of the {len(result.grouped)} cell(s) was refused, so no configuration can be recommended "
+        f"(most common reason, {count} cell(s): {reason}; min repeats {result.min_repeats}{source})"
+    )

@@ -25,22 +25,44 @@ class Report:
     grouped: pd.DataFrame  # per (group-by machine, cell): what best configs and plots use
     best: BestConfigs
     group_by: GroupBy
+    min_repeats: int = DEFAULT_MIN_REPEATS  # what cells were held to (given, or planned_repeats)
+    min_repeats_planned: bool = False  # True when it came from the ledgers' sweeps
+
+    @property
+    def all_refused(self) -> bool:
+        """Every cell refused: no configuration can be recommended from these ledgers."""
+        return len(self.grouped) > 0 and len(self.best.refusals) >= len(self.grouped)
+
+
+def planned_repeats(frame: pd.DataFrame) -> int:
+    """How many repeats the ledgers' sweeps planned: per sweep the highest ``repeat`` + 1
+    (rows do not carry the planned count, and a sweep's last repeat index is it, failed
+    rows included); the smallest of those when the ledgers hold several sweeps, so that no
+    sweep's cells are held to another sweep's count."""
+    if frame.empty:
+        return 1
+    per_sweep = (frame.groupby("sweep", dropna=False)["repeat"].max() + 1).dropna()
+    return max(1, int(per_sweep.min())) if len(per_sweep) else 1
 
 
 def build_report(
     paths: Sequence[Path | str],
     *,
     group_by: GroupBy = "gpu",
-    min_repeats: int = DEFAULT_MIN_REPEATS,
+    min_repeats: int | None = None,
     mix_modes: bool = False,
     use_arrow: bool | None = None,
 ) -> Report:
     """Load, aggregate per host and per ``group_by`` machine, pick best configs.
 
+    ``min_repeats=None`` holds cells to the repeats their sweep planned
+    (:func:`planned_repeats`): a one-repeat demo sweep is reported, a cell that lost
+    repeats of a three-repeat sweep is refused.
+
     An empty result (no ledger files, or files with no valid row) is a ConfigError that
     says what was looked at, because an empty table would read as "nothing is faster".
     """
-    if min_repeats < 1:
+    if min_repeats is not None and min_repeats < 1:
         raise ConfigError(f"--min-repeats must be at least 1, not {min_repeats}")
     loaded = load_ledgers(paths, use_arrow=use_arrow)
     if loaded.frame.empty:
@@ -55,8 +77,13 @@ def build_report(
     # Per-host rows always; grouping by GPU as well shares the one costly row grouping.
     levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
     tidy, grouped = levels["host"], levels[group_by]
-    best = best_configs(grouped, min_repeats=min_repeats, mix_modes=mix_modes)
-    return Report(loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by)
+    planned = min_repeats is None
+    threshold = planned_repeats(loaded.frame) if min_repeats is None else min_repeats
+    best = best_configs(grouped, min_repeats=threshold, mix_modes=mix_modes)
+    return Report(
+        loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by,
+        min_repeats=threshold, min_repeats_planned=planned,
+    )
 
 
 def load_tidy(paths: Sequence[Path | str], *, by: GroupBy = "host") -> pd.DataFrame:

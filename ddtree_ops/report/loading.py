@@ -34,8 +34,8 @@ from ddtree_ops.bench.ledger import KEY_FIELDS, SCHEMA_VERSION, parse_lines
 from ddtree_ops.errors import ConfigError
 
 _STR_COLS = (
-    "run_id", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash", "workload_name",
-    "status",
+    "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
+    "workload_name", "status",
 )
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed")
 #: Per-row metrics whose per-cell median the tidy table reports.

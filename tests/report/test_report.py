@@ -271,3 +271,29 @@ def test_plots_folder_is_created_when_its_parent_exists(cli, tmp_path: Path) -> 
     res = cli("report", str(ledger), "--plots", str(tmp_path / "plots"), "--show-cells", "0")
     assert res.exit_code == 0, res.stderr
     assert any((tmp_path / "plots").glob("*.png"))
+
+
+def test_min_repeats_default_is_what_the_sweep_planned(cli, tmp_path: Path) -> None:
+    """A one-repeat sweep (the demo's) is reported without --min-repeats; a cell that lost
+    a repeat of a three-repeat sweep is still refused."""
+    one = write(tmp_path / "one.jsonl", [make_row(algorithm="AR", output_tok_s=100.0), make_row(output_tok_s=200.0)])
+    res = cli("report", str(one), "--json")
+    assert res.exit_code == 0, res.stderr
+    out = json_data(res.stdout)
+    assert out["min_repeats"] == 1 and out["refusals"] == [] and out["best"][0]["budget"] == 16
+
+    rows = [make_row(algorithm="AR", repeat=i) for i in range(3)] + [make_row(repeat=i) for i in range(2)]
+    r = rep.build_report([write(tmp_path / "three.jsonl", rows)])
+    assert r.min_repeats == 3 and list(r.best.refusals["reason"]) == ["n=2 < min repeats 3"]
+    assert rep.build_report([tmp_path / "three.jsonl"], min_repeats=2).best.refusals.empty  # explicit wins
+
+
+def test_every_cell_refused_exits_non_zero_with_one_line(cli, tmp_path: Path) -> None:
+    ledger = write(tmp_path / "l.jsonl", [make_row(algorithm="AR"), make_row()])
+    res = cli("report", str(ledger), "--min-repeats", "3")
+    assert res.exit_code == 6, res
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "every one of the 2 cell(s) was refused" in lines[0], res.stderr
+    assert "n=1 < min repeats 3" in lines[0]
+    as_json = cli("report", str(ledger), "--min-repeats", "3", "--json")
+    assert as_json.exit_code == 6 and len(json.loads(as_json.stdout)["data"]["refusals"]) == 2
