@@ -286,7 +286,12 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
 
 
 def load_sweep(path: Path) -> SweepSpec:
-    """Read and validate a sweep file; every error is a :class:`SweepError` naming file and key."""
+    """Read and validate a sweep file; every error is a :class:`SweepError` naming file and key.
+
+    The prompt files are read and validated here too, line by line exactly as the run
+    will read them, so ``bench --dry-run`` refuses a bad prompt line (file:line) instead
+    of passing a sweep that fails once the first server is up.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -300,7 +305,11 @@ def load_sweep(path: Path) -> SweepSpec:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise SweepError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
-    return parse_sweep(data, path)
+    spec = parse_sweep(data, path)
+    from ddtree_ops.bench.prompts import build_workload  # prompts imports this module
+
+    build_workload(spec.workload, search=(spec.source.parent,))
+    return spec
 
 
 def _canonical_rule(rule: Mapping[str, Any]) -> dict[str, Any]:

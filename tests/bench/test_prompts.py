@@ -68,3 +68,18 @@ def test_workload_is_deterministic_and_hashed(tmp_path: Path) -> None:
     other_seed = build_workload(Workload(prompt_files=(path,), num_prompts=12, max_new_tokens=16, seed=4))
     longer = build_workload(Workload(prompt_files=(path,), num_prompts=12, max_new_tokens=17, seed=3))
     assert len({one.workload_hash, other_seed.workload_hash, longer.workload_hash}) == 3
+
+
+def test_dry_run_validates_prompt_files_line_by_line(cli, tmp_path: Path) -> None:
+    """`bench --dry-run` reads the prompt files as the run does: a bad line is one error
+    naming file:line (exit 2), not a plan that fails once the first server is up."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"promt": "typo"}\n')
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(
+        "name: s\ntargets: [h]\ngrid: {budget: [4]}\nworkload: {prompt_files: [p.jsonl], num_prompts: 2}\n"
+    )
+    res = cli("bench", "--sweep", str(sweep), "--dry-run")
+    assert res.exit_code == 2, res
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"{prompts}:2: unknown key 'promt'" in lines[0], res.stderr
