@@ -140,6 +140,9 @@ def deploy_cmd(
     force_version: bool = typer.Option(
         False, "--force-version", help="Deploy to a package version the bundle was not made for."
     ),
+    replace: bool = typer.Option(
+        False, "--replace", help="Deploy over another applied bundle (its files this one does not patch are restored)."
+    ),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
     lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
     max_parallel: int | None = typer.Option(
@@ -158,8 +161,8 @@ def deploy_cmd(
         raise ConfigError("give either a bundle directory or --from/--to, not both")
     restart_fn = _restart_hook(budget, topk) if restart and not dry_run else None
     hosts = load_hosts(obj, target)
-    opts = RunOptions(force=force, force_version=force_version, dry_run=dry_run or diff, break_lock=break_lock,
-                      lock_wait_s=lock_wait)
+    opts = RunOptions(force=force, force_version=force_version, replace=replace, dry_run=dry_run or diff,
+                      break_lock=break_lock, lock_wait_s=lock_wait)
     overlay = load_overlay(from_dir, to_dir) if from_dir is not None and to_dir is not None else None
     bundle = None if overlay is not None else load_bundle(bundle_dir or DEFAULT_BUNDLE)
     diffs: dict[str, list[str]] = {}

@@ -43,6 +43,7 @@ from ddtree_ops.transport.base import Transport
 class RunOptions:
     force: bool = False
     force_version: bool = False
+    replace: bool = False  # deploy over another applied bundle (plan_deploy's other-bundle)
     dry_run: bool = False
     break_lock: bool = False
     lock_wait_s: float = 0.0
@@ -61,6 +62,7 @@ class RunOutcome(StrEnum):
     RECOVER = "recover"
     CONFLICT = "conflict"
     CHANGED_OUTSIDE = "changed-outside"
+    OTHER_BUNDLE = "other-bundle"
     UNSUPPORTED = "unsupported"
     MISSING = "missing"
     READONLY = "readonly"
@@ -80,8 +82,8 @@ class RunOutcome(StrEnum):
         return _STYLES.get(self, "yellow")
 
 
-_REFUSED = frozenset({RunOutcome.CONFLICT, RunOutcome.CHANGED_OUTSIDE, RunOutcome.UNSUPPORTED, RunOutcome.MISSING,
-                      RunOutcome.READONLY})
+_REFUSED = frozenset({RunOutcome.CONFLICT, RunOutcome.CHANGED_OUTSIDE, RunOutcome.OTHER_BUNDLE,
+                      RunOutcome.UNSUPPORTED, RunOutcome.MISSING, RunOutcome.READONLY})
 _STYLES = {RunOutcome.APPLIED: "green", RunOutcome.ROLLED_BACK: "green", RunOutcome.NOOP: "dim",
            RunOutcome.PLANNED: "cyan"}
 
@@ -225,7 +227,7 @@ def _raise_for_plan(plan: HostPlan, host: str) -> None:
         raise UnsupportedVersion(plan.reason, host=host)
     if plan.outcome in ("conflict", "changed-outside"):
         raise DriftError(plan.reason, host=host)
-    if plan.outcome == "missing":
+    if plan.outcome in ("missing", "other-bundle"):
         raise PatchError(plan.reason, host=host)
     if plan.outcome == "readonly":
         raise RemoteFileError(plan.reason + "; nothing was changed", host=host)
@@ -245,7 +247,7 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
     with _Run(transport, host, opts, "deploy") as run:
         rs, recovered = run.settle(package, want) if not opts.dry_run else (run.gather(package, want), None)
         b = bundle if isinstance(bundle, Bundle) else bundle(rs)
-        plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version)
+        plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version, replace=opts.replace)
         if opts.dry_run:
             return HostOutcome(host.name, "deploy", _dry_run_outcome(plan), plan,
                                recovered=recovered, notes=plan.notes, state=rs)

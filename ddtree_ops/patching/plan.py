@@ -15,7 +15,10 @@ Per file, comparing the remote sha256 with what the bundle and the state record 
     blocked     cannot be done safely even with --force: the host refuses the path, or a
                 file beside the package exists that ddtree-ops did not put there
 
-Per host, one case comes before the per-file decisions: the state record says a bundle
+Per host, two cases come before the per-file decisions. Another bundle (by name) is
+applied: deploying this one would take that one's files away (``restore``) without the
+operator having asked, so the host is refused as ``other-bundle`` unless ``--replace``
+(a new version of the same bundle supersedes it as usual). And the state record says a bundle
 is applied, but some of its files no longer hold what was applied (``pip install
 --force-reinstall`` put the upstream files back, or someone edited them). Re-applying
 silently would hide that the host ran unpatched code, so the host is refused as
@@ -33,7 +36,9 @@ from ddtree_ops.patching.bundle import Bundle, key_root
 from ddtree_ops.patching.gather import AppliedRecord, RemoteState
 
 FileActionKind = Literal["patched", "add", "replace", "supersede", "restore", "delete", "conflict", "blocked"]
-Outcome = Literal["apply", "noop", "unsupported", "conflict", "changed-outside", "missing", "recover", "readonly"]
+Outcome = Literal[
+    "apply", "noop", "unsupported", "conflict", "changed-outside", "other-bundle", "missing", "recover", "readonly"
+]
 _CHANGING = ("add", "replace", "supersede", "restore", "delete")
 
 
@@ -143,6 +148,14 @@ def _changed_outside_reason(rs: RemoteState, rec: AppliedRecord, change: Outside
     )
 
 
+def _other_bundle_reason(rs: RemoteState, rec: AppliedRecord, bundle: Bundle) -> str:
+    return (
+        f"{rs.host}: bundle {rec.name} {rec.identity[:12]} is applied, not {bundle.name}"
+        f" {bundle.identity[:12]}; pass --replace to replace it (its files {bundle.name} does not patch are"
+        f" restored), or `ddtree-ops rollback {rs.host}` first"
+    )
+
+
 def _short(sha: str | None) -> str:
     return "absent" if sha is None else sha[:12]
 
@@ -157,8 +170,12 @@ def plan_deploy(
     *,
     force: bool = False,
     force_version: bool = False,
+    replace: bool = False,
 ) -> HostPlan:
-    """Decide what deploying ``bundle`` means on the host described by ``rs``."""
+    """Decide what deploying ``bundle`` means on the host described by ``rs``.
+
+    ``replace`` allows deploying over another bundle (by name); without it such a host
+    is refused as ``other-bundle``."""
     common: dict[str, Any] = {
         "host": rs.host,
         "operation": "deploy",
@@ -188,6 +205,12 @@ def plan_deploy(
         return HostPlan(outcome="conflict", actions=(), reason=f"state record unreadable: {rs.state_error}", **common)
 
     rec = rs.applied
+    if rec is not None and rec.name != bundle.name:
+        if not replace:
+            return HostPlan(outcome="other-bundle", actions=(), notes=tuple(notes),
+                            reason=_other_bundle_reason(rs, rec, bundle), **common)
+        notes.append(f"--replace: {rec.name} {rec.identity[:12]} is replaced by {bundle.name}"
+                     " (its files this bundle does not patch are restored)")
     change = changed_outside(rec, rs.files)
     if change is not None and rec is not None:
         if not force:

@@ -17,7 +17,7 @@ import yaml
 from cli_json import json_data, read_envelope
 from fleetlib import free_port
 
-from patching.conftest import BUNDLES, MiniHost, make_prefix
+from patching.conftest import BUNDLES, MiniHost, make_prefix, upstream_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,6 +141,37 @@ def test_diff_shows_remote_original_against_bundle(tmp_path: Path, mini: MiniHos
     assert "--- h1:srt/speculative/dflash_worker_v2.py" in res.stdout
     assert '+PATCHED = "basic"' in res.stdout
     assert not (mini.state_dir / "state.json").exists()
+
+
+def test_another_bundle_over_an_applied_one_needs_replace(
+    tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
+) -> None:
+    """Deploying a different bundle would take the applied one's files away: refused (exit 4,
+    naming both bundles) unless --replace, which restores the first bundle's files."""
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    assert cli(inv, "deploy", "h1", str(BUNDLES / "basic")).returncode == 0
+    worker = mini.file("srt/speculative/dflash_worker_v2.py").read_bytes()
+
+    dry = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"), "--dry-run")
+    assert [r["outcome"] for r in json_data(dry.stdout)] == ["other-bundle"]
+    refused = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"))
+    assert refused.returncode == 4, refused.stderr
+    env = read_envelope(refused.stdout)
+    host_error = [e for e in env["errors"] if e["host"] == "h1"]
+    assert len(host_error) == 1 and host_error[0]["code"] == "patch"
+    message = host_error[0]["message"]
+    assert "bundle basic" in message and "is applied, not plugin" in message and "--replace" in message
+    assert "\n" not in message
+    assert mini.file("srt/speculative/dflash_worker_v2.py").read_bytes() == worker  # nothing changed
+
+    replaced = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"), "--replace")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json_data(replaced.stdout)[0]["outcome"] == "applied"
+    assert mini.file("srt/speculative/dflash_worker_v2.py").read_bytes() == upstream_bytes(
+        "srt/speculative/dflash_worker_v2.py"
+    )
+    st = json_data(cli(inv, "--json", "status", "h1", "--bundle", str(BUNDLES / "plugin")).stdout)
+    assert st[0]["bundle"]["name"] == "plugin"
 
 
 def test_plugin_bundle_diff_status_rollback(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:

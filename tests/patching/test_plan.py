@@ -167,3 +167,15 @@ def test_readonly_names_the_site_packages_directory_when_it_is_written() -> None
     )
     assert plan_deploy(_bundle(), replace(_rs({"srt/a.py": BASE, "srt/b.py": None}, writable=False), site_dir="/p")
                        ).reason == "package directory /p/sglang is not writable by the remote user"
+
+
+def test_another_bundle_applied_is_refused_unless_replace() -> None:
+    rec = {"name": "other", "identity": "o" * 64, "files": {
+        "srt/c.py": {"original_sha256": ORIG_B, "patched_sha256": "e" * 64, "backup": "/bk/c"}}}
+    rs = _rs({"srt/a.py": BASE, "srt/b.py": None, "srt/c.py": "e" * 64}, applied=rec)
+    refused = plan_deploy(_bundle(), rs, force=True)  # --force is about drift, not about another bundle
+    assert refused.outcome == "other-bundle" and not refused.actions
+    assert "bundle other oooooooooooo is applied, not t" in refused.reason and "--replace" in refused.reason
+    replaced = plan_deploy(_bundle(), rs, replace=True)
+    assert replaced.outcome == "apply" and any("--replace" in n for n in replaced.notes)
+    assert {a.path: a.kind for a in replaced.actions}["srt/c.py"] == "restore"

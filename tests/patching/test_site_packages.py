@@ -122,13 +122,13 @@ def test_old_format_record_rolls_back(mini: MiniHost) -> None:
 
 
 def test_old_format_record_then_plugin_bundle(mini: MiniHost, plugin: Bundle) -> None:
-    """The next bundle is the plugin: basic's files go back, the plugin's come in, in one transaction."""
+    """The next bundle is the plugin (--replace): basic's files go back, the plugin's come in, in one transaction."""
     upstream = {
         rel: mini.file(rel).read_bytes()
         for rel in ("srt/speculative/dflash_info.py", "srt/speculative/dflash_worker_v2.py")
     }
     basic = _deploy_with_old_format_record(mini)
-    out = deploy(_t(mini), mini.host, plugin)
+    out = deploy(_t(mini), mini.host, plugin, RunOptions(replace=True))
     assert {a.path: a.kind for a in out.plan.changes} == {
         **{f.path: ("restore" if f.op == "replace" else "delete") for f in basic.files},
         **{f.path: "add" for f in plugin.files}}
