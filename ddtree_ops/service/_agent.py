@@ -348,11 +348,16 @@ def action_smoke(p):
         results.extend(answers)
         if any(a.get("error") or a.get("status") != 200 for a in answers):
             break
-    return {
-        "results": results,
-        "seconds": time.time() - started,
-        "alive": _alive(p["pid"], p.get("pstart")),
-    }
+    seconds = time.time() - started
+    alive = _alive(p["pid"], p.get("pstart"))
+    # A connection cut without an answer is how a crashing server ends a request; SGLang's
+    # launcher kills its tree a moment later. Give it that moment before saying it lives.
+    if alive and any(a.get("error") and "status" not in a and not a.get("timed_out") for a in results):
+        deadline = time.time() + float(p.get("death_grace", 5.0))
+        while alive and time.time() < deadline:
+            time.sleep(0.1)
+            alive = _alive(p["pid"], p.get("pstart"))
+    return {"results": results, "seconds": seconds, "alive": alive}
 
 
 def _signal_group(pid, sig):

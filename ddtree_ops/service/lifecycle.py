@@ -413,8 +413,8 @@ def _smoke_failure_reason(transport: Transport, host: Host, attempt: _Attempt, s
 
 
 def _smoke_error(host: str, spec: LaunchSpec, smoke: SmokeResult, reason: str, tail: str) -> DdtreeOpsError:
-    mode = "CUDA graphs forced on" if spec.cuda_graph else "eager mode"
-    message = f"speculative smoke failed in {mode}: {reason}; stopped it; log tail: {tail}"
+    mode = "with decode CUDA graphs on" if spec.cuda_graph else "in eager mode"
+    message = f"speculative smoke failed {mode}: {reason}; stopped it; log tail: {tail}"
     if smoke.failure is SmokeFailure.CRASHED:
         return ServerCrashed(message, host=host)
     return ServiceError(message, host=host)

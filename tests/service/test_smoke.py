@@ -175,7 +175,7 @@ def test_replay_crash_with_graphs_forced_on_is_an_error_and_the_server_is_stoppe
     with pytest.raises(ServerCrashed) as info:
         lifecycle.restart(sim_target.transport, _req(host, forced), state=state)
     message = str(info.value)
-    assert "speculative smoke failed in CUDA graphs forced on: first decode crashed: torch.AcceleratorError" in message
+    assert "smoke failed with decode CUDA graphs on: first decode crashed: torch.AcceleratorError" in message
     assert "log tail:" in message and "Received sigquit" in message
     assert state.fallbacks() == []  # forced graphs: nothing to remember, the operator asked for them
     assert not lifecycle.service_status(sim_target.transport, host).running
