@@ -26,7 +26,8 @@ where they occur: transports, config loaders, HTTP).
     ├── ServiceError                    exit 5   start / stop / readiness
     │   ├── ReadinessTimeout
     │   ├── ServerCrashed
-    │   └── PortBusy
+    │   ├── PortBusy
+    │   └── LeaseHeld                   a running sweep holds the host (its lease)
     ├── BenchError                      exit 6
     └── FleetError                      exit 7   at least one host failed in a fan-out; when
                                                  every failed host's error has the same exit
@@ -179,6 +180,13 @@ class ServerCrashed(ServiceError):
 
 class PortBusy(ServiceError):
     code = "port_busy"
+
+
+class LeaseHeld(ServiceError):
+    """A sweep holds the host from its first restart to its end; restarting or stopping
+    its server meanwhile would spoil its measurements."""
+
+    code = "lease_held"
 
 
 class BenchError(DdtreeOpsError):

@@ -38,13 +38,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ddtree_ops import lockholder
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load, server_info
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, plan_sweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
 from ddtree_ops.bench.sweep import SweepSpec, sweep_hash
-from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted
+from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
 
@@ -53,8 +54,9 @@ if TYPE_CHECKING:
     from ddtree_ops.service.lifecycle import RestartRequest
 
 LEDGER_ALGORITHM: dict[str, Algorithm] = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
-# Errors after which nothing more can be done on the host in this sweep.
-_HOST_LOST = (ConnectError, AuthError, HostKeyError)
+# Errors after which nothing more can be done on the host in this sweep (LeaseHeld:
+# another sweep holds it).
+_HOST_LOST = (ConnectError, AuthError, HostKeyError, LeaseHeld)
 
 
 @dataclass(frozen=True)
@@ -121,12 +123,15 @@ class Services:
     status: Callable[..., Any]
     probe: Callable[[Transport, Host], Any] | None = None
     patch_status: Callable[[Transport, Host], Any] | None = None
+    # The host's sweep lease (manager.take_lease / release_lease); None: no lease taken.
+    take_lease: Callable[..., Any] | None = None
+    release_lease: Callable[[Transport, Host, str], Any] | None = None
 
 
 def default_services(*, host_key_policy: str = "strict") -> Services:
     from ddtree_ops.patching.status import host_status
     from ddtree_ops.probe import probe_host
-    from ddtree_ops.service import lifecycle
+    from ddtree_ops.service import lifecycle, manager
     from ddtree_ops.transport import open_transport
 
     return Services(
@@ -136,6 +141,8 @@ def default_services(*, host_key_policy: str = "strict") -> Services:
         status=lifecycle.service_status,
         probe=probe_host,
         patch_status=host_status,
+        take_lease=manager.take_lease,
+        release_lease=manager.release_lease,
     )
 
 
@@ -298,6 +305,7 @@ class _HostRun:
     failed_rows: int = 0
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
+    lease: str | None = None  # the token of this sweep's lease on the host, once taken
 
     def eta(self) -> float | None:
         if not self.done:
@@ -442,9 +450,10 @@ class SweepRunner:
             if transport is not None:
                 if started_server and (self.shared.cancel.is_set() or not self.keep_server):
                     try:
-                        self.services.stop(transport, host)
+                        self.services.stop(transport, host, lease=self._lease_pass(hr))
                     except DdtreeOpsError:
                         pass  # the host may be the one that went away; its rows say so
+                self._release(hr, transport)
                 transport.close()
         interrupted = self.shared.cancel.is_set() and hr.done < len(hr.pending)
         self._emit(hr, "failed" if error else "finished", message=error or "")
@@ -496,6 +505,44 @@ class SweepRunner:
                     served = self._served(hr, prov)
         return None, started
 
+    def _lease_pass(self, hr: _HostRun) -> Any:
+        from ddtree_ops.service.manager import LeasePass
+
+        return LeasePass(token=hr.lease)
+
+    def _hold(self, hr: _HostRun, transport: Transport) -> None:
+        """Take the host's sweep lease before this sweep's first restart there, so that no
+        other sweep or restart touches the server until :meth:`_release`. Raises LeaseHeld
+        at once when another live sweep holds it; a dead holder's lease is taken over."""
+        if hr.lease is not None or self.services.take_lease is None:
+            return
+        token = uuid.uuid4().hex
+        holder = lockholder.holder_record(token, "bench") | {"sweep": self.spec.name, "run_id": self.run_id}
+        # Marked running first: a lease of this very process is dead only once its run ended.
+        lockholder.run_started(token)
+        try:
+            taken = self.services.take_lease(transport, hr.host, token=token, holder=holder)
+        except BaseException:
+            lockholder.run_ended(token)
+            raise
+        hr.lease = token
+        if isinstance(taken, dict):
+            from ddtree_ops.service.manager import describe_lease
+
+            self._emit(hr, "restarting", message=f"took over the lease of dead {describe_lease(taken)}")
+
+    def _release(self, hr: _HostRun, transport: Transport) -> None:
+        """Give the host back at the sweep's end, however it ended; a lease that cannot be
+        released (host gone) is provably dead once this run has ended."""
+        if hr.lease is None or self.services.release_lease is None:
+            return
+        try:
+            self.services.release_lease(transport, hr.host, hr.lease)
+        except DdtreeOpsError:
+            pass
+        finally:
+            lockholder.run_ended(hr.lease)
+
     def _restart(
         self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig,
         runs: Sequence[tuple[Cell, int]],
@@ -503,13 +550,15 @@ class SweepRunner:
         from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
         from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 
+        self._hold(hr, transport)
         hr.restarts += 1
         facts = LaunchFacts.from_probe(prov.facts) if prov.facts is not None else LaunchFacts(prov.sglang_version)
         # The smoke decodes at the sampling settings this server is about to be measured at.
         smoke = SmokeSpec.for_samplings(
             SmokeSampling.of(c.sampling.temperature, c.sampling.top_p, c.sampling.top_k) for c, _ in runs
         ) if self.smoke else None
-        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke)
+        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke,
+                                 lease=self._lease_pass(hr))
         return self.services.restart(transport, request, cancel=self.shared.cancel)
 
     def _served(self, hr: _HostRun, prov: _Provenance) -> _Provenance:

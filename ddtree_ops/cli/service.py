@@ -28,7 +28,7 @@ from ddtree_ops.cli.common import (
     set_json_data,
     transport_for,
 )
-from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
@@ -65,6 +65,20 @@ def _run_interruptible(
         except KeyboardInterrupt:
             cancel.set()
     return box["r"]
+
+
+def _lease_pass(transport: Any, host: Host, *, force: bool) -> manager.LeasePass:
+    """Without --force: refused while a sweep holds the host. With it: overridden, and the
+    override said on stderr, because that sweep's rows on this host are now disturbed."""
+    if force:
+        held = manager.read_lease(transport, host)
+        if held is not None:
+            err_console.print(
+                f"warning: {host.name}: --force overrides the lease of {manager.describe_lease(held)}; "
+                "its measurements on this host are disturbed",
+                style="yellow", markup=False, highlight=False, soft_wrap=True,
+            )
+    return manager.LeasePass(force=force)
 
 
 def _facts(transport: Any, host: Host) -> lifecycle.LaunchFacts:
@@ -145,6 +159,9 @@ def restart(
         None, "--smoke-temperature", min=0.0,
         help="Also smoke-test at this temperature (repeatable; greedy always runs). Use the sweep's settings.",
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Restart even while a sweep holds the host (its lease); says so on stderr."
+    ),
 ) -> None:
     """Restart SGLang and wait until the NEW process serves: it answers, and a short
     speculative smoke (greedy and sampled, alone and batched) decodes without crashing.
@@ -169,7 +186,7 @@ def restart(
         with transport_for(obj, host) as t:
             request = lifecycle.RestartRequest(
                 host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace,
-                smoke=smoke,
+                smoke=smoke, lease=_lease_pass(t, host, force=force),
             )
             try:
                 result = lifecycle.restart(t, request, state=state, on_phase=board.on_phase, cancel=cancel)
@@ -223,6 +240,9 @@ def stop(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
     grace: float = typer.Option(30.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
+    force: bool = typer.Option(
+        False, "--force", help="Stop even while a sweep holds the host (its lease); says so on stderr."
+    ),
 ) -> None:
     """Stop the SGLang server ddtree-ops launched (SIGTERM to its process group, SIGKILL after --grace)."""
     obj: AppContext = ctx.obj
@@ -230,7 +250,7 @@ def stop(
 
     def one(host: Host) -> manager.StopResult:
         with transport_for(obj, host) as t:
-            return lifecycle.stop(t, host, grace_s=grace)
+            return lifecycle.stop(t, host, grace_s=grace, lease=_lease_pass(t, host, force=force))
 
     results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
     columns = [

@@ -374,6 +374,14 @@ def _signal_group(pid, sig):
 
 def action_stop(p):
     run_dir = _run_dir(p)
+    if p.get("lease") is not None:
+        guard = _guarded(run_dir)
+        try:
+            leased = _lease_blocks(run_dir, p)
+        finally:
+            os.close(guard)
+        if leased is not None:
+            return {"leased": leased, "now": time.time()}
     rec = _read_launch(run_dir)
     out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}  # type: dict[str, object]
     if not rec:
@@ -474,6 +482,9 @@ def action_lock(p):
     guard = _guarded(run_dir)
     try:
         now = time.time()
+        leased = _lease_blocks(run_dir, p)
+        if leased is not None:
+            return {"ok": False, "leased": leased, "now": now}
         record = {"token": p["token"], "holder": p.get("holder"), "taken_at": now,
                   "expires_at": now + float(p["ttl_s"])}
         held = _read_lock(path)
@@ -489,9 +500,10 @@ def action_lock(p):
         os.close(guard)
 
 
-def action_unlock(p):
+def _remove_own(p, name):
+    """Remove ``run_dir/name`` if it still carries ``p["token"]`` (never another holder's)."""
     run_dir = _run_dir(p)
-    path = os.path.join(run_dir, LOCK_FILE)
+    path = os.path.join(run_dir, name)
     guard = _guarded(run_dir)
     try:
         held = _read_lock(path)
@@ -501,6 +513,63 @@ def action_unlock(p):
         return {"ok": True}
     finally:
         os.close(guard)
+
+
+def action_unlock(p):
+    return _remove_own(p, LOCK_FILE)
+
+
+LEASE_FILE = "sweep.lease"
+
+
+def _lease_blocks(run_dir, p):
+    """The sweep lease that forbids this action, or None; call under :func:`_guarded`.
+
+    ``p["lease"]`` says how the caller stands: ``token`` (its own lease: the sweep that
+    holds it passes), ``force`` (an operator overriding it), ``clear`` (the token of a
+    lease whose holder the controller proved dead: removed, then the action proceeds).
+    Without ``p["lease"]`` nothing is checked (the caller already holds the restart lock).
+    """
+    lease = p.get("lease")
+    if lease is None:
+        return None
+    path = os.path.join(run_dir, LEASE_FILE)
+    held = _read_lock(path)
+    if held is None or "unreadable" in held or held.get("token") == lease.get("token"):
+        return None
+    if lease.get("clear") is not None and held.get("token") == lease.get("clear"):
+        os.unlink(path)
+        return None
+    if lease.get("force"):
+        return None
+    return held
+
+
+def action_lease(p):
+    """Take the host's sweep lease for ``p["token"]``: refused while another token holds
+    it, unless that is the token in ``take_over`` (a holder proved dead)."""
+    run_dir = _run_dir(p)
+    path = os.path.join(run_dir, LEASE_FILE)
+    guard = _guarded(run_dir)
+    try:
+        now = time.time()
+        held = _read_lock(path)
+        if held is not None and "unreadable" not in held and held.get("token") != p["token"] \
+                and held.get("token") != p.get("take_over"):
+            return {"ok": False, "leased": held, "now": now}
+        _write_json(path, {"token": p["token"], "holder": p.get("holder"), "taken_at": now})
+        return {"ok": True, "replaced": held}
+    finally:
+        os.close(guard)
+
+
+def action_release(p):
+    return _remove_own(p, LEASE_FILE)
+
+
+def action_leaseinfo(p):
+    held = _read_lock(os.path.join(_run_dir(p), LEASE_FILE))
+    return {"lease": held if held is not None and "unreadable" not in held else None, "now": time.time()}
 
 
 def action_version(p):
@@ -518,6 +587,9 @@ def action_version(p):
 ACTIONS = {
     "lock": action_lock,
     "unlock": action_unlock,
+    "lease": action_lease,
+    "release": action_release,
+    "leaseinfo": action_leaseinfo,
     "version": action_version,
     "start": action_start,
     "poll": action_poll,

@@ -41,7 +41,7 @@ from ddtree_ops.service.fallback import (
 )
 from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec
 from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
-from ddtree_ops.service.manager import Launched, StopResult
+from ddtree_ops.service.manager import Launched, LeasePass, StopResult
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
     WaitOutcome,
@@ -153,7 +153,9 @@ class RestartRequest:
     is SIGTERM -> SIGKILL for the old process; ``port_wait_s`` how long a port held by a
     process we did not launch is waited for; ``poll_interval_s`` the readiness poll period;
     ``smoke`` the requests that prove the server decodes before it is called ready (None
-    skips them: ``--no-smoke``).
+    skips them: ``--no-smoke``); ``lease`` how a sweep's lease on the host is treated (the
+    default: refused while another sweep holds the host; a sweep passes its own token,
+    ``--force`` overrides).
     """
 
     host: Host
@@ -166,6 +168,7 @@ class RestartRequest:
     port_wait_s: float = 120.0
     poll_interval_s: float = 0.5
     smoke: SmokeSpec | None = field(default_factory=SmokeSpec)
+    lease: LeasePass = field(default_factory=LeasePass)
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ def restart(
         age = f", held {t.age_s:.0f}s" if t.age_s is not None else ""
         emit(PhaseEvent(host.name, Phase.LOCK_TAKEN_OVER, 0.0, note=f"restart lock of dead {t.holder}{age} taken over"))
 
-    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, on_takeover=took_over):
+    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, on_takeover=took_over, lease=request.lease):
         emit(PhaseEvent(host.name, Phase.STOPPING, 0.0))
         stopped = manager.stop(transport, host, grace_s=stop_grace_s)
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
@@ -528,9 +531,13 @@ def _tail_text(attempt: _Attempt) -> str:
     return " | ".join(ln.strip() for ln in lines) if lines else "(log empty)"
 
 
-def stop(transport: Transport, host: Host, *, grace_s: float = 30.0) -> StopResult:
-    """Stop the server we launched on ``host`` (SIGTERM to its group, SIGKILL after ``grace_s``)."""
-    result = manager.stop(transport, host, grace_s=grace_s)
+def stop(transport: Transport, host: Host, *, grace_s: float = 30.0, lease: LeasePass | None = None) -> StopResult:
+    """Stop the server we launched on ``host`` (SIGTERM to its group, SIGKILL after ``grace_s``).
+
+    Refused at once (LeaseHeld) while a sweep other than ``lease.token``'s holds the host,
+    unless ``lease.force``; ``lease`` None means :class:`LeasePass()`.
+    """
+    result = manager.stop(transport, host, grace_s=grace_s, lease=lease if lease is not None else LeasePass())
     if result.was_running and not result.exited:
         raise ServiceError(f"pid {result.pid} survived SIGKILL", host=host.name)
     return result

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops import lockholder
-from ddtree_ops.errors import DdtreeOpsError, PortBusy, ServiceError
+from ddtree_ops.errors import DdtreeOpsError, LeaseHeld, PortBusy, ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import LaunchSpec, probe_address
 from ddtree_ops.transport.base import Script, Transport
@@ -29,6 +29,7 @@ from ddtree_ops.transport.base import Script, Transport
 AGENT_SOURCE = (Path(__file__).with_name("_agent.py")).read_text()
 LOG_FILE = "server.log"
 LOCK_FILE = "restart.lock"
+LEASE_FILE = "sweep.lease"
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,14 @@ def start(transport: Transport, host: Host, spec: LaunchSpec, *, check_port: boo
     )
 
 
-def stop(transport: Transport, host: Host, *, grace_s: float = 30.0) -> StopResult:
-    """SIGTERM the process group we launched, wait ``grace_s``, then SIGKILL it."""
-    data = call_agent(transport, host, "stop", base_payload(host) | {"grace_s": grace_s}, timeout=grace_s + 60)
+def stop(transport: Transport, host: Host, *, grace_s: float = 30.0, lease: LeasePass | None = None) -> StopResult:
+    """SIGTERM the process group we launched, wait ``grace_s``, then SIGKILL it.
+
+    ``lease``: how a sweep's lease on the host is treated (:class:`LeasePass`); None
+    checks none, for a caller that holds the restart lock (which checked it).
+    """
+    payload = base_payload(host) | {"grace_s": grace_s}
+    data = _lease_checked(transport, host, "stop", payload, lease, timeout=grace_s + 60)
     return StopResult(
         host=host.name,
         was_running=bool(data.get("was_running")),
@@ -162,6 +168,106 @@ def status(transport: Transport, host: Host, *, lines: int = 5) -> dict[str, Any
 
 
 @dataclass(frozen=True)
+class LeasePass:
+    """How a restart or stop treats a sweep's lease on the host (``run_dir/sweep.lease``).
+
+    ``token``: the caller's own lease (the sweep that holds the host passes); ``force``:
+    an operator overriding another's lease (``--force``). Anyone else is refused at once,
+    unless the holder is provably dead (:func:`ddtree_ops.lockholder.holder_is_dead`):
+    then the lease is removed and the action proceeds.
+    """
+
+    token: str | None = None
+    force: bool = False
+
+    def payload(self, *, clear: str | None = None) -> dict[str, Any]:
+        return {"token": self.token, "force": self.force, "clear": clear}
+
+
+def _holder_of(held: dict[str, Any]) -> dict[str, Any]:
+    holder = held.get("holder")
+    return holder if isinstance(holder, dict) else {}
+
+
+def _lease_refusal(host: Host, held: dict[str, Any], now: object) -> str:
+    """One line naming the sweep that holds the host, its controller, pid and age."""
+    holder = _holder_of(held)
+    taken = held.get("taken_at")
+    age = (f" for {lockholder.format_age(now - taken)}"
+           if isinstance(taken, (int, float)) and isinstance(now, (int, float)) else "")
+    sweep = f"sweep {holder.get('sweep', '?')} (run {holder.get('run_id', '?')})"
+    why = lockholder.holder_state(holder) if holder else "recorded without holder details, so it cannot be checked"
+    hint = "" if why == "still running" else f"; delete {host.ddtree.run_dir}/{LEASE_FILE} if no sweep runs there"
+    return (f"the host is held by {sweep}: {lockholder.describe_holder(holder)}{age}, {why}; "
+            f"restart/stop --force overrides it{hint}")
+
+
+def _dead_lease(held: dict[str, Any]) -> str | None:
+    """The token of ``held`` when its holder provably no longer runs, else None."""
+    holder = held.get("holder")
+    token = held.get("token")
+    if isinstance(holder, dict) and isinstance(token, str) and lockholder.holder_is_dead(holder, run_id=token):
+        return token
+    return None
+
+
+def _lease_checked(
+    transport: Transport, host: Host, action: str, payload: dict[str, Any], lease: LeasePass | None, *,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """``call_agent`` for an action the host's sweep lease may forbid: a dead holder's lease
+    is cleared and the call repeated; a live one raises :class:`LeaseHeld` at once."""
+    if lease is None:
+        return call_agent(transport, host, action, payload, timeout=timeout)
+    data = call_agent(transport, host, action, payload | {"lease": lease.payload()}, timeout=timeout)
+    held = data.get("leased")
+    if isinstance(held, dict) and (dead := _dead_lease(held)) is not None:
+        data = call_agent(transport, host, action, payload | {"lease": lease.payload(clear=dead)}, timeout=timeout)
+        held = data.get("leased")
+    if isinstance(held, dict):
+        raise LeaseHeld(_lease_refusal(host, held, data.get("now")), host=host.name)
+    return data
+
+
+def take_lease(transport: Transport, host: Host, *, token: str, holder: dict[str, Any]) -> dict[str, Any] | None:
+    """Hold ``host`` for a sweep (``run_dir/sweep.lease``) under ``token``; ``holder`` is a
+    :func:`ddtree_ops.lockholder.holder_record` plus ``sweep`` and ``run_id``.
+
+    Another sweep's live lease raises :class:`LeaseHeld` at once (no waiting: its sweep
+    may run for hours); a provably dead holder's lease is taken over, and returned.
+    """
+    payload = base_payload(host) | {"token": token, "holder": holder}
+    data = call_agent(transport, host, "lease", payload)
+    held = data.get("leased")
+    if isinstance(held, dict) and (dead := _dead_lease(held)) is not None:
+        data = call_agent(transport, host, "lease", payload | {"take_over": dead})
+        if data.get("ok"):
+            return held
+        held = data.get("leased")
+    if isinstance(held, dict):
+        raise LeaseHeld(_lease_refusal(host, held, data.get("now")), host=host.name)
+    return None
+
+
+def release_lease(transport: Transport, host: Host, token: str) -> None:
+    """Give the host back (only the lease ``token`` took; anything else is left alone)."""
+    call_agent(transport, host, "release", base_payload(host) | {"token": token})
+
+
+def read_lease(transport: Transport, host: Host) -> dict[str, Any] | None:
+    """The host's sweep lease record, or None when no sweep holds it."""
+    lease = call_agent(transport, host, "leaseinfo", base_payload(host), timeout=30).get("lease")
+    return lease if isinstance(lease, dict) else None
+
+
+def describe_lease(held: dict[str, Any]) -> str:
+    """``sweep NAME (run ID), user@controller pid N`` for warnings."""
+    holder = _holder_of(held)
+    return (f"sweep {holder.get('sweep', '?')} (run {holder.get('run_id', '?')}), "
+            f"{lockholder.describe_holder(holder)}")
+
+
+@dataclass(frozen=True)
 class LockTakeover:
     """A restart lock left by a provably dead holder, which this restart took over."""
 
@@ -197,6 +303,7 @@ def restart_lock(
     ttl_s: float,
     command: str = "restart",
     on_takeover: Callable[[LockTakeover], None] | None = None,
+    lease: LeasePass | None = None,
 ) -> Iterator[None]:
     """Hold the host's restart lock (``run_dir/restart.lock``) for the body.
 
@@ -206,20 +313,25 @@ def restart_lock(
     provably dead (it ran on this controller and its process is gone) is taken over at
     once, so a SIGKILLed ``restart`` or ``bench`` does not block the next one; any
     other holder blocks until the lock expires after ``ttl_s``.
+
+    A sweep's lease on the host (``lease``, default :class:`LeasePass()`: none of ours)
+    is checked in the same step: held by another sweep, the lock is refused at once
+    (:class:`LeaseHeld`).
     """
+    lease = lease if lease is not None else LeasePass()
     token = uuid.uuid4().hex
     payload = base_payload(host) | {
         "token": token, "holder": lockholder.holder_record(token, command), "ttl_s": ttl_s,
     }
     with lockholder.active_run(token):
-        data = call_agent(transport, host, "lock", payload)
+        data = _lease_checked(transport, host, "lock", payload, lease)
         if not data.get("ok"):
             held = data.get("held") or {}
             holder = held.get("holder")
             if isinstance(holder, dict) and lockholder.holder_is_dead(holder, run_id=held.get("token")):
                 # The agent replaces the lock only if it still carries that dead holder's token.
                 refused_at = data.get("now")
-                data = call_agent(transport, host, "lock", payload | {"take_over": held.get("token")})
+                data = _lease_checked(transport, host, "lock", payload | {"take_over": held.get("token")}, lease)
                 if data.get("ok") and on_takeover is not None:
                     taken = held.get("taken_at")
                     age = (
@@ -249,16 +361,22 @@ def read_logs(transport: Transport, host: Host, *, lines: int = 50, offset: int 
 
 
 __all__ = [
+    "LEASE_FILE",
     "Launched",
+    "LeasePass",
     "LockTakeover",
     "StopResult",
     "call_agent",
+    "describe_lease",
     "poll",
     "port_open",
+    "read_lease",
     "read_logs",
+    "release_lease",
     "restart_lock",
     "sglang_version",
     "start",
     "status",
     "stop",
+    "take_lease",
 ]

@@ -119,6 +119,7 @@ def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
     assert read.bad_lines == [] and 1 <= len(read.rows) < 6  # whole rows only, sweep not finished
     with socket.socket() as s:  # the server it started is stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert not (tmp_path / "run" / "sweep.lease").exists()  # the host is given back
 
 
 def test_resume_onto_another_sweeps_ledger_is_refused_before_launch(tmp_path: Path) -> None:
