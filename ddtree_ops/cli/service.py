@@ -181,6 +181,12 @@ def restart(
     state = StateStore()
     cancel = threading.Event()
     board = _Live([h.name for h in hosts])
+    plain = not obj.console.is_terminal  # no live board to show a wait: say it on stderr
+
+    def on_phase(event: PhaseEvent) -> None:
+        board.on_phase(event)
+        if plain and event.phase is Phase.WAITING_FOR_PORT:
+            err_console.print(f"{event.host}: {event.note}", markup=False, highlight=False, soft_wrap=True)
 
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
@@ -189,7 +195,7 @@ def restart(
                 smoke=smoke, lease=_lease_pass(t, host, force=force),
             )
             try:
-                result = lifecycle.restart(t, request, state=state, on_phase=board.on_phase, cancel=cancel)
+                result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
             except BaseException as exc:
                 board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
                 raise exc

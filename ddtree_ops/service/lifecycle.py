@@ -148,7 +148,8 @@ class LaunchFacts:
 class RestartRequest:
     """One host's restart: what to launch there, and how long each step may take.
 
-    ``timeout`` overrides the load-aware deadline (``policy``) of each launch;
+    ``timeout`` overrides the load-aware deadline (``policy``) of each launch and bounds
+    the port wait;
     ``retry_cuda_graph`` tries CUDA graphs where a fallback is recorded; ``stop_grace_s``
     is SIGTERM -> SIGKILL for the old process; ``port_wait_s`` how long a port held by a
     process we did not launch is waited for; ``poll_interval_s`` the readiness poll period;
@@ -261,6 +262,8 @@ def restart(
     """
     host, run, version = request.host, request.run, request.facts.sglang_version
     stop_grace_s, port_wait_s = request.stop_grace_s, request.port_wait_s
+    if request.timeout is not None:  # the operator's --timeout bounds every wait, the port's too
+        port_wait_s = min(port_wait_s, float(request.timeout))
     state = state if state is not None else StateStore()
     emit = on_phase or (lambda _e: None)
     key = fallback_key(host, run, arch=request.facts.gpu_arch, sglang_version=version)
@@ -506,7 +509,9 @@ def _wait_port_free(
         if not busy:
             return WaitReason.READY, "port free"
         if not reported:
-            emit(PhaseEvent(host.name, Phase.WAITING_FOR_PORT, elapsed, note=f"port {host.ddtree.server.port} busy"))
+            note = (f"port {host.ddtree.server.port} busy (held by a process we did not launch); "
+                    f"waiting up to {port_wait_s:.0f}s")
+            emit(PhaseEvent(host.name, Phase.WAITING_FOR_PORT, elapsed, note=note))
             reported = True
         return None, f"port {host.ddtree.server.port} still in use"
 

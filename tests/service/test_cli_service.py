@@ -144,3 +144,34 @@ def test_stop_and_logs_on_a_host_never_started(inventory: Path, tmp_path: Path) 
     assert host_result(out, "sim-a")["was_running"] is False
     out = cli(inventory, "logs", "sim-a", env_state=state)
     assert out.returncode == 0 and "sim-a: no server log yet" in out.stdout
+
+
+def test_port_held_by_a_foreign_process_fails_within_timeout_and_says_so(inventory: Path, tmp_path: Path) -> None:
+    import socket
+    import threading
+    import time
+
+    port = yaml.safe_load(inventory.read_text())["all"]["hosts"]["sim-a"]["ddtree"]["server"]["port"]
+    with socket.socket() as holder:  # a process we did not launch holds the server's port
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+
+        def serve() -> None:  # answer connects, as a live server does (a full backlog would look closed)
+            while True:
+                try:
+                    holder.accept()[0].close()
+                except OSError:
+                    return
+
+        threading.Thread(target=serve, daemon=True).start()
+        started = time.monotonic()
+        # stdout is a pipe, not a terminal: the wait is said on stderr in plain text.
+        out = cli(inventory, "restart", "sim-a", "--timeout", "3", env_state=tmp_path / "s.json")
+        took = time.monotonic() - started
+    assert out.returncode == 5, out.stdout + out.stderr
+    assert took < 60, f"the port wait ignored --timeout 3 ({took:.0f}s)"
+    assert f"sim-a: port {port} busy (held by a process we did not launch); waiting up to 3s" in out.stderr
+    assert f"port {port} still in use after 3s by a process we did not launch; nothing launched" in out.stdout
+    assert "\x1b[" not in out.stderr  # plain text, no live board
+    assert not (tmp_path / "run-a" / "launch.json").exists()
