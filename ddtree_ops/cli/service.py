@@ -18,6 +18,7 @@ import typer
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ddtree_ops.cli.common import (
     error_text,
@@ -205,25 +206,52 @@ def restart(
     if obj.json:
         results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
     else:
-        with Live(board, console=obj.console, refresh_per_second=4, transient=False):
+        with Live(board, console=obj.console, refresh_per_second=4, transient=True):
             results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
     _render_restart(obj, results)
     _finish("restart", results, cancel)
 
 
+# The restart summary's times, each named by what it spans (RestartResult).
+_TIMES_CAPTION = (
+    "load: launch → the server answers · capture: CUDA-graph capture · smoke: speculative smoke · "
+    "total: launch → ready (the last launch)"
+)
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}s"
+
+
 def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResult]) -> None:
-    columns = [
-        ("pid", lambda r: r.pid),
-        ("cuda graphs", lambda r: "on" if r.cuda_graph else "off (eager)"),
-        ("why eager", lambda r: r.fallback_reason),
-        ("ready after", lambda r: f"{r.ready_s:.1f}s ({r.attempts} launch{'es' if r.attempts > 1 else ''})"),
-        ("deadline", lambda r: f"{r.deadline_s:.0f}s ({r.deadline_source})"),
-        ("smoke", lambda r: "skipped" if r.smoke is None else r.smoke.detail),
-        ("phases", lambda r: ", ".join(f"{k.label} {v:.1f}s" for k, v in r.phase_durations.items())),
-    ]
-    render_host_results(obj, "restart", results, columns)
+    """One table, one row per host, its times in named columns (the live board's running
+    clock is gone by then: it was transient)."""
     if obj.json:
+        render_host_results(obj, "restart", results, [])
         return
+    table = Table(title="restart", title_justify="left", caption=_TIMES_CAPTION, caption_justify="left")
+    for col in ("host", "status", "pid", "graphs", "load", "capture", "smoke", "total", "deadline"):
+        table.add_column(col, no_wrap=col in ("host", "status"), overflow="fold")
+    for name, value in results.items():
+        if isinstance(value, BaseException):
+            table.add_row(escape(name), Text("FAILED", style="bold red"), *[""] * 7)
+            continue
+        r = value
+        launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
+        table.add_row(
+            escape(name), Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
+            _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
+            "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
+            f"{r.deadline_s:.0f}s ({r.deadline_source})",
+        )
+    obj.console.print(table)
+    for name, exc in results.failed.items():
+        obj.console.print(Text(f"{name} ({type(exc).__name__}): {error_text(exc)}", style="red"))
+    if results.failed:
+        obj.console.print(
+            Text(f"{len(results.failed)} of {len(results)} host(s) failed: {', '.join(results.failed)}",
+                 style="bold red")
+        )
     for name, r in results.succeeded.items():
         if r.attempts > 1 and not r.cuda_graph:
             what = "the first decodes failed" if (r.fallback_reason or "").startswith("first decode") else \

@@ -175,3 +175,48 @@ def test_port_held_by_a_foreign_process_fails_within_timeout_and_says_so(invento
     assert f"port {port} still in use after 3s by a process we did not launch; nothing launched" in out.stdout
     assert "\x1b[" not in out.stderr  # plain text, no live board
     assert not (tmp_path / "run-a" / "launch.json").exists()
+
+
+def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import MappingProxyType
+
+    from rich.console import Console
+
+    from ddtree_ops.cli import main, service
+    from ddtree_ops.errors import ReadinessTimeout
+    from ddtree_ops.fleet import FleetResult
+    from ddtree_ops.service.lifecycle import RestartResult
+    from ddtree_ops.service.logphases import Phase
+    from ddtree_ops.service.smoke import SmokeResult
+
+    def result(host: str, *, capture: float | None, attempts: int = 1) -> RestartResult:
+        phases = {Phase.STARTING: 0.4, Phase.LOADING_WEIGHTS: 9.0, Phase.SMOKE: 2.3}
+        if capture is not None:
+            phases[Phase.CAPTURING] = capture
+        return RestartResult(
+            host=host, pid=4242, argv=("python",), cuda_graph=capture is not None, fallback_reason=None,
+            phase_durations=MappingProxyType(phases), ready_s=15.1, load_s=12.6, deadline_s=720,
+            deadline_source="learned", attempts=attempts, launch_command="python", log_path="/x/server.log",
+            ready_at=0.0, ready_line_ts=None,
+            smoke=SmokeResult(True, 2.3, 8, 256, 80, 3.2, detail="8 requests, accept length 3.20"),
+        )
+
+    out = Console(record=True, width=200)
+    monkeypatch.setattr(main, "console", out)
+    results = FleetResult({"gpu-a": result("gpu-a", capture=3.1), "gpu-b": result("gpu-b", capture=None, attempts=2),
+                           "gpu-c": ReadinessTimeout("not ready after 720s", host="gpu-c")})
+    service._render_restart(main.AppContext(), results)
+    text = out.export_text()
+    header = next(line for line in text.splitlines() if "host" in line)
+    for name in ("pid", "graphs", "load", "capture", "smoke", "total", "deadline"):
+        assert name in header, header
+    assert "elapsed" not in header and "ready after" not in header
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    (a,) = [line for line in rows if "gpu-a" in line]
+    assert [cell.strip() for cell in a.split("│")[1:-1]] == [
+        "gpu-a", "ok", "4242", "on", "12.6s", "3.1s", "2.3s", "15.1s", "720s (learned)"]
+    (b,) = [line for line in rows if "gpu-b" in line]
+    assert "15.1s (2 launches)" in b and "—" in b  # eager: no capture
+    assert "gpu-c" in text and "not ready after 720s" in text
+    # The caption says what each time spans.
+    assert "load: launch → the server answers" in text and "total: launch → ready" in text
