@@ -30,8 +30,21 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check ddtree_ops tests benchmarks && $(PY) -m mypy
 
-test: $(STAMP) sglang-cpu
+# The whole suite. Without PYTEST_ARGS the real-SGLang environment (minutes of pip and
+# disk on a fresh machine) is built while the rest of the suite runs, and its tests run
+# last; with PYTEST_ARGS it is built first and pytest runs once on what you name.
+test: $(STAMP) $(if $(strip $(PYTEST_ARGS)),sglang-cpu)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@mkdir -p .cache; \
+	$(PYTHON) tests/sglang_real/setup_env.py > .cache/sglang-cpu-setup.log 2>&1 & setup=$$!; \
+	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q --ignore=tests/sglang_real; rc=$$?; \
+	if ! wait $$setup; then cat .cache/sglang-cpu-setup.log; exit 1; fi; \
+	tail -n 1 .cache/sglang-cpu-setup.log; \
+	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q tests/sglang_real || rc=1; \
+	exit $$rc
+else
 	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
+endif
 
 # The real SGLang 0.5.23 server on CPU (a separate venv under .cache/sglang-cpu, ~7 GB,
 # a few minutes once, then instant): what the DDTree bundle is tested inside.

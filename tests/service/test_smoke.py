@@ -43,6 +43,8 @@ pytestmark = pytest.mark.timeout(180)
 DDTREE16 = RunConfig("DDTREE", budget=16, topk=4)
 FAST = {"poll_interval_s": 0.2, "stop_grace_s": 5.0}
 REPLAY_CRASH = {"SIM_REPLAY_CRASH_BUDGET_OVER": "8"}
+# The fallback scenario runs over both transports; these variants add nothing over SSH.
+LOCAL_ONLY = pytest.mark.parametrize("transport_kind", ["local"])
 
 
 def _req(host: Any, run: RunConfig, **options: Any) -> RestartRequest:
@@ -159,6 +161,7 @@ def test_replay_crash_falls_back_to_eager_with_the_reason_and_is_remembered(sim_
     assert (small.cuda_graph, small.attempts, small.fallback_reason) == (True, 1, None)
 
 
+@LOCAL_ONLY
 def test_without_the_smoke_the_crashing_server_is_called_ready(sim_target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """What the smoke is for: /health_generate alone passes a server whose first decode
     crashes (one token at temperature 0 is a prefill)."""
@@ -168,6 +171,7 @@ def test_without_the_smoke_the_crashing_server_is_called_ready(sim_target, tmp_p
     assert result.cuda_graph is True and result.smoke is None and Phase.SMOKE not in result.phase_durations
 
 
+@LOCAL_ONLY
 def test_replay_crash_with_graphs_forced_on_is_an_error_and_the_server_is_stopped(sim_target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     host = sim_target.host(gpu="h200", extra_env=REPLAY_CRASH)
     forced = RunConfig("DDTREE", budget=16, topk=4, cuda_graph="on")
@@ -181,6 +185,7 @@ def test_replay_crash_with_graphs_forced_on_is_an_error_and_the_server_is_stoppe
     assert not lifecycle.service_status(sim_target.transport, host).running
 
 
+@LOCAL_ONLY
 def test_a_sampled_request_that_kills_the_server_is_reported_not_ready(sim_target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Greedy decodes work; the first request at the sweep's temperature takes the
     scheduler down, with graphs (-> eager relaunch) and then without (-> error). Eager
