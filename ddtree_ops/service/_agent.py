@@ -153,14 +153,18 @@ def _port_open(host, port, timeout=0.5):
     return True
 
 
-def _http_get(host, port, path, timeout):
+def _http(host, port, path, timeout, body=None, limit=1 << 20):
+    """GET ``path`` (POST of ``body`` as JSON when given): (status, at most ``limit`` bytes)."""
     import http.client
 
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        if body is None:
+            conn.request("GET", path)
+        else:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        return resp.status, resp.read(1 << 20)
+        return resp.status, resp.read(limit)
     finally:
         conn.close()
 
@@ -273,13 +277,13 @@ def action_poll(p):
     if out["port_open"]:
         timeout = float(p.get("http_timeout", 5.0))
         try:
-            status, _ = _http_get(host, port, "/health_generate", timeout)
+            status, _ = _http(host, port, "/health_generate", timeout)
             out["health"] = status
         except Exception as exc:  # any failure is an answer, not a crash of the probe
             out["health"] = "error: %s" % (exc,)
         if out["health"] == 200:
             try:
-                status, body = _http_get(host, port, "/server_info", timeout)
+                status, body = _http(host, port, "/server_info", timeout)
                 info = json.loads(body.decode("utf-8", "replace")) if status == 200 else {}
                 out["server_info"] = dict(
                     {key: info.get(key) for key in SERVER_INFO_KEYS}, status=status
@@ -289,23 +293,11 @@ def action_poll(p):
     return out
 
 
-def _post_json(host, port, path, body, timeout):
-    import http.client
-
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read(1 << 22)
-    finally:
-        conn.close()
-
-
 def _smoke_one(host, port, request, timeout, out):
     """One /generate request of the smoke; ``out`` (a dict) receives its answer."""
     started = time.time()
     try:
-        status, body = _post_json(host, port, "/generate", request, timeout)
+        status, body = _http(host, port, "/generate", timeout, body=request, limit=1 << 22)
         out["status"] = status
         try:
             answer = json.loads(body.decode("utf-8", "replace"))
@@ -420,7 +412,7 @@ def action_status(p):
         out["log_tail"] = _tail(rec.get("log") or os.path.join(run_dir, LOG_FILE), int(p.get("lines", 5)))
     if out["port_open"]:
         try:
-            out["health"], _ = _http_get(p["probe_host"], p["port"], "/health_generate", 5.0)
+            out["health"], _ = _http(p["probe_host"], p["port"], "/health_generate", 5.0)
         except Exception as exc:
             out["health"] = "error: %s" % (exc,)
     return out

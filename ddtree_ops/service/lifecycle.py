@@ -292,6 +292,18 @@ def restart(
 
         attempt_no = 0
         pending_fallback: str | None = None
+
+        def may_fall_back() -> bool:
+            """A graph launch the run lets fall back (``cuda_graph: auto``)."""
+            return run.cuda_graph == "auto" and spec.cuda_graph
+
+        def relaunch_eager(reason: str, elapsed_s: float) -> LaunchSpec:
+            """Say why, wait for the failed server's port, and give the eager spec."""
+            emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, elapsed_s, attempt=attempt_no, note=reason))
+            eager = build_launch_spec(host, run, version, cuda_graph=False)
+            _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+            return eager
+
         while True:
             attempt_no += 1
             launched = manager.start(transport, host, spec)
@@ -312,16 +324,11 @@ def restart(
                     if not smoke.passed:
                         reason = _smoke_failure_reason(transport, host, attempt, smoke)
                         manager.stop(transport, host, grace_s=stop_grace_s)
-                        if smoke.failure is not None and smoke.failure.decode_broke and spec.cuda_graph \
-                                and run.cuda_graph == "auto":
+                        if smoke.failure is not None and smoke.failure.decode_broke and may_fall_back():
                             # Remembered once eager serves: a crash that eager repeats is
                             # not the graphs' doing (e.g. a sampled request the build cannot serve).
-                            pending_fallback = reason
-                            fallback_reason = reason
-                            emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s + smoke.seconds,
-                                            attempt=attempt_no, note=reason))
-                            spec = build_launch_spec(host, run, version, cuda_graph=False)
-                            _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                            pending_fallback = fallback_reason = reason
+                            spec = relaunch_eager(reason, outcome.elapsed_s + smoke.seconds)
                             continue
                         raise _smoke_error(host.name, spec, smoke, reason, _tail_text(attempt))
                 ready_at = time.time()
@@ -368,16 +375,10 @@ def restart(
             failure = _FAILURES[outcome.reason]
             if failure.stop_server:
                 manager.stop(transport, host, grace_s=stop_grace_s)
-            if outcome.reason is WaitReason.CAPTURE_FAILED and run.cuda_graph == "auto" and spec.cuda_graph:
+            if outcome.reason is WaitReason.CAPTURE_FAILED and may_fall_back():
                 state.record_fallback(key, ended.capture_failure)
                 fallback_reason = ended.capture_failure
-                emit(
-                    PhaseEvent(
-                        host.name, Phase.FALLBACK_EAGER, outcome.elapsed_s, attempt=attempt_no, note=fallback_reason
-                    )
-                )
-                spec = build_launch_spec(host, run, version, cuda_graph=False)
-                _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+                spec = relaunch_eager(fallback_reason, outcome.elapsed_s)
                 continue
             raise failure.error(ended)
 
@@ -412,10 +413,7 @@ def _smoke_failure_reason(transport: Transport, host: Host, attempt: _Attempt, s
         lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
         attempt.tail.extend(lines)
         line = crash_line(lines)
-    what = "crashed" if smoke.failure is SmokeFailure.CRASHED else "failed"
-    if smoke.failure is SmokeFailure.HUNG:
-        what = "hung"
-    return f"first decode {what}: {line or smoke.detail}"
+    return f"first decode {smoke.failure or SmokeFailure.FAILED}: {line or smoke.detail}"
 
 
 def _smoke_error(host: str, spec: LaunchSpec, smoke: SmokeResult, reason: str, tail: str) -> DdtreeOpsError:

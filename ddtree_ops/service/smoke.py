@@ -100,15 +100,19 @@ class SmokeSpec:
                 ordered.append(s)
         return cls(samplings=tuple(ordered), **kw)
 
-    def rounds(self) -> list[list[dict[str, Any]]]:
-        """The request rounds for the host: each round's requests are sent at once."""
+    def plan(self) -> list[tuple[SmokeSampling, list[dict[str, Any]]]]:
+        """Each round with the sampling setting it sends: alone, then the batch."""
         out = []
         for sampling in self.samplings:
             params = sampling.params(self.max_new_tokens)
-            out.append([{"text": PROMPTS[0], "sampling_params": params}])
+            out.append((sampling, [{"text": PROMPTS[0], "sampling_params": params}]))
             if self.batch > 1:
-                out.append([{"text": p, "sampling_params": params} for p in PROMPTS[: self.batch]])
+                out.append((sampling, [{"text": p, "sampling_params": params} for p in PROMPTS[: self.batch]]))
         return out
+
+    def rounds(self) -> list[list[dict[str, Any]]]:
+        """The request rounds for the host: each round's requests are sent at once."""
+        return [requests for _, requests in self.plan()]
 
 
 class SmokeFailure(StrEnum):
@@ -148,8 +152,7 @@ def _int(value: object) -> int:
 def judge_smoke(answer: Mapping[str, Any], spec: SmokeSpec, *, speculative: bool) -> SmokeResult:
     """The verdict on the host's answer to ``manager.smoke`` (never raises)."""
     results = [r for r in answer.get("results") or () if isinstance(r, Mapping)]
-    rounds = spec.rounds()
-    samplings = [s for s in spec.samplings for _ in range(2 if spec.batch > 1 else 1)]
+    plan = spec.plan()
     seconds = float(answer.get("seconds") or 0.0)
     tokens = sum(_int(r.get("completion_tokens")) for r in results)
     verify = sum(_int(r.get("spec_verify_ct")) for r in results)
@@ -160,9 +163,10 @@ def judge_smoke(answer: Mapping[str, Any], spec: SmokeSpec, *, speculative: bool
 
     def where(r: Mapping[str, Any]) -> str:
         n = _int(r.get("round"))
-        size = len(rounds[n]) if n < len(rounds) else 1
-        sampling = samplings[n].label() if n < len(samplings) else "?"
-        return f"{'batch of ' + str(size) if size > 1 else 'one request'} at {sampling}"
+        if n >= len(plan):
+            return f"round {n}"
+        sampling, requests = plan[n]
+        return f"{'batch of ' + str(len(requests)) if len(requests) > 1 else 'one request'} at {sampling.label()}"
 
     bad = next((r for r in results if r.get("error") or r.get("status") != 200), None)
     if not answer.get("alive", False):
@@ -172,7 +176,7 @@ def judge_smoke(answer: Mapping[str, Any], spec: SmokeSpec, *, speculative: bool
         return result(SmokeFailure.HUNG, f"{where(bad)}: no answer ({bad.get('error')}) and the server lives")
     if bad is not None:
         return result(SmokeFailure.FAILED, f"{where(bad)}: {bad.get('error') or 'HTTP ' + str(bad.get('status'))}")
-    expected = sum(len(r) for r in rounds)
+    expected = sum(len(requests) for _, requests in plan)
     if len(results) != expected:
         return result(SmokeFailure.FAILED, f"{len(results)} of {expected} requests answered")
     empty = next((r for r in results if _int(r.get("completion_tokens")) < 1), None)
