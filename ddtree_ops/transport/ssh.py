@@ -169,6 +169,20 @@ def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     return user, host, port
 
 
+def _send_stdin(chan: paramiko.Channel, data: bytes) -> None:
+    """Send ``data`` as the command's stdin. A program may exit before reading it all (an
+    interpreter that does not exist exits 127 at once): the server then closes the
+    channel and paramiko's send raises "Socket is closed". That is the program's answer,
+    as a broken pipe is for a local one (OpenSSH's client stops sending too), so it is
+    read like any exit; only a dead connection is an error."""
+    try:
+        chan.sendall(data)
+    except OSError:
+        transport = chan.get_transport()
+        if not chan.closed or transport is None or not transport.is_active():
+            raise
+
+
 def _fingerprint(key: paramiko.PKey) -> str:
     return key.fingerprint if hasattr(key, "fingerprint") else key.get_name()
 
@@ -505,7 +519,7 @@ class SSHTransport:
                 chan.exec_command(line)
                 if stdin:
                     chan.settimeout(None if deadline is None else max(0.01, deadline - time.monotonic()))
-                    chan.sendall(stdin)
+                    _send_stdin(chan, stdin)
                 chan.shutdown_write()
                 chan.settimeout(0.0)
                 while True:

@@ -81,6 +81,18 @@ def test_missing_executable_is_127(any_transport) -> None:
     assert result.returncode == 127
 
 
+def test_a_program_that_exits_before_reading_its_stdin_gives_its_exit_code(any_transport) -> None:
+    # 16 MiB is far past any SSH channel window, so the send is still under way when the
+    # program exits and the server closes the channel: over SSH that once read as a lost
+    # connection (a missing interpreter looked like a dead host, now and then).
+    script = Script(("sh", "-c", "echo gone; exit 3"), "#" * (16 << 20))
+    result = any_transport.transport.run(script, timeout=60)
+    assert (result.returncode, result.stdout) == (3, "gone\n")
+    missing = any_transport.transport.run(Script(("/nonexistent/python", "-"), "#" * (16 << 20)), timeout=60)
+    assert missing.returncode == 127
+    assert any_transport.transport.run(["true"]).returncode == 0  # the connection is still good
+
+
 def test_env_and_cwd(any_transport) -> None:
     t = any_transport.transport
     result = t.run(
