@@ -11,7 +11,7 @@ so that no user value is ever pasted into shell syntax.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -44,7 +44,26 @@ class Script:
     extra_stdin: str = ""
 
 
+# Reads a program up to the NUL byte and the payload after it: a constant ``-c``
+# bootstrap, because ``python -`` reads ahead and would take the payload for code.
+_PROGRAM_BOOTSTRAP = (
+    "import sys\n"
+    "d=sys.stdin.buffer.read()\n"
+    "s,_,a=d.partition(b'\\0')\n"
+    "exec(compile(s,'<ddtree-ops>','exec'),{'__name__':'__main__','PAYLOAD':a.decode('utf-8')})\n"
+)
+
+
+def python_program(python: str, source: str, payload: str) -> Script:
+    """``source`` run by the host's ``python`` with ``payload`` as its global ``PAYLOAD``;
+    both travel on stdin, so no value reaches the host's command line."""
+    return Script(argv=(python, "-c", _PROGRAM_BOOTSTRAP), source=source + "\0", extra_stdin=payload)
+
+
 Command = Sequence[str] | Script
+# Called with each complete stdout line (without its newline) as it arrives, in the
+# calling thread, while the command still runs.
+LineCallback = Callable[[str], None]
 
 
 @runtime_checkable
@@ -61,11 +80,18 @@ class Transport(Protocol):
         env: Mapping[str, str] | None = None,
         check: bool = False,
         cwd: str | None = None,
+        on_line: LineCallback | None = None,
     ) -> CommandResult:
         """Run a command; raise CommandFailed if ``check`` and it exits non-zero,
         CommandTimeout past ``timeout`` seconds — after ending the command and everything
         it spawned (SIGTERM to its process group, SIGKILL after a short grace); processes
-        that detached into a session of their own are left running."""
+        that detached into a session of their own are left running.
+
+        ``on_line`` streams: it receives each stdout line as soon as it is complete (a
+        last line without a newline when the command ends), so that a long command can
+        report progress (the on-host benchmark client sends one line per request). The
+        result's ``stdout`` still holds everything. An exception raised by ``on_line``
+        ends the command as Ctrl-C would and propagates."""
         ...
 
     def read_bytes(self, path: str) -> bytes: ...
@@ -126,3 +152,25 @@ def os_error_reason(exc: BaseException) -> str:
             return "a parent is not a directory"
         return exc.strerror or str(exc) or type(exc).__name__
     return str(exc)
+
+
+class LineFeed:
+    """Cuts a command's stdout bytes into lines for an ``on_line`` callback; both
+    transports use it, so a line means the same thing on each (a partial last line is
+    delivered by :meth:`close`)."""
+
+    def __init__(self, on_line: LineCallback) -> None:
+        self.on_line = on_line
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf.extend(data)
+        while (end := self._buf.find(b"\n")) >= 0:
+            line = bytes(self._buf[:end])
+            del self._buf[: end + 1]
+            self.on_line(line.decode(errors="replace"))
+
+    def close(self) -> None:
+        if self._buf:
+            line, self._buf = bytes(self._buf), bytearray()
+            self.on_line(line.decode(errors="replace"))

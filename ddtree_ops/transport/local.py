@@ -17,6 +17,7 @@ not only the direct child. A process that left the group on purpose (``setsid``,
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import time
@@ -26,7 +27,16 @@ from pathlib import Path
 
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
 from ddtree_ops.fsutil import write_atomic_local
-from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
+from ddtree_ops.transport.base import (
+    Command,
+    CommandResult,
+    LineCallback,
+    LineFeed,
+    RoundTripCounter,
+    Script,
+    command_text,
+    os_error_reason,
+)
 from ddtree_ops.transport.translate import translate_errors
 
 # How long a timed-out command's process group gets between SIGTERM and SIGKILL (the SSH
@@ -62,6 +72,7 @@ class LocalTransport:
         env: Mapping[str, str] | None = None,
         check: bool = False,
         cwd: str | None = None,
+        on_line: LineCallback | None = None,
     ) -> CommandResult:
         text = command_text(command)
         self._count("command", text)
@@ -88,17 +99,24 @@ class LocalTransport:
                 cwd=expand_path(cwd) if cwd else None,
                 start_new_session=True,
             )
-        except FileNotFoundError:
-            # A missing cwd is also FileNotFoundError; a shell would say so and exit 1/127.
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            # A cwd that is missing or a file fails like the command would in a shell (the
+            # SSH transport's `cd || exit 1`, then `exec`): exit 1, else 127, never a raw OSError.
+            reason = "Not a directory" if isinstance(exc, NotADirectoryError) else "No such file or directory"
             if cwd and not Path(expand_path(cwd)).is_dir():
-                result = CommandResult(1, "", f"cd: {cwd}: No such file or directory\n", time.monotonic() - start)
+                result = CommandResult(1, "", f"cd: {cwd}: {reason}\n", time.monotonic() - start)
+            elif isinstance(exc, NotADirectoryError):
+                result = CommandResult(127, "", f"{argv[0]}: {reason}\n", time.monotonic() - start)
             else:
                 result = CommandResult(127, "", f"{argv[0]}: command not found\n", time.monotonic() - start)
         except PermissionError:
             result = CommandResult(126, "", f"{argv[0]}: Permission denied\n", time.monotonic() - start)
         else:
             try:
-                out, err = proc.communicate(stdin.encode(), timeout=timeout)
+                if on_line is None:
+                    out, err = proc.communicate(stdin.encode(), timeout=timeout)
+                else:
+                    out, err = _communicate_lines(proc, stdin.encode(), timeout, LineFeed(on_line))
             except subprocess.TimeoutExpired as exc:
                 _end_group(proc)
                 raise CommandTimeout(
@@ -136,6 +154,51 @@ class LocalTransport:
     def exists(self, path: str) -> bool:
         self._count("stat", path)
         return os.path.lexists(expand_path(path))
+
+
+def _communicate_lines(
+    proc: subprocess.Popen[bytes], data: bytes, timeout: float | None, feed: LineFeed
+) -> tuple[bytes, bytes]:
+    """``communicate`` that hands stdout to ``feed`` as it arrives. Raises
+    subprocess.TimeoutExpired past ``timeout``, like ``communicate``, so that the caller
+    ends the group the same way."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out, err = bytearray(), bytearray()
+    pos = 0
+    with selectors.DefaultSelector() as sel:
+        if data:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while sel.get_map():
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
+            for key, _ in sel.select(wait):
+                if key.fileobj is proc.stdin:
+                    try:
+                        pos += os.write(key.fd, data[pos : pos + 65536])
+                    except BrokenPipeError:
+                        pos = len(data)  # the program stopped reading: what it has is what it gets
+                    if pos >= len(data):
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif key.fileobj is proc.stdout:
+                    out.extend(chunk)
+                    feed.feed(chunk)
+                else:
+                    err.extend(chunk)
+    feed.close()
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return bytes(out), bytes(err)
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> None:

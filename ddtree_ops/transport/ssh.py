@@ -2,9 +2,9 @@
 
 Connection settings come from the inventory first, then ``~/.ssh/config`` (HostName,
 User, Port, IdentityFile, ProxyJump), so that hosts people already reach with ``ssh``
-work unchanged. One SSH connection per transport, opened on first use and reused for
-every command and file operation (commands are channels on it, files go through one
-SFTP session).
+work unchanged (its ``Include`` files too: ddtree_ops.sshconfig reads it). One SSH
+connection per transport, opened on first use and reused for every command and file
+operation (commands are channels on it, files go through one SFTP session).
 
 Host keys are checked against ``~/.ssh/known_hosts`` plus the inventory's optional
 ``known_hosts`` file. ``strict`` rejects unknown keys; ``accept-new`` records an unknown
@@ -55,7 +55,17 @@ from ddtree_ops.errors import (
     RemoteFileError,
 )
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.transport.base import Command, CommandResult, RoundTripCounter, Script, command_text, os_error_reason
+from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
+from ddtree_ops.transport.base import (
+    Command,
+    CommandResult,
+    LineCallback,
+    LineFeed,
+    RoundTripCounter,
+    Script,
+    command_text,
+    os_error_reason,
+)
 from ddtree_ops.transport.translate import Message, strerror_or_text, text_or_type, translate_errors
 
 KEEPALIVE_S = 15
@@ -93,10 +103,6 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KNOWN_HOSTS_LOCK = threading.Lock()
 
 
-def user_ssh_config_path() -> Path:
-    return Path("~/.ssh/config").expanduser()
-
-
 def user_known_hosts_path() -> Path:
     return Path("~/.ssh/known_hosts").expanduser()
 
@@ -122,7 +128,7 @@ class Endpoint:
 
 def resolve_endpoint(
     alias: str,
-    config: paramiko.SSHConfig | None,
+    config: SshConfig | paramiko.SSHConfig | None,
     *,
     hostname: str | None = None,
     port: int | None = None,
@@ -151,22 +157,31 @@ def resolve_endpoint(
     )
 
 
-def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
-    """``[user@]host[:port]`` (one hop of a ProxyJump list)."""
+def _parse_jump(spec: str, *, host: str) -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` or ``[user@][addr]:port`` (one hop of a ProxyJump list).
+    A hop that is not of that form is a ConnectError naming ``host`` and the hop."""
+    rest = spec.removeprefix("ssh://")
     user = None
-    if "@" in spec:
-        user, spec = spec.rsplit("@", 1)
-    port = None
-    if spec.startswith("["):
-        host, _, rest = spec[1:].partition("]")
-        if rest.startswith(":"):
-            port = int(rest[1:])
-    elif spec.count(":") == 1:
-        host, port_s = spec.split(":")
-        port = int(port_s)
+    if "@" in rest:
+        user, rest = rest.rsplit("@", 1)
+    port_s: str | None = None
+    if rest.startswith("["):
+        jhost, closed, tail = rest[1:].partition("]")
+        if not closed or (tail and not tail.startswith(":")):
+            raise ConnectError(f"ProxyJump hop {spec!r}: unbalanced [...] around the address", host=host)
+        port_s = tail[1:] if tail else None
+    elif rest.count(":") == 1:
+        jhost, port_s = rest.split(":")
     else:
-        host = spec
-    return user, host, port
+        jhost = rest
+    if not jhost or user == "":
+        raise ConnectError(f"ProxyJump hop {spec!r}: expected [user@]host[:port]", host=host)
+    port = None
+    if port_s is not None:
+        if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+            raise ConnectError(f"ProxyJump hop {spec!r}: port {port_s!r} is not a number from 1 to 65535", host=host)
+        port = int(port_s)
+    return user, jhost, port
 
 
 def _send_stdin(chan: paramiko.Channel, data: bytes) -> None:
@@ -252,13 +267,10 @@ class SSHTransport:
             return Path(os.path.expanduser(self.spec.ddtree.known_hosts))
         return self._user_known_hosts
 
-    def _config(self) -> paramiko.SSHConfig | None:
-        path = self._ssh_config_path
-        with translate_errors(self.host, f"cannot read {path}", error=ConnectError, also=(ValueError,)):
-            try:
-                return paramiko.SSHConfig.from_path(str(path))
-            except FileNotFoundError:
-                return None
+    def _config(self) -> SshConfig:
+        """The ssh_config with its Includes (ddtree_ops.sshconfig); empty without a file.
+        A broken one is a ConfigError naming the file and line."""
+        return load_ssh_config(self._ssh_config_path)
 
     def endpoint(self) -> Endpoint:
         h = self.spec
@@ -282,7 +294,7 @@ class SSHTransport:
         hops: list[Endpoint] = []
         if target.proxy_jump:
             for spec in target.proxy_jump.split(","):
-                juser, jhost, jport = _parse_jump(spec.strip())
+                juser, jhost, jport = _parse_jump(spec.strip(), host=self.host)
                 # Jump hosts are ssh_config aliases too (their own HostName/User/IdentityFile).
                 hops.append(resolve_endpoint(jhost, config, port=jport, user=juser))
         hops.append(target)
@@ -444,6 +456,7 @@ class SSHTransport:
         env: Mapping[str, str] | None = None,
         check: bool = False,
         cwd: str | None = None,
+        on_line: LineCallback | None = None,
     ) -> CommandResult:
         text = command_text(command)
         line = build_command_line(command, env=env, cwd=cwd)
@@ -452,7 +465,8 @@ class SSHTransport:
         start = time.monotonic()
         chan = self._open_session()
         try:
-            result = self._exchange(chan, line, stdin, timeout, text, start)
+            feed = LineFeed(on_line) if on_line is not None else None
+            result = self._exchange(chan, line, stdin, timeout, text, start, feed)
         finally:
             chan.close()
         if check and result.returncode != 0:
@@ -478,19 +492,36 @@ class SSHTransport:
         raise AssertionError("unreachable")
 
     def _exchange(
-        self, chan: paramiko.Channel, line: str, stdin: bytes, timeout: float | None, text: str, start: float
+        self,
+        chan: paramiko.Channel,
+        line: str,
+        stdin: bytes,
+        timeout: float | None,
+        text: str,
+        start: float,
+        feed: LineFeed | None = None,
     ) -> CommandResult:
         deadline = None if timeout is None else start + timeout
         out = bytearray()
         err: list[bytes] = []
         pgid: int | None = None  # learnt from the prologue's first stdout line
         marker_done = False
+        fed = 0  # bytes of ``out`` handed to ``feed``; the pgid marker never is
 
         def take(data: bytes) -> None:
-            nonlocal pgid, marker_done
+            nonlocal pgid, marker_done, fed
             out.extend(data)
             if not marker_done:
                 marker_done, pgid = _strip_pgid_marker(out)
+            if feed is not None and marker_done and fed < len(out):
+                chunk, fed = bytes(out[fed:]), len(out)
+                try:
+                    feed.feed(chunk)
+                except Exception:
+                    # The caller gave up on the command: end it as Ctrl-C would.
+                    if pgid is not None:
+                        self._end_group(chan.get_transport(), pgid, reason="output callback failed")
+                    raise
 
         def timed_out() -> CommandTimeout:
             # A pgid still in flight is worth a short wait: without it nothing can be ended.
@@ -555,6 +586,8 @@ class SSHTransport:
             # The channel closed without an exit status: the connection (or sshd) went away.
             self.close()
             raise ConnectError(lost, host=self.host)
+        if feed is not None:
+            feed.close()
         code = chan.recv_exit_status()
         if code == -1:
             code = 255  # killed by a signal: OpenSSH's client reports 255 too

@@ -93,6 +93,16 @@ def test_a_program_that_exits_before_reading_its_stdin_gives_its_exit_code(any_t
     assert any_transport.transport.run(["true"]).returncode == 0  # the connection is still good
 
 
+def test_a_file_where_a_directory_should_be_is_an_exit_code_not_an_exception(any_transport) -> None:
+    t = any_transport.transport
+    a_file = os.path.join(any_transport.scratch, "plain-file")
+    t.write_atomic(a_file, b"x")
+    in_file = t.run(["pwd"], cwd=a_file)
+    assert in_file.returncode == 1 and in_file.stdout.strip() == "", in_file
+    through_file = t.run([a_file + "/python", "-V"])
+    assert through_file.returncode == 127, through_file
+
+
 def test_env_and_cwd(any_transport) -> None:
     t = any_transport.transport
     result = t.run(
