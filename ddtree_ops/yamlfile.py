@@ -48,12 +48,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)  # type: ignore[arg-type]
 
 
-def safe_load_unique(text: str | bytes, *, source: str, error: type[ConfigError] = ConfigError) -> Any:
+def safe_load_unique(
+    text: str | bytes,
+    *,
+    source: str,
+    error: type[ConfigError] = ConfigError,
+    loader: type[UniqueKeyLoader] = UniqueKeyLoader,
+) -> Any:
     """``yaml.safe_load`` that raises ``error("FILE:LINE: duplicate key 'K' (first at line N)")``.
 
     Other YAML errors propagate unchanged, for the caller to word as it already does.
+    ``loader`` may be a subclass adding tags (the inventory's ``!vault`` / ``!unsafe``).
     """
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
+        return yaml.load(text, Loader=loader)  # noqa: S506  # a SafeLoader subclass
     except _DuplicateKey as exc:
         raise error(f"{source}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first_line})") from None

@@ -49,12 +49,28 @@ def test_entry_point_error_is_one_line(tmp_path: Path) -> None:
 def test_hosts_lists_the_shipped_inventories(cli, clean_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
-    res = cli("--json", "hosts")  # default: every inventories/*.yaml
+    res = cli("--json", "hosts")  # default: the directory inventories/
     assert res.exit_code == 0, res.stderr
     names = [h["name"] for h in json_data(res.stdout)]
     assert {"ct200-a", "ct200-b", "b300-a", "sim-ct200", "sim-b300"} <= set(names)
     table = cli("-i", "inventories/local.yaml", "hosts", "local")
     assert table.exit_code == 0 and "sim-ct200" in table.stdout and "ct200-a" not in table.stdout
+
+
+def test_the_default_inventory_directory_reads_yml_and_ini_like_ansible(
+    cli, clean_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inventories/`` is one directory source: ``.yml`` and INI files load (the old
+    ``*.yaml`` glob skipped them), a README beside them is not an inventory."""
+    (tmp_path / "inventories").mkdir()
+    (tmp_path / "inventories" / "rack.yml").write_text("all:\n  hosts:\n    yml-host: {ansible_host: 10.0.0.1}\n")
+    (tmp_path / "inventories" / "lab").write_text("[lab]\nnode[01:02] ansible_host=10.0.1.1\n")
+    (tmp_path / "inventories" / "README.md").write_text("# not an inventory: [x]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
+    res = cli("--json", "hosts")
+    assert res.exit_code == 0, res.stderr
+    assert sorted(h["name"] for h in json_data(res.stdout)) == ["node01", "node02", "yml-host"]
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -191,28 +207,35 @@ def test_hostile_python_path_reaches_the_host_as_data(ssh_fleet: Fleet, clean_ho
 def test_names_paths_and_errors_are_printed_literally_not_as_markup(
     cli, clean_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A host called ``gpu-[a:h]`` and a path holding ``[bold]x[/]`` reach the terminal as
-    they are: rich would otherwise eat ``[a:h]`` as a style tag and ``[bold]``/``[/]`` as markup."""
+    """A group called ``rack-[a:h]`` and a path holding ``[bold]x[/]`` reach the terminal as
+    they are: rich would otherwise eat ``[a:h]`` as a style tag and ``[bold]``/``[/]`` as markup.
+    (A host name cannot keep brackets: Ansible expands ``gpu-[a:h]`` into eight hosts.)"""
     from ddtree_ops.cli import main
 
     monkeypatch.setattr(main.console, "width", 250)
     monkeypatch.setattr(main.err_console, "width", 250)
     python = f"{tmp_path}/[bold]x[/]/python"
-    doc = {"all": {"vars": {"ansible_connection": "local"}, "hosts": {
-        "gpu-[a:h]": {"ddtree": {"python": python, "run_dir": str(tmp_path / "[red]run")}},
-    }}}
+    doc = {"all": {"vars": {"ansible_connection": "local"}, "children": {"rack-[a:h]": {"hosts": {
+        "gpu-[a:b]": {"ddtree": {"python": python, "run_dir": str(tmp_path / "[red]run")}},
+    }}}}}
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump(doc))
     listed = cli("-i", str(inv), "-v", "hosts")
-    assert listed.exit_code == 0 and "gpu-[a:h]" in listed.stdout and "[bold]x[/]/python" in listed.stdout
+    assert listed.exit_code == 0, listed
+    assert "gpu-a" in listed.stdout and "gpu-b" in listed.stdout and "rack-[a:h]" in listed.stdout, listed.stdout
+    assert "[bold]x[/]/python" in listed.stdout
     bundle = str(REPO / "tests" / "patching" / "bundles" / "basic")
     for command in (["doctor"], ["restart"], ["status", "--bundle", bundle], ["logs"]):
-        res = cli("-i", str(inv), *command[:1], "gpu-[a:h]", *command[1:])
+        res = cli("-i", str(inv), *command[:1], "rack-[a:h]", *command[1:])
         assert res.exit_code != 0, (command, res)
         if command != ["logs"]:
-            assert "│ gpu-[a:h]" in res.stdout, (command, res.stdout)
+            assert "│ gpu-a" in res.stdout, (command, res.stdout)
         assert "[bold]x[/]/python" in res.stdout, (command, res.stdout)
-        assert one_error_line(res.stderr).endswith(": gpu-[a:h]"), res.stderr
+        assert one_error_line(res.stderr).endswith((": gpu-a, gpu-b", ": gpu-a", ": gpu-b")), res.stderr
+        if command == ["doctor"]:
+            assert "doctor: rack-[a:h]" in res.stdout, res.stdout
+    unknown = cli("-i", str(inv), "doctor", "rack-[a:z]")
+    assert unknown.exit_code == 2 and "rack-[a:z]" in one_error_line(unknown.stderr), unknown.stderr
     missing = cli("-i", str(tmp_path / "[bold]nope[/].yaml"), "hosts")
     assert missing.exit_code == 2 and "[bold]nope[/].yaml" in one_error_line(missing.stderr)
 

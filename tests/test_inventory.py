@@ -89,19 +89,22 @@ def test_unused_ansible_vars_are_ignored(tmp_path: Path) -> None:
     assert inv.hosts["web1"].ddtree.server.port == 30000  # default
 
 
-def test_group_vars_stay_in_their_file(tmp_path: Path) -> None:
+def test_all_is_shared_across_sources_like_ansible(tmp_path: Path) -> None:
+    # Ansible has one `all` group: its vars from any source apply to every host.
     a = write(tmp_path, "all:\n  vars: {ddtree: {python: /a/py}}\n  hosts: {ha: {ansible_host: 1.1.1.1}}\n", "a.yaml")
     b = write(tmp_path, "all:\n  hosts: {hb: {ansible_host: 2.2.2.2}}\n", "b.yaml")
     inv = load_inventory([a, b], ssh_config=tmp_path / "none")
-    assert inv.hosts["ha"].python == "/a/py"
-    assert inv.hosts["hb"].python == "python3"
+    assert inv.hosts["ha"].python == "/a/py" == inv.hosts["hb"].python
 
 
-def test_duplicate_host_across_files_is_an_error(tmp_path: Path) -> None:
-    a = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1}}\n", "a.yaml")
+def test_host_in_two_sources_later_source_wins(tmp_path: Path) -> None:
+    a = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: x}}\n", "a.yaml")
     b = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 2.2.2.2}}\n", "b.yaml")
-    with pytest.raises(InventoryError, match=r"b\.yaml: host 'h' is already defined in .*a\.yaml"):
-        load_inventory([a, b], ssh_config=tmp_path / "none")
+    inv = load_inventory([a, b], ssh_config=tmp_path / "none")
+    assert list(inv.hosts) == ["h"]
+    assert inv.hosts["h"].address == "2.2.2.2" and inv.hosts["h"].user == "x"
+    inv = load_inventory([b, a], ssh_config=tmp_path / "none")
+    assert inv.hosts["h"].address == "1.1.1.1"
 
 
 def test_resolve_targets(tmp_path: Path) -> None:
@@ -267,11 +270,14 @@ def test_duplicate_yaml_key_in_a_sweep_file(tmp_path: Path) -> None:
         load_sweep(sweep)
 
 
-def test_duplicate_host_across_files_cli_names_both_files_and_key(tmp_path: Path, cli, clean_home: Path) -> None:
-    a = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: x}}\n", "a.yaml")
-    b = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: y}}\n", "b.yaml")
-    res = cli("-i", str(a), "-i", str(b), "hosts")
+def test_host_defined_twice_in_one_file_cli_names_file_and_key(tmp_path: Path, cli, clean_home: Path) -> None:
+    a = write(
+        tmp_path,
+        "[g1]\nh ansible_host=1.1.1.1 ansible_user=x\n[g2]\nh ansible_host=1.1.1.1 ansible_user=y\n",
+        "a.ini",
+    )
+    res = cli("-i", str(a), "hosts")
     assert res.exit_code == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "b.yaml: host 'h' is already defined in" in lines[0]
-    assert "a.yaml with another ansible_user: 'y' here, 'x' there" in lines[0]
+    assert len(lines) == 1 and "a.ini: host 'h' is defined twice with different ansible_user" in lines[0]
+    assert "'x' at line 2, 'y' at line 4" in lines[0]

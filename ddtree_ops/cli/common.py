@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.cells import cell_len
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -63,8 +65,15 @@ def load_inventory_for(ctx_obj: Any) -> Inventory:
 
 
 def load_hosts(ctx_obj: Any, target: str) -> list[Host]:
-    """``target`` (group, host, ``all`` or a comma list) -> hosts; raises ConfigError subclasses."""
+    """``target`` (group, host, ``all`` or a comma list) -> hosts; raises ConfigError subclasses.
+    Once per machine: a GPU slot ``host/i`` stands for its host."""
     return load_inventory_for(ctx_obj).resolve(target)
+
+
+def load_slot_hosts(ctx_obj: Any, target: str) -> list[Host]:
+    """``target`` -> one host per server: every GPU slot of each host named (a host
+    without slots is one), or the one slot ``host/i`` names (Inventory.resolve_slots)."""
+    return load_inventory_for(ctx_obj).resolve_slots(target)
 
 
 def transport_for(ctx_obj: Any, host: Host, *, counter: RoundTripCounter | None = None) -> Transport:
@@ -243,3 +252,116 @@ def raise_if_failed(what: str, results: FleetResult[Any], *, failure: Judge | No
             result=results,
             failures=failures,
         )
+
+
+# --------------------------------------------------------------------------- tables that fit
+
+@dataclasses.dataclass(frozen=True)
+class TableColumn:
+    """One column of a table that must fit the terminal.
+
+    ``drop`` ranks what goes when the table is too wide (0: never; higher: sooner);
+    ``wrap`` lets the column's cells wrap at spaces (free text: a server key, an error)
+    where every other column keeps each value on one line.
+    """
+
+    header: str
+    justify: JustifyMethod = "left"
+    drop: int = 0
+    wrap: bool = False
+
+
+def fitted_table(
+    columns: Sequence[TableColumn],
+    rows: Sequence[Sequence[str | Text]],
+    *,
+    width: int,
+    wide: bool = False,
+    title: str | None = None,
+    caption: str | None = None,
+    sized_by: Sequence[Sequence[str | Text]] | None = None,
+) -> Table:
+    """A table no wider than ``width`` without cutting a value: the columns with the
+    highest ``drop`` go first (the caption names them and ``--wide``), headers wrap at
+    spaces, ``wrap`` columns wrap their text. Every row is kept. ``wide``: every column at
+    its full width, however wide that is (print it with :func:`print_table`).
+    ``sized_by``: the rows that set the widths and the columns kept (default ``rows``), so
+    that tables shown one after another (one per host) have the same columns."""
+    texts = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
+    sizing = texts if sized_by is None else [[c if isinstance(c, Text) else Text(str(c)) for c in r] for r in sized_by]
+
+    def longest(i: int) -> int:
+        return max((_text_width(row[i]) for row in sizing), default=0)
+
+    full = [max(len(col.header), longest(i)) for i, col in enumerate(columns)]
+    # A wrapped column needs its longest word, and at least 12 cells where it has them.
+    need = [
+        max(_longest_word(col.header), _wrapped_need(longest(i), sizing, i) if col.wrap else longest(i))
+        for i, col in enumerate(columns)
+    ]
+    keep = list(range(len(columns)))
+    if wide:
+        need = full
+    else:
+        while _table_width(need, keep) > width and any(columns[i].drop for i in keep):
+            worst = max((i for i in keep if columns[i].drop), key=lambda i: (columns[i].drop, i))
+            keep.remove(worst)
+    widths = {i: need[i] for i in keep}
+    fits = wide or _table_width(need, keep) <= width
+    if fits and not wide:
+        spare = width - _table_width(need, keep)
+        # Room left: first whole wrapped texts, then whole headers (fewer header lines).
+        for grow in (lambda i: longest(i) if columns[i].wrap else 0, lambda i: full[i]):
+            for i in keep:
+                more = min(spare, max(0, grow(i) - widths[i]))
+                widths[i] += more
+                spare -= more
+    hidden = [columns[i].header for i in range(len(columns)) if i not in keep]
+    notes = [caption] if caption else []
+    if hidden:
+        notes.append(f"Hidden to fit {width} columns: {', '.join(hidden)} (--wide shows every column).")
+    table = Table(
+        title=Text(title) if title else None,
+        title_justify="left",
+        caption=Text(" ".join(notes)) if notes else None,
+        caption_justify="left",
+        width=_table_width([widths[i] for i in keep], range(len(keep))) if wide else None,
+    )
+    for i in keep:
+        col = columns[i]
+        table.add_column(
+            Text(col.header),
+            justify=col.justify,
+            width=widths[i] if fits else None,  # >= every value's width: only headers wrap
+            overflow="fold",
+        )
+    for row in texts:
+        table.add_row(*(row[i] for i in keep))
+    return table
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print a :func:`fitted_table`; a ``--wide`` one is not cut at the terminal's edge."""
+    console.print(table, crop=table.width is None)
+
+
+def _table_width(widths: Sequence[int], keep: Iterable[int]) -> int:
+    """The printed width of a rich table with the default box: 1 + per column 3 + content."""
+    kept = list(keep)
+    return 1 + sum(widths[i] + 3 for i in kept)
+
+
+def _text_width(text: Text) -> int:
+    return max((cell_len(line) for line in text.plain.splitlines()), default=0)
+
+
+def _longest_word(text: str) -> int:
+    return max((cell_len(w) for w in text.split()), default=0)
+
+
+def _wrapped_need(longest: int, rows: Sequence[Sequence[Text]], i: int) -> int:
+    return min(longest, max(12, _longest_word_in(rows, i)))
+
+
+def _longest_word_in(rows: Sequence[Sequence[Text]], i: int) -> int:
+    return max((_longest_word(row[i].plain) for row in rows), default=0)

@@ -10,7 +10,6 @@ follow the command: :func:`hoist_global_options` moves them before it.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,11 +62,11 @@ class AppContext:
 
 
 def default_inventory_paths() -> list[Path]:
-    """``$DDTREE_OPS_INVENTORY`` (os.pathsep-separated), else every ``inventories/*.yaml``."""
-    env = os.environ.get("DDTREE_OPS_INVENTORY")
-    if env:
-        return [Path(p) for p in env.split(os.pathsep) if p]
-    return sorted(Path("inventories").glob("*.yaml"))
+    """``$DDTREE_OPS_INVENTORY`` (os.pathsep-separated), else ``inventories/`` as one
+    directory source (YAML and INI, ``.yml`` too), as Ansible reads ``-i inventories/``."""
+    from ddtree_ops.inventory import default_sources
+
+    return default_sources()
 
 
 def _version_callback(value: bool) -> None:
@@ -83,7 +82,7 @@ def main(
         None,
         "-i",
         "--inventory",
-        help="Inventory YAML (repeatable). Default: $DDTREE_OPS_INVENTORY or inventories/*.yaml.",
+        help="Inventory file or directory, YAML or INI (repeatable). Default: $DDTREE_OPS_INVENTORY or inventories/.",
     ),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
     verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="More detail (repeat for more)."),

@@ -4,12 +4,29 @@ imported last when several test directories are collected together."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+
+
+def run_cli(
+    inventory: Path, *args: str, state: Path, timeout: float = 150, path_first: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess, as a user runs it, with its own local state file and
+    a terminal wide enough that no table column is dropped; ``path_first`` goes ahead of
+    ``$PATH`` (stand-in tools, e.g. an nvidia-smi, for a local host)."""
+    env = dict(os.environ, DDTREE_OPS_STATE=str(state), COLUMNS="200")
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
 
 
 def free_port() -> int:

@@ -11,19 +11,13 @@ import pytest
 import yaml
 from cli_json import json_data
 from fleetlib import cached_prefix_template, find_wheel
-from simhosts import free_port
+from simhosts import free_port, run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def cli(inventory: Path, *args: str, env_state: Path) -> subprocess.CompletedProcess[str]:
-    import os
-
-    env = dict(os.environ, DDTREE_OPS_STATE=str(env_state), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), *args],
-        capture_output=True, text=True, env=env, timeout=150,
-    )
+    return run_cli(inventory, *args, state=env_state)
 
 
 def host_result(out: subprocess.CompletedProcess[str], name: str) -> dict:
@@ -220,3 +214,36 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
     assert "gpu-c" in text and "not ready after 720s" in text
     # The caption says what each time spans.
     assert "load: launch → the server answers" in text and "total: launch → ready" in text
+
+
+def test_restart_summary_fits_80_columns_without_splitting_a_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 80 columns the summary drops its least useful columns (named in the caption)
+    instead of folding headers and values mid-word ("captur e", "(learn ed)")."""
+    from types import MappingProxyType
+
+    from rich.console import Console
+
+    from ddtree_ops.cli import main, service
+    from ddtree_ops.fleet import FleetResult
+    from ddtree_ops.service.lifecycle import RestartResult
+    from ddtree_ops.service.logphases import Phase
+
+    r = RestartResult(
+        host="sim-ct200/1", pid=424242, argv=("python",), cuda_graph=True, fallback_reason=None,
+        phase_durations=MappingProxyType({Phase.CAPTURING: 4.6}), ready_s=13.8, load_s=12.5, deadline_s=720,
+        deadline_source="inventory", attempts=2, launch_command="python", log_path="/x/server.log",
+        ready_at=0.0, ready_line_ts=None, smoke=None,
+    )
+    out = Console(record=True, width=80)
+    monkeypatch.setattr(main, "console", out)
+    service._render_restart(main.AppContext(), FleetResult({"sim-ct200/1": r}))
+    text = out.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    for word in ("sim-ct200/1", "capture", "12.5s", "4.6s", "13.8s", "(2", "launches)"):
+        assert any(word in line.split() or f"│ {word}" in line for line in text.splitlines()), (word, text)
+    assert "Hidden to fit 80 columns: pid, deadline (--wide shows every column)." in " ".join(text.split())
+    wide = Console(record=True, width=80)
+    monkeypatch.setattr(main, "console", wide)
+    service._render_restart(main.AppContext(), FleetResult({"sim-ct200/1": r}), wide=True)
+    shown = wide.export_text()
+    assert "720s (inventory)" in shown and "424242" in shown

@@ -1,0 +1,322 @@
+"""What `ddtree-ops report` prints and writes: tidy table, best configurations, CSV, plots,
+compare. Imported only when `report` runs, so that pandas does not slow every command's start."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ddtree_ops import report as rep
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table
+from ddtree_ops.cli.main import AppContext
+from ddtree_ops.errors import BenchError, ConfigError
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _ratio(value: Any) -> str:
+    """A speedup as '1.23x', or '—' where there was no baseline to compare with."""
+    text = _fmt(value, 2)
+    return text if text == "—" else f"{text}x"
+
+
+def _cell(row: Any) -> str:
+    return rep.describe_cell(row) if row.get("algorithm") is not None else "—"
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    try:  # the parent was checked before any work (check_output_path)
+        frame.to_csv(path, index=False)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the CSV: {exc.strerror or exc}") from exc
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    # to_json handles NA/NaN -> null and numpy scalars uniformly.
+    return json.loads(frame.to_json(orient="records"))
+
+
+def _machine(value: Any) -> str:
+    """A GPU or host name as it fits a terminal column ('NVIDIA ' and '(simulated)' shortened)."""
+    text = str(value)
+    if text.startswith("NVIDIA "):
+        text = text[len("NVIDIA "):]
+    return text.replace(" (simulated)", " (sim)")
+
+
+def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Table, Table | None]]:
+    """One table of picks per machine (so no column is spent on long GPU names), each with
+    a grid below it of one line per pick for its runner-up and notes, kept out of the table
+    so that it fits an ordinary terminal."""
+    out: list[tuple[Table, Table | None]] = []
+    columns = (
+        TableColumn("temp", "right"),
+        TableColumn("conc", "right"),
+        TableColumn("modes"),
+        TableColumn("best"),
+        TableColumn("tok/s ± MAD", "right"),
+        TableColumn("n", "right", drop=2),
+        TableColumn("accept len", "right", drop=3),
+        TableColumn("vs AR", "right"),
+        TableColumn("vs DFlash", "right", drop=1),
+    )
+    for machine, rows in best.groupby("machine", sort=True):
+        cells: list[list[str | Text]] = []
+        details = Table.grid(padding=(0, 1))
+        details.add_column(no_wrap=True)
+        details.add_column()
+        for _, row in rows.iterrows():
+            picked = row["algorithm"] is not None
+            # The modes column says "eager" already: the label does not repeat it.
+            label = _cell(row).removesuffix(" eager")
+            cells.append([
+                _fmt(row["temperature"], 2),
+                _fmt(row["concurrency"]),
+                str(row["modes"]),
+                Text(label, style="bold green") if picked else Text("none", style="red"),
+                f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
+                _fmt(row["n"]),
+                _fmt(row["accept_length_median"], 2),
+                _ratio(row["speedup_vs_ar"]) if picked else "—",
+                _ratio(row["speedup_vs_dflash"]) if picked else "—",
+            ])
+            extra = [f"runner-up {row['runner_up']}"] if _fmt(row["runner_up"]) != "—" else []
+            if row["note"]:
+                extra.append(str(row["note"]))
+            if extra:
+                details.add_row(
+                    Text(f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}:"),
+                    Text("; ".join(extra)),
+                )
+        table = fitted_table(
+            columns, cells, width=width, wide=wide, title=f"Best configuration — {_machine(machine)}"
+        )
+        out.append((table, details if details.row_count else None))
+    return out
+
+
+_TIDY_COLUMNS = (
+    TableColumn("temp", "right"),
+    TableColumn("conc", "right"),
+    TableColumn("config"),
+    TableColumn("graph", drop=6),  # the config label says "eager" already
+    TableColumn("n", "right", drop=3),
+    TableColumn("tok/s ± MAD", "right"),
+    TableColumn("accept len", "right", drop=2),
+    TableColumn("TTFT p50 ms", "right", drop=5),
+    TableColumn("ITL p50 ms", "right", drop=4),
+    TableColumn("vs AR", "right"),
+    TableColumn("vs DFlash", "right", drop=1),
+)
+
+
+def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: bool) -> list[Table]:
+    """The per-(host, cell) table, one per host (its name is the title, not a column).
+    ``limit`` rows in all when given; each title says how many of its rows it shows.
+    min–max and every percentile are in --csv; the terminal keeps what fits."""
+    shown = tidy if limit is None else tidy.head(limit)
+    cells: list[list[str | Text]] = []
+    for _, row in shown.iterrows():
+        cells.append([
+            _fmt(row["temperature"], 2),
+            _fmt(row["concurrency"]),
+            _cell(row),
+            "yes" if row["cuda_graph"] else Text("eager", style="yellow"),
+            _fmt(row["n"]),
+            f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}",
+            _fmt(row["accept_length_median"], 2),
+            _fmt(row["ttft_ms_median"]),
+            _fmt(row["itl_ms_median"], 2),
+            _fmt(row["speedup_vs_ar"], 2) + ("†" if row["modes_mixed"] else ""),
+            _fmt(row["speedup_vs_dflash"], 2),
+        ])
+    machines = list(shown["machine"])
+    tables = []
+    for machine in dict.fromkeys(machines):
+        rows = [c for m, c in zip(machines, cells, strict=True) if m == machine]
+        total = int((tidy["machine"] == machine).sum())
+        count = f"{len(rows)} rows" if len(rows) == total else f"first {len(rows)} of {total} rows"
+        title = f"Cells — {_machine(machine)} ({count})"
+        # Sized by every host's rows: the tables show the same columns, equally wide.
+        tables.append(fitted_table(_TIDY_COLUMNS, rows, width=width, wide=wide, title=title, sized_by=cells))
+    return tables
+
+
+def _compare_table(cmp: pd.DataFrame, *, width: int, wide: bool) -> Table:
+    columns = (
+        TableColumn("host", wrap=True),
+        TableColumn("temp", "right"),
+        TableColumn("conc", "right"),
+        TableColumn("config"),
+        TableColumn("tok/s a", "right", drop=2),
+        TableColumn("tok/s b", "right", drop=1),
+        TableColumn("ratio", "right"),
+        TableColumn("change"),
+    )
+    cells: list[list[str | Text]] = []
+    for _, row in cmp.iterrows():
+        graph = row["cuda_graph_b"] if row["cuda_graph_b"] is not pd.NA else row["cuda_graph_a"]
+        label = rep.describe_cell({**row.to_dict(), "cuda_graph": bool(graph) if graph is not pd.NA else True})
+        change: str | Text
+        if row["only_in"]:
+            change = f"only in {row['only_in']}"
+        elif row["changed"]:
+            change = Text(str(row["direction"]), style="green" if row["direction"] == "faster" else "red")
+        else:
+            change = ""
+        cells.append([
+            _machine(row["machine"]), _fmt(row["temperature"], 2), _fmt(row["concurrency"]), label,
+            _fmt(row["output_tok_s_a"]), _fmt(row["output_tok_s_b"]), _fmt(row["ratio"], 3), change,
+        ])
+    return fitted_table(
+        columns, cells, width=width, wide=wide,
+        title="Comparison (b / a) — changes beyond 2·(σa+σb), σ = 1.4826·MAD",
+    )
+
+
+def _print_skipped(console: Console, loaded: rep.LoadedLedgers) -> None:
+    """What was read but not counted: bad lines (unparsable, old schema, missing fields,
+    non-finite metrics) with file and line, and copies of rows already read, per ledger.
+    The terminal shows the first ten bad lines; ``--json`` lists them all."""
+    if loaded.duplicates:
+        where = escape(", ".join(f"{f} ({n})" for f, n in loaded.duplicates))
+        console.print(
+            f"[yellow]Counted {loaded.duplicate_rows} duplicate row(s) once (same run_id, cell and repeat):[/] "
+            f"{where}",
+            highlight=False, soft_wrap=True,
+        )
+    if loaded.bad_lines:
+        kinds = Counter(reason.split(":")[0] for _, _, reason in loaded.bad_lines)
+        summary = escape(", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
+        console.print(f"[yellow]Skipped {len(loaded.bad_lines)} bad line(s)[/] ({summary}):", highlight=False,
+                      soft_wrap=True)
+        for f, n, r in loaded.bad_lines[:10]:
+            console.print(f"  {f}:{n}: {r}", highlight=False, markup=False, soft_wrap=True)
+        if len(loaded.bad_lines) > 10:
+            console.print(f"  … and {len(loaded.bad_lines) - 10} more (see --json)", highlight=False)
+
+
+def run_report(
+    obj: AppContext,
+    *,
+    ledgers: list[Path] | None,
+    csv: Path | None,
+    csv_best: Path | None,
+    plots: Path | None,
+    group_by: str,
+    min_repeats: int | None,
+    mix_modes: bool,
+    compare_with: list[Path] | None,
+    show_cells: int | None,
+    wide: bool,
+    as_json: bool,
+) -> None:
+    """The report once its options are checked (see cli/report.py)."""
+    result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes)  # type: ignore[arg-type]
+    cmp = None
+    if compare_with:
+        other = rep.load_tidy(list(compare_with))
+        cmp = rep.compare(other, result.tidy)
+    if csv:
+        _write_csv(result.tidy, csv)
+    if csv_best:
+        _write_csv(result.best.best, csv_best)
+    written: list[Path] = []
+    if plots:
+        from ddtree_ops.report.plots import write_plots
+
+        written = write_plots(result.grouped, plots)
+
+    loaded = result.loaded
+    if as_json:
+        payload: dict[str, Any] = {
+            "files": [str(p) for p in loaded.files],
+            "rows": len(loaded.frame),
+            "bad_lines": [{"file": f, "line": n, "reason": r} for f, n, r in loaded.bad_lines],
+            "duplicates": [{"file": f, "rows": n} for f, n in loaded.duplicates],
+            "cells": _records(result.tidy),
+            "best": _records(result.best.best),
+            "refusals": _records(result.best.refusals),
+            "min_repeats": result.min_repeats,
+            "plots": [str(p) for p in written],
+        }
+        if cmp is not None:
+            payload["compare"] = _records(cmp)
+        from ddtree_ops.cli.common import set_json_data
+
+        set_json_data(obj, payload)
+        _raise_if_all_refused(result)
+        return
+
+    console = obj.console
+    console.print(f"Read {len(loaded.frame):,} rows from {len(loaded.files)} ledger(s).", highlight=False)
+    _print_skipped(console, loaded)
+    width = console.width
+    if show_cells != 0:
+        for table in _tidy_tables(result.tidy, show_cells, width=width, wide=wide):
+            print_table(console, table)
+        if show_cells is not None and show_cells < len(result.tidy):
+            console.print(
+                f"Showed {show_cells} of {len(result.tidy)} cell rows (--show-cells {show_cells}): every row without "
+                "--show-cells, every row and column with --csv FILE.",
+                highlight=False, markup=False,
+            )
+        if result.tidy["modes_mixed"].head(show_cells if show_cells is not None else len(result.tidy)).any():
+            console.print("† speedup measured against a baseline in the other CUDA-graph mode.", highlight=False)
+    if cmp is not None:
+        print_table(console, _compare_table(cmp, width=width, wide=wide))
+    refusals = result.best.refusals
+    if len(refusals):
+        console.print(f"[yellow]{len(refusals)} cell(s) not eligible for best config:[/]", highlight=False)
+        for _, refusal in refusals.head(10).iterrows():
+            console.print(
+                f"  {refusal['machine']} T={refusal['temperature']:g} c={refusal['concurrency']} {refusal['cell']}:"
+                f" {refusal['reason']}",
+                highlight=False, markup=False,
+            )
+        if len(refusals) > 10:
+            console.print(f"  … and {len(refusals) - 10} more (see --json)", highlight=False)
+    for label, path in (("tidy CSV", csv), ("best CSV", csv_best)):
+        if path:
+            console.print(f"Wrote {label}: {path}", highlight=False)
+    if written:
+        console.print(f"Wrote {len(written)} plot(s) to {plots}", highlight=False)
+    console.print(
+        "Best configuration per machine, temperature and concurrency (score = median − 1.4826·MAD of "
+        "output tok/s; within 1% the cheaper config wins):",
+        highlight=False,
+    )
+    for table, details in _best_tables(result.best.best, width=width, wide=wide):
+        print_table(console, table)
+        if details is not None:
+            console.print(details)
+    _raise_if_all_refused(result)
+
+
+def _raise_if_all_refused(result: rep.Report) -> None:
+    """No cell may be recommended: a report of nothing but refusals is a failed report
+    (exit 6, like a failed benchmark), so a script does not take "none" for an answer."""
+    if not result.all_refused:
+        return
+    reasons = Counter(str(r).split("; ")[0] for r in result.best.refusals["reason"])
+    reason, count = reasons.most_common(1)[0]
+    source = " (planned by the ledgers' sweeps)" if result.min_repeats_planned else ""
+    raise BenchError(
+        f"every one of the {len(result.grouped)} cell(s) was refused, so no configuration can be recommended "
+        f"(most common reason, {count} cell(s): {reason}; min repeats {result.min_repeats}{source})"
+    )

@@ -1,0 +1,352 @@
+"""Resolved variables -> frozen :class:`Host` objects, and the :class:`Inventory` of them.
+
+The connection variables are read as Ansible's connection plugins read them (ssh's
+documented ``vars:``; when several names are set the last of the list wins, as in
+Ansible's config manager): address ``ansible_host``, ``ansible_ssh_host``; port
+``ansible_port``, ``ansible_ssh_port``; user ``ansible_user``, ``ansible_ssh_user``;
+key ``ansible_private_key_file``, ``ansible_ssh_private_key_file`` (plus the
+``ansible_paramiko_*`` names under the paramiko connection). A port may be a quoted
+integer (Ansible's option type is integer). A host with neither address must be an
+``~/.ssh/config`` alias: nothing else could reach it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ddtree_ops.errors import InventoryError, TargetError
+from ddtree_ops.inventory.schema import parse_gpus, refuse_unusable
+from ddtree_ops.inventory.sources import RawInventory, load_sources
+from ddtree_ops.inventory.values import Origin
+from ddtree_ops.inventory.vars import Resolved, VarFiles, depths, host_groups, resolve
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings
+from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
+
+SSH_CONNECTIONS = ("ssh", "smart", "ansible.builtin.ssh")
+PARAMIKO_CONNECTIONS = ("paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh")
+LOCAL_CONNECTIONS = ("local", "ansible.builtin.local")
+# option -> the variables Ansible's ssh connection plugin documents for it, in its order.
+_SSH_VARS: dict[str, tuple[str, ...]] = {
+    "address": ("ansible_host", "ansible_ssh_host"),
+    "port": ("ansible_port", "ansible_ssh_port"),
+    "user": ("ansible_user", "ansible_ssh_user"),
+    "key_file": ("ansible_private_key_file", "ansible_ssh_private_key_file"),
+}
+_PARAMIKO_EXTRA = {
+    "address": "ansible_paramiko_host",
+    "port": "ansible_paramiko_port",
+    "user": "ansible_paramiko_user",
+    "key_file": "ansible_paramiko_private_key_file",
+}
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Every host of the loaded sources, and which groups hold them (in inventory order)."""
+
+    hosts: Mapping[str, Host]
+    groups: Mapping[str, tuple[str, ...]]
+    sources: tuple[Path, ...] = field(default=())
+
+    def resolve(self, target: str) -> list[Host]:
+        """``all``, a group, a host, or a comma list of those -> hosts, in inventory order, once each.
+
+        For the commands that act once per machine (deploy, doctor, rollback: the patch is
+        installed once in the host's site-packages): a slot ``host/i`` stands for its host.
+        """
+        wanted = {host.machine for host in self.resolve_slots(target)}
+        return [host for name, host in self.hosts.items() if name in wanted]
+
+    def resolve_slots(self, target: str) -> list[Host]:
+        """Like :meth:`resolve`, for the commands that act on servers (restart, stop, logs,
+        status): a host or group means every slot of its hosts (:meth:`Host.slot_hosts`),
+        ``host/i`` one slot. A host without slots is its own only slot."""
+        wanted: set[str] = set()
+        for item in (part.strip() for part in target.split(",")):
+            if not item:
+                continue
+            if item == "all":
+                wanted.update(self.hosts)
+            elif item in self.groups:
+                wanted.update(self.groups[item])
+            elif item in self.hosts:
+                wanted.add(item)
+            elif "/" in item and item.rsplit("/", 1)[0] in self.hosts:
+                machine, _, index = item.rpartition("/")
+                names = [slot.name for slot in self.hosts[machine].slot_hosts() if slot.slot is not None]
+                if item not in names:
+                    listing = f"its slots are {', '.join(names)}" if names else "it has no ddtree.server.slots"
+                    raise TargetError(f"unknown slot {index!r} of host {machine!r}: {listing}")
+                wanted.add(item)
+            else:
+                raise TargetError(self._unknown_target_message(item))
+        if not wanted:
+            raise TargetError(f"empty target {target!r}; " + self._known())
+        return [
+            slot
+            for name, host in self.hosts.items()
+            for slot in host.slot_hosts()
+            if name in wanted or slot.name in wanted
+        ]
+
+    def _known(self) -> str:
+        groups = ", ".join(sorted(g for g in self.groups if g != "all")) or "(none)"
+        return f"known groups: all, {groups}; hosts: {', '.join(self.hosts) or '(none)'}"
+
+    def _unknown_target_message(self, item: str) -> str:
+        close = difflib.get_close_matches(item, [*self.groups, *self.hosts], n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown target {item!r}{hint}; {self._known()}"
+
+
+def load_inventory(paths: Sequence[Path], *, ssh_config: Path | None = None) -> Inventory:
+    """Load and merge inventory sources. Raises :class:`InventoryError` naming file and key.
+
+    ``ssh_config`` (default ``~/.ssh/config``) is consulted for hosts without an address:
+    such a host must be an alias there, otherwise nothing could reach it.
+    """
+    if not paths:
+        raise InventoryError(
+            "no inventory given: pass -i PATH or set DDTREE_OPS_INVENTORY (no inventories/ directory here)"
+        )
+    sources = [Path(p) for p in paths]
+    raw = load_sources(sources)
+    aliases = _SshAliases(ssh_config if ssh_config is not None else user_ssh_config_path())
+    files = VarFiles(sources)
+    depth = depths(raw)
+    hosts: dict[str, Host] = {}
+    for data in raw.hosts.values():
+        groups = host_groups(raw, data, depth)
+        resolved = resolve(raw, data, groups, files)
+        hosts[data.name] = build_host(data.name, resolved, data.origin, aliases, groups=tuple(groups))
+    members = {g: tuple(h for h in raw.hosts if g in hosts[h].groups or g == "all") for g in raw.groups}
+    return Inventory(hosts=MappingProxyType(hosts), groups=MappingProxyType(members), sources=tuple(sources))
+
+
+def resolved_raw(paths: Sequence[Path]) -> tuple[RawInventory, dict[str, Resolved]]:
+    """Every host's variables after precedence, unvalidated (for tests and diagnostics)."""
+    sources = [Path(p) for p in paths]
+    raw = load_sources(sources)
+    files, depth = VarFiles(sources), depths(raw)
+    return raw, {h.name: resolve(raw, h, host_groups(raw, h, depth), files) for h in raw.hosts.values()}
+
+
+def connection_vars(values: Mapping[str, Any], connection: str) -> dict[str, str | None]:
+    """For each connection option, the variable that sets it (the last set one of its list)."""
+    out: dict[str, str | None] = {}
+    for option, names in _SSH_VARS.items():
+        if connection in PARAMIKO_CONNECTIONS:
+            names = (*names, _PARAMIKO_EXTRA[option])
+        chosen = None
+        for name in names:
+            if values.get(name) is not None:
+                chosen = name
+        out[option] = chosen
+    return out
+
+
+def build_host(name: str, resolved: Resolved, first: Origin, aliases: _SshAliases, *, groups: tuple[str, ...]) -> Host:
+    values, origins = resolved.values, resolved.origins
+
+    def where(var: str) -> str:
+        return origins[var].at(var) if var in origins else f"{first.file}: host {name!r}: {var}"
+
+    connection_raw = values.get("ansible_connection")
+    if connection_raw is None:
+        connection_raw = "ssh"
+    else:
+        refuse_unusable(connection_raw, where("ansible_connection"))
+    if connection_raw in LOCAL_CONNECTIONS:
+        connection = "local"
+    elif connection_raw in SSH_CONNECTIONS or connection_raw in PARAMIKO_CONNECTIONS:
+        connection = "ssh"
+    else:
+        raise InventoryError(
+            f"{where('ansible_connection')}: {connection_raw!r} is not supported (use 'ssh' or 'local')"
+        )
+    chosen = connection_vars(values, str(connection_raw))
+    picked: dict[str, Any] = {}
+    for option, var in chosen.items():
+        if var is None:
+            picked[option] = None
+            continue
+        value = values[var]
+        refuse_unusable(value, where(var))
+        if option == "port":
+            value = _port(value, where(var))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # Ansible's string options take numbers as text (`ansible_user: 1000`)
+        elif not isinstance(value, str) or not value:
+            raise InventoryError(f"{where(var)}: expected a string, got {value!r}")
+        picked[option] = value
+    if connection == "ssh" and picked["address"] is None and not aliases.has_alias(name):
+        raise InventoryError(
+            f"{first.file}: host {name!r} has no ansible_host and {aliases.path} has no 'Host {name}' entry; "
+            f"set ansible_host or add an ssh_config alias"
+        )
+    ddtree_raw = values.get("ddtree") or {}
+    # Relative paths in ddtree: are anchored at the file that first defines the host.
+    base_dir = Path(first.file).resolve().parent
+    settings = build_settings(ddtree_raw, base_dir, local=connection == "local")
+
+    def ddtree_where(keypath: str) -> str:
+        origin = resolved.ddtree_origins.get(keypath)
+        return origin.at(keypath) if origin is not None else f"{first.file}: host {name!r}: {keypath}"
+
+    if settings.server.slots:
+        check_slots(settings.server, ddtree_where)
+    return Host(
+        name=name,
+        connection=connection,  # type: ignore[arg-type]  # narrowed to the Literal above
+        address=picked["address"],
+        port=picked["port"],
+        user=picked["user"],
+        key_file=picked["key_file"],
+        groups=groups,
+        ddtree=settings,
+        source=first.file,
+    )
+
+
+def _port(value: Any, where: str) -> int:
+    """Ansible's port option is an integer: ``"2222"`` is accepted, ``yes`` or ``abc`` are not."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise InventoryError(f"{where}: expected a port number (integer 1-65535), got {value!r}")
+    return value
+
+
+def build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> DdtreeSettings:
+    """The merged ``ddtree:`` mapping (already validated) -> :class:`DdtreeSettings`."""
+    defaults = DdtreeSettings()
+    server_raw: Mapping[str, Any] = raw.get("server") or {}
+    sdef = ServerSettings()
+    server = ServerSettings(
+        model_path=server_raw.get("model_path", sdef.model_path),
+        draft_model_path=server_raw.get("draft_model_path", sdef.draft_model_path),
+        port=server_raw.get("port", sdef.port),
+        bind_host=server_raw.get("bind_host", sdef.bind_host),
+        extra_args=tuple(str(a) for a in server_raw.get("extra_args", sdef.extra_args)),
+        env=MappingProxyType({k: str(v) for k, v in (server_raw.get("env") or {}).items()}),
+        expected_load_s=float(server_raw.get("expected_load_s", sdef.expected_load_s)),
+        command=server_raw.get("command", sdef.command),
+        manager=server_raw.get("manager", sdef.manager),
+    )
+    if server_raw.get("slots") is not None:
+        server = replace(server, slots=build_slots(server_raw["slots"], server.port))
+    python = raw.get("python", defaults.python)
+    run_dir = raw.get("run_dir", defaults.run_dir)
+    known_hosts = raw.get("known_hosts", defaults.known_hosts)
+    if local:
+        # A local host's paths are on this machine: make them independent of the cwd.
+        if "/" in python:
+            python = _against(base_dir, python)
+        run_dir = _against(base_dir, run_dir)
+    if known_hosts is not None:
+        known_hosts = _against(base_dir, known_hosts)  # always a file on this machine
+    return DdtreeSettings(
+        python=python, gpu=raw.get("gpu", defaults.gpu), run_dir=run_dir, known_hosts=known_hosts, server=server
+    )
+
+
+# The flags SGLang reads as its tensor-parallel size (server_args.py: --tensor-parallel-size
+# with its aliases); with slots it must equal the slot's GPU count.
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size", "--tp")
+
+
+def build_slots(raw: Any, base_port: int) -> tuple[SlotSettings, ...]:
+    """The merged ``slots`` value (its shape already validated where written) -> slots.
+    A count gives slot ``i`` GPUs ``i*G .. i*G+G-1``; a slot without a port gets
+    ``server.port + i``. Incomplete counts are left to :func:`check_slots` to name."""
+    if isinstance(raw, dict):
+        count, per = raw.get("count"), raw.get("gpus_per_slot")
+        if count is None or per is None:
+            return (SlotSettings(gpus=(), port=base_port),)  # refused by check_slots
+        return tuple(SlotSettings(gpus=tuple(range(i * per, i * per + per)), port=base_port + i) for i in range(count))
+    return tuple(
+        SlotSettings(gpus=parse_gpus(item["gpus"])[0], port=item.get("port", base_port + i))
+        for i, item in enumerate(raw)
+    )
+
+
+def check_slots(server: ServerSettings, where: Callable[[str], str]) -> None:
+    """Slots that fit together, or one :class:`InventoryError` naming file and key: each
+    slot has GPUs, no GPU is in two slots, no two slots share a port, and a tensor-parallel
+    size in ``extra_args`` equals every slot's GPU count. Whether the host has those GPUs
+    is known only on the host: ``doctor`` checks it."""
+    at = where("ddtree.server.slots")
+    if any(not slot.gpus for slot in server.slots):
+        raise InventoryError(f"{at}: a count needs both count and gpus_per_slot")
+    gpu_owner: dict[int, int] = {}
+    port_owner: dict[int, int] = {}
+    for index, slot in enumerate(server.slots):
+        for gpu in slot.gpus:
+            if gpu in gpu_owner:
+                raise InventoryError(
+                    f"{at}: GPU {gpu} is in slot {gpu_owner[gpu]} and slot {index}; slots must not share GPUs"
+                )
+            gpu_owner[gpu] = index
+        if slot.port > 65535:
+            raise InventoryError(f"{at}: slot {index}'s port {slot.port} (server.port + {index}) is above 65535")
+        if slot.port in port_owner:
+            raise InventoryError(
+                f"{at}: port {slot.port} is used by slot {port_owner[slot.port]} and slot {index} "
+                f"(a slot without a port gets server.port + its index); give each slot its own port"
+            )
+        port_owner[slot.port] = index
+    if "CUDA_VISIBLE_DEVICES" in server.env:
+        raise InventoryError(
+            f"{where('ddtree.server.env')}: CUDA_VISIBLE_DEVICES is set by each slot from its gpus; "
+            f"remove it from env when slots are used"
+        )
+    tp = tensor_parallel_size(server.extra_args)
+    if tp is None:
+        return
+    flag, value = tp
+    for index, slot in enumerate(server.slots):
+        if value != str(len(slot.gpus)):
+            raise InventoryError(
+                f"{where('ddtree.server.extra_args')}: {flag} {value} does not match slot {index}'s "
+                f"{len(slot.gpus)} GPU(s) ({slot.cuda_visible_devices}) in ddtree.server.slots; "
+                f"a slot's server uses exactly its GPUs"
+            )
+
+
+def tensor_parallel_size(args: Sequence[str]) -> tuple[str, str] | None:
+    """(flag, value) of the last tensor-parallel flag in ``args`` (argparse: the last wins)."""
+    found: tuple[str, str] | None = None
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in TP_FLAGS:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        found = (flag, value)
+    return found
+
+
+def _against(base_dir: Path, value: str) -> str:
+    if value.startswith("~") or os.path.isabs(value):
+        return value
+    return os.path.normpath(base_dir / value)
+
+
+class _SshAliases:
+    """Which host names the user's ssh_config knows (read once, ``Include`` honoured, by
+    :mod:`ddtree_ops.sshconfig` — the same reader the SSH transport uses)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._config: SshConfig | None = None
+
+    def has_alias(self, name: str) -> bool:
+        if self._config is None:
+            self._config = load_ssh_config(self.path)
+        return self._config.has_alias(name)

@@ -1,0 +1,165 @@
+"""The strict schema of our ``ddtree:`` key, and the values we refuse to use.
+
+``ddtree:`` is ours, so it is validated where it is written (inventory, group_vars or
+host_vars file): a typo there would otherwise silently launch a server with default
+settings. Every error names the file and the key path (and, for an unknown key, the
+closest valid one).
+
+A value we use that Ansible would template (``{{ ... }}`` / ``{% ... %}``) or decrypt
+(``!vault``) is refused: taking it literally would connect to a host named
+``{{ ip }}`` or launch with ciphertext as a path. ``!unsafe`` strings are literal in
+Ansible too, so they are used as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ddtree_ops.errors import InventoryError
+from ddtree_ops.inventory.values import Origin, Unsafe, Vaulted, did_you_mean
+
+_SERVER_SCHEMA: dict[str, str] = {
+    "model_path": "str",
+    "draft_model_path": "str",
+    "port": "port",
+    "bind_host": "str",
+    "extra_args": "str_list",
+    "env": "str_map",
+    "expected_load_s": "positive_number",
+    "command": "str",
+    "manager": "manager",
+    "slots": "slots",
+}
+DDTREE_SCHEMA: dict[str, Any] = {
+    "python": "str",
+    "gpu": "optional_str",
+    "run_dir": "str",
+    "known_hosts": "optional_str",
+    "server": _SERVER_SCHEMA,
+}
+
+
+def refuse_unusable(value: Any, where: str) -> None:
+    """Raise if ``value`` (or anything inside it) is a vault value or a Jinja template."""
+    if isinstance(value, Vaulted):
+        raise InventoryError(
+            f"{where}: a vault-encrypted value (!vault) cannot be used: ddtree-ops does not decrypt vault; "
+            f"write the plain value"
+        )
+    if isinstance(value, str) and not isinstance(value, Unsafe) and ("{{" in value or "{%" in value):
+        raise InventoryError(
+            f"{where}: {value!r} is a Jinja template, which ddtree-ops does not evaluate; write the resolved value"
+        )
+    if isinstance(value, list):
+        for item in value:
+            refuse_unusable(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            refuse_unusable(item, f"{where}.{key}")
+
+
+def check_vars(vars_: Mapping[str, Any], origin: Origin) -> None:
+    """Validate a ``ddtree:`` mapping where it is written, so errors point at that place."""
+    value = vars_.get("ddtree")
+    if value is None:
+        return
+    _check_mapping(value, DDTREE_SCHEMA, origin, "ddtree")
+
+
+def _check_mapping(value: Any, schema: Mapping[str, Any], origin: Origin, keypath: str) -> None:
+    refuse_unusable(value, origin.at(keypath))
+    if not isinstance(value, dict):
+        raise InventoryError(f"{origin.at(keypath)}: expected a mapping, got {value!r}")
+    for key, item in value.items():
+        where = f"{keypath}.{key}"
+        if key not in schema:
+            raise InventoryError(f"{origin.at(where)}: unknown key{did_you_mean(str(key), list(schema))}")
+        kind = schema[key]
+        if isinstance(kind, dict):
+            _check_mapping(item, kind, origin, where)
+        elif kind == "slots":
+            _check_slots(item, origin, where)
+        else:
+            problem = type_problem(kind, item)
+            if problem:
+                raise InventoryError(f"{origin.at(where)}: {problem}, got {item!r}")
+
+
+SLOT_COUNT_KEYS = ("count", "gpus_per_slot")
+SLOT_ITEM_KEYS = ("gpus", "port")
+_SLOTS_SHAPE = "expected {count: N, gpus_per_slot: G} or a list of {gpus: \"0,1\", port: N}"
+
+
+def _check_slots(value: Any, origin: Origin, keypath: str) -> None:
+    """The shape of ``server.slots`` where it is written. Whether the slots fit together
+    (overlapping GPUs, ports, a --tp-size) is checked on the merged value, in ``build``:
+    a group may set ``count`` and a host ``gpus_per_slot``."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{keypath}.{key}"
+            if key not in SLOT_COUNT_KEYS:
+                raise InventoryError(f"{origin.at(where)}: unknown key{did_you_mean(str(key), SLOT_COUNT_KEYS)}")
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise InventoryError(f"{origin.at(where)}: expected a positive integer, got {item!r}")
+        return
+    if not isinstance(value, list) or not value:
+        raise InventoryError(f"{origin.at(keypath)}: {_SLOTS_SHAPE}, got {value!r}")
+    for index, item in enumerate(value):
+        where = f"{keypath}[{index}]"
+        if not isinstance(item, dict):
+            raise InventoryError(f"{origin.at(where)}: expected a mapping {{gpus: \"0,1\", port: N}}, got {item!r}")
+        for key, field_value in item.items():
+            if key not in SLOT_ITEM_KEYS:
+                raise InventoryError(
+                    f"{origin.at(f'{where}.{key}')}: unknown key{did_you_mean(str(key), SLOT_ITEM_KEYS)}"
+                )
+            problem = type_problem("port", field_value) if key == "port" else parse_gpus(field_value)[1]
+            if problem:
+                raise InventoryError(f"{origin.at(f'{where}.{key}')}: {problem}, got {field_value!r}")
+        if "gpus" not in item:
+            raise InventoryError(f"{origin.at(f'{where}.gpus')}: missing; every slot names its GPUs (e.g. \"0,1\")")
+
+
+def parse_gpus(value: Any) -> tuple[tuple[int, ...], str | None]:
+    """``"0,1"`` (as CUDA_VISIBLE_DEVICES is written) or a single index -> the indices, or
+    why not. A repeated index is refused: CUDA would silently stop reading the list there."""
+    problem = 'expected GPU indices like "0,1" (non-negative integers, comma-separated, each once)'
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ((value,), None) if value >= 0 else ((), problem)
+    if not isinstance(value, str):
+        return (), problem
+    parts = [part.strip() for part in value.split(",")]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        return (), problem
+    gpus = tuple(int(part) for part in parts)
+    return (gpus, None) if len(set(gpus)) == len(gpus) else ((), problem)
+
+
+def type_problem(kind: str, value: Any) -> str | None:
+    """Why ``value`` does not fit ``kind``, or None. bool is rejected where numbers are
+    expected: YAML turns `yes`/`on` into booleans, which are never a port or a duration."""
+    if kind == "str":
+        return None if isinstance(value, str) and value else "expected a non-empty string"
+    if kind == "optional_str":
+        return None if value is None or (isinstance(value, str) and value) else "expected a string"
+    if kind == "port":
+        ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+        return None if ok else "expected a port number (integer 1-65535)"
+    if kind == "positive_number":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        return None if ok else "expected a positive number of seconds"
+    if kind == "str_list":
+        ok = isinstance(value, list) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value
+        )
+        return None if ok else "expected a list of strings"
+    if kind == "str_map":
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+            for k, v in value.items()
+        )
+        return None if ok else "expected a mapping of NAME: value (strings or numbers)"
+    if kind == "manager":
+        return None if value == "process" else "expected 'process' (the only manager supported)"
+    raise AssertionError(f"unknown schema kind {kind}")
