@@ -19,6 +19,13 @@ exceeds the step (high concurrency on few cores) the server is slower than the m
 the "error" is the server's, not the client's; the CPU line printed at the end helps to
 tell.
 
+Both client modes are measured side by side (``--clients local,host``): ``local`` is the
+controller's httpx client in this process, ``host`` is the on-host client
+(``ddtree_ops.bench._hostclient``) started over the local transport with this Python, as
+a sweep starts it on a GPU host. At each level the modes take turns wave by wave
+(``--repeats`` waves each, medians kept), and the ``host vs local`` line gives their
+disagreement in tok/s, median and mean ITL; the goal is within 2% at concurrency 1/8/32.
+
 Optionally (``--bench-serving-python``) SGLang's own ``python -m sglang.bench_serving``
 runs the same shape of workload (`random-ids` dataset: random token ids, no download; same input/output lengths, same
 concurrency) against the same server, from an interpreter that has sglang and its client
@@ -31,6 +38,7 @@ excluded, but its warmup (c requests of at most 32 tokens), tokenizer load and r
 writing included, so its figure is a slight over-estimate).
 
     .venv/bin/python benchmarks/client_accuracy.py
+    .venv/bin/python benchmarks/client_accuracy.py --concurrency 1,8,32 --repeats 3 --json
     .venv/bin/python benchmarks/client_accuracy.py --bench-serving-python /path/venv/bin/python
 """
 
@@ -40,6 +48,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,11 +57,14 @@ from pathlib import Path
 
 import httpx
 
-from ddtree_ops.bench.client import LoadSpec, run_load
+from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.metrics import calculate_metrics
+from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
 from ddtree_ops.bench.prompts import Prompt
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.text import WORDS
+from ddtree_ops.transport.local import LocalTransport
 
 
 def free_port() -> int:
@@ -119,11 +131,19 @@ def truth(gpu: str, c: int, n: int, prompt_tokens: int) -> tuple[float, float]:
     return decode_ms / 1000.0, c * n / duration_s
 
 
-def ours(url: str, c: int, n: int, input_len: int) -> dict[str, float]:
+def make_clients(url: str, port: int) -> dict[str, LoadClient]:
+    """Both modes against the same server: here, and on the 'host' (this machine, reached
+    over the local transport, its Python being this one) as a sweep would start it."""
+    host = Host(name="bench-host", connection="local", source="<client_accuracy>",
+                ddtree=DdtreeSettings(python=sys.executable, server=ServerSettings(port=port)))
+    return {"local": LocalClient(url), "host": HostClient(LocalTransport(host.name), host)}
+
+
+def ours(client: LoadClient, c: int, n: int, input_len: int) -> dict[str, float]:
     words = WORDS[1:]
     prompts = tuple(Prompt(text=" ".join(words[(i * 7 + j) % len(words)] for j in range(input_len))) for i in range(c))
     spec = LoadSpec(prompts=prompts, max_new_tokens=n, concurrency=c, warmup=c, sampling={"temperature": 0.0})
-    load = run_load(url, spec)
+    load = client.run_load(spec)
     cpu = load.cpu_s
     m = calculate_metrics(load.results, duration_s=load.duration_s)
     if m.failed:
@@ -174,15 +194,37 @@ def bench_serving(
             "tokens": row["total_output_tokens"], "cpu_s": cpu}
 
 
+def _median_runs(
+    clients: dict[str, LoadClient], modes: list[str], c: int, n: int, input_len: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Per mode, the median of ``repeats`` waves; the modes alternate wave by wave, so that
+    a change in the machine's background load falls on both alike."""
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m in modes:
+            runs[m].append(ours(clients[m], c, n, input_len))
+    return {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+
+
+def _pct(a: float, b: float) -> float:
+    return (a / b - 1) * 100 if b else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--gpu", default="h200", choices=sorted(PROFILES))
+    ap.add_argument("--clients", default="local,host", help="Client modes to measure, in turn: local, host.")
+    ap.add_argument("--repeats", type=int, default=1, help="Waves per mode and level; medians are reported.")
+    ap.add_argument("--json", action="store_true", help="One JSON object per level on stdout instead of the table.")
     ap.add_argument("--bench-serving-python", default=None, help="Interpreter with sglang + its client deps.")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    modes = [m.strip() for m in args.clients.split(",") if m.strip()]
+    if not modes or any(m not in ("local", "host") for m in modes):
+        raise SystemExit("--clients: give local, host or both")
     n = args.output_len
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "sim-model"
@@ -191,32 +233,59 @@ def main() -> None:
         port = free_port()
         sim = start_sim(model_dir, port, args.gpu)
         url = f"http://127.0.0.1:{port}"
+        clients = make_clients(url, port)
         try:
             with_bs = bool(args.bench_serving_python)
-            print(
-                f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} tokens, "
-                f"one wave of c requests per level; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
-            )
-            print(
-                f"{'c':>3} {'model ITL ms':>12} {'our ITL ms':>10} {'err':>6} {'model tok/s':>11} {'our tok/s':>9} "
-                f"{'err':>6} {'server tok/s':>12} {'err':>6} {'e2e gap ms':>10} {'our CPU us/tok':>14}"
-                + ("  | bench_serving tok/s  ITL ms  CPU us/tok" if with_bs else "")
-            )
+            both = "local" in modes and "host" in modes
+            if not args.json:
+                print(
+                    f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} "
+                    f"tokens, one wave of c requests per level, {args.repeats} per mode (median); "
+                    f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+                )
+                head = f"{'c':>3} {'mode':>5} {'model ITL ms':>12} {'ITL ms':>8} {'err':>6} {'model tok/s':>11} "
+                head += f"{'tok/s':>9} {'err':>6} {'server tok/s':>12} {'err':>6} {'e2e gap ms':>10} {'CPU us/tok':>10}"
+                if with_bs:
+                    head += "  | bench_serving tok/s  ITL ms  CPU us/tok"
+                print(head)
             for c in levels:
-                got = ours(url, c, n, args.input_len)
-                itl_true, tok_true = truth(args.gpu, c, n, int(got["prompt_tokens"]))
-                line = (f"{c:>3} {itl_true * 1e3:>12.3f} {got['itl_median_s'] * 1e3:>10.3f} "
-                        f"{(got['itl_median_s'] / itl_true - 1) * 100:>+5.1f}% {tok_true:>11.1f} {got['tok_s']:>9.1f} "
-                        f"{(got['tok_s'] / tok_true - 1) * 100:>+5.1f}% {got['server_tok_s']:>12.1f} "
-                        f"{(got['tok_s'] / got['server_tok_s'] - 1) * 100:>+5.1f}% {got['e2e_gap_ms']:>10.2f} "
-                        f"{got['cpu_s'] / got['tokens'] * 1e6:>14.1f}")
+                got = _median_runs(clients, modes, c, n, args.input_len, args.repeats)
+                first = got[modes[0]]
+                itl_true, tok_true = truth(args.gpu, c, n, int(first["prompt_tokens"]))
+                record: dict[str, object] = {"concurrency": c, "model_itl_s": itl_true, "model_tok_s": tok_true}
+                for m in modes:
+                    record[m] = got[m]
+                if both:
+                    record["host_vs_local_pct"] = {
+                        "tok_s": _pct(got["host"]["tok_s"], got["local"]["tok_s"]),
+                        "itl_median": _pct(got["host"]["itl_median_s"], got["local"]["itl_median_s"]),
+                        "itl_mean": _pct(got["host"]["itl_mean_s"], got["local"]["itl_mean_s"]),
+                    }
+                bs = None
                 if with_bs:
                     bs = bench_serving(
                         args.bench_serving_python, url, model_dir, c, n, args.input_len, Path(tmp) / f"bs{c}.jsonl"
                     )
-                    line += (f"  | {bs['tok_s']:>19.1f} {bs['itl_median_s'] * 1e3:>7.3f} "
-                             f"{bs['cpu_s'] / bs['tokens'] * 1e6:>11.1f}")
-                print(line, flush=True)
+                    record["bench_serving"] = bs
+                if args.json:
+                    print(json.dumps(record), flush=True)
+                    continue
+                for m in modes:
+                    g = got[m]
+                    line = (f"{c:>3} {m:>5} {itl_true * 1e3:>12.3f} {g['itl_median_s'] * 1e3:>8.3f} "
+                            f"{_pct(g['itl_median_s'], itl_true):>+5.1f}% {tok_true:>11.1f} {g['tok_s']:>9.1f} "
+                            f"{_pct(g['tok_s'], tok_true):>+5.1f}% {g['server_tok_s']:>12.1f} "
+                            f"{_pct(g['tok_s'], g['server_tok_s']):>+5.1f}% {g['e2e_gap_ms']:>10.2f} "
+                            f"{g['cpu_s'] / g['tokens'] * 1e6:>10.1f}")
+                    if bs is not None and m == modes[-1]:
+                        line += (f"  | {bs['tok_s']:>19.1f} {bs['itl_median_s'] * 1e3:>7.3f} "
+                                 f"{bs['cpu_s'] / bs['tokens'] * 1e6:>11.1f}")
+                    print(line, flush=True)
+                if both:
+                    d = record["host_vs_local_pct"]
+                    assert isinstance(d, dict)
+                    print(f"{c:>3} host vs local: tok/s {d['tok_s']:+.2f}%  median ITL {d['itl_median']:+.2f}%  "
+                          f"mean ITL {d['itl_mean']:+.2f}%", flush=True)
         finally:
             sim.terminate()
             try:

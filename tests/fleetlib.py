@@ -121,6 +121,10 @@ class SshdServer:
     # host like on real machines, and keeps the login user's shell rc files out of the way.
     home: Path | None = None
     extra_config: str = ""
+    # Hosts with their own address (tests/netnsfleet.py) listen there, started through
+    # `ip netns exec <ns>`, which execs sshd in place so that proc.pid stays sshd's.
+    listen_address: str = "127.0.0.1"
+    launch_prefix: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -137,7 +141,7 @@ class SshdServer:
             "\n".join(
                 [
                     f"Port {self.port}",
-                    "ListenAddress 127.0.0.1",
+                    f"ListenAddress {self.listen_address}",
                     f"HostKey {self.host_key}",
                     f"PidFile {self.root / 'sshd.pid'}",
                     f"AuthorizedKeysFile {self.authorized_keys}",
@@ -169,7 +173,7 @@ class SshdServer:
         # A new session, so that stop() can end the listener and its per-connection
         # children together (that is what "the host went away" looks like to a client).
         self.proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(self.config_path)],
+            [*self.launch_prefix, SSHD, "-D", "-e", "-f", str(self.config_path)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self.log_path.open("ab"),
@@ -179,12 +183,12 @@ class SshdServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sshd on port {self.port} exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+            try:  # where the operator reaches the host
+                with socket.create_connection((self.listen_address, self.port), timeout=0.5):
                     return
             except OSError:
                 time.sleep(0.01)
-        raise RuntimeError(f"sshd on port {self.port} did not listen within {timeout}s")
+        raise RuntimeError(f"sshd on {self.listen_address}:{self.port} did not listen within {timeout}s")
 
     @property
     def running(self) -> bool:

@@ -23,18 +23,18 @@ directly (loopback, or the host's address on the fleet network).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
-import itertools
-import json
 import random
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 
+from ddtree_ops.bench import _hostclient as hc
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.bench.prompts import Prompt
 
@@ -101,141 +101,49 @@ def _openai_request(prompt: Prompt, spec: LoadSpec) -> tuple[str, dict[str, Any]
     return "/v1/completions", body
 
 
-class _Failed(Exception):
-    """A request that ended in a server-reported failure (HTTP status or in-stream error)."""
+def request_for(prompt: Prompt, spec: LoadSpec) -> tuple[str, dict[str, Any]]:
+    """Route and JSON body of one prompt's request: the one builder both client modes send."""
+    if spec.api == "openai":
+        return _openai_request(prompt, spec)
+    return "/generate", _generate_payload(prompt, spec)
 
 
-class _Events:
-    """Server-sent events of one streamed response: ``(arrival_time, object)`` pairs.
+def as_request_result(fields: Mapping[str, Any]) -> RequestResult:
+    """A RequestResult from the field dict :mod:`._hostclient` builds (locally or on a host)."""
+    known = {k: v for k, v in fields.items() if k in _RESULT_FIELDS}
+    known["itls"] = tuple(known.get("itls") or ())
+    return RequestResult(**known)
 
-    ``done`` tells whether ``[DONE]`` arrived; a stream cut before it is a failure.
-    """
 
-    def __init__(self) -> None:
-        self.done = False
+_RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestResult))
 
-    async def iterate(
-        self, client: httpx.AsyncClient, route: str, body: Mapping[str, Any]
-    ) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+
+async def _stream(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
+    start = time.perf_counter()
+    route, body = request_for(prompt, spec)
+    tally = hc.new_tally(spec.api, start)
+    frames = hc.SseFrames()
+    try:
         async with client.stream("POST", route, json=body) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                raise _Failed(f"HTTP {resp.status_code}: {text.strip()[:200]}")
-            # SSE frames are split by hand on raw bytes: httpx's text line decoder costs
-            # more CPU per chunk than the JSON parse itself.
-            buf = b""
+                raise hc.Failed(hc.http_status_error(resp.status_code, await resp.aread()))
             async for raw in resp.aiter_bytes():
-                buf += raw
-                *frames, buf = buf.split(b"\n")
                 now = time.perf_counter()
-                for frame in frames:
-                    if not frame.startswith(b"data:"):
-                        continue
-                    data = frame[5:].strip()
-                    if data == b"[DONE]":
-                        self.done = True
-                        return
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        err = obj["error"]
-                        msg = err.get("message", err) if isinstance(err, Mapping) else err
-                        raise _Failed(f"server error: {msg}"[:300])
-                    yield now, obj
-
-
-async def _stream_generate(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
-    start = time.perf_counter()
-    ttft: float | None = None
-    last_t = start
-    last_tokens = 0
-    itls: list[float] = []
-    meta: Mapping[str, Any] = {}
-    chunks = 0
-    events = _Events()
-    try:
-        async for now, obj in events.iterate(client, "/generate", _generate_payload(prompt, spec)):
-            meta = obj.get("meta_info") or {}
-            tokens = int(meta.get("completion_tokens", 0))
-            new = tokens - last_tokens
-            if new <= 0:
-                continue
-            chunks += 1
-            if ttft is None:
-                ttft = now - start
-            else:
-                gap = (now - last_t) / new
-                itls.extend([gap] * new)
-            last_t, last_tokens = now, tokens
-    except _Failed as exc:
-        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=str(exc))
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=_error_text(exc))
-    end = time.perf_counter()
-    if not events.done:
-        return RequestResult(ok=False, start=start, end=end, error="stream ended before [DONE]")
-    verify = meta.get("spec_verify_ct")
-    accept = meta.get("spec_accept_length")
-    server_e2e = meta.get("e2e_latency")
-    return RequestResult(
-        ok=True,
-        start=start,
-        end=end,
-        ttft=ttft,
-        itls=tuple(itls),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        completion_tokens=last_tokens,
-        spec_verify_ct=int(verify) if verify is not None else None,
-        spec_accept_length=float(accept) if accept is not None else None,
-        chunks=chunks,
-        server_e2e=float(server_e2e) if isinstance(server_e2e, (int, float)) else None,
-    )
-
-
-async def _stream_openai(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
-    start = time.perf_counter()
-    route, body = _openai_request(prompt, spec)
-    times: list[float] = []
-    usage: Mapping[str, Any] = {}
-    events = _Events()
-    try:
-        async for now, obj in events.iterate(client, route, body):
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for choice in obj.get("choices") or ():
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                    times.append(now)
+                for obj in frames.feed(raw):
+                    tally.feed(now, obj)
+                if frames.done:
                     break
-    except _Failed as exc:
-        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=str(exc))
+    except hc.Failed as exc:
+        return as_request_result(hc.failed_result(start, time.perf_counter(), str(exc)))
     except (httpx.HTTPError, OSError, ValueError) as exc:
-        return RequestResult(ok=False, start=start, end=time.perf_counter(), error=_error_text(exc))
-    end = time.perf_counter()
-    if not events.done:
-        return RequestResult(ok=False, start=start, end=end, error="stream ended before [DONE]")
-    tokens = int(usage.get("completion_tokens", len(times)))
-    # Chunks do not say how many tokens they carry; spread the decode time evenly over the
-    # tokens after the first, so that mean ITL equals TPOT as in the native mode.
-    itls: tuple[float, ...] = ()
-    if len(times) >= 2 and tokens > 1:
-        per_chunk_tokens = (tokens - 1) / (len(times) - 1)
-        itls = tuple((b - a) / per_chunk_tokens for a, b in itertools.pairwise(times))
-    return RequestResult(
-        ok=True,
-        start=start,
-        end=end,
-        ttft=(times[0] - start) if times else None,
-        itls=itls,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=tokens,
-        chunks=len(times),
-    )
+        return as_request_result(hc.failed_result(start, time.perf_counter(), _error_text(exc)))
+    return as_request_result(tally.result(time.perf_counter(), frames.done))
 
 
 async def send_request(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
-    """One streamed request; never raises for HTTP or server failures (they are data)."""
-    if spec.api == "openai":
-        return await _stream_openai(client, prompt, spec)
-    return await _stream_generate(client, prompt, spec)
+    """One streamed request; never raises for HTTP or server failures (they are data).
+    Framing and token counting are :mod:`._hostclient`'s, shared with on-host runs."""
+    return await _stream(client, prompt, spec)
 
 
 @functools.lru_cache(maxsize=1)

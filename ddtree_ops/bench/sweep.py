@@ -57,9 +57,12 @@ GRID_DEFAULTS: Mapping[str, tuple[Any, ...]] = {
 SERVER_AXES = ("algorithm", "budget", "topk")
 
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
-             "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s"}
+             "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client"}
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "num_prompts", "max_new_tokens", "ignore_eos", "seed"}
 APIS = ("generate", "openai")
+# Where the load is generated: this machine, or the GPU host next to its server
+# (``bench.onhost``); None = host when the server binds loopback, else local.
+CLIENTS = ("local", "host")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class SweepSpec:
     api: str = "generate"
     request_timeout_s: float = 600.0
     description: str = ""
+    client: str | None = None
 
 
 def _fail(path: Path, key: str, msg: str) -> SweepError:
@@ -264,6 +268,9 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
     timeout = data.get("request_timeout_s", 600.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise _fail(path, "request_timeout_s", f"must be a positive number, got {timeout!r}")
+    client = data.get("client")
+    if client is not None and client not in CLIENTS:
+        raise _fail(path, "client", f"must be one of {', '.join(CLIENTS)}, got {client!r}")
     description = data.get("description", "")
     if not isinstance(description, str):
         raise _fail(path, "description", "must be text")
@@ -282,6 +289,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         api=api,
         request_timeout_s=float(timeout),
         description=description,
+        client=client,
     )
 
 
@@ -324,7 +332,8 @@ def sweep_hash(spec: SweepSpec) -> str:
     name, not by where the checkout lies), repeats, warmup, request rate and API -- the
     parsed values, so ``0`` and ``0.0`` or a reflowed file give the same hash. Not hashed:
     the name, description and targets (running the same sweep on more hosts is the same
-    sweep) and the request timeout (a limit, not part of the measurement). ``bench
+    sweep), the request timeout (a limit, not part of the measurement) and the client
+    (where the load is generated; each row records which measured it). ``bench
     --resume`` refuses a ledger whose rows carry another sweep's hash.
     """
     wl = spec.workload

@@ -62,7 +62,11 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
     assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 3 and plan["rows_per_host"] == 6
     assert [g["server"] for g in plan["groups"]] == ["dflash", "ddtree-b4-k4", "ddtree-b8-k4"]
     assert plan["estimated_s"]["sim-x"] > 3 * 2  # at least the expected load time per launch
+    assert plan["clients"] == {"sim-x": "host"}  # the server binds loopback: load from the host
     assert not (tmp_path / "results").exists()
+    text = cli("-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path, client="local")), "--dry-run",
+               cwd=tmp_path)
+    assert "sim-x: client local, estimated" in text.stdout
 
 
 @pytest.mark.parametrize(
@@ -71,6 +75,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
         ({"grid": {"budget": [0]}}, "grid.budget: must be a positive integer"),
         ({"targets": ["nowhere"]}, "unknown target 'nowhere'"),
         ({"colour": "blue"}, "colour: unknown key"),
+        ({"client": "laptop"}, "client: must be one of local, host, got 'laptop'"),
     ],
 )
 def test_bad_sweep_is_one_line_exit_2(tmp_path: Path, extra: dict, needle: str) -> None:
@@ -136,6 +141,21 @@ def test_resume_onto_another_sweeps_ledger_is_refused_before_launch(tmp_path: Pa
     own = sweep_hash(load_sweep(sweep))
     assert str(out) in lines[0] and "'older' (ffffffffffff)" in lines[0] and f"'cli' ({own[:12]})" in lines[0]
     assert out.read_bytes() == before and not (tmp_path / "run").exists()  # no server was launched
+
+
+def test_resume_with_the_other_client_mode_is_refused_before_launch(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    sweep = write_sweep(tmp_path)  # no client key: host, since sim-x binds loopback
+    out = tmp_path / "l.jsonl"
+    own = sweep_hash(load_sweep(sweep))
+    measured = {"schema_version": 1, "sweep": "cli", "sweep_hash": own, "host": "sim-x", "client": "local",
+                "status": "ok"}
+    out.write_text(json.dumps(measured) + "\n")
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert str(out) in line and "'sim-x' was measured with client 'local'" in line and "'host'" in line
+    assert not (tmp_path / "run").exists()  # no server was launched
 
 
 def test_unwritable_out_is_refused_before_any_host(tmp_path: Path) -> None:

@@ -1,23 +1,53 @@
-"""The load client against a real streaming server on loopback (uvicorn in a thread)."""
+"""The load client against a real streaming server on loopback (uvicorn in a thread).
+
+Every test runs twice: with the local client (httpx, in this process) and with the
+on-host client (``_hostclient`` run by the host's Python over the local transport), so
+the two modes are held to the same payloads, token counts and error texts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
-from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load
+from ddtree_ops.bench.client import LoadResult, LoadSpec
 from ddtree_ops.bench.metrics import calculate_metrics
+from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
 from ddtree_ops.bench.prompts import Prompt
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.transport.local import LocalTransport
 
 from .fake_server import FakeState, serve
 
 
+def client_at(mode: str, url: str) -> LoadClient:
+    if mode == "local":
+        return LocalClient(url)
+    port = urlsplit(url).port
+    assert port is not None
+    host = Host(name="fake", connection="local", source="<test>",
+                ddtree=DdtreeSettings(python=sys.executable, server=ServerSettings(port=port)))
+    return HostClient(LocalTransport("fake"), host)
+
+
+@pytest.fixture(params=["local", "host"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def server() -> Iterator[tuple[str, FakeState]]:
+def server(mode: str) -> Iterator[tuple[LoadClient, FakeState]]:
     state = FakeState()
     with serve(state) as url:
-        yield url, state
+        yield client_at(mode, url), state
+
+
+def run_load(client: LoadClient, spec: LoadSpec) -> LoadResult:
+    return client.run_load(spec)
 
 
 def prompts(n: int, text: str = "hello world") -> tuple[Prompt, ...]:
@@ -64,12 +94,16 @@ def test_failures_are_recorded_not_raised(server) -> None:
     assert m.completed == 1 and m.failed == 3 and len(m.errors) == 3
 
 
-def test_unreachable_server_fails_every_request() -> None:
-    load = run_load("http://127.0.0.1:9", LoadSpec(prompts=prompts(3), max_new_tokens=4, timeout_s=5))
-    assert [r.ok for r in load.results] == [False] * 3
+def test_unreachable_server_fails_every_request(mode: str) -> None:
+    client = client_at(mode, "http://127.0.0.1:9")
+    seen: list[bool] = []
+    load = client.run_load(LoadSpec(prompts=prompts(3), max_new_tokens=4, timeout_s=5),
+                           on_done=lambda r: seen.append(r.ok))
+    assert [r.ok for r in load.results] == [False] * 3 and seen == [False] * 3
     assert all(r.error.startswith("connection failed") for r in load.results)
-    ok, detail = flush_cache("http://127.0.0.1:9", timeout_s=2)
+    ok, detail = client.flush_cache()
     assert not ok and "connection failed" in detail
+    assert client.server_info() is None
 
 
 def test_openai_mode_completions_and_chat(server) -> None:
@@ -86,8 +120,36 @@ def test_openai_mode_completions_and_chat(server) -> None:
 
 def test_poisson_rate_and_flush(server) -> None:
     url, state = server
-    load = run_load(url, LoadSpec(prompts=prompts(5), max_new_tokens=4, concurrency=5, request_rate=200.0))
+    load = run_load(url, LoadSpec(prompts=prompts(5), max_new_tokens=4, concurrency=5, request_rate=20.0))
     assert all(r.ok for r in load.results)
     starts = [r.start for r in load.results]
-    assert starts == sorted(starts)
-    assert flush_cache(url) == (True, "HTTP 200") and state.flushes == 1
+    # Seed 0 at 20/s: gaps of 93, 71, 27 and 15 ms between arrivals, in prompt order (the
+    # host client's threads may wake a few ms late on a busy machine).
+    assert starts[-1] - starts[0] >= 0.206 - 0.01
+    assert all(b > a - 0.01 for a, b in zip(starts, starts[1:], strict=False))
+    assert url.flush_cache() == (True, "HTTP 200") and state.flushes == 1
+
+
+def _python38() -> str | None:
+    """A Python 3.8 on this machine, if any: the oldest interpreter a host may run the
+    host client with."""
+    import glob
+    import os
+
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.8*/bin/python3.8")))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_python38() is None, reason="no Python 3.8 here")
+def test_host_client_runs_on_python_3_8() -> None:
+    state = FakeState()
+    with serve(state) as url:
+        client = client_at("host", url)
+        assert isinstance(client, HostClient)
+        old = dataclasses.replace(client.host, ddtree=dataclasses.replace(client.host.ddtree, python=_python38()))
+        client = HostClient(client.transport, old)
+        for api in ("generate", "openai"):
+            load = client.run_load(LoadSpec(prompts=prompts(3), max_new_tokens=7, concurrency=2, warmup=1,
+                                            api=api, request_rate=100.0))  # type: ignore[arg-type]
+            assert [(r.ok, r.completion_tokens) for r in load.results] == [(True, 7)] * 3, load.results
+        assert client.flush_cache() == (True, "HTTP 200")

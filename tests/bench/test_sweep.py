@@ -44,6 +44,8 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
     assert spec.grid["topk"] == (4,) and spec.grid["concurrency"] == (1,)
     assert spec.workload.prompt_files == ((tmp_path / "p.jsonl").resolve(),)
     assert spec.repeats == 1 and spec.api == "generate"
+    assert spec.client is None  # decided per host by the server's bind address
+    assert load_sweep(write(tmp_path, base() | {"client": "host"})).client == "host"
 
 
 @pytest.mark.parametrize(
@@ -65,6 +67,7 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
         (lambda d: d.update(repeats=0), "repeats: must be an integer >= 1"),
         (lambda d: d.update(targets=[]), "targets: must be a non-empty list"),
         (lambda d: d["workload"].update(prompt_set="nosuchset"), "unknown prompt set 'nosuchset'"),
+        (lambda d: d.update(client="remote"), "client: must be one of local, host, got 'remote'"),
     ],
 )
 def test_bad_sweeps_name_file_and_key(tmp_path: Path, mutate, needle: str) -> None:

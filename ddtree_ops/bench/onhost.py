@@ -1,0 +1,206 @@
+"""Which client measures a host's server, and the controller's half of on-host load generation.
+
+Two clients, one interface (:class:`LoadClient`): ``local`` sends the requests from this
+machine (:mod:`.client`, httpx) to the host's address; ``host`` runs
+:mod:`._hostclient` on the host itself over its transport, against the server's loopback
+address, and reads back one record per request as each finishes. ``host`` is the default
+whenever the server binds a loopback address — nothing else could reach it — and
+``local`` otherwise; a sweep's ``client:`` key chooses explicitly.
+
+The host client's records are turned into the same :class:`RequestResult` the local
+client builds, from the same request bodies (built here, sent as data), so the runner
+and the metrics cannot tell the modes apart except by the row's ``client`` field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from ddtree_ops.bench import client as local_client
+from ddtree_ops.bench._hostclient import SUMMARY
+from ddtree_ops.bench.client import LoadResult, LoadSpec, as_request_result, request_for
+from ddtree_ops.bench.metrics import RequestResult
+from ddtree_ops.errors import DdtreeOpsError
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.service.launch import probe_address
+from ddtree_ops.transport.base import Transport, python_program
+
+ClientMode = Literal["local", "host"]
+HOSTCLIENT_SOURCE = Path(__file__).with_name("_hostclient.py").read_text()
+# Startup of the host's Python and the SSH round trip, on top of the requests' own time.
+_COMMAND_SLACK_S = 60.0
+
+
+def is_loopback(bind_host: str) -> bool:
+    if bind_host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind_host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def client_mode(host: Host, chosen: str | None) -> ClientMode:
+    """The sweep's choice, else ``host`` for a loopback-bound server (unreachable from
+    here) and ``local`` for one listening on the network."""
+    if chosen is not None:
+        return "host" if chosen == "host" else "local"
+    return "host" if is_loopback(host.ddtree.server.bind_host) else "local"
+
+
+class LoadClient(Protocol):
+    """What the runner asks of a client; every method reports failure as data."""
+
+    @property
+    def mode(self) -> ClientMode: ...
+
+    def flush_cache(self) -> tuple[bool, str]: ...
+
+    def server_info(self) -> dict[str, Any] | None: ...
+
+    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult: ...
+
+
+def server_url(host: Host) -> str:
+    address = host.address if host.connection == "ssh" and host.address else "127.0.0.1"
+    if ":" in address:
+        address = f"[{address}]"
+    return f"http://{address}:{host.ddtree.server.port}"
+
+
+@dataclass(frozen=True)
+class LocalClient:
+    """Requests from this machine to the host's address (the server must listen there)."""
+
+    url: str
+    mode: ClientMode = "local"
+
+    def flush_cache(self) -> tuple[bool, str]:
+        return local_client.flush_cache(self.url)
+
+    def server_info(self) -> dict[str, Any] | None:
+        return local_client.server_info(self.url)
+
+    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+        return local_client.run_load(self.url, spec, on_done=on_done)
+
+
+@dataclass
+class _Stream:
+    """What came back from one host client run, line by line."""
+
+    on_done: Callable[[RequestResult], None] | None = None
+    # Request index -> its record; records arrive as requests finish, not in order.
+    results: dict[int, RequestResult] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def line(self, text: str) -> None:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return  # not ours (a sitecustomize printing on the host); the summary decides
+        if not isinstance(obj, dict):
+            return
+        if obj.get("kind") == "request" and isinstance(obj.get("result"), dict):
+            result = as_request_result(obj["result"])
+            self.results[int(obj.get("index", len(self.results)))] = result
+            if self.on_done is not None:
+                self.on_done(result)
+        elif isinstance(obj.get("kind"), str):
+            self.answers[obj["kind"]] = obj
+
+
+@dataclass(frozen=True)
+class HostClient:
+    """Runs :mod:`._hostclient` on the host, against the server's loopback address."""
+
+    transport: Transport
+    host: Host
+    mode: ClientMode = "host"
+
+    def _run(self, payload: dict[str, Any], stream: _Stream, timeout: float) -> str | None:
+        """One host client run; None, or why it did not answer completely."""
+        server = self.host.ddtree.server
+        body = {"address": probe_address(server.bind_host), "port": server.port, **payload}
+        script = python_program(self.host.python, HOSTCLIENT_SOURCE, json.dumps(body, separators=(",", ":")))
+        try:
+            result = self.transport.run(script, timeout=timeout, on_line=stream.line)
+        except DdtreeOpsError as exc:
+            return f"host client on {self.host.name}: {exc}"
+        if result.returncode != 0:
+            return (
+                f"host client ({self.host.python}) on {self.host.name} exited {result.returncode}: "
+                f"{result.stderr.strip()[-300:]}"
+            )
+        return None
+
+    def flush_cache(self) -> tuple[bool, str]:
+        stream = _Stream()
+        problem = self._run({"flush": True}, stream, timeout=30.0 + _COMMAND_SLACK_S)
+        answer = stream.answers.get("flush")
+        if answer is None:
+            return False, problem or "host client gave no answer"
+        return bool(answer.get("ok")), str(answer.get("detail", ""))
+
+    def server_info(self) -> dict[str, Any] | None:
+        stream = _Stream()
+        self._run({"server_info": True}, stream, timeout=10.0 + _COMMAND_SLACK_S)
+        info = stream.answers.get("server_info", {}).get("info")
+        return info if isinstance(info, dict) else None
+
+    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+        warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]
+        load = {
+            "api": spec.api,
+            "requests": [request_for(p, spec) for p in spec.prompts],
+            "warmup": [request_for(p, spec) for p in warm],
+            "concurrency": spec.concurrency,
+            "request_rate": spec.request_rate,
+            "seed": spec.seed,
+            "timeout_s": spec.timeout_s,
+        }
+        stream = _Stream(on_done=on_done)
+        problem = self._run({"load": load}, stream, timeout=_load_timeout(spec, len(warm)))
+        summary = stream.answers.get(SUMMARY)
+        got = stream.results
+        results: list[RequestResult] = []
+        # Failures are data: a request the host never reported is a failed request carrying
+        # the reason, so the row says why instead of the sweep crashing.
+        why = (problem or "host client ended without reporting this request")[:300]
+        for i in range(len(spec.prompts)):
+            if i not in got:
+                got[i] = RequestResult(ok=False, start=0.0, end=0.0, error=why)
+                if on_done is not None:
+                    on_done(got[i])
+            results.append(got[i])
+        if summary is None:
+            timed = [r for r in results if r.end]
+            duration = (max(r.end for r in timed) - min(r.start for r in timed)) if timed else 0.0
+            return LoadResult(results=tuple(results), duration_s=duration)
+        return LoadResult(
+            results=tuple(results),
+            duration_s=float(summary.get("duration_s", 0.0)),
+            warmup_failures=int(summary.get("warmup_failures", 0)),
+            cpu_s=float(summary.get("cpu_s", 0.0)),
+        )
+
+
+def _load_timeout(spec: LoadSpec, warmup: int) -> float:
+    """A bound for the whole run, only against a host client that hangs: every request
+    already has its own timeout on the host, so this is the worst case of all of them in
+    sequence per slot, plus the arrivals' own spread at a request rate."""
+    waves = math.ceil(len(spec.prompts) / spec.concurrency) + math.ceil(warmup / spec.concurrency)
+    arrivals = len(spec.prompts) / spec.request_rate * 3 if spec.request_rate else 0.0
+    return waves * spec.timeout_s + arrivals + _COMMAND_SLACK_S
+
+
+def make_client(mode: ClientMode, transport: Transport, host: Host) -> LoadClient:
+    if mode == "host":
+        return HostClient(transport, host)
+    return LocalClient(server_url(host))
