@@ -32,7 +32,7 @@ PROBE_TIMEOUT_S = 120.0
 PROBE_SOURCE = r'''
 import json, os, platform, shutil, socket, subprocess, sys
 
-def main(port, bind_host):
+def main(ports, bind_host):
     out = {"python_version": platform.python_version(), "python_executable": sys.executable}
     sglang_dir = sglang_version = None
     try:
@@ -80,6 +80,8 @@ def main(port, bind_host):
         except Exception as exc:
             out["gpu_error"] = "nvidia-smi failed: %s" % exc
     out["gpus"] = gpus
+    # Only a list nvidia-smi gave counts the host's GPUs; without it "no GPUs" means unknown.
+    out["gpus_counted"] = bool(smi) and out["gpu_error"] is None
 
     # Importing torch to ask torch.cuda.is_available() takes seconds per host; its
     # version.py says which CUDA it was built for, and nvidia-smi says whether a GPU and
@@ -106,23 +108,24 @@ def main(port, bind_host):
     except OSError:
         out["disk_free_bytes"] = None
 
-    out["port"] = port
-    in_use = None
-    if port:
+    # Every port a server of this host will use: one, or one per GPU slot.
+    out["port"] = ports[0]
+    busy = []
+    for port in ports:
         sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET)
         # Same options as the server's own listener, so "free" here means it could bind.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((bind_host, port))
-            in_use = False
         except OSError:
-            in_use = True
+            busy.append(port)
         finally:
             sock.close()
-    out["port_in_use"] = in_use
+    out["port_in_use"] = ports[0] in busy
+    out["ports_busy"] = busy
     return out
 
-print("DDTREE-OPS-FACTS " + json.dumps(main(int(sys.argv[1]), sys.argv[2])))
+print("DDTREE-OPS-FACTS " + json.dumps(main([int(p) for p in sys.argv[1].split(",")], sys.argv[2])))
 '''
 
 
@@ -153,9 +156,12 @@ class HostFacts:
     cuda_available: bool | None = None
     gpus: tuple[GpuInfo, ...] = field(default_factory=tuple)
     gpu_error: str | None = None
+    gpus_counted: bool = False  # nvidia-smi listed the GPUs: len(gpus) is the host's count
     disk_free_bytes: int | None = None
     port: int | None = None
     port_in_use: bool | None = None
+    ports: tuple[int, ...] = ()  # every server port checked: server.port, or each slot's
+    ports_busy: tuple[int, ...] = ()
     error: str | None = None
     error_type: str | None = None
     duration_s: float = 0.0
@@ -168,7 +174,8 @@ class HostFacts:
 def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEOUT_S) -> HostFacts:
     """One remote command; every failure is returned as ``error``, never raised."""
     port = host.ddtree.server.port
-    script = Script((host.python, "-", str(port), host.ddtree.server.bind_host), PROBE_SOURCE)
+    ports = tuple(slot.port for slot in host.ddtree.server.slots) or (port,)
+    script = Script((host.python, "-", ",".join(map(str, ports)), host.ddtree.server.bind_host), PROBE_SOURCE)
     try:
         result = transport.run(script, timeout=timeout)
     except DdtreeOpsError as exc:
@@ -205,11 +212,35 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
         cuda_available=data.get("cuda_available"),
         gpus=tuple(GpuInfo(**g) for g in data.get("gpus", [])),
         gpu_error=data.get("gpu_error"),
+        gpus_counted=bool(data.get("gpus_counted")),
         disk_free_bytes=data.get("disk_free_bytes"),
         port=data.get("port"),
         port_in_use=data.get("port_in_use"),
+        ports=ports,
+        ports_busy=tuple(data.get("ports_busy") or ()),
         duration_s=result.duration,
     )
+
+
+def slot_gpu_problem(host: Host, facts: HostFacts) -> str | None:
+    """Why ``host``'s GPU slots do not fit the GPUs its probe saw, or None.
+
+    Only the host knows how many GPUs it has, so the inventory cannot check this at load
+    time; ``doctor`` does. None when the host has no slots, was not reached, or has no
+    nvidia-smi (nothing counted its GPUs: the simulator's hosts)."""
+    slots = host.ddtree.server.slots
+    if not slots or not facts.ok or not facts.gpus_counted:
+        return None
+    count = len(facts.gpus)
+    for index, slot in enumerate(slots):
+        missing = [gpu for gpu in slot.gpus if gpu >= count]
+        if missing:
+            seen = f"GPUs 0-{count - 1}" if count else "no GPU"
+            return (
+                f"ddtree.server.slots: slot {index} uses GPU {missing[0]} but nvidia-smi on {host.name} "
+                f"lists {seen} ({host.source})"
+            )
+    return None
 
 
 def probe_hosts(

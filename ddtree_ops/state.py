@@ -45,7 +45,11 @@ def default_state_path() -> Path:
 
 @dataclass(frozen=True)
 class FallbackKey:
-    """What an eager fallback is remembered by: the same config on the same kind of host."""
+    """What an eager fallback is remembered by: the same config on the same kind of host.
+
+    ``host`` is the machine's inventory name, shared by its GPU slots (a learned load
+    time, by contrast, is per slot: :meth:`StateStore.record_load_time` gets the slot's
+    name, since slots may differ in GPU count)."""
 
     host: str
     gpu_arch: str
@@ -75,6 +79,9 @@ class LoadRecord:
     model: str
     load_s: float
     recorded_at: float
+    # The whole restart that ended ready: stopping the old server, the port wait, the load
+    # and the smoke. What a sweep's schedule charges per launch; None until one completed.
+    restart_s: float | None = None
 
 
 class StateStore:
@@ -116,6 +123,11 @@ class StateStore:
         value = entry.get("load_s")
         return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
+    def learned_restart_s(self, host: str, model: str) -> float | None:
+        entry = self._load()["load_times"].get(_load_key(host, model))
+        value = entry.get("restart_s") if isinstance(entry, dict) else None
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
     def fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
         entry = self._load()["fallbacks"].get(key.as_str())
         if not isinstance(entry, dict):
@@ -142,8 +154,9 @@ class StateStore:
 
     # -- writing -------------------------------------------------------------
 
-    def record_load_time(self, host: str, model: str, load_s: float) -> None:
-        rec = LoadRecord(host=host, model=model, load_s=float(load_s), recorded_at=time.time())
+    def record_load_time(self, host: str, model: str, load_s: float, *, restart_s: float | None = None) -> None:
+        rec = LoadRecord(host=host, model=model, load_s=float(load_s), recorded_at=time.time(),
+                         restart_s=float(restart_s) if restart_s is not None else None)
         self._update(lambda data: data["load_times"].__setitem__(_load_key(host, model), asdict(rec)))
 
     def record_fallback(self, key: FallbackKey, reason: str) -> None:

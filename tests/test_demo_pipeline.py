@@ -61,6 +61,10 @@ class DemoHost:
     gpu: str
     prefix: Path
     port: int
+    # One per server: the host's port, or each GPU slot's (the slots' count form derives
+    # port + i, as the shipped sim-ct200 has two).
+    ports: tuple[int, ...] = ()
+    slots: tuple[str, ...] = ()
 
     @property
     def sglang_dir(self) -> Path:
@@ -78,11 +82,13 @@ class DemoFleet:
         return next(h for h in self.hosts.values() if h.gpu == gpu)
 
 
-def _loopback_port(taken: set[int]) -> int:
-    """A free port that is none of the demo's own (a running `make demo` must not collide)."""
+def _loopback_port(taken: set[int], count: int = 1) -> int:
+    """A free port, with the ``count - 1`` after it free too, none of them the demo's own
+    (a running `make demo` must not collide)."""
     while True:
         port = free_port()
-        if port not in DEMO_PORTS and port not in taken:
+        span = set(range(port, port + count))
+        if not span & (DEMO_PORTS | taken) and all(not _port_open(p) for p in span - {port}):
             return port
 
 
@@ -134,14 +140,18 @@ def demo_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Demo
             ddtree = entry["ddtree"]
             prefix = root / name
             shutil.copytree(template, prefix, symlinks=True, ignore=shutil.ignore_patterns(".ready"))
-            port = _loopback_port(ports)
-            ports.add(port)
+            count = int(ddtree["server"].get("slots", {}).get("count", 1))
+            port = _loopback_port(ports, count)
+            ports.update(range(port, port + count))
             ddtree["python"] = str(prefix / "bin" / "python")
             ddtree["run_dir"] = str(tmp_path / "run" / name)
             ddtree["server"]["port"] = port
             ddtree["server"]["env"] = {**ddtree["server"].get("env", {}), **FAST_SIM_ENV}
-            hosts[name] = DemoHost(name=name, gpu=ddtree["gpu"], prefix=prefix, port=port)
+            slots = tuple(f"{name}/{i}" for i in range(count)) if "slots" in ddtree["server"] else ()
+            hosts[name] = DemoHost(name=name, gpu=ddtree["gpu"], prefix=prefix, port=port,
+                                   ports=tuple(range(port, port + count)), slots=slots)
         assert sorted(h.gpu for h in hosts.values()) == ["b300", "rtx-pro-6000"], "local.yaml changed its hosts"
+        assert [len(h.slots) for h in hosts.values()] == [2, 0], "local.yaml: sim-ct200 runs two GPU slots"
         inventory.write_text(yaml.safe_dump(shipped, sort_keys=False))
         yield DemoFleet(inventory=inventory, sweep=_short_sweep(tmp_path / "demo_short.yaml"), hosts=hosts)
     finally:
@@ -158,7 +168,7 @@ def _stop_servers(inventory: Path) -> None:
     if not inventory.exists():
         return
     errors: list[BaseException] = []
-    for host in load_inventory([inventory]).resolve("local"):
+    for host in (s for h in load_inventory([inventory]).resolve("local") for s in h.slot_hosts()):
         try:
             with LocalTransport(host.name) as t:
                 lifecycle.stop(t, host, grace_s=5.0)
@@ -231,16 +241,18 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     )
     assert restarted["ok"] is True
     results = {h["host"]: h["result"] for h in restarted["hosts"]}
-    assert set(results) == names
-    on_rtx, on_b300 = results[rtx.name], results[b300.name]
-    assert on_rtx["cuda_graph"] is True and on_rtx["fallback_reason"] is None and on_rtx["attempts"] == 1, on_rtx
+    assert set(results) == {*rtx.slots, b300.name}  # one row per server: the RTX host's two slots
+    on_b300 = results[b300.name]
+    for slot in rtx.slots:
+        on_rtx = results[slot]
+        assert on_rtx["cuda_graph"] is True and on_rtx["fallback_reason"] is None and on_rtx["attempts"] == 1, on_rtx
     assert on_b300["cuda_graph"] is False and on_b300["attempts"] == 2, on_b300
     # The reason is the capture error the server logged, not a generic "crashed".
     assert "capture failed" in on_b300["fallback_reason"].lower(), on_b300
     assert "illegal memory access" in on_b300["fallback_reason"], on_b300
     # The new processes really serve what was asked for.
-    for host, graphs in ((rtx, True), (b300, False)):
-        info = httpx.get(f"http://127.0.0.1:{host.port}/server_info", timeout=10).json()
+    for port, graphs in [*((p, True) for p in rtx.ports), (b300.port, False)]:
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
         assert info["speculative_algorithm"] == "DDTREE" and info["ddtree"]["budget"] == 16, info
         assert (info["speculative_num_draft_tokens"], info["speculative_eagle_topk"]) == (17, 4), info
         assert info["ddtree"]["verify_cuda_graph_captured"] is graphs, info
@@ -272,7 +284,10 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert r["sglang_version"] == "0.5.23-sim" and r["sglang_installed_version"] == "0.5.23", where
         sim_gpu = {rtx.name: ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition (simulated)", "sm_120"),
                    b300.name: ("NVIDIA B300 SXM6 AC (simulated)", "sm_103")}[r["host"]]
-        assert (r["gpu_name"], r["gpu_arch"], r["gpu_count"]) == (*sim_gpu, 8), where
+        # The RTX host's rows come from its two slots of four GPUs; the B300's from all eight.
+        gpus = 4 if r["host"] == rtx.name else 8
+        assert (r["gpu_name"], r["gpu_arch"], r["gpu_count"]) == (*sim_gpu, gpus), where
+        assert (r["slot"] is not None) is (r["host"] == rtx.name), where
         assert r["bundle_name"] == "ddtree_temperature" and r["bundle_hash"] == identities[r["host"]], where
         if r["algorithm"] == "AR":
             assert r["accept_length"] is None, where
@@ -285,8 +300,10 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         else:
             assert r["cuda_graph"] is True and r["fallback_reason"] is None, where
     # The sweep stops the servers it started: nothing listens on the hosts' ports.
+    assert {r["slot"] for r in rows if r["host"] == rtx.name} == {0, 1}  # both slots measured
     for host in demo_fleet.hosts.values():
-        assert not _port_open(host.port), f"{host.name}: a server still listens on {host.port} after bench"
+        for port in host.ports:
+            assert not _port_open(port), f"{host.name}: a server still listens on {port} after bench"
 
     # report, as `make demo` runs it (terminal tables, not --json).
     tidy_csv, best_csv, plots = out_dir / "demo.csv", out_dir / "demo_best.csv", out_dir / "demo_plots"

@@ -61,6 +61,10 @@ class LedgerRow:
     started_at: str  # ISO 8601 UTC, e.g. 2026-05-01T12:00:00Z
     finished_at: str
     host: str
+    # The GPU slot that served the row (``ddtree.server.slots``; index on its host) and
+    # its GPUs (CUDA_VISIBLE_DEVICES); None on a host with one server and in older rows.
+    slot: int | None = field(default=None, kw_only=True)
+    gpu_indices: list[int] | None = field(default=None, kw_only=True)
     gpu_name: str | None
     gpu_arch: str | None  # e.g. "sm_120"
     gpu_count: int | None
@@ -92,6 +96,9 @@ class LedgerRow:
     smoke: str | None = field(default=None, kw_only=True)
     smoke_s: float | None = field(default=None, kw_only=True)
     readiness_s: dict[str, float]
+    # Which client measured: "host" (on the GPU host, next to the server) or "local" (the
+    # operator's machine). Optional: rows written before it lack it.
+    client: str | None = field(default=None, kw_only=True)
     # workload and sampling
     workload_hash: str
     workload_name: str
@@ -308,6 +315,20 @@ def check_same_sweep(rows: Iterable[Mapping[str, Any]], *, sweep: str, sweep_has
             raise ConfigError(
                 f"{path}: --resume refused: the ledger holds sweep {row.get('sweep')!r} ({str(other)[:12]}), "
                 f"this is sweep {sweep!r} ({sweep_hash[:12]}); pass another --out"
+            )
+
+
+def check_same_client(rows: Iterable[Mapping[str, Any]], modes: Mapping[str, str], *, path: Path | str) -> None:
+    """ConfigError when a host's rows were measured by another client than ``modes`` says
+    this run would use (``host`` or ``local``): a resumed cell must be comparable with its
+    repeats, and the two clients differ by the network and the client's own CPU. Rows
+    without ``client`` (older writers) are not held against it."""
+    for row in rows:
+        want, got = modes.get(str(row.get("host"))), row.get("client")
+        if want is not None and got and got != want:
+            raise ConfigError(
+                f"{path}: --resume refused: host {row.get('host')!r} was measured with client {got!r}, this run "
+                f"would use {want!r}; set `client: {got}` in the sweep, or pass another --out"
             )
 
 

@@ -178,6 +178,15 @@ def plan_sweep(
     return SweepPlan(groups=groups, repeats=spec.repeats, warmup=spec.warmup)
 
 
+def cell_seconds(
+    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = 0.02
+) -> float:
+    """Rough measuring time of one run of ``cell``: ``ceil(num_prompts / concurrency)``
+    waves of ``max_new_tokens`` decode steps, plus a warmup wave when there is one."""
+    waves = math.ceil(num_prompts / cell.concurrency) + (1 if warmup else 0)
+    return waves * max_new_tokens * s_per_step
+
+
 def estimate_seconds(
     plan: SweepPlan,
     *,
@@ -186,12 +195,13 @@ def estimate_seconds(
     max_new_tokens: int,
     s_per_step: float = 0.02,
 ) -> float:
-    """Rough wall time for one host: every restart costs ``load_s`` (learned per host, see
-    the state file) and every cell ``ceil(num_prompts / concurrency)`` waves of
-    ``max_new_tokens`` decode steps, warmup requests included. An estimate for planning, not
-    a promise: speculation makes steps emit several tokens, which only shortens it."""
+    """Rough wall time for one host with one server: every restart costs ``load_s``
+    (learned per host, see the state file) and every run :func:`cell_seconds`. An estimate
+    for planning, not a promise: speculation makes steps emit several tokens, which only
+    shortens it."""
     total = plan.restarts * load_s
     for cell in plan.cells:
-        waves = math.ceil(num_prompts / cell.concurrency) + (1 if plan.warmup else 0)
-        total += plan.repeats * waves * max_new_tokens * s_per_step
+        total += plan.repeats * cell_seconds(
+            cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=plan.warmup, s_per_step=s_per_step
+        )
     return total

@@ -1,10 +1,12 @@
 """Run a planned sweep on every target host and append one ledger row per (host, cell, repeat).
 
-Hosts run in parallel, one worker thread per host (each host has its own server), and a
-host's cells run one after another, grouped by server configuration so the server is
-restarted only when algorithm/budget/top-k change (through the lifecycle's ``restart``,
-which also decides eager fallback; every row records ``cuda_graph`` and
-``fallback_reason``).
+Hosts run in parallel, one worker thread per host, and within a host one per server
+place: the host itself, or each of its GPU slots (``ddtree.server.slots``), each with its
+own server. A host's cells are grouped by server configuration into launches, so a server
+is restarted only when algorithm/budget/top-k change (through the lifecycle's
+``restart``, which also decides eager fallback; every row records ``cuda_graph`` and
+``fallback_reason``); with one server they run in plan order, with several slots each
+slot takes the next launch when it frees, longest expected first (:mod:`.schedule`).
 
 Failures are rows, not exceptions: a host that cannot be reached, a server that crashes
 or never gets ready, a server killed mid-cell — each is written as ``status: failed`` with
@@ -18,11 +20,13 @@ ledger key (host, configuration, workload hash, repeat) already has an ``ok`` ro
 refuses a ledger of another sweep (rows carry ``sweep_hash``) and cuts off a truncated
 last line first (:meth:`SweepRunner.prepare`, before any host is touched).
 
-How the client reaches the server: directly over HTTP at the host's inventory address
-(``127.0.0.1`` for local hosts) and the server's port — so on a real fleet the server
-must bind an address the operator's machine can reach (``ddtree.server.bind_host``). No
-SSH tunnel is opened: a tunnel would put SSH's own channel scheduling between the client
-and the server and distort ITL at high concurrency.
+Where the load comes from (:mod:`.onhost`): with ``client: host`` (the default when the
+server binds loopback) the client runs on the GPU host over the host's transport and
+streams each request's record back as it finishes; with ``client: local`` it runs here
+and connects to the host's inventory address (``127.0.0.1`` for local hosts), so the
+server must bind an address this machine can reach. No SSH tunnel is opened: a tunnel
+would put SSH's own channel scheduling between the client and the server and distort
+ITL at high concurrency. Every row records its ``client``.
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ddtree_ops import lockholder
 from ddtree_ops.bench import ledger
-from ddtree_ops.bench.client import LoadSpec, flush_cache, run_load, server_info
+from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.metrics import calculate_metrics
-from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, plan_sweep
+from ddtree_ops.bench.onhost import ClientMode, LoadClient, client_mode, make_client
+from ddtree_ops.bench.onhost import server_url as server_url
+from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, cell_seconds, plan_sweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
+from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
 from ddtree_ops.bench.sweep import SweepSpec, sweep_hash
 from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
 from ddtree_ops.inventory_types import Host
@@ -72,6 +79,8 @@ class Progress:
     status: str = ""
     eta_s: float | None = None
     message: str = ""
+    # The GPU slot ("host/i") the event is about, on a host with several; "" otherwise.
+    slot: str = ""
 
 
 @dataclass(frozen=True)
@@ -144,13 +153,6 @@ def default_services(*, host_key_policy: str = "strict") -> Services:
         take_lease=manager.take_lease,
         release_lease=manager.release_lease,
     )
-
-
-def server_url(host: Host) -> str:
-    address = host.address if host.connection == "ssh" and host.address else "127.0.0.1"
-    if ":" in address:
-        address = f"[{address}]"
-    return f"http://{address}:{host.ddtree.server.port}"
 
 
 def run_config(server: ServerConfig) -> Any:
@@ -285,6 +287,42 @@ def _tree_provenance(tree: object) -> dict[str, Any]:
     return out
 
 
+def expected_launch_s(host: Host) -> float:
+    """What one server launch on ``host`` costs a sweep: its last whole restart (stopping
+    the old server, load, capture, smoke; the state file), else its last load, else the
+    inventory's ``expected_load_s``."""
+    from ddtree_ops.state import StateStore
+
+    state, model = StateStore(), host.ddtree.server.model_path or ""
+    for learned in (state.learned_restart_s(host.name, model), state.learned_load_s(host.name, model)):
+        if learned is not None:
+            return learned
+    return host.ddtree.server.expected_load_s
+
+
+def expected_schedule(spec: SweepSpec, plan: SweepPlan, host: Host) -> Schedule:
+    """Which of ``host``'s server places (its GPU slots, or the host itself) is expected to
+    run which launch, and when: what ``bench --dry-run`` shows and the runner's queue
+    follows (per launch: :func:`expected_launch_s`; measuring: :func:`cell_seconds`)."""
+    slots = host.slot_hosts()
+
+    def cell_s(cell: Cell) -> float:
+        return cell_seconds(cell, num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens,
+                            warmup=plan.warmup)
+
+    loads = {Slot(host.name, i, s.slot.gpus if s.slot else ()): expected_launch_s(s) for i, s in enumerate(slots)}
+    jobs = make_jobs(plan_runs(plan), cell_s=cell_s, load_s=min(loads.values()), slots=len(slots))
+    return schedule(jobs, list(loads), load_s=loads)
+
+
+def _for_slot(prov: _Provenance, host: Host) -> _Provenance:
+    """A slot's rows count the GPUs its server sees, not the machine's. (No GPU probed: the
+    server's own report fills it in, see :func:`_with_server_info`.)"""
+    if host.slot is None or prov.gpu_count is None:
+        return prov
+    return dataclasses.replace(prov, gpu_count=len(host.slot.gpus))
+
+
 @dataclass
 class _Shared:
     cancel: threading.Event
@@ -294,7 +332,7 @@ class _Shared:
 
 @dataclass
 class _HostRun:
-    """Mutable bookkeeping of one host's worker."""
+    """Mutable bookkeeping of one host's workers (one per GPU slot; counters under ``lock``)."""
 
     host: Host
     pending: list[tuple[Cell, int]]
@@ -305,13 +343,49 @@ class _HostRun:
     failed_rows: int = 0
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
-    lease: str | None = None  # the token of this sweep's lease on the host, once taken
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def eta(self) -> float | None:
         if not self.done:
             return None
         per = (time.monotonic() - self.started) / self.done
         return per * (len(self.pending) - self.done)
+
+
+@dataclass
+class _SlotRun:
+    """One server place of a host: the host itself, or one of its GPU slots (a slot host
+    with its own port, run dir, lease and load client)."""
+
+    hr: _HostRun
+    host: Host
+    lease: str | None = None  # the token of this sweep's lease on the slot, once taken
+
+    @property
+    def label(self) -> str:
+        return self.host.name if self.host.slot is not None else ""
+
+
+class _JobQueue:
+    """A host's server launches still to run, shared by its slots: each slot takes the
+    next when it frees (longest expected first, see :mod:`.schedule`), preferring one of
+    the configuration it already serves, which needs no restart."""
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self._jobs = list(jobs)
+        self._lock = threading.Lock()
+
+    def take(self, serving: ServerConfig | None) -> Job | None:
+        with self._lock:
+            if not self._jobs:
+                return None
+            at = next((i for i, j in enumerate(self._jobs) if j.server == serving), 0)
+            return self._jobs.pop(at)
+
+    def drain(self) -> list[Job]:
+        with self._lock:
+            left, self._jobs = self._jobs, []
+            return left
 
 
 class SweepRunner:
@@ -384,8 +458,9 @@ class SweepRunner:
 
         The ledger must be writable (ConfigError naming it). With ``resume``, its rows
         must belong to this sweep (same sweep hash; ConfigError naming both sweeps and
-        the ledger), and a truncated last line left by a crash is cut off, so that new
-        rows never follow it; :attr:`healed` says so.
+        the ledger) and each host's to the client this run uses, and a truncated last
+        line left by a crash is cut off, so that new rows never follow it; :attr:`healed`
+        says so.
         """
         if self._done is not None:
             return
@@ -395,6 +470,8 @@ class SweepRunner:
             return
         read = ledger.read_ledger(self.ledger_path)
         ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.sweep_hash, path=self.ledger_path)
+        modes = {h.name: self.client_mode(h) for h in self.hosts}
+        ledger.check_same_client(read.rows, modes, path=self.ledger_path)
         bad = list(read.bad_lines)
         removed = ledger.heal_truncated_tail(self.ledger_path)
         if removed:
@@ -421,151 +498,212 @@ class SweepRunner:
             summaries = list(pool.map(self._run_host, runs))
         return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines, self.healed)
 
-    def _emit(self, hr: _HostRun, phase: str, **kw: Any) -> None:
+    def _emit(self, hr: _HostRun, phase: str, *, slot: str = "", **kw: Any) -> None:
         self.shared.on_progress(
-            Progress(host=hr.host.name, done=hr.done, total=len(hr.pending), phase=phase, eta_s=hr.eta(), **kw)
+            Progress(host=hr.host.name, done=hr.done, total=len(hr.pending), phase=phase, eta_s=hr.eta(), slot=slot,
+                     **kw)
         )
 
     def _stopping(self) -> bool:
         return self.shared.cancel.is_set() or self.shared.stop_all.is_set()
+
+    def _jobs(self, hr: _HostRun, slots: Sequence[Host]) -> list[Job]:
+        """The host's pending runs as server launches. One server: in plan order (the
+        configuration already running first). Several slots: repeats split where a slot
+        would idle, longest expected first."""
+        if len(slots) == 1:
+            return make_jobs(hr.pending, cell_s=lambda _c: 0.0, load_s=0.0, slots=1)
+
+        def cell_s(cell: Cell) -> float:
+            return cell_seconds(
+                cell, num_prompts=len(self.workload.prompts), max_new_tokens=self.workload.max_new_tokens,
+                warmup=self.spec.warmup,
+            )
+
+        load_s = min(expected_launch_s(slot) for slot in slots)
+        return longest_first(make_jobs(hr.pending, cell_s=cell_s, load_s=load_s, slots=len(slots)))
 
     def _run_host(self, hr: _HostRun) -> HostSummary:
         host = hr.host
         if not hr.pending:
             self._emit(hr, "finished", message="nothing left to run")
             return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
-        error: str | None = None
-        started_server = False
-        transport: Transport | None = None
-        try:
-            transport = self.services.open_transport(host)
-            self._emit(hr, "probing")
-            prov = _provenance(transport, host, self.services)
-            error, started_server = self._run_groups(hr, transport, prov)
-        except DdtreeOpsError as exc:
-            # Not even provenance: every pending run of this host fails with the reason.
-            error = str(exc)
-            self._fail_rest(hr, _Provenance(), None, hr.pending[hr.done :], error)
-        finally:
-            if transport is not None:
-                if started_server and (self.shared.cancel.is_set() or not self.keep_server):
-                    try:
-                        self.services.stop(transport, host, lease=self._lease_pass(hr))
-                    except DdtreeOpsError:
-                        pass  # the host may be the one that went away; its rows say so
-                self._release(hr, transport)
-                transport.close()
+        slots = host.slot_hosts()
+        queue = _JobQueue(self._jobs(hr, slots))
+        if len(slots) == 1:
+            errors = [self._run_slot(_SlotRun(hr, slots[0]), queue)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix=f"bench-{host.name}") as pool:
+                errors = list(pool.map(lambda slot: self._run_slot(_SlotRun(hr, slot), queue), slots))
+        found = [e for e in errors if e]
+        error = "; ".join(dict.fromkeys(found)) or None
+        # Every slot gave up (host lost, lease held): what nobody ran fails with the reason,
+        # fail-fast or not — the host's rows must say why they are missing.
+        left = queue.drain()
+        if left and error is not None and all(errors) and not self.shared.cancel.is_set():
+            for job in left:
+                self._fail_rest(_SlotRun(hr, host), _Provenance(), None, job.runs, error)
         interrupted = self.shared.cancel.is_set() and hr.done < len(hr.pending)
         self._emit(hr, "failed" if error else "finished", message=error or "")
         return HostSummary(
             host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted
         )
 
-    def _run_groups(self, hr: _HostRun, transport: Transport, prov: _Provenance) -> tuple[str | None, bool]:
-        """Run the host's pending cells server group by server group. Returns (host-level
-        error, whether a server was started)."""
-        host = hr.host
+    def _run_slot(self, sr: _SlotRun, queue: _JobQueue) -> str | None:
+        """One server place's worker: probe, then launch and measure job after job until
+        the queue is empty. Returns why it gave up, or None."""
+        error: str | None = None
+        started_server = False
+        transport: Transport | None = None
+        holding: list[tuple[Cell, int]] = []
+        try:
+            transport = self.services.open_transport(sr.host)
+            self._emit(sr.hr, "probing", slot=sr.label)
+            prov = _for_slot(_provenance(transport, sr.host, self.services), sr.host)
+            error, started_server = self._run_jobs(sr, transport, prov, queue, holding)
+        except DdtreeOpsError as exc:
+            # Not even provenance, or a failure past the rows' own handling: the runs in
+            # hand fail with the reason; the queue's jobs wait for another slot, or fail
+            # at the host's end.
+            error = str(exc)
+            self._fail_rest(sr, _Provenance(), None, list(holding), error)
+        finally:
+            if transport is not None:
+                if started_server and (self.shared.cancel.is_set() or not self.keep_server):
+                    try:
+                        self.services.stop(transport, sr.host, lease=self._lease_pass(sr))
+                    except DdtreeOpsError:
+                        pass  # the host may be the one that went away; its rows say so
+                self._release(sr, transport)
+                transport.close()
+        if error:
+            self._emit(sr.hr, "failed", slot=sr.label, message=error)
+        return error
+
+    def _run_jobs(
+        self, sr: _SlotRun, transport: Transport, prov: _Provenance, queue: _JobQueue,
+        holding: list[tuple[Cell, int]],
+    ) -> tuple[str | None, bool]:
+        """Take jobs from ``queue`` until it is empty: launch each job's server, measure its
+        runs. Returns (error that ended this slot, whether a server was started). The runs
+        in hand not yet written are kept in ``holding``, for the caller to fail on an
+        unexpected error."""
+        host = sr.host
         started = False
-        by_server: dict[ServerConfig, list[tuple[Cell, int]]] = {}
-        for cell, rep in hr.pending:
-            by_server.setdefault(cell.server, []).append((cell, rep))
-        for server, runs in by_server.items():
-            if self._stopping():
-                return None, started
-            self._emit(hr, "restarting", cell=server.key)
+        client = make_client(self.client_mode(host), transport, host)
+        serving: ServerConfig | None = None
+        while not self._stopping() and (job := queue.take(serving)) is not None:
+            server, runs = job.server, list(job.runs)
+            holding[:] = runs
+            self._emit(sr.hr, "restarting", slot=sr.label, cell=server.key)
             try:
-                restart = self._restart(hr, transport, prov, server, runs)
+                restart = self._restart(sr, transport, prov, server, runs)
                 started = True
+                serving = server
             except _HOST_LOST as exc:
-                self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
+                holding.clear()
+                self._fail_rest(sr, prov, None, runs, str(exc))
                 return str(exc), started
             except Interrupted:
                 return None, started
             except DdtreeOpsError as exc:
-                self._fail_rest(hr, prov, None, runs, f"server did not start: {exc}")
+                holding.clear()
+                self._fail_rest(sr, prov, None, runs, f"server did not start: {exc}")
+                serving = None
                 continue
-            served = self._served(hr, prov)
+            served = self._served(client, prov)
             for cell, rep in runs:
                 if self._stopping():
                     return None, started
-                row = self._measure(hr, served, restart, cell, rep)
+                row = self._measure(sr, client, served, restart, cell, rep)
+                holding.remove((cell, rep))
                 if row["status"] == "failed" and not self._serving(transport, host):
-                    self._emit(hr, "restarting", cell=server.key, message="server gone; restarting")
+                    self._emit(sr.hr, "restarting", slot=sr.label, cell=server.key, message="server gone; restarting")
+                    rest = runs[runs.index((cell, rep)) + 1 :]
                     try:
-                        restart = self._restart(hr, transport, prov, server, runs)
+                        restart = self._restart(sr, transport, prov, server, runs)
                     except _HOST_LOST as exc:
-                        self._fail_rest(hr, prov, None, hr.pending[hr.done :], str(exc))
+                        holding.clear()
+                        self._fail_rest(sr, prov, None, rest, str(exc))
                         return str(exc), started
                     except Interrupted:
                         return None, started
                     except DdtreeOpsError as exc:
-                        rest = runs[runs.index((cell, rep)) + 1 :]
-                        self._fail_rest(hr, prov, None, rest, f"server did not restart: {exc}")
+                        holding.clear()
+                        self._fail_rest(sr, prov, None, rest, f"server did not restart: {exc}")
+                        serving = None
                         break
-                    served = self._served(hr, prov)
+                    served = self._served(client, prov)
+            holding.clear()
         return None, started
 
-    def _lease_pass(self, hr: _HostRun) -> Any:
+    def _lease_pass(self, sr: _SlotRun) -> Any:
         from ddtree_ops.service.manager import LeasePass
 
-        return LeasePass(token=hr.lease)
+        return LeasePass(token=sr.lease)
 
-    def _hold(self, hr: _HostRun, transport: Transport) -> None:
+    def _hold(self, sr: _SlotRun, transport: Transport) -> None:
         """Take the host's sweep lease before this sweep's first restart there, so that no
         other sweep or restart touches the server until :meth:`_release`. Raises LeaseHeld
         at once when another live sweep holds it; a dead holder's lease is taken over."""
-        if hr.lease is not None or self.services.take_lease is None:
+        if sr.lease is not None or self.services.take_lease is None:
             return
         token = uuid.uuid4().hex
         holder = lockholder.holder_record(token, "bench") | {"sweep": self.spec.name, "run_id": self.run_id}
         # Marked running first: a lease of this very process is dead only once its run ended.
         lockholder.run_started(token)
         try:
-            taken = self.services.take_lease(transport, hr.host, token=token, holder=holder)
+            taken = self.services.take_lease(transport, sr.host, token=token, holder=holder)
         except BaseException:
             lockholder.run_ended(token)
             raise
-        hr.lease = token
+        sr.lease = token
         if isinstance(taken, dict):
             from ddtree_ops.service.manager import describe_lease
 
-            self._emit(hr, "restarting", message=f"took over the lease of dead {describe_lease(taken)}")
+            message = f"took over the lease of dead {describe_lease(taken)}"
+            self._emit(sr.hr, "restarting", slot=sr.label, message=message)
 
-    def _release(self, hr: _HostRun, transport: Transport) -> None:
+    def _release(self, sr: _SlotRun, transport: Transport) -> None:
         """Give the host back at the sweep's end, however it ended; a lease that cannot be
         released (host gone) is provably dead once this run has ended."""
-        if hr.lease is None or self.services.release_lease is None:
+        if sr.lease is None or self.services.release_lease is None:
             return
         try:
-            self.services.release_lease(transport, hr.host, hr.lease)
+            self.services.release_lease(transport, sr.host, sr.lease)
         except DdtreeOpsError:
             pass
         finally:
-            lockholder.run_ended(hr.lease)
+            lockholder.run_ended(sr.lease)
 
     def _restart(
-        self, hr: _HostRun, transport: Transport, prov: _Provenance, server: ServerConfig,
+        self, sr: _SlotRun, transport: Transport, prov: _Provenance, server: ServerConfig,
         runs: Sequence[tuple[Cell, int]],
     ) -> Any:
         from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
         from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 
-        self._hold(hr, transport)
-        hr.restarts += 1
+        self._hold(sr, transport)
+        with sr.hr.lock:
+            sr.hr.restarts += 1
         facts = LaunchFacts.from_probe(prov.facts) if prov.facts is not None else LaunchFacts(prov.sglang_version)
         # The smoke decodes at the sampling settings this server is about to be measured at.
         smoke = SmokeSpec.for_samplings(
             SmokeSampling.of(c.sampling.temperature, c.sampling.top_p, c.sampling.top_k) for c, _ in runs
         ) if self.smoke else None
-        request = RestartRequest(hr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke,
-                                 lease=self._lease_pass(hr))
+        request = RestartRequest(sr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke,
+                                 lease=self._lease_pass(sr))
         return self.services.restart(transport, request, cancel=self.shared.cancel)
 
-    def _served(self, hr: _HostRun, prov: _Provenance) -> _Provenance:
+    def _served(self, client: LoadClient, prov: _Provenance) -> _Provenance:
         """Provenance for the rows of the server just launched: read its ``/server_info``
         once per launch (a new process may be a different build). Unreadable -> the probed
         values stand."""
-        return _with_server_info(prov, server_info(server_url(hr.host)))
+        return _with_server_info(prov, client.server_info())
+
+    def client_mode(self, host: Host) -> ClientMode:
+        """``local`` or ``host``: the sweep's ``client``, else decided by the bind address."""
+        return client_mode(host, self.spec.client)
 
     def _serving(self, transport: Transport, host: Host) -> bool:
         try:
@@ -574,14 +712,21 @@ class SweepRunner:
             return False
         return bool(getattr(st, "running", False)) and getattr(st, "health", None) == 200
 
-    def _measure(self, hr: _HostRun, prov: _Provenance, restart: Any, cell: Cell, rep: int) -> dict[str, Any]:
-        host = hr.host
-        self._emit(hr, "running", cell=cell.key, repeat=rep)
+    def _measure(
+        self, sr: _SlotRun, client: LoadClient, prov: _Provenance, restart: Any, cell: Cell, rep: int
+    ) -> dict[str, Any]:
+        self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
         started_at = _now_iso()
-        url = server_url(host)
-        flush_cache(url)
-        load = run_load(
-            url,
+        client.flush_cache()
+        finished = [0]
+
+        def on_done(_result: Any) -> None:
+            # Records stream in as requests finish (from the host too): show them arriving.
+            finished[0] += 1
+            self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep,
+                       message=f"{finished[0]}/{len(self.workload.prompts)} requests")
+
+        load = client.run_load(
             LoadSpec(
                 prompts=self.workload.prompts,
                 max_new_tokens=self.workload.max_new_tokens,
@@ -594,12 +739,13 @@ class SweepRunner:
                 api=self.spec.api,  # type: ignore[arg-type]
                 timeout_s=self.spec.request_timeout_s,
             ),
+            on_done=on_done,
         )
         metrics = calculate_metrics(load.results, duration_s=load.duration_s)
         error = None
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
-        row = self._row(hr, prov, restart, cell, rep, started_at, error=error)
+        row = self._row(sr, prov, restart, cell, rep, started_at, error=error)
         flat = metrics.flat()
         row.update(
             completed=metrics.completed,
@@ -613,15 +759,15 @@ class SweepRunner:
             verify_ct=metrics.verify_steps or None,
             **{k: v for k, v in flat.items() if k[:3] in ("ttf", "itl", "tpo", "e2e")},
         )
-        self._append(hr, row, cell)
+        self._append(sr, row, cell)
         return row
 
     def _row(
-        self, hr: _HostRun, prov: _Provenance, restart: Any, cell: Cell, rep: int, started_at: str, *, error: str | None
+        self, sr: _SlotRun, prov: _Provenance, restart: Any, cell: Cell, rep: int, started_at: str, *, error: str | None
     ) -> dict[str, Any]:
         wl = self.spec.workload
         name = wl.prompt_set or "+".join(p.stem for p in wl.prompt_files)
-        row = self.key_fields(hr.host.name, cell, rep)
+        row = self.key_fields(sr.hr.host.name, cell, rep)
         row.update(
             run_id=self.run_id,
             sweep=self.spec.name,
@@ -651,28 +797,33 @@ class SweepRunner:
             workload_max_new_tokens=self.workload.max_new_tokens,
             workload_ignore_eos=self.workload.ignore_eos,
             workload_seed=wl.seed,
+            client=self.client_mode(sr.host),
+            slot=sr.host.slot.index if sr.host.slot is not None else None,
+            gpu_indices=list(sr.host.slot.gpus) if sr.host.slot is not None else None,
             status="failed" if error else "ok",
             error=error,
         )
         return row
 
-    def _append(self, hr: _HostRun, row: Mapping[str, Any], cell: Cell) -> None:
+    def _append(self, sr: _SlotRun, row: Mapping[str, Any], cell: Cell) -> None:
+        hr = sr.hr
         ledger.append_row(self.ledger_path, row)
-        hr.done += 1
-        if row["status"] == "ok":
-            hr.ok_rows += 1
-        else:
-            hr.failed_rows += 1
-            if self.fail_fast:
-                self.shared.stop_all.set()
-        self._emit(hr, "row", cell=cell.key, repeat=int(row["repeat"]), status=str(row["status"]),
+        with hr.lock:
+            hr.done += 1
+            if row["status"] == "ok":
+                hr.ok_rows += 1
+            else:
+                hr.failed_rows += 1
+        if row["status"] != "ok" and self.fail_fast:
+            self.shared.stop_all.set()
+        self._emit(hr, "row", slot=sr.label, cell=cell.key, repeat=int(row["repeat"]), status=str(row["status"]),
                    message=row.get("error") or "")
 
     def _fail_rest(
-        self, hr: _HostRun, prov: _Provenance, restart: Any, runs: Sequence[tuple[Cell, int]], error: str
+        self, sr: _SlotRun, prov: _Provenance, restart: Any, runs: Sequence[tuple[Cell, int]], error: str
     ) -> None:
         for cell, rep in runs:
-            self._append(hr, self._row(hr, prov, restart, cell, rep, _now_iso(), error=error), cell)
+            self._append(sr, self._row(sr, prov, restart, cell, rep, _now_iso(), error=error), cell)
 
 
 def run_sweep(

@@ -15,14 +15,16 @@ from typing import Any
 
 import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.text import Text
 
+from ddtree_ops.bench.onhost import client_mode
 from ddtree_ops.bench.plan import SweepPlan, estimate_seconds, plan_sweep
 from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress as RunProgress
-from ddtree_ops.bench.runner import SweepOutcome, SweepRunner, default_services
+from ddtree_ops.bench.runner import SweepOutcome, SweepRunner, default_services, expected_launch_s, expected_schedule
+from ddtree_ops.bench.schedule import Schedule
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
-from ddtree_ops.cli.common import set_json_data
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
 from ddtree_ops.inventory_types import Host
@@ -48,6 +50,8 @@ def _plan_json(spec: SweepSpec, plan: SweepPlan, hosts: list[Host], estimates: d
     return {
         "sweep": spec.name,
         "hosts": [h.name for h in hosts],
+        # Where each host's load is generated: "host" (next to its server) or "local".
+        "clients": {h.name: client_mode(h, spec.client) for h in hosts},
         "restarts_per_host": plan.restarts,
         "rows_per_host": plan.runs,
         "estimated_s": estimates,
@@ -58,34 +62,76 @@ def _plan_json(spec: SweepSpec, plan: SweepPlan, hosts: list[Host], estimates: d
     }
 
 
-def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[Host]) -> None:
-    from ddtree_ops.state import StateStore
+def _slot_schedules(spec: SweepSpec, plan: SweepPlan, hosts: list[Host]) -> dict[str, Schedule]:
+    """For each host with several GPU slots: which slot is expected to run what, and when."""
+    return {h.name: expected_schedule(spec, plan, h) for h in hosts if len(h.slot_hosts()) > 1}
 
-    state = StateStore()
+
+def _schedule_json(sched: Schedule) -> dict[str, Any]:
+    return {
+        "wall_s": sched.wall_s,
+        "slots": [
+            {"slot": s.name, "gpus": list(s.gpus),
+             "jobs": [{"server": p.job.server.key, "repeats": list(p.job.repeats), "start_s": p.start_s,
+                       "end_s": p.end_s} for p in sched.on(s)]}
+            for s in sched.slots
+        ],
+    }
+
+
+def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[Host], *, wide: bool = False) -> None:
     estimates: dict[str, float] = {}
     for h in hosts:
-        learned = state.learned_load_s(h.name, h.ddtree.server.model_path or "")
-        load_s = learned if learned is not None else h.ddtree.server.expected_load_s
         estimates[h.name] = estimate_seconds(
-            plan, load_s=load_s, num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens
+            plan, load_s=expected_launch_s(h.slot_hosts()[0]), num_prompts=spec.workload.num_prompts,
+            max_new_tokens=spec.workload.max_new_tokens,
         )
+    schedules = _slot_schedules(spec, plan, hosts)
     if obj.json:
-        set_json_data(obj, _plan_json(spec, plan, hosts, estimates))
+        data = _plan_json(spec, plan, hosts, estimates)
+        # Hosts with GPU slots: the expected schedule, and its wall time against one server's.
+        data["slot_schedules"] = {name: _schedule_json(sched) for name, sched in schedules.items()}
+        set_json_data(obj, data)
         return
-    table = Table(title=f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host")
-    for col in ("#", "server", "cells", "temperatures", "concurrency"):
-        table.add_column(col)
+    columns = (
+        TableColumn("#", "right"),
+        TableColumn("server", wrap=True),
+        TableColumn("cells", "right"),
+        TableColumn("temperatures", wrap=True),
+        TableColumn("concurrency", wrap=True),
+    )
+    rows: list[list[str | Text]] = []
     for i, g in enumerate(plan.groups, 1):
         temps = sorted({c.sampling.temperature for c in g.cells})
         conc = sorted({c.concurrency for c in g.cells})
         label = g.server.key + (" (baseline)" if any(c.baseline for c in g.cells) else "")
-        table.add_row(str(i), label, str(len(g.cells)), ", ".join(f"{t:g}" for t in temps), ", ".join(map(str, conc)))
-    obj.console.print(table)
-    for name, secs in estimates.items():
-        obj.console.print(f"{name}: estimated {secs / 60:.1f} min (learned or expected load time per launch)")
+        rows.append([str(i), label, str(len(g.cells)), ", ".join(f"{t:g}" for t in temps), ", ".join(map(str, conc))])
+    title = f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host"
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
+    for h in hosts:
+        sched = schedules.get(h.name)
+        if sched is None:
+            obj.console.print(
+                f"{h.name}: client {client_mode(h, spec.client)}, estimated {estimates[h.name] / 60:.1f} min "
+                "(learned or expected load time per launch)", markup=False, highlight=False,
+            )
+            continue
+        obj.console.print(
+            f"{h.name}: client {client_mode(h, spec.client)}, {len(sched.slots)} GPU slots, estimated "
+            f"{sched.wall_s / 60:.1f} min (one server: {estimates[h.name] / 60:.1f} min)", markup=False,
+            highlight=False,
+        )
+        for slot in sched.slots:
+            placed = ", ".join(
+                p.job.server.key + (f" (repeats {','.join(map(str, p.job.repeats))})"
+                                    if len(p.job.repeats) < plan.repeats else "")
+                for p in sched.on(slot)
+            )
+            gpus = ",".join(map(str, slot.gpus))
+            obj.console.print(f"  {slot.name} (GPUs {gpus}): {placed or 'idle'}", markup=False, highlight=False)
 
 
-def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
+def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = False) -> None:
     if obj.json:
         set_json_data(obj, {
             "run_id": outcome.run_id,
@@ -96,14 +142,21 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome) -> None:
         })
         return
     for lineno, reason in outcome.bad_ledger_lines:
-        obj.console.print(f"[yellow]ledger {outcome.ledger}:{lineno}: {reason} (ignored)[/]")
-    table = Table(title=f"run {outcome.run_id} -> {outcome.ledger}")
-    for col in ("host", "ok rows", "failed rows", "skipped (resume)", "launches", "error"):
-        table.add_column(col)
+        obj.console.print(Text(f"ledger {outcome.ledger}:{lineno}: {reason} (ignored)", style="yellow"))
+    columns = (
+        TableColumn("host", wrap=True),
+        TableColumn("ok rows", "right"),
+        TableColumn("failed rows", "right"),
+        TableColumn("skipped (resume)", "right", drop=2),
+        TableColumn("launches", "right", drop=1),
+        TableColumn("error", wrap=True),
+    )
+    rows: list[list[str | Text]] = []
     for h in outcome.hosts:
         err = h.error or ("interrupted" if h.interrupted else "")
-        table.add_row(h.host, str(h.ok_rows), str(h.failed_rows), str(h.skipped), str(h.restarts), err)
-    obj.console.print(table)
+        rows.append([h.host, str(h.ok_rows), str(h.failed_rows), str(h.skipped), str(h.restarts), err])
+    title = f"run {outcome.run_id} -> {outcome.ledger}"
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
 
 
 @app.command("bench")
@@ -124,6 +177,9 @@ def bench(
     no_smoke: bool = typer.Option(
         False, "--no-smoke", help="Measure as soon as a server answers: skip the restart's speculative smoke."
     ),
+    wide: bool = typer.Option(
+        False, "--wide", help="Every table column, however wide (default: what fits the terminal)."
+    ),
 ) -> None:
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
     obj: AppContext = ctx.obj
@@ -131,7 +187,7 @@ def bench(
     hosts = _hosts(obj, spec, target)
     plan = plan_sweep(spec)
     if dry_run:
-        _render_plan(obj, spec, plan, hosts)
+        _render_plan(obj, spec, plan, hosts, wide=wide)
         return
     workload = build_workload(spec.workload, search=(spec.source.parent,))
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
@@ -169,7 +225,7 @@ def bench(
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeRemainingColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # cell keys, slots, errors: plain text
         console=obj.console,
         disable=obj.json,
         transient=False,
@@ -178,6 +234,8 @@ def bench(
 
         def on_progress(p: RunProgress) -> None:
             desc = p.phase if not p.cell else f"{p.phase} {p.cell}"
+            if p.slot:
+                desc = f"[{p.slot}] {desc}"
             if p.message:
                 desc += f" — {p.message[:80]}"
             total = max(p.total, 1)
@@ -216,7 +274,7 @@ def bench(
     if "error" in holder:
         raise holder["error"]
     outcome: SweepOutcome = holder["outcome"]
-    _render_outcome(obj, outcome)
+    _render_outcome(obj, outcome, wide=wide)
     if outcome.interrupted or cancel.is_set():
         raise Interrupted(f"interrupted; rows so far are in {ledger_path} — rerun with --resume to finish")
     if outcome.failed:

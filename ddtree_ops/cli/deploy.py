@@ -207,7 +207,9 @@ def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], N
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
 
     def hook(transport: Any, host: Host, version: str | None) -> None:
-        service_restart(transport, RestartRequest(host, run, LaunchFacts(version)))
+        # The patch is installed once per machine; every GPU slot's server runs it.
+        for server in host.slot_hosts():
+            service_restart(transport, RestartRequest(server, run, LaunchFacts(version)))
 
     return hook
 

@@ -6,13 +6,16 @@ Exits non-zero when a host could not be probed; the table says why, per host.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import typer
 from rich.text import Text
 
 from ddtree_ops.cli.common import load_hosts, raise_if_failed, render_host_results
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import DdtreeOpsError, recorded_error
-from ddtree_ops.probe import HostFacts, probe_hosts
+from ddtree_ops.errors import DdtreeOpsError, InventoryError, recorded_error
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.probe import HostFacts, probe_hosts, slot_gpu_problem
 
 
 def _gpus(f: HostFacts) -> Text | str:
@@ -52,22 +55,50 @@ def _disk(f: HostFacts) -> str | None:
 def _port(f: HostFacts) -> Text | str | None:
     if f.port_in_use is None:
         return None
+    if len(f.ports) > 1:  # one per GPU slot
+        busy = ", ".join(map(str, f.ports_busy))
+        listed = ", ".join(map(str, f.ports))
+        return Text(f"{busy} in use (of {listed})", style="yellow") if busy else f"{listed} free"
     return Text(f"{f.port} in use", style="yellow") if f.port_in_use else f"{f.port} free"
 
 
-COLUMNS = [
-    ("python", lambda f: f.python_version),
-    ("sglang", _sglang),
-    ("torch", _torch),
-    ("gpus", _gpus),
-    ("disk", _disk),
-    ("port", _port),
-]
+def _slots(host: Host) -> str | None:
+    slots = host.ddtree.server.slots
+    if not slots:
+        return None
+    return ", ".join(f"{i}: GPU {s.cuda_visible_devices} port {s.port}" for i, s in enumerate(slots))
+
+
+def _columns(hosts: Sequence[Host]) -> list[tuple[str, Callable[[HostFacts], object]]]:
+    by_name = {h.name: h for h in hosts}
+    columns: list[tuple[str, Callable[[HostFacts], object]]] = [
+        ("python", lambda f: f.python_version),
+        ("sglang", _sglang),
+        ("torch", _torch),
+        ("gpus", _gpus),
+        ("disk", _disk),
+        ("port", _port),
+    ]
+    if any(h.ddtree.server.slots for h in hosts):
+        columns.append(("slots", lambda f: _slots(by_name[f.host])))
+    return columns
 
 
 def _failure(f: HostFacts) -> DdtreeOpsError | None:
     """The probe keeps an unreachable host's error as a fact; as an error again, with its code."""
     return None if f.error is None else recorded_error(f.error_type, f.error, host=f.host)
+
+
+def _judge(hosts: Sequence[Host]) -> Callable[[HostFacts], DdtreeOpsError | None]:
+    """A host fails doctor when it could not be probed, or when its GPU slots name GPUs
+    it does not have (known only now that nvidia-smi has counted them)."""
+    by_name = {h.name: h for h in hosts}
+
+    def judge(f: HostFacts) -> DdtreeOpsError | None:
+        problem = slot_gpu_problem(by_name[f.host], f)
+        return _failure(f) or (InventoryError(problem, host=f.host) if problem else None)
+
+    return judge
 
 
 @app.command("doctor")
@@ -76,11 +107,13 @@ def doctor_cmd(
     target: str = typer.Argument(..., help="Group, host, 'all', or a comma list."),
     connect_timeout: float = typer.Option(10.0, "--connect-timeout", min=0.1, help="Seconds to reach each host."),
 ) -> None:
-    """Check each host in one remote round trip: SSH, Python, SGLang, torch/CUDA, GPUs, disk, port."""
+    """Check each host in one remote round trip: SSH, Python, SGLang, torch/CUDA, GPUs, disk, port
+    (and that its GPU slots name GPUs it has). A slot HOST/I checks its host."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     results = probe_hosts(
         hosts, host_key_policy=obj.host_key_policy, connect_timeout=connect_timeout, max_parallel=obj.max_parallel
     )
-    render_host_results(obj, f"doctor: {target}", results, COLUMNS, failure=_failure)
-    raise_if_failed("doctor", results, failure=_failure)
+    judge = _judge(hosts)
+    render_host_results(obj, f"doctor: {target}", results, _columns(hosts), failure=judge)
+    raise_if_failed("doctor", results, failure=judge)

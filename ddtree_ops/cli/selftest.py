@@ -44,8 +44,7 @@ from ddtree_ops.errors import (
 )
 from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.patching.remote import _BOOT as STDIN_BOOTSTRAP
-from ddtree_ops.transport.base import Script, Transport
+from ddtree_ops.transport.base import Script, Transport, python_program
 
 DEFAULT_BUNDLE = REPO_ROOT / "patches" / "ddtree_temperature"
 SELFTEST_NAME = "selftest.py"
@@ -376,7 +375,7 @@ def run_e2e(
     """Run ``selftest_e2e.py`` with ``host``'s interpreter (one round trip). Its parameters
     and ``selftest.py`` travel on stdin (no value on the host's command line)."""
     payload = json.dumps({"params": options.params(host), "selftest": selftest})
-    script = Script(argv=(host.python, "-c", STDIN_BOOTSTRAP), source=source + "\0", extra_stdin=payload)
+    script = python_program(host.python, source, payload)
     result = transport.run(script, timeout=timeout)
     return parse_e2e_report(
         host.name, result.returncode, result.stdout, result.stderr, (host.python, "-c", f"<{E2E_NAME}>")

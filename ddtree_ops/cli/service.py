@@ -1,9 +1,10 @@
 """`ddtree-ops restart / stop / logs / service-status`: the service lifecycle on the command line.
 
-All decisions live in :mod:`ddtree_ops.service.lifecycle`; this module selects hosts,
-runs them in parallel, shows live phases per host, renders results and picks the exit
-code. Ctrl-C during a wait sets a cancel event that every host's wait loop checks, so
-each host stops waiting cleanly and reports the state it was left in.
+All decisions live in :mod:`ddtree_ops.service.lifecycle`; this module selects hosts
+(one per server: a host with GPU slots is one host per slot, ``host/i``), runs them in
+parallel, shows live phases per host, renders results and picks the exit code. Ctrl-C
+during a wait sets a cancel event that every host's wait loop checks, so each host stops
+waiting cleanly and reports the state it was left in.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops.cli.common import (
+    TableColumn,
     error_text,
+    fitted_table,
     fleet_json,
-    load_hosts,
+    load_inventory_for,
+    load_slot_hosts,
+    print_table,
     raise_if_failed,
     render_host_results,
     set_json_data,
     transport_for,
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, ServiceError
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.probe import probe_host
@@ -41,6 +46,8 @@ from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 from ddtree_ops.state import StateStore
 
 T = TypeVar("T")
+# These commands act on servers, so a host means each of its GPU slots (one row each).
+_TARGET_HELP = "Host (every GPU slot of it), one slot HOST/I, group, comma list, or 'all'."
 
 
 def _run_interruptible(
@@ -80,6 +87,26 @@ def _lease_pass(transport: Any, host: Host, *, force: bool) -> manager.LeasePass
                 style="yellow", markup=False, highlight=False, soft_wrap=True,
             )
     return manager.LeasePass(force=force)
+
+
+def _slots_and_machines(obj: AppContext, target: str) -> tuple[list[Host], dict[str, Host]]:
+    """The target's servers (one host per slot), and the inventory host of each machine
+    that has slots (what a slot is a slot of)."""
+    inventory = load_inventory_for(obj)
+    hosts = inventory.resolve_slots(target)
+    return hosts, {h.machine: inventory.hosts[h.machine] for h in hosts if h.slot is not None}
+
+
+def _refuse_beside_whole_host_server(transport: Any, slot: Host, machine: Host) -> None:
+    """A slot must not launch beside a server that holds every GPU of its machine (one
+    launched before the inventory had slots): it would fail later, less clearly."""
+    pid = lifecycle.whole_host_server(transport, machine)
+    if pid is not None:
+        raise ServiceError(
+            f"a server launched on {machine.name} as one server, not in a GPU slot, still runs (pid {pid}, "
+            f"run dir {machine.ddtree.run_dir}) and holds every GPU; 'ddtree-ops stop {machine.name}' stops it",
+            host=slot.name,
+        )
 
 
 def _facts(transport: Any, host: Host) -> lifecycle.LaunchFacts:
@@ -131,7 +158,7 @@ class _Live:
 @app.command()
 def restart(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    target: str = typer.Argument(..., help=_TARGET_HELP),
     algorithm: str = typer.Option("AR", "--algorithm", help="AR, DFLASH or DDTREE."),
     budget: int | None = typer.Option(
         None,
@@ -163,6 +190,9 @@ def restart(
     force: bool = typer.Option(
         False, "--force", help="Restart even while a sweep holds the host (its lease); says so on stderr."
     ),
+    wide: bool = typer.Option(
+        False, "--wide", help="Every summary column, however wide (default: what fits the terminal)."
+    ),
 ) -> None:
     """Restart SGLang and wait until the NEW process serves: it answers, and a short
     speculative smoke (greedy and sampled, alone and batched) decodes without crashing.
@@ -178,7 +208,7 @@ def restart(
         cuda_graph="off" if eager else "auto",
         extra_args=tuple(extra_arg or ()),
     )
-    hosts = load_hosts(obj, target)
+    hosts, machines = _slots_and_machines(obj, target)
     state = StateStore()
     cancel = threading.Event()
     board = _Live([h.name for h in hosts])
@@ -191,11 +221,13 @@ def restart(
 
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
-            request = lifecycle.RestartRequest(
-                host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace,
-                smoke=smoke, lease=_lease_pass(t, host, force=force),
-            )
             try:
+                if host.slot is not None:
+                    _refuse_beside_whole_host_server(t, host, machines[host.machine])
+                request = lifecycle.RestartRequest(
+                    host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
+                    stop_grace_s=grace, smoke=smoke, lease=_lease_pass(t, host, force=force),
+                )
                 result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
             except BaseException as exc:
                 board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
@@ -208,7 +240,7 @@ def restart(
     else:
         with Live(board, console=obj.console, refresh_per_second=4, transient=True):
             results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
-    _render_restart(obj, results)
+    _render_restart(obj, results, wide=wide)
     _finish("restart", results, cancel)
 
 
@@ -223,28 +255,33 @@ def _seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}s"
 
 
-def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResult]) -> None:
+def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResult], *, wide: bool = False) -> None:
     """One table, one row per host, its times in named columns (the live board's running
     clock is gone by then: it was transient)."""
     if obj.json:
         render_host_results(obj, "restart", results, [])
         return
-    table = Table(title="restart", title_justify="left", caption=_TIMES_CAPTION, caption_justify="left")
-    for col in ("host", "status", "pid", "graphs", "load", "capture", "smoke", "total", "deadline"):
-        table.add_column(col, no_wrap=col in ("host", "status"), overflow="fold")
+    columns = (
+        TableColumn("host", wrap=True), TableColumn("status"), TableColumn("pid", "right", drop=2),
+        TableColumn("graphs"), TableColumn("load", "right"), TableColumn("capture", "right"),
+        TableColumn("smoke", "right"), TableColumn("total", "right", wrap=True),
+        TableColumn("deadline", wrap=True, drop=1),
+    )
+    rows: list[list[str | Text]] = []
     for name, value in results.items():
         if isinstance(value, BaseException):
-            table.add_row(escape(name), Text("FAILED", style="bold red"), *[""] * 7)
+            rows.append([name, Text("FAILED", style="bold red"), *[""] * 7])
             continue
         r = value
         launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
-        table.add_row(
-            escape(name), Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
+        rows.append([
+            name, Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
             _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
             "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
             f"{r.deadline_s:.0f}s ({r.deadline_source})",
-        )
-    obj.console.print(table)
+        ])
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title="restart",
+                                          caption=_TIMES_CAPTION))
     for name, exc in results.failed.items():
         obj.console.print(Text(f"{name} ({type(exc).__name__}): {error_text(exc)}", style="red"))
     if results.failed:
@@ -272,21 +309,30 @@ def _finish(what: str, results: FleetResult[Any], cancel: threading.Event | None
 @app.command()
 def stop(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    target: str = typer.Argument(..., help=_TARGET_HELP),
     grace: float = typer.Option(30.0, "--grace", min=0, help="Seconds between SIGTERM and SIGKILL."),
     force: bool = typer.Option(
         False, "--force", help="Stop even while a sweep holds the host (its lease); says so on stderr."
     ),
 ) -> None:
-    """Stop the SGLang server ddtree-ops launched (SIGTERM to its process group, SIGKILL after --grace)."""
+    """Stop the SGLang server ddtree-ops launched (SIGTERM to its process group, SIGKILL after --grace).
+    A host with GPU slots: each slot's server, and a server launched on it as one server
+    before it had slots (shown only if there was one)."""
     obj: AppContext = ctx.obj
-    hosts = load_hosts(obj, target)
+    hosts, machines = _slots_and_machines(obj, target)
+    names = {h.name for h in hosts}
+    whole = [m for m in machines.values() if all(s.name in names for s in m.slot_hosts())]
 
     def one(host: Host) -> manager.StopResult:
         with transport_for(obj, host) as t:
             return lifecycle.stop(t, host, grace_s=grace, lease=_lease_pass(t, host, force=force))
 
-    results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
+    results = run_on_hosts([*hosts, *whole], one, max_parallel=obj.max_parallel)
+    extra = {m.name for m in whole}
+    results = FleetResult({
+        name: value for name, value in results.items()
+        if not (name in extra and isinstance(value, manager.StopResult) and not value.was_running)
+    })
     columns = [
         ("result", lambda r: ("stopped" if r.exited else "still running") if r.was_running else "not running"),
         ("pid", lambda r: r.pid),
@@ -300,11 +346,11 @@ def stop(
 @app.command("service-status")
 def service_status_cmd(
     ctx: typer.Context,
-    target: str = typer.Argument("all", help="Host, group, comma list, or 'all'."),
+    target: str = typer.Argument("all", help=_TARGET_HELP),
 ) -> None:
     """Is the server we launched running, does it hold the port, does it answer generation?"""
     obj: AppContext = ctx.obj
-    hosts = load_hosts(obj, target)
+    hosts = load_slot_hosts(obj, target)
 
     def one(host: Host) -> lifecycle.ServiceStatus:
         with transport_for(obj, host) as t:
@@ -331,7 +377,7 @@ def service_status_cmd(
 @app.command()
 def logs(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
+    target: str = typer.Argument(..., help=_TARGET_HELP),
     lines: int = typer.Option(50, "--lines", "-n", min=0, help="Lines from the end of each log."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
 ) -> None:
@@ -339,7 +385,7 @@ def logs(
     obj: AppContext = ctx.obj
     if follow and obj.json:
         raise ConfigError("--follow streams text; it cannot be combined with --json")
-    hosts = load_hosts(obj, target)
+    hosts = load_slot_hosts(obj, target)
     prefix = len(hosts) > 1
     transports = {h.name: transport_for(obj, h) for h in hosts}
     offsets: dict[str, int] = {}

@@ -21,18 +21,9 @@ from ddtree_ops.errors import (
     RemoteFileError,
     VerifyError,
 )
-from ddtree_ops.transport.base import Script, Transport
+from ddtree_ops.transport.base import Transport, python_program
 
 MARKER = "@@DDTREE-OPS-RESULT@@"
-
-# Reads our program up to the NUL byte and the JSON payload after it. Constant text.
-_BOOT = (
-    "import sys\n"
-    "d=sys.stdin.buffer.read()\n"
-    "s,_,a=d.partition(b'\\0')\n"
-    "exec(compile(s,'<ddtree-ops>','exec'),{'__name__':'__main__','PAYLOAD':a.decode('utf-8')})\n"
-)
-
 
 @lru_cache(maxsize=1)
 def program_text() -> str:
@@ -73,11 +64,7 @@ def run_step(
     """
     body = dict(payload)
     body["step"] = step
-    script = Script(
-        argv=(python, "-c", _BOOT),
-        source=program_text() + "\0",
-        extra_stdin=json.dumps(body, separators=(",", ":")),
-    )
+    script = python_program(python, program_text(), json.dumps(body, separators=(",", ":")))
     res = transport.run(script, timeout=timeout)
     answer = _parse(res.stdout)
     if answer is None:

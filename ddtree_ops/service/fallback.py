@@ -3,7 +3,9 @@
 Large DDTree budgets crash CUDA-graph capture on some GPUs (B300, sm_103, budget > 8)
 while eager mode works. Re-discovering that on every restart costs a full model load,
 so a fallback is remembered in the local state, keyed by what plausibly decides it:
-host, GPU arch, SGLang version, algorithm, budget and topk. ``--retry-cuda-graph``
+host, GPU arch, SGLang version, algorithm, budget and topk. The host is the machine,
+not a GPU slot of it: its slots share the GPU arch and the installed SGLang, so a
+capture failure on one slot sends the others eager directly. ``--retry-cuda-graph``
 tries graphs again (and forgets the record if they work).
 """
 
@@ -25,7 +27,7 @@ def probed_gpu_arch(compute_caps: Iterable[str | None]) -> str | None:
 def fallback_key(host: Host, run: RunConfig, *, arch: str | None, sglang_version: str | None) -> FallbackKey:
     """``arch`` is the probed GPU architecture; without one the inventory's ``gpu`` stands in."""
     return FallbackKey(
-        host=host.name,
+        host=host.machine,
         gpu_arch=arch or host.ddtree.gpu or "unknown",
         sglang_version=sglang_version or "unknown",
         algorithm=run.algorithm,

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.errors import (
+    ConfigError,
     DdtreeOpsError,
     Interrupted,
     PortBusy,
@@ -259,11 +260,20 @@ def restart(
     provably serves.
 
     Raises ReadinessTimeout / ServerCrashed / PortBusy / Interrupted (on ``cancel``).
+    A host with GPU slots is refused (ConfigError): its servers are its slots
+    (``host.slot_hosts()``), and one server on every GPU would block them all.
     """
     host, run, version = request.host, request.run, request.facts.sglang_version
+    if host.ddtree.server.slots and host.slot is None:
+        names = ", ".join(slot.name for slot in host.slot_hosts())
+        raise ConfigError(
+            f"{host.name} has GPU slots (ddtree.server.slots): restart each slot ({names}), not the host as one server",
+            host=host.name,
+        )
     stop_grace_s, port_wait_s = request.stop_grace_s, request.port_wait_s
     if request.timeout is not None:  # the operator's --timeout bounds every wait, the port's too
         port_wait_s = min(port_wait_s, float(request.timeout))
+    began = time.time()
     state = state if state is not None else StateStore()
     emit = on_phase or (lambda _e: None)
     key = fallback_key(host, run, arch=request.facts.gpu_arch, sglang_version=version)
@@ -333,6 +343,7 @@ def restart(
                         raise _smoke_error(host.name, spec, smoke, reason, _tail_text(attempt))
                 ready_at = time.time()
                 ready_s = ready_at - launched.started_at
+                state.record_load_time(host.name, model, load_s, restart_s=ready_at - began)
                 if pending_fallback is not None:
                     state.record_fallback(key, pending_fallback)
                 if spec.cuda_graph and request.retry_cuda_graph:
@@ -565,6 +576,18 @@ def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> S
     )
 
 
+def whole_host_server(transport: Transport, machine: Host) -> int | None:
+    """The pid of a server launched on ``machine`` as one server, not in a GPU slot (its
+    own run_dir's launch record), if it still runs; else None.
+
+    Such a server was launched before the host's inventory gained slots (or by a command
+    that does not know slots): it holds every GPU and maybe a slot's port, so a slot must
+    not launch next to it, and stopping the whole host must stop it too."""
+    data = manager.status(transport, machine, lines=0)
+    pid = (data.get("record") or {}).get("pid")
+    return int(pid) if data.get("alive") and pid is not None else None
+
+
 __all__ = [
     "LaunchFacts",
     "RestartRequest",
@@ -575,4 +598,5 @@ __all__ = [
     "restart",
     "service_status",
     "stop",
+    "whole_host_server",
 ]

@@ -348,6 +348,26 @@ class SimSettings:
     # takes the scheduler down (graphs or not).
     replay_crash_budget_over: int | None = None
     crash_sampled: bool = False
+    # CUDA_VISIBLE_DEVICES as CUDA reads it (None: unset, every GPU of the machine): the
+    # physical indices this process may use, so that GPU slots are testable without GPUs.
+    visible_devices: str | None = None
+
+    def visible_gpus(self, machine_count: int) -> tuple[int, ...]:
+        """The physical GPU indices CUDA would expose, in the order given.
+
+        CUDA's rule: entries are read up to the first that is not a valid, unrepeated index
+        of this machine; that entry and all after it are ignored (so "9" on an 8-GPU box
+        hides every GPU, and "1,9,2" exposes only GPU 1).
+        """
+        if self.visible_devices is None:
+            return tuple(range(machine_count))
+        seen: list[int] = []
+        for part in self.visible_devices.split(","):
+            part = part.strip()
+            if not part.isdigit() or int(part) >= machine_count or int(part) in seen:
+                break
+            seen.append(int(part))
+        return tuple(seen)
 
     def scaled(self, sim_seconds: float) -> float:
         """Real seconds to sleep for ``sim_seconds`` of simulated time."""
@@ -373,7 +393,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S,
-    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED and SGLang's own SGLANG_WAIT_PORT_TIMEOUT."""
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SGLang's own SGLANG_WAIT_PORT_TIMEOUT and
+    CUDA's CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
     gpu = env.get("SIM_GPU", "h200") or "h200"
     if gpu not in PROFILES:
@@ -395,6 +416,7 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         warmup_s=_env_float(env, "SIM_WARMUP_S", 2.0),
         replay_crash_budget_over=_env_int_or_none(env, "SIM_REPLAY_CRASH_BUDGET_OVER"),
         crash_sampled=_env_flag(env, "SIM_CRASH_SAMPLED"),
+        visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
     )
 
 

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
-from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash
+from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash, scheduler_logger
 from ddtree_ops.sim.params import RequestError, SamplingParams
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
@@ -159,6 +159,7 @@ async def server_info(request: Request) -> Response:
     state: State = request.app.state.sim
     engine = state.engine
     profile = PROFILES[state.settings.gpu]
+    visible = state.settings.visible_gpus(SIMULATED_GPU_COUNT)
     internal = {
         "avg_spec_accept_length": engine.avg_spec_accept_length() if engine else 0.0,
         "num_running_reqs": engine.num_running if engine else 0,
@@ -192,7 +193,10 @@ async def server_info(request: Request) -> Response:
                 "profile": profile.name,
                 "name": f"{profile.gpu_name} (simulated)",
                 "compute_cap": profile.compute_cap,
-                "count": SIMULATED_GPU_COUNT,
+                # What CUDA_VISIBLE_DEVICES left this process: a GPU slot's share.
+                "count": len(visible),
+                "indices": list(visible),
+                "cuda_visible_devices": state.settings.visible_devices,
             },
             "sim": {
                 "time_scale": state.settings.time_scale,
@@ -519,7 +523,27 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
             return 1
         await asyncio.sleep(min(0.2, max(0.01, settings.scaled(1.0))))
 
-    # 2. Weights, KV cache, CUDA graphs (port still closed).
+    # 2. Each TP rank binds GPU `rank` of those CUDA_VISIBLE_DEVICES exposes
+    # (ModelRunner.__init__, model_runner.py); a rank without one dies there.
+    visible = settings.visible_gpus(SIMULATED_GPU_COUNT)
+    if tp > len(visible):
+        rank = len(visible)
+        scheduler_logger.warning(
+            f"Context: self.device='cuda' get_device().gpu_id={rank} "
+            f"os.environ.get('CUDA_VISIBLE_DEVICES')={settings.visible_devices!r} "
+            f"get_parallel().tp_rank={rank} get_parallel().tp_size={tp}",
+            extra={"prefix": f" TP{rank}" if tp > 1 else ""},
+        )
+        scheduler_crash(
+            tp,
+            "Traceback (most recent call last):\n"
+            '  File "sglang/srt/model_executor/model_runner.py", line 455, in __init__\n'
+            "    torch.get_device_module(self.device).set_device(get_device().gpu_id)\n"
+            "torch.AcceleratorError: CUDA error: invalid device ordinal",
+        )
+        return 1  # not reached
+
+    # 3. Weights, KV cache, CUDA graphs (port still closed).
     avail = profile.gpu_mem_gb - 1.5
     log_ranks(tp, logging.INFO, f"Load weight begin. avail mem={avail:.2f} GB")
     load_started = loop.time()
@@ -586,7 +610,7 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
             f"avail mem={avail - 1.2:.2f} GB.",
         )
 
-    # 3. HTTP up, warmup, ready.
+    # 4. HTTP up, warmup, ready.
     state = State(args, settings, launch_command)
     state.engine = engine
     engine.start()
@@ -625,7 +649,7 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
         state.ready = True
         main_logger.info("The server is fired up and ready to roll!", extra={"prefix": ""})
         await stop.wait()
-    # 4. Shutdown: keep answering (health 200) for the drain window, then close.
+    # 5. Shutdown: keep answering (health 200) for the drain window, then close.
     main_logger.info(
         f"Received SIGTERM; draining for {settings.shutdown_drain_s:.2f} s (simulated) before exit.",
         extra={"prefix": ""},

@@ -225,8 +225,12 @@ def test_overlay_from_to(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
 
 
 @pytest.mark.slow
-def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:
-    """`--restart` hands over to the service lifecycle: the simulated server comes up serving DDTREE."""
+@pytest.mark.parametrize("slots", [0, 2])
+def test_restart_after_apply_brings_the_service_up(
+    tmp_path: Path, mini: MiniHost, cli: Callable[..., Res], slots: int
+) -> None:
+    """`--restart` hands over to the service lifecycle: the simulated server comes up serving
+    DDTREE — on a host with GPU slots, every slot's server (the patch is per machine)."""
     import socket
     import sysconfig
 
@@ -239,12 +243,16 @@ def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHos
     # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
     purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
     (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
-              "draft_model_path": "sim/qwen3-8b-dflash", "port": port, "expected_load_s": 5,
-              "env": {"SIM_LOAD_S": "0.2", "SIM_GPU": "h200"}}
+    ports = []
+    for _ in range(max(1, slots)):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    server: dict[str, object] = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
+                                 "draft_model_path": "sim/qwen3-8b-dflash", "port": ports[0], "expected_load_s": 5,
+                                 "env": {"SIM_LOAD_S": "0.2", "SIM_GPU": "h200"}}
+    if slots:
+        server["slots"] = [{"gpus": str(i), "port": port} for i, port in enumerate(ports)]
     hosts = {"h1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
                                "server": server}}}
     inv = tmp_path / "inv.yaml"
@@ -255,10 +263,13 @@ def test_restart_after_apply_brings_the_service_up(tmp_path: Path, mini: MiniHos
     try:
         res = cli(inv, "deploy", "h1", str(BUNDLES / "basic"), "--restart", "--budget", "8", "--topk", "2")
         assert res.returncode == 0, res.stdout + res.stderr
-        info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
-        assert info["speculative_algorithm"] == "DDTREE"
+        for i, port in enumerate(ports):
+            info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
+            assert info["speculative_algorithm"] == "DDTREE"
+            assert info["simulated_gpu"]["indices"] == ([i] if slots else list(range(8)))
     finally:
-        manager.stop(LocalTransport("h1"), host, grace_s=5)
+        for server_host in host.slot_hosts():
+            manager.stop(LocalTransport("h1"), server_host, grace_s=5)
 
 
 def test_status_has_a_service_section(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:

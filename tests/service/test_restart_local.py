@@ -67,6 +67,8 @@ def test_rtx_pro_6000_budget_16_stays_on_graphs_and_learns_load_time(sim_target)
     # Learned: launch -> the server answers; ready (and the restart) comes after the smoke.
     assert state.learned_load_s(host.name, "sim/qwen3-8b") == pytest.approx(first.load_s)
     assert first.ready_s > first.load_s
+    # And the whole restart (stop, port wait, load, smoke): what a sweep charges per launch.
+    assert state.learned_restart_s(host.name, "sim/qwen3-8b") >= first.ready_s  # type: ignore[operator]
     assert set(first.phase_durations) >= {"starting", "loading_weights", "capturing_cuda_graphs", "smoke"}
     assert seen[-2:] == ["smoke", "ready"] and first.smoke is not None and first.smoke.passed
     assert first.smoke.verify_ct > 0 and first.smoke.accept_length >= 1

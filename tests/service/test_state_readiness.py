@@ -35,6 +35,9 @@ def test_state_roundtrip_and_defaults(tmp_path: Path, monkeypatch: pytest.Monkey
     store.record_fallback(key(), "capture failed")
     again = StateStore()
     assert again.learned_load_s("h", "m") == 12.5
+    assert again.learned_restart_s("h", "m") is None  # a load alone: no whole restart yet
+    again.record_load_time("h", "m", 12.5, restart_s=15.0)
+    assert (StateStore().learned_load_s("h", "m"), StateStore().learned_restart_s("h", "m")) == (12.5, 15.0)
     assert again.fallback_for(key()).reason == "capture failed"  # type: ignore[union-attr]
     assert again.fallback_for(key(budget=8)) is None
     assert [r.key for r in again.fallbacks()] == [key()]

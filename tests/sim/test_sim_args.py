@@ -174,3 +174,22 @@ def test_cost_model_shape() -> None:
     assert bigger - big == pytest.approx(8 * (p.attn_ms_per_token + p.slope_ms_per_token))
     assert p.step_ms(batch=1, verify_tokens=17, draft_positions=16) > small
     assert p.step_ms(batch=0, verify_tokens=0, draft_positions=0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, tuple(range(8))),
+        ("", ()),
+        ("3", (3,)),
+        ("2,3", (2, 3)),
+        (" 6 , 7 ", (6, 7)),
+        ("1,9,2", (1,)),  # CUDA stops at the first invalid index
+        ("1,1,2", (1,)),  # and at a repeated one
+        ("GPU-0a1b", ()),
+        ("-1,0", ()),
+    ],
+)
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(value: str | None, expected: tuple[int, ...]) -> None:
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    assert sim_settings_from_env(env).visible_gpus(8) == expected

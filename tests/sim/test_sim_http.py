@@ -37,7 +37,7 @@ def test_server_info_is_flat_and_says_simulated(ddtree_server) -> None:
     # Beyond real SGLang: the simulated machine, named so it never passes for real hardware.
     assert info["simulated"] is True
     assert info["simulated_gpu"] == {"profile": "h200", "name": "NVIDIA H200 (simulated)", "compute_cap": "9.0",
-                                     "count": 8}
+                                     "count": 8, "indices": list(range(8)), "cuda_visible_devices": None}
     assert httpx.get(ddtree_server.url + "/get_server_info").json()["startup_time"] == info["startup_time"]
     models = httpx.get(ddtree_server.url + "/v1/models").json()
     assert models["data"][0]["id"] == "sim-model"

@@ -131,3 +131,19 @@ def test_sigterm_drains_with_health_200_then_exits(sim_factory) -> None:
     assert 200 in statuses, statuses
     assert statuses[-1] in (200, None)
     assert "Received SIGTERM" in sim.log()
+
+
+def test_a_gpu_slot_sees_its_cuda_visible_devices_and_tp_beyond_them_dies(sim_factory) -> None:
+    import httpx
+
+    slot = sim_factory("--tp-size", "2", env={"CUDA_VISIBLE_DEVICES": "4,5"})
+    too_wide = sim_factory("--tp-size", "4", env={"CUDA_VISIBLE_DEVICES": "6,7"})
+    slot.wait_ready()
+    gpu = httpx.get(slot.url + "/server_info").json()["simulated_gpu"]
+    assert (gpu["count"], gpu["indices"], gpu["cuda_visible_devices"]) == (2, [4, 5], "4,5")
+
+    assert too_wide.wait_exit() == -signal.SIGKILL
+    log = too_wide.log()
+    assert "os.environ.get('CUDA_VISIBLE_DEVICES')='6,7' get_parallel().tp_rank=2 get_parallel().tp_size=4" in log
+    assert "CUDA error: invalid device ordinal" in log
+    assert "Load weight begin" not in log and "fired up" not in log

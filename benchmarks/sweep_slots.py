@@ -1,0 +1,135 @@
+"""Wall time of one sweep on one simulated host with 1, 2 and 4 GPU slots, against the
+expected time that ``bench --dry-run`` prints.
+
+One local host (the simulator as its SGLang, real-time: ``SIM_TIME_SCALE=1``, a model
+load of ``--load-s`` simulated seconds plus its CUDA-graph capture and warmup), 8 server
+configurations (DDTREE budgets 4/8/16/32 x top-k 2/4), one short measurement each. The
+same sweep runs through ``SweepRunner`` (the code ``bench`` runs) with the host's
+``ddtree.server.slots`` set to 1, 2 and 4 slots of one GPU each; each run starts from no
+server. Before the runs, one restart calibrates what a launch costs (restart -> ready:
+stop, load, capture, smoke), recorded for every slot in a private state file, as a
+previous sweep would have; the estimate is then ``expected_schedule`` — the dry run's.
+
+Printed per slot count: measured wall time, its ratio to the 1-slot time, the estimate and
+the estimate's error. The simulator's own CPU work (several servers on few cores) slows
+loads and steps beyond the model; the CPU count is printed with the results.
+
+    .venv/bin/python benchmarks/sweep_slots.py [--slots 1,2,4] [--load-s 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from ddtree_ops.bench.plan import plan_sweep
+from ddtree_ops.bench.prompts import build_workload
+from ddtree_ops.bench.runner import SweepRunner, expected_schedule
+from ddtree_ops.bench.sweep import parse_sweep
+from ddtree_ops.inventory import load_inventory
+from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle
+from ddtree_ops.state import STATE_ENV, StateStore
+from ddtree_ops.transport.local import LocalTransport
+
+MODEL = "sim/qwen3-8b"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_inventory(tmp: Path, slots: int, load_s: float) -> Path:
+    server = {
+        "command": "{python} -m ddtree_ops.sim", "model_path": MODEL, "draft_model_path": "sim/qwen3-8b-dflash",
+        "expected_load_s": 600,  # never used: the calibrated load time is in the state file
+        "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": "1"},
+        "slots": [{"gpus": str(i), "port": port} for i, port in enumerate(free_ports(slots))],
+    }
+    inv = tmp / f"inv-{slots}.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim": {
+        "ansible_connection": "local",
+        "ddtree": {"python": sys.executable, "run_dir": str(tmp / f"run-{slots}"), "gpu": "rtx-pro-6000",
+                   "server": server}}}}}}}))
+    return inv
+
+
+def sweep_doc() -> dict[str, object]:
+    return {
+        "name": "slots", "targets": ["local"], "repeats": 1, "warmup": 0,
+        "grid": {"algorithm": ["ddtree"], "budget": [4, 8, 16, 32], "topk": [2, 4], "temperature": [0.0],
+                 "concurrency": [2]},
+        "workload": {"prompt_set": "mixed", "num_prompts": 2, "max_new_tokens": 16},
+    }
+
+
+def calibrate(tmp: Path, load_s: float, slots: int) -> float:
+    """Launch once, as a previous sweep would have, and record its times for every slot."""
+    host = load_inventory([write_inventory(tmp, 1, load_s)]).hosts["sim"].slot_hosts()[0]
+    state = StateStore()
+    with LocalTransport("sim") as t:
+        try:
+            result = lifecycle.restart(t, RestartRequest(host, RunConfig("DDTREE", budget=4, topk=2),
+                                                         LaunchFacts("0.5.23")), state=state)
+        finally:
+            lifecycle.stop(t, host, grace_s=5)
+    value = state.learned_restart_s(host.name, MODEL) or result.ready_s
+    for i in range(slots):
+        state.record_load_time(f"sim/{i}", MODEL, result.load_s, restart_s=value)
+    return value
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", default="1,2,4", help="comma-separated slot counts")
+    ap.add_argument("--load-s", type=float, default=3.0, help="the simulated model load, seconds")
+    ap.add_argument("--json", action="store_true", help="print a JSON list of {slots, wall_s, estimated_s}")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.slots.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        os.environ[STATE_ENV] = str(tmp / "state.json")
+        load = calibrate(tmp, args.load_s, max(counts))
+        spec = parse_sweep(sweep_doc(), tmp / "slots.yaml")
+        plan = plan_sweep(spec)
+        workload = build_workload(spec.workload)
+        for n in counts:
+            host = load_inventory([write_inventory(tmp, n, args.load_s)]).hosts["sim"]
+            estimated = expected_schedule(spec, plan, host).wall_s
+            started = time.monotonic()
+            outcome = SweepRunner(spec, [host], workload, ledger_path=tmp / f"ledger-{n}.jsonl").run()
+            wall = time.monotonic() - started
+            (summary,) = outcome.hosts
+            rows.append({"slots": n, "wall_s": round(wall, 2), "estimated_s": round(estimated, 2),
+                         "ok_rows": summary.ok_rows, "failed_rows": summary.failed_rows})
+    base = next((r["wall_s"] for r in rows if r["slots"] == 1), None)
+    if args.json:
+        print(json.dumps([{k: r[k] for k in ("slots", "wall_s", "estimated_s")} for r in rows]))
+        return 0 if all(r["failed_rows"] == 0 for r in rows) else 1
+    print(f"8 server configurations, calibrated launch (restart -> ready) {load:.2f} s, {os.cpu_count()} CPUs")
+    print(f"{'slots':>5} {'wall s':>8} {'x 1-slot':>8} {'estimate s':>10} {'est. error':>10} {'rows ok/failed':>15}")
+    for r in rows:
+        ratio = f"{r['wall_s'] / base:.2f}" if base else "-"
+        err = (r["estimated_s"] - r["wall_s"]) / r["wall_s"] * 100
+        print(f"{r['slots']:>5} {r['wall_s']:>8.1f} {ratio:>8} {r['estimated_s']:>10.1f} {err:>+9.1f}% "
+              f"{r['ok_rows']:>7}/{r['failed_rows']}")
+    return 0 if all(r["failed_rows"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""A sweep across the GPU slots of one host: each server configuration goes to whichever
+slot frees first, every slot runs its own server (real simulator processes, each seeing
+only its CUDA_VISIBLE_DEVICES) and its own load generator, and the rows say which slot and
+GPUs served them."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_json import json_data
+
+from ddtree_ops.bench import ledger
+
+from .test_cli_bench import cli, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def write_inventory(tmp_path: Path) -> Path:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim-x": {
+        "ansible_connection": "local",
+        "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run"), "server": {
+            "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
+            "expected_load_s": 2,
+            "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5"},
+            "slots": [{"gpus": "0,1,2,3", "port": free_port()}, {"gpus": "4,5,6,7", "port": free_port()}]}}}}}}}}))
+    return inv
+
+
+def write_sweep(tmp_path: Path) -> Path:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "general kenobi"}\n')
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "slots", "targets": ["local"], "repeats": 2, "baselines": ["autoregressive"],
+        "grid": {"algorithm": ["ddtree"], "budget": [4, 8], "topk": [2], "temperature": [0.0], "concurrency": [1, 2]},
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24}, "warmup": 0}))
+    return path
+
+
+def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_path: Path) -> None:
+    inv, sweep = write_inventory(tmp_path), write_sweep(tmp_path)
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = json_data(done.stdout)
+    sched = plan["slot_schedules"]["sim-x"]
+    assert [s["slot"] for s in sched["slots"]] == ["sim-x/0", "sim-x/1"]
+    assert [s["gpus"] for s in sched["slots"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    placed = sorted(j["server"] for s in sched["slots"] for j in s["jobs"])
+    assert placed == ["autoregressive", "ddtree-b4-k2", "ddtree-b8-k2"]
+    assert all(s["jobs"] for s in sched["slots"])  # three launches on two slots: none idle
+    assert sched["wall_s"] < plan["estimated_s"]["sim-x"]
+    text = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "sim-x: client host, 2 GPU slots, estimated" in text.stdout and "(one server:" in text.stdout
+    assert "sim-x/0 (GPUs 0,1,2,3): " in text.stdout and "sim-x/1 (GPUs 4,5,6,7): " in text.stdout
+
+
+def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) -> None:
+    inv, sweep = write_inventory(tmp_path), write_sweep(tmp_path)
+    out = tmp_path / "ledger.jsonl"
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [summary] = json_data(done.stdout)["hosts"]
+    assert (summary["host"], summary["ok_rows"], summary["failed_rows"], summary["restarts"]) == ("sim-x", 12, 0, 3)
+    rows = ledger.read_ledger(out).rows
+    assert len(rows) == 12 and {r["status"] for r in rows} == {"ok"}
+    assert {r["host"] for r in rows} == {"sim-x"}  # the report groups by machine / GPU type, not slot
+    by_slot = Counter(r["slot"] for r in rows)
+    assert set(by_slot) == {0, 1}, by_slot
+    for r in rows:
+        assert r["gpu_indices"] == ([0, 1, 2, 3] if r["slot"] == 0 else [4, 5, 6, 7])
+        assert r["gpu_count"] == 4 and r["client"] == "host"
+    # One server configuration is launched once, on one slot: its rows share a slot.
+    for config in ("AR", "DDTREE"):
+        for budget in {r["budget"] for r in rows if r["algorithm"] == config}:
+            slots = {r["slot"] for r in rows if r["algorithm"] == config and r["budget"] == budget}
+            assert len(slots) == 1, (config, budget, slots)
+    # Both slots' servers were stopped at the end (no --keep-server): nothing listens.
+    slots = yaml.safe_load(inv.read_text())["all"]["children"]["local"]["hosts"]["sim-x"]["ddtree"]["server"]["slots"]
+    for slot in slots:
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.connect(("127.0.0.1", slot["port"]))
+
+
+def test_a_launch_costs_the_last_whole_restart_else_the_last_load_else_the_inventory(tmp_path: Path) -> None:
+    from ddtree_ops.bench.runner import expected_launch_s
+    from ddtree_ops.inventory import load_inventory
+    from ddtree_ops.state import StateStore
+
+    slot0, slot1 = load_inventory([write_inventory(tmp_path)]).hosts["sim-x"].slot_hosts()
+    assert expected_launch_s(slot0) == 2  # the inventory's expected_load_s
+    StateStore().record_load_time("sim-x/0", "sim/m", 3.5)
+    assert expected_launch_s(slot0) == 3.5
+    StateStore().record_load_time("sim-x/0", "sim/m", 3.5, restart_s=5.25)
+    assert (expected_launch_s(slot0), expected_launch_s(slot1)) == (5.25, 2)  # learned per slot
