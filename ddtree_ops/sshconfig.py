@@ -49,11 +49,16 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import paramiko
+from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.errors import ConfigError
+
+if TYPE_CHECKING:
+    import paramiko
+
+# paramiko is imported where a config is parsed or looked up, not here: the inventory
+# imports this module on every CLI start, and paramiko's import (~80 ms) is wasted on
+# commands and hosts that never read an ssh_config.
 
 MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
 # paramiko's own line syntax (SSHConfig.SETTINGS_REGEX): `Key value` or `Key = value`.
@@ -113,6 +118,8 @@ class SshConfig:
 
     @classmethod
     def _build(cls, path: Path | None, exp: _Expansion) -> SshConfig:
+        import paramiko
+
         text = "\n".join(exp.lines) + ("\n" if exp.lines else "")
         try:
             parsed = paramiko.SSHConfig.from_text(text)
@@ -122,6 +129,8 @@ class SshConfig:
 
     def lookup(self, name: str) -> dict[str, Any]:
         """paramiko's lookup: lower-case keys, first value wins, ``hostname`` always set."""
+        import paramiko
+
         try:
             return dict(self._parsed.lookup(name))
         except (ImportError, paramiko.ssh_exception.SSHException) as exc:  # Match exec without invoke; canonicalize

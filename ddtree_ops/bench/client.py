@@ -30,13 +30,18 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import httpx
+from typing import TYPE_CHECKING, Any, Literal
 
 from ddtree_ops.bench import _hostclient as hc
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.bench.prompts import Prompt
+
+if TYPE_CHECKING:
+    import httpx
+
+# httpx is imported where a request is made, not here: every CLI command imports this
+# module through the bench package, and most (hosts, restart, a refused sweep) never send
+# load, so its import time (~50 ms) would only delay their answer.
 
 Api = Literal["generate", "openai"]
 
@@ -70,6 +75,8 @@ class LoadResult:
 
 
 def _error_text(exc: BaseException) -> str:
+    import httpx
+
     if isinstance(exc, httpx.ConnectError):
         return f"connection failed: {exc}"[:300]
     if isinstance(exc, httpx.TimeoutException):
@@ -119,6 +126,8 @@ _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestResult))
 
 
 async def _stream(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
+    import httpx
+
     start = time.perf_counter()
     route, body = request_for(prompt, spec)
     tally = hc.new_tally(spec.api, start)
@@ -154,6 +163,8 @@ def _tls_context() -> ssl.SSLContext:
 
 
 def make_client(base_url: str, *, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    import httpx
+
     return httpx.AsyncClient(
         base_url=base_url,
         verify=_tls_context(),
@@ -214,6 +225,8 @@ def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult]
 def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
     """``POST /flush_cache`` so one cell's prefix cache does not speed up the next.
     Returns (ok, detail) and never raises: a failed flush is worth a note, not a crash."""
+    import httpx
+
     try:
         with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
             r = c.post("/flush_cache")
@@ -228,6 +241,8 @@ def server_info(base_url: str, *, timeout_s: float = 10.0) -> dict[str, Any] | N
     Never raises: what the serving process says about itself (its version) is
     provenance, worth recording when available and never worth failing a sweep over.
     """
+    import httpx
+
     try:
         with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
             r = c.get("/server_info")

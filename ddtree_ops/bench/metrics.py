@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class RequestResult:
@@ -53,6 +51,8 @@ def _stat(values_s: Sequence[float]) -> Stat:
     """Summary in milliseconds; None when there is nothing to summarise (all failed)."""
     if not values_s:
         return Stat()
+    import numpy as np  # here, not at the top: the CLI imports this module on every start
+
     arr = np.asarray(values_s, dtype=float) * 1000.0
     return Stat(
         mean=float(arr.mean()),
