@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -633,13 +633,20 @@ class SSHTransport:
                     self._sftp = client.open_sftp()
             return self._sftp
 
-    def _file_op(self, doing: str) -> AbstractContextManager[None]:
-        """Translation for one SFTP request. An OSError is the server's answer (no such file,
-        permission denied) and leaves the session usable; a session that broke is dropped,
-        so that the next call reconnects."""
+    def _file_op(self, doing: str, *, cleanup: Callable[[], None] | None = None) -> AbstractContextManager[None]:
+        """Translation for SFTP requests. An OSError is the server's answer (no such file,
+        permission denied) and leaves the session usable, so ``cleanup`` (remove a temp
+        file) can still run; a session that broke is dropped, so that the next call
+        reconnects, and its message says the connection was lost."""
 
         def lost(exc: BaseException) -> str:
             return f"{doing}: connection lost ({text_or_type(exc)})"
+
+        def on_error(exc: BaseException) -> None:
+            if not isinstance(exc, OSError):
+                self._drop(exc)
+            elif cleanup is not None:
+                cleanup()
 
         return translate_errors(
             self.host,
@@ -647,7 +654,7 @@ class SSHTransport:
             error=RemoteFileError,
             reason=os_error_reason,
             messages={paramiko.SSHException: lost, EOFError: lost},
-            on_error=lambda exc: None if isinstance(exc, OSError) else self._drop(exc),
+            on_error=on_error,
         )
 
     def read_bytes(self, path: str) -> bytes:
@@ -663,13 +670,7 @@ class SSHTransport:
         remote = sftp_path(path)
         parent, _, name = remote.rpartition("/")
         tmp = f"{parent + '/' if parent else ''}.{name}.{uuid.uuid4().hex[:12]}.tmp"
-        with translate_errors(
-            self.host,
-            f"cannot write {path}",
-            error=RemoteFileError,
-            reason=os_error_reason,
-            on_error=lambda _: _sftp_remove_quietly(sftp, tmp),
-        ):
+        with self._file_op(f"cannot write {path}", cleanup=lambda: _sftp_remove_quietly(sftp, tmp)):
             if parent:
                 _sftp_makedirs(sftp, parent)
             with sftp.open(tmp, "wb") as fh:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
-from ddtree_ops.errors import AuthError, ConnectError, HostKeyError
+from ddtree_ops.errors import AuthError, ConnectError, HostKeyError, TransportError
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.transport.ssh import _PROLOGUE, SSHTransport, _strip_pgid_marker, build_command_line, resolve_endpoint
 
@@ -47,6 +47,37 @@ def test_reconnects_after_the_host_came_back(ssh_fleet: Fleet, home: Path) -> No
             t.run(["true"])
         ssh_fleet.start(name)
         assert t.run(["echo", "back"]).stdout == "back\n"
+
+
+def _kill_sessions(server: SshdServer) -> int:
+    """SIGKILL the listener's per-connection children: the connection dies, the host stays."""
+    assert server.proc is not None
+    pids = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-KILL", pid], check=False)
+    return len(pids)
+
+
+@pytest.mark.parametrize("op", ["write_atomic", "read_bytes", "exists"])
+def test_a_file_operation_on_a_dead_connection_fails_once_then_reconnects(
+    ssh_fleet: Fleet, home: Path, op: str
+) -> None:
+    fh = ssh_fleet.hosts[1]
+    path = f"{fh.run_dir}/dead-conn-{op}.txt"
+    with SSHTransport(fleet_host(ssh_fleet, 1)) as t:
+        t.write_atomic(path, b"before")
+        assert _kill_sessions(fh.server) >= 1
+        calls = {
+            "write_atomic": lambda: t.write_atomic(path, b"during"),
+            "read_bytes": lambda: t.read_bytes(path),
+            "exists": lambda: t.exists(path),
+        }
+        with pytest.raises(TransportError, match=rf"^{fh.name}: cannot \w+ {path}: connection lost \("):
+            calls[op]()
+        # The dead connection was dropped: the next operations reconnect and succeed.
+        t.write_atomic(path, b"after")
+        assert t.read_bytes(path) == b"after" and t.exists(path)
+        assert t.run(["true"]).ok
 
 
 def test_ssh_config_alias(ssh_fleet: Fleet, home: Path) -> None:
