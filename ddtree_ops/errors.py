@@ -183,7 +183,7 @@ class PortBusy(ServiceError):
 
 
 class LeaseHeld(ServiceError):
-    """A sweep holds the host from its first restart to its end; restarting or stopping
+    """A sweep holds the host from when it reaches it to its end; restarting or stopping
     its server meanwhile would spoil its measurements."""
 
     code = "lease_held"
