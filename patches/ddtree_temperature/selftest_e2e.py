@@ -14,7 +14,20 @@ decode CUDA graphs, "off": ``--cuda-graph-backend-decode disabled``), ``topk``,
 ``block_size`` (the draft's trained block), ``new_tokens``, ``prompts`` (token-id lists;
 the first is sent alone, then all of them as one batch), ``extra_args`` / ``env`` (the
 host's usual server flags and environment), ``launch_timeout`` (seconds per launch),
-``tie_margin`` (nats), ``keep`` (keep the work directory).
+``tie_margin`` (nats), ``keep`` (keep the work directory), ``server_command`` (the argv
+that starts the host's server, default ``[<this python>, "-m", "sglang.launch_server"]``),
+``bisect`` (budgets to bisect, see below; then ``budgets`` and ``graphs`` are not run).
+
+Bisection (``bisect``: a list of budgets, e.g. ``[8, 9, 10, 12, 16]``): DDTREE launches
+with decode CUDA graphs on, in ascending budget order, until one fails (a capture crash,
+a server that dies, or wrong tokens). That budget is launched twice more: with
+``CUDA_LAUNCH_BLOCKING=1`` (CUDA reports the failing kernel where it fails, not at a
+later call) and with ``SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1`` (the candidate head runs
+eagerly after the captured draft forward: the head, ``candidate_topk`` -> Triton
+``lilicorr_topk_lse``, is the only code a DDTREE draft graph captures that DFlash's does
+not). The report's ``bisect`` object: ``budgets``, ``tried`` (per launch ``budget``,
+``ok``, ``captured``, ``error``), ``first_failing`` (null when all served), ``blocking``
+and ``eager_head`` (the two reruns, null without a failure), and ``eager_head_avoids``.
 
 What it does, without downloading anything: writes a tiny Qwen3 target (vocab 2048,
 hidden 256, 4 layers, 8 heads of 64, 2 KV heads) and a one-layer DFlash draft for it
@@ -56,7 +69,7 @@ fails. In float32 (CPU) the outputs must simply be equal.
 
 Prints ONE JSON object on stdout::
 
-    {"ok", "deployed", "sglang_version", "python", "device", "torch", "cuda", "kernel",
+    {"ok", "deployed", "sglang_version", "python", "device", "gpu_arch", "torch", "cuda", "kernel",
      "checks": {name: {"ok", "detail"}},            # selftest.py's checks
      "baseline": {"served", "startup_s", "error"},
      "runs": [{"budget", "graphs", "ok", "served", "equal", "compared_tokens",
@@ -66,6 +79,7 @@ Prints ONE JSON object on stdout::
                "verify_attention_backend", "draft_attention_backend",
                "decode_cuda_graph", "ddtree", "startup_s", "error", "log_tail"}],
      "graph_capture": {budget: bool},                 # graph mode "on" runs
+     "bisect": null | {...},                          # see Bisection
      "params", "seconds", "error"}
 
 Exit status: 0 every check and run passed, 1 something failed, 2 nothing could be tested
@@ -104,7 +118,11 @@ DEFAULTS = {
     "launch_timeout": 900.0,
     "tie_margin": 0.02,
     "keep": False,
+    "server_command": None,
+    "bisect": None,
 }
+EAGER_HEAD_ENV = {"SGLANG_DFLASH_EAGER_DRAFT_SAMPLER": "1"}
+BLOCKING_ENV = {"CUDA_LAUNCH_BLOCKING": "1"}
 EAGER_DECODE = ["--cuda-graph-backend-decode", "disabled"]
 TOP_LOGPROBS = 2
 LOG_TAIL_LINES = 40
@@ -200,6 +218,14 @@ def parse_params(given):
             raise ValueError("%s: a non-negative number" % key)
     if not isinstance(p["keep"], bool):
         raise ValueError("keep: true or false")
+    command = p["server_command"]
+    if command is not None and (
+        not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command)
+    ):
+        raise ValueError("server_command: a non-empty list of strings")
+    if p["bisect"] is not None:
+        ints("bisect", 1, 256)
+        p["bisect"] = sorted(set(p["bisect"]))
     p["budgets"] = list(dict.fromkeys(p["budgets"]))
     p["graphs"] = list(dict.fromkeys(p["graphs"]))
     return p
@@ -294,13 +320,13 @@ def write_models(root, block_size):
 
 # ------------------------------------------------------------------------------ server
 
-# Runs as ``python -c _LAUNCH PARENT_PID -m sglang.launch_server ...``: the launcher gets
-# SIGKILL when this script dies (PR_SET_PDEATHSIG survives the exec), then execs itself.
+# Runs as ``python -c _LAUNCH PARENT_PID <server command> ...``: the launcher gets SIGKILL
+# when this script dies (PR_SET_PDEATHSIG survives the exec), then execs the command.
 _LAUNCH = (
     "import ctypes,os,signal,sys\n"
     "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL)\n"
     "if os.getppid()!=int(sys.argv[1]):sys.exit(1)\n"
-    "os.execv(sys.executable,[sys.executable]+sys.argv[2:])\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
 )
 
 
@@ -370,9 +396,10 @@ def _mapped_shm(pids):
 class Server:
     """One ``sglang.launch_server`` in its own session; ``with`` stops it whatever happens."""
 
-    def __init__(self, name, model, args, env, workdir):
+    def __init__(self, name, model, args, env, workdir, command=None):
         self.port = _free_port()
-        self.argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), "-m", "sglang.launch_server",
+        command = command or [sys.executable, "-m", "sglang.launch_server"]
+        self.argv = [sys.executable, "-c", _LAUNCH, str(os.getpid()), *command,
                      "--model-path", model, "--host", "127.0.0.1", "--port", str(self.port),
                      "--skip-tokenizer-init", *args]
         self.env = env
@@ -565,7 +592,7 @@ def _requests(params):
 def run_baseline(params, models, env, work):
     rec = {"served": False, "startup_s": None, "error": None}
     outputs = None
-    with Server("baseline", models["target"], params["extra_args"], env, work) as srv:
+    with Server("baseline", models["target"], params["extra_args"], env, work, params["server_command"]) as srv:
         try:
             rec["startup_s"] = srv.start(params["launch_timeout"])
             outputs = [srv.generate(p, params["new_tokens"]) for p in _requests(params)]
@@ -578,7 +605,7 @@ def run_baseline(params, models, env, work):
     return rec, outputs
 
 
-def run_ddtree(params, models, env, work, budget, graphs, want):
+def run_ddtree(params, models, env, work, budget, graphs, want, label=""):
     rec = {"budget": budget, "graphs": graphs, "ok": False, "served": False, "equal": None,
            "compared_tokens": 0, "divergences": 0, "first_divergence": None, "max_logprob_delta": None,
            "accept_length": None, "verify_cuda_graph_captured": None, "verify_attention_backend": None,
@@ -587,7 +614,8 @@ def run_ddtree(params, models, env, work, budget, graphs, want):
     args = ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", models["draft"],
             "--speculative-num-draft-tokens", str(budget + 1), "--speculative-eagle-topk", str(params["topk"]),
             *(EAGER_DECODE if graphs == "off" else []), *params["extra_args"]]
-    with Server("ddtree-b%d-graphs-%s" % (budget, graphs), models["target"], args, env, work) as srv:
+    name = "ddtree-b%d-graphs-%s%s" % (budget, graphs, label)
+    with Server(name, models["target"], args, env, work, params["server_command"]) as srv:
         try:
             rec["startup_s"] = srv.start(params["launch_timeout"])
             tree = srv.server_info().get("ddtree")
@@ -616,6 +644,30 @@ def run_ddtree(params, models, env, work, budget, graphs, want):
             d["position"], d["prompt"], d["batch"], d["margin"])
     rec["ok"] = rec["error"] is None
     return rec
+
+
+def _bisect_entry(run):
+    return {"budget": run["budget"], "ok": run["ok"], "captured": run["verify_cuda_graph_captured"],
+            "error": run["error"]}
+
+
+def run_bisect(params, models, env, work, want):
+    """The first budget whose decode-graph launch fails, and what the two reruns say."""
+    out = {"budgets": params["bisect"], "tried": [], "first_failing": None, "blocking": None,
+           "eager_head": None, "eager_head_avoids": None}
+    for budget in params["bisect"]:
+        run = run_ddtree(params, models, env, work, budget, "on", want)
+        out["tried"].append(_bisect_entry(run))
+        if run["ok"]:
+            continue
+        out["first_failing"] = budget
+        blocking = run_ddtree(params, models, dict(env, **BLOCKING_ENV), work, budget, "on", want, "-blocking")
+        out["blocking"] = dict(_bisect_entry(blocking), log_tail=blocking.get("log_tail", ""))
+        eager = run_ddtree(params, models, dict(env, **EAGER_HEAD_ENV), work, budget, "on", want, "-eager-head")
+        out["eager_head"] = _bisect_entry(eager)
+        out["eager_head_avoids"] = bool(eager["ok"])
+        break
+    return out
 
 
 def run_checks(source, env, work, timeout=900.0):
@@ -648,6 +700,17 @@ def _device(cuda):
     return "cuda" if cuda else "cpu"
 
 
+def _gpu_arch():
+    """``sm_XY`` of the first GPU nvidia-smi lists (what an eager fallback is keyed by)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    caps = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    return "sm_" + caps[0].replace(".", "") if caps and caps[0].replace(".", "").isdigit() else None
+
+
 def _emit(report, start, code):
     report["seconds"] = round(time.monotonic() - start, 1)
     sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
@@ -662,7 +725,8 @@ def _on_signal(signum, frame):
 def main(argv):
     start = time.monotonic()
     report = {"ok": False, "deployed": False, "python": sys.executable, "sglang_version": None, "device": None,
-              "checks": {}, "kernel": None, "baseline": None, "runs": [], "graph_capture": {}, "error": None}
+              "gpu_arch": None, "checks": {}, "kernel": None, "baseline": None, "runs": [], "graph_capture": {},
+              "bisect": None, "error": None}
     try:
         given, source = read_inputs(argv)
         params = parse_params(given)
@@ -697,9 +761,12 @@ def main(argv):
             code = 2
             return
         report["device"] = _device(bool(checks.get("cuda")))
+        report["gpu_arch"] = _gpu_arch()
         models = write_models(work, params["block_size"])
         report["baseline"], want = run_baseline(params, models, env, work)
-        if want is not None:
+        if want is not None and params["bisect"] is not None:
+            report["bisect"] = run_bisect(params, models, env, work, want)
+        elif want is not None:
             for budget in params["budgets"]:
                 for graphs in params["graphs"]:
                     run = run_ddtree(params, models, env, work, budget, graphs, want)
@@ -708,8 +775,9 @@ def main(argv):
                         report["graph_capture"][str(budget)] = bool(run["verify_cuda_graph_captured"])
         else:
             report["error"] = "the target alone did not serve: %s" % report["baseline"]["error"]
+        bisected = report.get("bisect")
         report["ok"] = (
-            bool(report["runs"])
+            (bisected is not None or bool(report["runs"]))
             and all(r["ok"] for r in report["runs"])
             and all(c.get("ok") for c in report["checks"].values())
             and report["error"] is None

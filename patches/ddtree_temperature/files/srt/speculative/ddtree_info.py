@@ -17,10 +17,7 @@ import torch
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
-from sglang.srt.mem_cache.allocation_sizing import (
-    get_alloc_reserve_per_decode,
-    page_aligned_decode_alloc_lens,
-)
+from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_info_v2 import (
     DFlashDraftInputV2,
@@ -47,6 +44,33 @@ class DDTreeVerifyInput(DFlashVerifyInput):
     retrieve_next_sibling: Optional[torch.Tensor] = None
 
 
+def decode_alloc_lens(reqs, *, reserve: int, row_len: int):
+    """``page_aligned_decode_alloc_lens`` (``mem_cache/allocation_sizing.py``) at page
+    size 1 (DDTREE's only one), with each request's reservation capped at its
+    ``req_to_token`` row.
+
+    The reserve is twice the round's window (the overlap scheduler's double buffer),
+    but a row holds only ``context_len + 4 + window`` slots
+    (``get_req_to_token_extra_context_len``): near the context end an uncapped
+    reservation writes past the row (an index error on CPU, another request's row on
+    a GPU). A round reads and writes ``window`` slots from its committed length,
+    which admission keeps at most ``context_len - 2`` while the request runs, so the
+    cap never takes a slot a round uses; the round an overlap scheduler still runs
+    after a request finished is bounded at admission
+    (``ddtree_plugin.context_end_error``).
+    """
+    cur_kv_lens = [0] * len(reqs)
+    nxt_kv_lens = [0] * len(reqs)
+    num_needed_tokens = 0
+    for i, r in enumerate(reqs):
+        cur = r.kv.kv_allocated_len
+        nxt = max(cur, min(r.kv.kv_committed_len + reserve, row_len))
+        cur_kv_lens[i] = cur
+        nxt_kv_lens[i] = nxt
+        num_needed_tokens += nxt - cur
+    return cur_kv_lens, nxt_kv_lens, num_needed_tokens
+
+
 @dataclass
 class DDTreeDraftInputV2(DFlashDraftInputV2):
     """DFlash's draft state, reserving KV for the wider of the draft block and the
@@ -57,7 +81,8 @@ class DDTreeDraftInputV2(DFlashDraftInputV2):
     ``max(block_size, budget + 1)`` slots (``max_speculative_num_draft_tokens``),
     where DFlash, whose two windows coincide, reserves for
     ``speculative_num_draft_tokens``. ``prepare_for_decode`` is DFlash's with that
-    one number changed; the rest is identical.
+    number changed and the reservation capped at the request's row
+    (:func:`decode_alloc_lens`); the rest is identical.
     """
 
     def prepare_for_decode(self, batch: ScheduleBatch):
@@ -79,13 +104,10 @@ class DDTreeDraftInputV2(DFlashDraftInputV2):
         cur_kv_lens_cpu_t = self._prepare_cur_kv_lens_cpu_buf[:bs]
         nxt_kv_lens_cpu_t = self._prepare_nxt_kv_lens_cpu_buf[:bs]
 
-        reserve = get_alloc_reserve_per_decode()
-        page_size = batch.token_to_kv_pool_allocator.page_size
-
-        cur_kv_lens, nxt_kv_lens, num_needed_tokens = page_aligned_decode_alloc_lens(
+        cur_kv_lens, nxt_kv_lens, num_needed_tokens = decode_alloc_lens(
             batch.reqs,
-            reserve=reserve,
-            page_size=page_size,
+            reserve=get_alloc_reserve_per_decode(),
+            row_len=int(batch.req_to_token_pool.req_to_token.shape[1]),
         )
 
         max_top_k = 1

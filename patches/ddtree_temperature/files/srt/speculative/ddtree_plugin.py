@@ -24,6 +24,7 @@ makes by algorithm family; as a pull request each one becomes an
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -43,6 +44,11 @@ def _active_algorithm():
     return SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
 
 
+# Per target graph runner (by id), whether each verify capture got the runner's
+# mask buffer: what the worker checks at start (check_verify_graphs).
+CAPTURED_WITH_MASK: Dict[int, list] = {}
+
+
 def capture_spec_info(original, runner, num_tokens: int):
     """Target-verify graphs of a DDTREE target are captured with a tree mask."""
     if not is_ddtree(runner.model_runner.spec_algorithm):
@@ -50,11 +56,15 @@ def capture_spec_info(original, runner, num_tokens: int):
     if runner.model_runner.is_draft_worker:
         # The DFlash draft block: DFlash's own capture input, no mask.
         return original(runner, num_tokens)
-    return ddtree_dummy_verify_input(
+    info = ddtree_dummy_verify_input(
         custom_mask=runner.buffers.custom_mask,
         num_tokens_per_req=runner.captured_req_width,
         is_draft_worker=False,
     )
+    CAPTURED_WITH_MASK.setdefault(id(runner), []).append(
+        info.custom_mask is not None and info.custom_mask is runner.buffers.custom_mask
+    )
+    return info
 
 
 def dummy_verify_input(
@@ -96,7 +106,87 @@ def ddtree_dummy_verify_input(*, custom_mask, num_tokens_per_req, is_draft_worke
     )
 
 
-def ddtree_request_error(req: Any) -> Optional[str]:
+# Logit adjustments SGLang applies alike to every verify row
+# (``apply_dflash_verify_logits_adjustments``, ``dflash_utils.py``). A tree node at
+# depth >= 2 would see its request's committed tokens without its ancestors', so
+# none of these is exact under DDTREE: each is refused per request (field, default).
+# Watermarking, a server-wide switch, is refused at startup.
+_PER_NODE_INEXACT = (
+    ("frequency_penalty", 0.0),
+    ("presence_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_new_tokens", 0),
+)
+
+
+def _inexact_adjustments(req: Any) -> list:
+    params = req.sampling_params
+    names = [
+        name
+        for name, default in _PER_NODE_INEXACT
+        if getattr(params, name, default) not in (None, default)
+    ]
+    if getattr(params, "logit_bias", None):
+        names.append("logit_bias")
+    if getattr(req, "custom_logit_processor", None):
+        names.append("custom_logit_processor")
+    return names
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What bounds a DDTREE round near the context end, known once the worker
+    exists (one worker per scheduler process)."""
+
+    context_len: int
+    row_len: int  # slots of a req_to_token row
+    window: int  # slots one round writes from the committed length
+    max_depth: int  # tree nodes one round may commit (plus the bonus token)
+
+
+_ROUND_SHAPE: Optional[RoundShape] = None
+
+
+def set_round_shape(shape: RoundShape) -> None:
+    global _ROUND_SHAPE
+    _ROUND_SHAPE = shape
+
+
+def context_end_error(req: Any, enable_overlap: bool) -> Optional[str]:
+    """The overlap scheduler runs one more round for a request that finished in the
+    round before (its tokens are discarded). That round starts up to ``max_depth``
+    tokens past the request's last length and writes ``window`` slots; refuse a
+    request whose final round could run past its ``req_to_token`` row."""
+    shape = _ROUND_SHAPE
+    if not enable_overlap or shape is None:
+        return None
+    input_len = len(req.origin_input_ids)
+    asked = req.sampling_params.max_new_tokens
+    # The scheduler caps max_new_tokens at context_len - 2 - input_len
+    # (Scheduler.init_req_max_new_tokens, after this check).
+    cap = shape.context_len - 2 - input_len
+    max_new = cap if asked is None else min(int(asked), cap)
+    # Last length before its final round: input + max_new - 2, plus the up to
+    # max_depth + 1 tokens that round commits.
+    end = input_len + max_new - 1 + shape.max_depth + shape.window
+    if end <= shape.row_len:
+        return None
+    allowed = shape.row_len - shape.window - shape.max_depth + 1
+    return (
+        f"DDTREE: {input_len} prompt tokens + max_new_tokens {max_new} leave no room "
+        f"for the last tree round ({shape.window} KV slots, up to "
+        f"{shape.max_depth} draft tokens deep) within the context of "
+        f"{shape.context_len} tokens; send at most {allowed} tokens in total."
+    )
+
+
+def _deterministic_inference() -> bool:
+    from sglang.srt.runtime_context import get_exec
+
+    return bool(get_exec().deterministic.enable_deterministic_inference)
+
+
+def ddtree_request_error(req: Any, enable_overlap: bool = False) -> Optional[str]:
     """Why DDTREE cannot serve ``req`` exactly, or None."""
     from sglang.srt.speculative.ddtree_worker_v2 import sampling_verifier_available
 
@@ -109,11 +199,27 @@ def ddtree_request_error(req: Any) -> Optional[str]:
             "DDTREE does not support constrained decoding (json_schema, regex, "
             "ebnf, structural_tag); use DFLASH or no speculative decoding."
         )
+    inexact = _inexact_adjustments(req)
+    if inexact:
+        return (
+            f"DDTREE does not apply {', '.join(inexact)} per tree node (a node would "
+            "ignore its ancestors' tokens); send defaults, or use DFLASH or no "
+            "speculative decoding."
+        )
+    message = context_end_error(req, enable_overlap)
+    if message is not None:
+        return message
+    if float(params.min_p) > 0.0 and _deterministic_inference():
+        # Not DDTREE's own limit, but one request would take every other down: the
+        # seeded sampler asserts on any min-p row of its batch
+        # (top_k_top_p_min_p_sampling_from_probs_torch, srt/layers/sampler.py).
+        return (
+            "DDTREE: min_p is not served under --enable-deterministic-inference "
+            "(SGLang's seeded sampler cannot apply it); send min_p=0."
+        )
     greedy = int(params.top_k) == 1 or float(params.temperature) == 0.0
     if greedy:
         return None
-    if float(params.min_p) > 0.0:
-        return "DDTREE sampling does not apply min_p; send min_p=0 or temperature=0."
     if not sampling_verifier_available():
         return (
             "DDTREE sampling (temperature > 0) needs SGLang's "
@@ -127,7 +233,12 @@ def validate_request(original, req, enable_overlap):
     message = original(req, enable_overlap)
     if message is not None or not is_ddtree(_active_algorithm()):
         return message
-    return ddtree_request_error(req)
+    message = ddtree_request_error(req, enable_overlap)
+    if message is not None and _deterministic_inference():
+        # An aborted request still rides the prefill it was queued for, and the seeded
+        # sampler asserts on a min-p row of that batch: refused, it must not carry one.
+        req.sampling_params.min_p = 0.0
+    return message
 
 
 def validate_sampling_mask_request(original, req, spec_algorithm):
@@ -195,6 +306,60 @@ HOOKS = (
         HookType.AFTER,
     ),
 )
+
+
+def _resolve_target(target: str) -> Any:
+    import pkgutil
+
+    owner, attr = target.rsplit(".", 1)
+    return getattr(pkgutil.resolve_name(owner), attr)
+
+
+def _wraps_hook(fn: Any, hook: Any) -> bool:
+    """Whether ``hook`` is in the wrapper chain HookRegistry built for ``fn``
+    (``_wrap_fn`` closes over the hook and sets ``__wrapped__``)."""
+    for _ in range(64):
+        if fn is None:
+            return False
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def verify_hooks() -> list:
+    """The hooked sites, each checked to hold its DDTREE hook; raise otherwise.
+
+    ``load_plugins`` and ``HookRegistry.apply_hooks`` (``srt/plugins``) log a failing
+    plugin or hook and carry on, so a server could start with, say, mask-less verify
+    graphs (the ``get_spec_info`` hook missing) and return wrong tokens."""
+    from sglang.srt.managers.scheduler_components import metrics_reporter
+    from sglang.srt.speculative.ddtree_registration import DDTreeError
+
+    missing = []
+    for target, hook, _ in HOOKS:
+        try:
+            live = _resolve_target(target)
+        except (AttributeError, ImportError, ValueError):
+            live = None
+        if not _wraps_hook(live, hook):
+            missing.append(target)
+    if register_ddtree() not in metrics_reporter._SPEC_DECODE_SNAPSHOT_ALGORITHMS:
+        missing.append("metrics_reporter._SPEC_DECODE_SNAPSHOT_ALGORITHMS")
+    if missing:
+        raise DDTreeError(
+            "DDTREE refuses to start: its hooks are not in place at "
+            f"{', '.join(missing)} (look for 'Failed to apply hooks' or 'Failed to "
+            "execute general plugin' in the log)."
+        )
+    return [
+        target.rsplit(".", 2)[-2] + "." + target.rsplit(".", 1)[-1]
+        for target, _, _ in HOOKS
+    ]
 
 
 def load() -> None:

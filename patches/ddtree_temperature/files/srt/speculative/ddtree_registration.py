@@ -319,6 +319,11 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
             "DDTREE verifies trees with tree rejection sampling; drop "
             "--speculative-use-rejection-sampling."
         )
+    if getattr(cfg, "enable_watermark", False):
+        raise DDTreeError(
+            "DDTREE does not support --enable-watermark: the watermark biases every "
+            "tree node by the committed tokens only, not by its ancestors."
+        )
     if cfg.disaggregation_mode not in (None, "null"):
         raise DDTreeError(
             f"DDTREE does not support --disaggregation-mode {cfg.disaggregation_mode}."

@@ -783,13 +783,17 @@ def target_probs_from_logits(
     temperature: Any,
     top_k: Any = -1,
     top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> torch.Tensor:
-    """Target distribution per row, as SGLang 0.5.23 builds it for tree verification.
+    """Target distribution per row, as SGLang 0.5.23 samples a token.
 
-    softmax(logits / T), then top-k renorm, then top-p renorm (float32). The renorms use
-    FlashInfer's pivot semantics that SGLang mirrors: every probability >= the pivot is
-    kept, so ties at the pivot survive. ``top_k <= 0`` or ``>= V`` and ``top_p >= 1``
-    disable a filter. Rows with ``T == 0`` are one-hot at the argmax (greedy).
+    softmax(logits / T), then top-k renorm, then top-p renorm, then min-p (float32):
+    the order of SGLang's FlashInfer sampler (``srt/layers/sampler.py``:
+    ``top_k_renorm_prob``, ``top_p_renorm_prob``, ``min_p_sampling_from_probs``). The
+    renorms use FlashInfer's pivot semantics that SGLang mirrors: every probability >=
+    the pivot is kept, so ties at the pivot survive. ``top_k <= 0`` or ``>= V``,
+    ``top_p >= 1`` and ``min_p <= 0`` disable a filter. Rows with ``T == 0`` are one-hot
+    at the argmax (greedy).
     """
     if logits.dim() != 2:
         raise ValueError(
@@ -819,11 +823,24 @@ def target_probs_from_logits(
         keep = (probs >= pivot) | (ps >= 1.0).unsqueeze(1)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    mins = _per_row(min_p, rows, torch.float32, dev, "min_p")
+    if bool((mins > 0).any()):
+        probs = min_p_renorm_probs(probs, mins)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs)
         onehot.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), onehot, probs)
     return probs
+
+
+def min_p_renorm_probs(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Min-p filter of rows of probabilities, renormalised: keep every ``p >= min_p *
+    max(p)`` of its row (FlashInfer's ``min_p_sampling_from_probs`` pivot, which
+    SGLang's sampler applies after the top-k and top-p renorms); ``min_p <= 0`` keeps
+    the row. Whole-batch and sync-free, so the serving round uses it as is."""
+    pivot = probs.amax(dim=-1, keepdim=True) * min_ps.to(probs.dtype).unsqueeze(-1)
+    kept = torch.where(probs >= pivot, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _check(cond: bool, msg: str) -> None:

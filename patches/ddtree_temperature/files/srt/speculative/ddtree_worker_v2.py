@@ -29,12 +29,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
+from sglang.srt.environ import envs
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -49,7 +51,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative import ddtree_utils
+from sglang.srt.speculative import ddtree_plugin, ddtree_utils
 from sglang.srt.speculative.ddtree_info import (
     DDTreeDraftInputV2,
     DDTreeVerifyInput,
@@ -59,7 +61,6 @@ from sglang.srt.speculative.ddtree_registration import reference_sampler_enabled
 from sglang.srt.speculative.dflash_utils import (
     apply_dflash_verify_logits_adjustments,
     build_speculative_verify_target_probs,
-    is_dflash_sampling_verify_available,
 )
 from sglang.srt.speculative.dflash_worker_v2 import (
     DFlashWorkerV2,
@@ -70,6 +71,7 @@ from sglang.srt.speculative.draft_worker_common import (
     build_block_pos_offsets,
     make_draft_block_spec_info,
 )
+from sglang.srt.speculative.eagle_utils import _verify_coins
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import (
@@ -77,19 +79,43 @@ from sglang.srt.speculative.spec_utils import (
     move_accept_tokens_to_target_kvcache,
     record_stream_each,
 )
-from sglang.srt.utils import is_cuda
 
 logger = logging.getLogger(__name__)
 
 
+def tree_sampling_kernel():
+    """SGLang's ``tree_speculative_sampling_target_only`` for this platform, or None.
+
+    Looked up at call time in ``kernels/ops/speculative/verify_sampling.py``, which
+    resolves the op once per platform (on CUDA the JIT op of
+    ``kernels/ops/speculative/sampling.py``; None where the platform has none), the
+    name DFlash's sampled verify uses too.
+    """
+    from sglang.kernels.ops.speculative import verify_sampling
+
+    return verify_sampling.tree_speculative_sampling_target_only
+
+
 def sampling_kernel_available() -> bool:
     """Whether ``tree_speculative_sampling_target_only`` can run in this process."""
-    return is_cuda() and is_dflash_sampling_verify_available()
+    return tree_sampling_kernel() is not None
 
 
 def sampling_verifier_available() -> bool:
     """Whether sampled (temperature > 0) requests can be verified exactly here."""
     return sampling_kernel_available() or reference_sampler_enabled()
+
+
+def verify_mask_cells(width: int, verify_kv_sum: int, bs: int) -> int:
+    """Cells of the tree mask view handed to attention.
+
+    FlashInfer's verify planning (``DFlashVerifyInput.generate_attn_arg_prefill``,
+    ``srt/speculative/dflash_info.py``) re-allocates and copies any mask shorter than
+    ``paged_kernel_lens_sum * N + N * N * bs`` cells, where ``paged_kernel_lens_sum``
+    is the forward batch's ``seq_lens_sum``: the host bound ``verify_kv_sum`` this
+    round gives it (prefix + N per request). A view of exactly that size keeps the
+    mask the :class:`~ddtree_utils.TreeMaskBuffer` (all True past the tree blocks)."""
+    return int(width) * int(verify_kv_sum) + int(width) * int(width) * int(bs)
 
 
 class DDTreeUnsupported(ValueError):
@@ -132,6 +158,20 @@ class _DDTreeDraftCandidates:
         rows = ids.shape[0]
         self.ids[:rows].copy_(ids)
         self.logprobs[:rows].copy_(logprobs)
+
+
+class _CaptureProbe:
+    """What ``DecodeCudaGraphRunner.get_spec_info`` reads of its runner, for the
+    start-up check that the capture hook hands a target verify the mask buffer."""
+
+    def __init__(self, model_runner, width: int, device) -> None:
+        self.model_runner = model_runner
+        self.captured_req_width = int(width)
+        self.buffers = SimpleNamespace(
+            custom_mask=torch.ones(
+                int(width) * int(width), dtype=torch.bool, device=device
+            )
+        )
 
 
 @dataclass
@@ -192,6 +232,9 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             length=self.window, device=self.device
         )
         self._refuse_unsupported()
+        self._eager_candidate_head: Optional[_DDTreeDraftCandidates] = None
+        # Filled by init_cuda_graphs, the scheduler's last start-up step.
+        self._startup_checks: Optional[dict] = None
         if sampling_kernel_available():
             self._sampler = "kernel"
         elif reference_sampler_enabled():
@@ -244,9 +287,63 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 "DDTREE does not support " + ", ".join(unsupported) + "; use DFLASH."
             )
 
-    def _maybe_build_draft_sampler(self):
-        """Fold the candidate top-k into the draft CUDA graph (DFlash folds its
-        greedy argmax there, which DDTREE has no use for)."""
+    def init_cuda_graphs(self):
+        """DFlash's draft graphs; then, with the target's verify graphs already
+        captured (``Scheduler.init_all_cuda_graphs`` runs the target first) and the
+        KV pools sized, the start-up checks and the context-end bound."""
+        super().init_cuda_graphs()
+        self._startup_checks = self._check_tree_mask_path()
+        ddtree_plugin.set_round_shape(
+            ddtree_plugin.RoundShape(
+                context_len=int(self.model_runner.model_config.context_len),
+                row_len=int(self.model_runner.req_to_token_pool.req_to_token.shape[1]),
+                window=self.window,
+                max_depth=self.ddtree_depth,
+            )
+        )
+
+    def _check_tree_mask_path(self) -> dict:
+        """Refuse to start unless the tree mask reaches the target's verify: every
+        plugin hook is in place, the capture hook hands the runner's mask buffer to a
+        target-verify capture, and graphs already captured got it. What
+        ``/server_info`` reports under ``ddtree.tree_mask``."""
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+            DecodeCudaGraphRunner,
+        )
+
+        hooks = ddtree_plugin.verify_hooks()
+        probe = _CaptureProbe(self.model_runner, self.verify_width, self.device)
+        try:
+            info = DecodeCudaGraphRunner.get_spec_info(probe, self.verify_width)
+        finally:
+            ddtree_plugin.CAPTURED_WITH_MASK.pop(id(probe), None)
+        if not (
+            isinstance(info, DDTreeVerifyInput)
+            and info.custom_mask is probe.buffers.custom_mask
+        ):
+            raise DDTreeUnsupported(
+                "DDTREE refuses to start: a target-verify graph capture would get "
+                f"{type(info).__name__} without the tree mask buffer."
+            )
+        graph_runner = self.model_runner.decode_cuda_graph_runner
+        if graph_runner is None:
+            graphs = "none captured"
+        else:
+            held = ddtree_plugin.CAPTURED_WITH_MASK.get(id(graph_runner), [])
+            if not held or not all(held):
+                raise DDTreeUnsupported(
+                    "DDTREE refuses to start: the target's verify CUDA graphs were "
+                    f"captured without the tree mask buffer ({sum(held)} of "
+                    f"{len(held)} captures held it)."
+                )
+            graphs = f"{len(held)} captured with the tree mask buffer"
+        return {
+            "hooks_in_place": hooks,
+            "capture_input": "DDTreeVerifyInput with the runner's mask buffer",
+            "verify_graphs": graphs,
+        }
+
+    def _candidate_head(self) -> Optional[_DDTreeDraftCandidates]:
         target_model = self._target_worker.model_runner.model
         lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
         if lm_head is None:
@@ -259,6 +356,20 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),
             device=self.device,
         )
+
+    def _maybe_build_draft_sampler(self):
+        """Fold the candidate top-k into the draft CUDA graph (DFlash folds its
+        greedy argmax there, which DDTREE has no use for), unless DFlash's switch
+        ``SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1`` keeps it eager: the head
+        (``candidate_topk`` -> Triton ``lilicorr_topk_lse``) is the only code a
+        DDTREE draft graph captures that DFlash's does not, so the switch tells a
+        capture failure of the head from one of the draft forward."""
+        if envs.SGLANG_DFLASH_EAGER_DRAFT_SAMPLER.get():
+            logger.info(
+                "DDTREE candidate head kept eager (SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1)."
+            )
+            return None
+        return self._candidate_head()
 
     def prewarm_sampling(self):
         # DFlash rehearses its sampling verify with block_size-wide rows; DDTREE's
@@ -298,7 +409,10 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             ).__name__,
             "decode_cuda_graph": str(get_exec().graph.cuda_graph_config.decode.backend),
             "verify_cuda_graph_captured": runner.decode_cuda_graph_runner is not None,
-            "tree_mask": "custom_mask",
+            "candidate_head": (
+                "draft CUDA graph" if self._draft_sampler is not None else "eager"
+            ),
+            "tree_mask": dict(self._startup_checks or {}),
             "sampler": self._sampler,
             "accept_thresholds": [
                 float(get_spec().speculative_accept_threshold_single),
@@ -353,15 +467,19 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         all_greedy = _is_all_greedy(sampling_info) or self._only_aborted_rows_sample(
             batch
         )
+        # The first-child / next-sibling encoding only when a request samples.
+        retrieve = None if all_greedy else ddtree_utils.tree_retrieve_batch(trees)
         logits_output, target_out, target_predict = self._verify(
-            batch, draft_input, draft, trees, all_greedy
+            batch, draft_input, draft, trees, retrieve
         )
         if target_predict is not None:
             paths = ddtree_utils.follow_verified_tree_batch(
                 trees, target_predict.view(bs, width)
             )
         else:
-            paths = self._sample(trees, logits_output.next_token_logits, batch)
+            paths = self._sample(
+                trees, retrieve, logits_output.next_token_logits, batch, draft_input
+            )
 
         site = (
             SpecTpSyncSite.DFLASH_ACCEPT_GREEDY
@@ -495,16 +613,20 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(forward_batch)
         depth, k = self.ddtree_depth, self.ddtree_topk
         if self._draft_sampler is not None and draft_out.can_run_graph:
+            # The captured head filled its static buffers inside the draft graph.
             topk_ids = self._draft_sampler.ids[: bs * depth]
             topk_logprobs = self._draft_sampler.logprobs[: bs * depth]
         else:
             hidden = draft_out.logits_output.hidden_states
             if hidden is None:
                 raise RuntimeError("DDTREE draft model returned no hidden states.")
-            head = self._draft_sampler or self._maybe_build_draft_sampler()
+            # Its own instance: the captured head's buffers are the graph's and
+            # are filled only by a replay.
+            if self._eager_candidate_head is None:
+                self._eager_candidate_head = self._candidate_head()
+            head = self._eager_candidate_head
             if head is None:
                 raise DDTreeUnsupported("DDTREE needs the target model's lm_head.")
-            self._draft_sampler = self._draft_sampler or head
             with draft_tp_context(self.draft_parallel_layout):
                 topk_ids, topk_logprobs = head.compute(hidden)
         return _DraftRound(
@@ -533,19 +655,21 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 out[i] = req.kv.kv_allocated_len
         return out, int(out.sum())
 
-    def _verify(self, batch, draft_input, draft: _DraftRound, trees, all_greedy):
+    def _verify(self, batch, draft_input, draft: _DraftRound, trees, retrieve):
         """The tree's one target pass. Returns the logits output, the target
-        result and, for an all-greedy batch, the target's argmax per node."""
+        result and, for an all-greedy batch (``retrieve`` None), the target's argmax
+        per node."""
         width = self.verify_width
         prefix_lens = batch.seq_lens
-        # Host bound of the mask's cells: N rows of (prefix + N) per request.
+        all_greedy = retrieve is None
+        bs = len(prefix_lens)
         _, verify_kv_sum = self._host_seq_lens(batch, draft_input, width)
         custom_mask = self._mask_buffer.write(
-            ddtree_utils.tree_ancestor_masks(trees), prefix_lens, width * verify_kv_sum
+            ddtree_utils.tree_ancestor_masks(trees),
+            prefix_lens,
+            verify_mask_cells(width, verify_kv_sum, bs),
         )
-        retrieve = (None, None, None)
-        if not all_greedy:
-            retrieve = ddtree_utils.tree_retrieve_batch(trees)
+        retrieve = retrieve or (None, None, None)
         verify_input = DDTreeVerifyInput(
             draft_token=trees.tokens.reshape(-1),
             positions=(prefix_lens.unsqueeze(1) + trees.depths).reshape(-1),
@@ -630,27 +754,41 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                     )
         return True
 
-    def _sample(self, trees, logits: torch.Tensor, batch: ScheduleBatch):
-        """Tree rejection sampling against the target distribution."""
+    def _sample(
+        self,
+        trees,
+        retrieve,
+        logits: torch.Tensor,
+        batch: ScheduleBatch,
+        draft_input: DDTreeDraftInputV2,
+    ):
+        """Tree rejection sampling against the target distribution.
+
+        ``draft_input`` is the round's draft state (``prepare_for_decode`` put the
+        batch's top-k summary there), not ``batch.spec_info``: ``prepare_for_verify``
+        (``dflash_info.py``) has made that the verify input, which has no such fields.
+        Coins are EAGLE's (``eagle_utils._verify_coins``): hashed from the request's
+        ``sampling_seed`` and length under ``--enable-deterministic-inference``,
+        ``torch.rand`` otherwise.
+        """
         bs, width = trees.tokens.shape
         device = logits.device
         sampling_info = batch.sampling_info
-        draft_input = batch.spec_info
         spec = get_spec()
         steps = trees.max_depth + 1
-        retrieve_index, next_token, next_sibling = ddtree_utils.tree_retrieve_batch(
-            trees
-        )
+        retrieve_index, next_token, next_sibling = retrieve
         predicts = torch.zeros((bs * width,), dtype=torch.int32, device=device)
         accept_index = torch.full((bs, steps), -1, dtype=torch.int32, device=device)
         accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
-        coins = torch.rand((bs, width), dtype=torch.float32, device=device)
-        final_coins = torch.rand((bs,), dtype=torch.float32, device=device)
+        coins, final_coins = _verify_coins(
+            sampling_info=sampling_info,
+            seq_lens=batch.seq_lens,
+            draft_token_num=width,
+            candidates=trees.tokens,
+            device=device,
+        )
         if self._sampler == "kernel":
-            from sglang.kernels.ops.speculative.sampling import (
-                tree_speculative_sampling_target_only as verify,
-            )
-
+            verify = tree_sampling_kernel()
             target_probs = build_speculative_verify_target_probs(
                 next_token_logits=logits,
                 sampling_info=sampling_info,
@@ -659,6 +797,10 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 max_top_k=draft_input.max_top_k,
                 uniform_top_k_value=draft_input.uniform_top_k_value,
             )
+            if sampling_info.need_min_p_sampling:
+                target_probs = ddtree_utils.min_p_renorm_probs(
+                    target_probs, sampling_info.min_ps.view(bs, 1)
+                )
         else:
             verify = ddtree_utils.reference_tree_speculative_sampling
             target_probs = ddtree_utils.target_probs_from_logits(
@@ -666,6 +808,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 sampling_info.temperatures.view(-1).repeat_interleave(width),
                 sampling_info.top_ks.view(-1).repeat_interleave(width),
                 sampling_info.top_ps.view(-1).repeat_interleave(width),
+                sampling_info.min_ps.view(-1).repeat_interleave(width),
             ).view(bs, width, -1)
         verify(
             predicts=predicts,
