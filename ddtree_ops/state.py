@@ -49,7 +49,10 @@ class FallbackKey:
 
     ``host`` is the machine's inventory name, shared by its GPU slots (a learned load
     time, by contrast, is per slot: :meth:`StateStore.record_load_time` gets the slot's
-    name, since slots may differ in GPU count)."""
+    name, since slots may differ in GPU count). A record at a tree budget stands for
+    every larger budget of the same machine, GPU arch, SGLang, algorithm and top-k
+    (:meth:`StateStore.fallback_for`): capture crashes grow with the verify width (B300:
+    budget > 8), and a budget below the first failing one keeps its graphs."""
 
     host: str
     gpu_arch: str
@@ -62,6 +65,18 @@ class FallbackKey:
         return "|".join(
             [self.host, self.gpu_arch, self.sglang_version, self.algorithm, str(self.budget), str(self.topk)]
         )
+
+    def covers(self, other: FallbackKey) -> bool:
+        """Whether a fallback recorded at this key applies to a launch at ``other``: the
+        same scope, and this budget at or below the other's (budget-less keys: equal)."""
+        same = (self.host, self.gpu_arch, self.sglang_version, self.algorithm, self.topk) == (
+            other.host, other.gpu_arch, other.sglang_version, other.algorithm, other.topk
+        )
+        if not same:
+            return False
+        if self.budget is None or other.budget is None:
+            return self.budget == other.budget
+        return self.budget <= other.budget
 
 
 @dataclass(frozen=True)
@@ -129,12 +144,10 @@ class StateStore:
         return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
     def fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
-        entry = self._load()["fallbacks"].get(key.as_str())
-        if not isinstance(entry, dict):
-            return None
-        return FallbackRecord(
-            key=key, reason=str(entry.get("reason", "")), recorded_at=float(entry.get("recorded_at", 0))
-        )
+        """The record that sends a launch at ``key`` eager: the one at the smallest budget
+        that covers it (see :meth:`FallbackKey.covers`), or None."""
+        covering = [r for r in self.fallbacks() if r.key.covers(key)]
+        return min(covering, key=lambda r: -1 if r.key.budget is None else r.key.budget, default=None)
 
     def fallbacks(self) -> list[FallbackRecord]:
         out: list[FallbackRecord] = []
@@ -164,14 +177,22 @@ class StateStore:
         self._update(lambda data: data["fallbacks"].__setitem__(key.as_str(), entry))
 
     def clear_fallback(self, key: FallbackKey) -> bool:
-        """Forget a fallback (a retried CUDA-graph launch succeeded). True if one was there."""
+        """Forget the fallbacks a CUDA-graph launch at ``key`` just disproved: every record
+        that covers it (its budget and the ones below). True if one was there."""
         removed: list[bool] = []
 
         def drop(data: dict[str, Any]) -> None:
-            removed.append(data["fallbacks"].pop(key.as_str(), None) is not None)
+            for name, entry in list(data["fallbacks"].items()):
+                try:
+                    recorded = FallbackKey(**entry["key"])
+                except (TypeError, KeyError):
+                    continue
+                if recorded.covers(key):
+                    del data["fallbacks"][name]
+                    removed.append(True)
 
         self._update(drop)
-        return bool(removed and removed[0])
+        return bool(removed)
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         with self._locked():

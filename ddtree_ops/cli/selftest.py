@@ -57,6 +57,9 @@ E2E_NAME = "selftest_e2e.py"
 E2E_TIMEOUT_S = 3600.0
 E2E_BUDGETS = (4, 8, 16, 32)
 E2E_GRAPHS = ("on", "off")
+# Around the B300's known edge (capture crashes above budget 8): 8 passes there.
+BISECT_BUDGETS = (8, 9, 10, 12, 16)
+E2E_TOPK = 4
 MAX_BUDGET = 256  # --speculative-num-draft-tokens 2..257
 
 
@@ -174,19 +177,30 @@ def run_selftest(
 @dataclass(frozen=True)
 class E2eOptions:
     """What ``--e2e`` runs: tree budgets x decode CUDA-graph modes ("on": SGLang's
-    default, "off": ``--cuda-graph-backend-decode disabled``)."""
+    default, "off": ``--cuda-graph-backend-decode disabled``); with ``bisect``, the
+    budgets in ascending order with graphs on, up to the first that fails."""
 
     budgets: tuple[int, ...] = E2E_BUDGETS
     graphs: tuple[str, ...] = E2E_GRAPHS
+    bisect: bool = False
+    topk: int = E2E_TOPK
 
     def params(self, host: Host) -> dict[str, Any]:
-        """The script's parameters for ``host``: its usual server flags and environment."""
-        return {
+        """The script's parameters for ``host``: its usual server command, flags and
+        environment."""
+        from ddtree_ops.service.launch import launcher_argv
+
+        params: dict[str, Any] = {
             "budgets": list(self.budgets),
             "graphs": list(self.graphs),
+            "topk": self.topk,
             "extra_args": list(host.ddtree.server.extra_args),
             "env": dict(host.ddtree.server.env),
+            "server_command": list(launcher_argv(host)),
         }
+        if self.bisect:
+            params["bisect"] = list(self.budgets)
+        return params
 
 
 def _comma_list(option: str, text: str) -> list[str]:
@@ -198,21 +212,25 @@ def _comma_list(option: str, text: str) -> list[str]:
     return items
 
 
-def e2e_options(*, e2e: bool, budgets: str | None, graphs: str | None) -> E2eOptions | None:
+def e2e_options(
+    *, e2e: bool, budgets: str | None, graphs: str | None, bisect: bool = False
+) -> E2eOptions | None:
     """Validate the --e2e options (None without --e2e); ConfigError names the option."""
     if not e2e:
-        for option, value in (("--budgets", budgets), ("--graphs", graphs)):
+        for option, value in (("--budgets", budgets), ("--graphs", graphs), ("--bisect-budgets", bisect or None)):
             if value is not None:
                 raise ConfigError(f"{option} applies to --e2e only")
         return None
-    picked = E2eOptions()
+    if bisect and graphs is not None:
+        raise ConfigError("--graphs does not apply to --bisect-budgets (it bisects with decode CUDA graphs on)")
+    picked = E2eOptions(budgets=BISECT_BUDGETS, graphs=("on",), bisect=True) if bisect else E2eOptions()
     if budgets is not None:
         values = []
         for item in _comma_list("--budgets", budgets):
             if not item.isdigit() or not 1 <= int(item) <= MAX_BUDGET:
                 raise ConfigError(f"--budgets: {item!r} is not a tree budget (an integer in 1..{MAX_BUDGET})")
             values.append(int(item))
-        picked = E2eOptions(budgets=tuple(values), graphs=picked.graphs)
+        picked = E2eOptions(budgets=tuple(values), graphs=picked.graphs, bisect=picked.bisect)
     if graphs is not None:
         modes = _comma_list("--graphs", graphs)
         bad = [m for m in modes if m not in E2E_GRAPHS]
@@ -262,6 +280,39 @@ class E2eRun:
 
 
 @dataclass(frozen=True)
+class BisectStep:
+    """One decode-graph launch of the bisection."""
+
+    budget: int
+    ok: bool
+    captured: bool | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Bisection:
+    """What ``--bisect-budgets`` found: the launches in budget order up to the first that
+    failed, that budget's rerun with ``CUDA_LAUNCH_BLOCKING=1`` and with the eager
+    candidate head (``SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1``)."""
+
+    budgets: tuple[int, ...]
+    tried: tuple[BisectStep, ...]
+    first_failing: int | None
+    blocking_error: str | None = None
+    eager_head: BisectStep | None = None
+
+    @property
+    def eager_head_avoids(self) -> bool | None:
+        return None if self.eager_head is None else self.eager_head.ok
+
+    @property
+    def passed_up_to(self) -> int | None:
+        """The largest budget that served below the first failing one (or of all)."""
+        ok = [s.budget for s in self.tried if s.ok]
+        return max(ok) if ok else None
+
+
+@dataclass(frozen=True)
 class E2eResult(_Checked):
     """What one host's ``selftest_e2e.py`` reported. ``ok`` is False when any run or
     check failed; ``report`` is the script's JSON as received (written by ``--out``)."""
@@ -275,6 +326,8 @@ class E2eResult(_Checked):
     device: str | None = None
     baseline_startup_s: float | None = None
     graph_capture: Mapping[int, bool] = field(default_factory=lambda: MappingProxyType({}))
+    gpu_arch: str | None = None
+    bisect: Bisection | None = None
     seconds: float | None = None
     error: str | None = None
     report: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -326,6 +379,29 @@ def _e2e_run(raw: Mapping[str, Any]) -> E2eRun:
     )
 
 
+def _step(raw: Any) -> BisectStep | None:
+    if not isinstance(raw, dict) or not isinstance(raw.get("budget"), int):
+        return None
+    return BisectStep(budget=raw["budget"], ok=raw.get("ok") is True, captured=_opt_bool(raw.get("captured")),
+                      error=_opt_str(raw.get("error")))
+
+
+def _bisection(raw: Any) -> Bisection | None:
+    if not isinstance(raw, dict):
+        return None
+    budgets = tuple(b for b in raw.get("budgets") or () if isinstance(b, int))
+    tried = tuple(s for s in (_step(r) for r in raw.get("tried") or ()) if s is not None)
+    first = raw.get("first_failing")
+    blocking = raw.get("blocking")
+    return Bisection(
+        budgets=budgets,
+        tried=tried,
+        first_failing=first if isinstance(first, int) else None,
+        blocking_error=_opt_str(blocking.get("error")) if isinstance(blocking, dict) else None,
+        eager_head=_step(raw.get("eager_head")),
+    )
+
+
 def parse_e2e_report(host: str, returncode: int, stdout: str, stderr: str, argv: Sequence[str]) -> E2eResult:
     """Turn selftest_e2e.py's JSON line into an :class:`E2eResult`; no JSON, exit 2 or an
     undeployed bundle become errors, as for :func:`parse_report`. A run or check that
@@ -346,9 +422,10 @@ def parse_e2e_report(host: str, returncode: int, stdout: str, stderr: str, argv:
     if not isinstance(baseline, dict):
         baseline = {}
     error = _opt_str(report.get("error"))
+    bisect = _bisection(report.get("bisect"))
     return E2eResult(
         host=host,
-        ok=(report.get("ok") is True and returncode == 0 and not error and bool(runs)
+        ok=(report.get("ok") is True and returncode == 0 and not error and (bool(runs) or bisect is not None)
             and all(r.ok for r in runs) and all(c.ok for c in checks.values())),
         runs=runs,
         checks=checks,
@@ -357,6 +434,8 @@ def parse_e2e_report(host: str, returncode: int, stdout: str, stderr: str, argv:
         device=_opt_str(report.get("device")),
         baseline_startup_s=_num(baseline.get("startup_s")),
         graph_capture=MappingProxyType(graph_capture),
+        gpu_arch=_opt_str(report.get("gpu_arch")),
+        bisect=bisect,
         seconds=_num(report.get("seconds")),
         error=error,
         report=MappingProxyType(report),
@@ -463,10 +542,24 @@ def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
                 "", str(run.budget), escape(run.graphs), _run_cell(run), _yes_no(run.verify_cuda_graph_captured),
                 accept, escape(run.verify_attention_backend or ""), f"{run.startup_s or 0:.0f}",
             )
+        if r.bisect is not None:
+            for step in r.bisect.tried:
+                cell = "[green]served[/]" if step.ok else f"[red]FAILED: {escape(step.error or '')}[/]"
+                table.add_row("", str(step.budget), "on", cell, _yes_no(step.captured), "", "", "")
+            table.add_row("", "", "", escape(_bisect_summary(r.bisect)), "", "", "", "")
         if r.error:
             table.add_row("", "", "", f"[red]error: {escape(r.error)}[/]", "", "", "", "")
     obj.console.print(table)
     return any_failed
+
+
+def _bisect_summary(b: Bisection) -> str:
+    if b.first_failing is None:
+        return f"bisection: every budget served with decode CUDA graphs ({', '.join(map(str, b.budgets))})"
+    head = {True: "the eager candidate head avoids it", False: "the eager candidate head does not avoid it",
+            None: "the eager candidate head was not tried"}[b.eager_head_avoids]
+    blocking = f"; with CUDA_LAUNCH_BLOCKING=1: {b.blocking_error}" if b.blocking_error else ""
+    return f"bisection: first failing budget {b.first_failing}{blocking}; {head}"
 
 
 def _host_dict(name: str, result: Any) -> dict[str, Any]:
@@ -515,6 +608,11 @@ def selftest_command(
     graphs: str | None = typer.Option(
         None, "--graphs", help="--e2e: comma list of decode CUDA-graph modes, on and/or off (default on,off)."
     ),
+    bisect_budgets: bool = typer.Option(
+        False, "--bisect-budgets", help="--e2e: with decode CUDA graphs on, launch DDTREE at each of --budgets "
+        f"(default {','.join(map(str, BISECT_BUDGETS))}) up to the first that fails; rerun that one with "
+        "CUDA_LAUNCH_BLOCKING=1 and with the eager candidate head; remember the eager fallback from that budget up."
+    ),
     out: Path | None = typer.Option(None, "--out", help="Also write each host's report to DIR/<host>.json."),
 ) -> None:
     """Test the DEPLOYED DDTree files on each host with its own interpreter: golden
@@ -522,7 +620,7 @@ def selftest_command(
     where CUDA and SGLang's kernel are available. With --e2e, also the real server:
     greedy DDTREE output equals the target alone per budget and graph mode."""
     obj: AppContext = ctx.obj
-    options = e2e_options(e2e=e2e, budgets=budgets, graphs=graphs)
+    options = e2e_options(e2e=e2e, budgets=budgets, graphs=graphs, bisect=bisect_budgets)
     check_out_dir(out)
     hosts = load_hosts(obj, target)
     source = selftest_source(bundle)
@@ -536,6 +634,16 @@ def selftest_command(
                            timeout=timeout or E2E_TIMEOUT_S)
 
     results = run_on_hosts(hosts, one, max_parallel=obj.max_parallel)
+    if options is not None and options.bisect:
+        from ddtree_ops.service.fallback import remember_bisection
+        from ddtree_ops.state import StateStore
+
+        state = StateStore()
+        by_name = {h.name: h for h in hosts}
+        for name, r in results.items():
+            if isinstance(r, E2eResult) and r.ok and r.bisect is not None:
+                remember_bisection(state, by_name[name], r.bisect, gpu_arch=r.gpu_arch,
+                                   sglang_version=r.sglang_version, topk=options.topk)
     if out is not None:
         write_reports(out, results)
     set_json_data(obj, [_host_dict(name, r) for name, r in results.items()])
@@ -555,6 +663,8 @@ def _failed_checks(result: SelftestResult | E2eResult) -> BaseException | None:
     return PatchError(f"selftest: {what}", host=result.host)
 
 __all__ = [
+    "BisectStep",
+    "Bisection",
     "CheckResult",
     "Divergence",
     "E2eOptions",

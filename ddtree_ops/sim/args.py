@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=_positive_int, default=1)
     parser.add_argument("--trust-remote-code", action="store_true")
+    # SGLang's flag for clients that send token ids (selftest --e2e does); the simulator
+    # takes ids either way.
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--log-level", type=str, default="info")
     parser.add_argument("--speculative-algorithm", type=str, default=None)
     parser.add_argument(
@@ -348,6 +351,12 @@ class SimSettings:
     # takes the scheduler down (graphs or not).
     replay_crash_budget_over: int | None = None
     crash_sampled: bool = False
+    # Where the profile's capture crash (B300, budget > 8) is simulated to lie: "verify"
+    # (the target's verify graph: nothing but eager decode avoids it) or "candidate_head"
+    # (the draft graph's candidate top-k: SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1 avoids it).
+    # Which one the real fleet has is what `selftest --e2e --bisect-budgets` finds out.
+    capture_fault: str = "verify"
+    eager_draft_head: bool = False
     # CUDA_VISIBLE_DEVICES as CUDA reads it (None: unset, every GPU of the machine): the
     # physical indices this process may use, so that GPU slots are testable without GPUs.
     visible_devices: str | None = None
@@ -393,8 +402,9 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S,
-    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SGLang's own SGLANG_WAIT_PORT_TIMEOUT and
-    CUDA's CUDA_VISIBLE_DEVICES."""
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SGLang's own
+    SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
+    CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
     gpu = env.get("SIM_GPU", "h200") or "h200"
     if gpu not in PROFILES:
@@ -416,8 +426,20 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         warmup_s=_env_float(env, "SIM_WARMUP_S", 2.0),
         replay_crash_budget_over=_env_int_or_none(env, "SIM_REPLAY_CRASH_BUDGET_OVER"),
         crash_sampled=_env_flag(env, "SIM_CRASH_SAMPLED"),
+        capture_fault=_capture_fault(env),
+        eager_draft_head=_env_flag(env, "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER"),
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
     )
+
+
+CAPTURE_FAULTS = ("verify", "candidate_head")
+
+
+def _capture_fault(env: Mapping[str, str]) -> str:
+    raw = env.get("SIM_CAPTURE_FAULT", "") or "verify"
+    if raw not in CAPTURE_FAULTS:
+        raise SimSettingsError(f"SIM_CAPTURE_FAULT={raw!r} is not one of {', '.join(CAPTURE_FAULTS)}")
+    return raw
 
 
 def _env_int_or_none(env: Mapping[str, str], name: str) -> int | None:

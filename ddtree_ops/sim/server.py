@@ -225,7 +225,10 @@ def ddtree_info(args: ServerArgs) -> dict[str, Any]:
         "draft_attention_backend": SIMULATED_BACKEND,
         "decode_cuda_graph": args.cuda_graph_backend_decode,
         "verify_cuda_graph_captured": args.decode_cuda_graph,
-        "tree_mask": "custom_mask",
+        "candidate_head": "draft CUDA graph" if args.decode_cuda_graph else "eager",
+        # The plugin reports what its start-up checks found; the simulator has no hooks to
+        # check, and says so instead of claiming them.
+        "tree_mask": {"hooks_in_place": [], "capture_input": "simulated", "verify_graphs": "simulated"},
         "sampler": "reference",
         # SGLang's --speculative-accept-threshold-{single,acc} defaults: exact verification.
         "accept_thresholds": [1.0, 1.0],
@@ -278,12 +281,46 @@ async def flush_cache(request: Request) -> Response:
     return Response(content="Flush cache failed.\n", status_code=400)
 
 
+def _is_id_batch(ids: object) -> bool:
+    return isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+
+
+async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
+    """``input_ids`` as a list of token-id lists, as SGLang takes a batch: one answer
+    each, in order (``sampling_params`` one object for all, or one per prompt)."""
+    state: State = request.app.state.sim
+    batch = obj["input_ids"]
+    raw = obj.get("sampling_params")
+    try:
+        if obj.get("stream", False):
+            raise RequestError("batched streaming is not simulated")
+        if isinstance(raw, list) and len(raw) != len(batch):
+            raise RequestError(f"{len(batch)} prompts but {len(raw)} sampling_params")
+        items = [(_prompt_from({"input_ids": ids}), SamplingParams.from_json(raw[i] if isinstance(raw, list) else raw))
+                 for i, ids in enumerate(batch)]
+    except RequestError as exc:
+        return _error(str(exc))
+    engine = _engine(request)
+    start = time.monotonic()
+    reqs = [engine.submit(prompt, category, params) for (prompt, category), params in items]
+    try:
+        await asyncio.gather(*(_run_to_end(r) for r in reqs))
+    except asyncio.CancelledError:
+        for r in reqs:
+            engine.abort(r)
+        raise
+    return _json([{"text": detokenize(r.output_ids), "output_ids": list(r.output_ids),
+                   "meta_info": _meta_info(state, r, time.monotonic() - start)} for r in reqs])
+
+
 async def generate(request: Request) -> Response:
     state: State = request.app.state.sim
     try:
         obj = await _read_json(request)
         if not isinstance(obj, dict):
             raise RequestError("Request body must be a JSON object.")
+        if _is_id_batch(obj.get("input_ids")) and obj.get("text") is None:
+            return await _generate_batch(request, obj)
         prompt, category = _prompt_from(obj)
         params = SamplingParams.from_json(obj.get("sampling_params"))
         stream = obj.get("stream", False)
@@ -583,10 +620,12 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
         capture_s = 2.0 + 0.01 * args.cuda_graph_max_bs_decode
         await asyncio.sleep(settings.scaled(capture_s))
         limit = profile.capture_fails_ddtree_budget_over
+        head_avoids = settings.capture_fault == "candidate_head" and settings.eager_draft_head
         if (
             limit is not None
             and args.ddtree is not None
             and args.ddtree.budget > limit
+            and not head_avoids
         ):
             error = (
                 "Capture cuda graph failed: CUDA error: an illegal memory access was encountered\n"

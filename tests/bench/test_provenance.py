@@ -56,7 +56,13 @@ def test_a_simulated_gpu_always_says_so_and_bad_parts_are_null() -> None:
 # /server_info.ddtree as the DDTree plugin reports it (DDTreeWorkerV2.describe_ddtree).
 TREE = {"budget": 16, "topk": 4, "draft_block_size": 16, "verify_width": 17, "max_depth": 15,
         "verify_attention_backend": "FlashInferAttnBackend", "draft_attention_backend": "FlashInferAttnBackend",
-        "decode_cuda_graph": "full", "verify_cuda_graph_captured": True, "tree_mask": "custom_mask",
+        "decode_cuda_graph": "full", "verify_cuda_graph_captured": True, "candidate_head": "draft CUDA graph",
+        "tree_mask": {"hooks_in_place": ["DecodeCudaGraphRunner.get_spec_info", "spec_info.create_dummy_verify_input",
+                                         "dflash_utils.validate_dflash_request",
+                                         "spec_sampling_mask.validate_spec_sampling_mask_request",
+                                         "spec_utils.spec_need_hidden_states", "Scheduler.get_init_info"],
+                      "capture_input": "DDTreeVerifyInput with the runner's mask buffer",
+                      "verify_graphs": "35 captured with the tree mask buffer"},
         "sampler": "kernel", "accept_thresholds": [1.0, 1.0]}
 
 

@@ -109,9 +109,24 @@ def test_params_carry_the_hosts_server_flags_and_env() -> None:
         name="h",
         ddtree=DdtreeSettings(server=ServerSettings(extra_args=("--tp-size", "8"), env={"A": "1"})),
     )
+    # The host's own server command too: the script launches what restart launches.
     assert E2eOptions((4,), ("off",)).params(host) == {
-        "budgets": [4], "graphs": ["off"], "extra_args": ["--tp-size", "8"], "env": {"A": "1"},
+        "budgets": [4], "graphs": ["off"], "topk": 4, "extra_args": ["--tp-size", "8"], "env": {"A": "1"},
+        "server_command": ["python3", "-m", "sglang.launch_server"],
     }
+    bisect = E2eOptions((8, 9), ("on",), bisect=True).params(host)
+    assert bisect["bisect"] == [8, 9] and bisect["budgets"] == [8, 9]
+
+
+def test_bisect_options() -> None:
+    assert e2e_options(e2e=True, budgets=None, graphs=None, bisect=True) == E2eOptions(
+        (8, 9, 10, 12, 16), ("on",), bisect=True
+    )
+    assert e2e_options(e2e=True, budgets="9,12", graphs=None, bisect=True) == E2eOptions((9, 12), ("on",), bisect=True)
+    with pytest.raises(ConfigError, match="--bisect-budgets applies to --e2e only"):
+        e2e_options(e2e=False, budgets=None, graphs=None, bisect=True)
+    with pytest.raises(ConfigError, match="--graphs does not apply to --bisect-budgets"):
+        e2e_options(e2e=True, budgets=None, graphs="off", bisect=True)
 
 
 def _inventory(tmp_path: Path, python: str) -> Path:

@@ -45,6 +45,28 @@ def test_state_roundtrip_and_defaults(tmp_path: Path, monkeypatch: pytest.Monkey
     assert again.fallback_for(key()) is None
 
 
+def test_a_fallback_covers_its_budget_and_every_larger_one(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.json")
+    store.record_fallback(key(9), "capture failed at 9")
+    store.record_fallback(key(16), "capture failed at 16")
+    assert store.fallback_for(key(8)) is None
+    assert store.fallback_for(key(9)).reason == "capture failed at 9"  # type: ignore[union-attr]
+    # The smallest covering record answers, whatever the order they were written in.
+    assert store.fallback_for(key(32)).reason == "capture failed at 9"  # type: ignore[union-attr]
+    other_topk = FallbackKey("b300", "sm_103", "0.5.23", "DDTREE", 32, 8)
+    other_arch = FallbackKey("b300", "sm_120", "0.5.23", "DDTREE", 32, 4)
+    assert store.fallback_for(other_topk) is None and store.fallback_for(other_arch) is None
+    # Graphs that worked at 12 disprove the record at 9, not the one at 16.
+    assert store.clear_fallback(key(12)) is True
+    assert [r.key.budget for r in store.fallbacks()] == [16]
+    assert store.fallback_for(key(12)) is None and store.fallback_for(key(16)) is not None
+    assert store.clear_fallback(key(12)) is False
+    # Budget-less keys (AR, DFLASH) match exactly.
+    ar = FallbackKey("b300", "sm_103", "0.5.23", "AR", None, None)
+    store.record_fallback(ar, "capture failed")
+    assert store.fallback_for(ar) is not None and store.fallback_for(key(64)).key.budget == 16  # type: ignore[union-attr]
+
+
 def test_state_parallel_updates_lose_nothing(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state.json")
     threads = [threading.Thread(target=store.record_load_time, args=(f"h{i}", "m", float(i + 1))) for i in range(24)]

@@ -58,7 +58,8 @@ def test_server_info_reports_the_ddtree_object(ddtree_server) -> None:
         "draft_attention_backend": "simulated",
         "decode_cuda_graph": "full",
         "verify_cuda_graph_captured": True,
-        "tree_mask": "custom_mask",
+        "candidate_head": "draft CUDA graph",
+        "tree_mask": {"hooks_in_place": [], "capture_input": "simulated", "verify_graphs": "simulated"},
         "sampler": "reference",
         "accept_thresholds": [1.0, 1.0],
     }
