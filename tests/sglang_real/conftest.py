@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.patching import deploy, load_bundle
+from ddtree_ops.transport.local import LocalTransport
+
 from . import models, setup_env
+from .prefix import make_prefix
 from .server import ServerPool, is_built
+
+BUNDLE = Path(__file__).resolve().parents[2] / "patches" / "ddtree_temperature"
+# Tokens every greedy DDTREE comparison generates (the references hold 16 more).
+NEW_TOKENS = 24
 
 DRAFT_BLOCK_SIZE = 8
 
@@ -72,3 +81,36 @@ def dflash_server(real_servers: ServerPool, tiny_models: dict[str, Path]):
         tiny_models["target"],
         ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(tiny_models["draft"])],
     )
+
+
+@pytest.fixture(scope="session")
+def ddtree_python(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prefix with the real SGLang 0.5.23 and the DDTree bundle deployed by ddtree-ops."""
+    python = make_prefix(tmp_path_factory.mktemp("ddtree-prefix") / "prefix")
+    host = Host(name="cpu-ddtree", connection="local", ddtree=DdtreeSettings(python=str(python)), source="<test>")
+    with LocalTransport(host.name) as t:
+        outcome = deploy(t, host, load_bundle(BUNDLE))
+    assert outcome.outcome == "applied", outcome
+    return python
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(real_servers, tiny_models) -> list:
+    """The target alone: the outputs every DDTREE server must reproduce."""
+    from .test_real_server_smoke import PROMPTS, TOP_LOGPROBS
+
+    baseline = real_servers.get("baseline", tiny_models["target"])
+    baseline.flush_cache()
+    return baseline.generate(PROMPTS, max_new_tokens=NEW_TOKENS + 16, top_logprobs=TOP_LOGPROBS)
+
+
+@pytest.fixture(scope="session")
+def oracle_file(reference_outputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's own greedy continuation per prompt, for the oracle drafter probe."""
+    from .test_real_server_smoke import PROMPTS
+
+    path = tmp_path_factory.mktemp("oracle") / "oracle.json"
+    path.write_text(
+        json.dumps({",".join(map(str, p)): o.output_ids for p, o in zip(PROMPTS, reference_outputs, strict=True)})
+    )
+    return path

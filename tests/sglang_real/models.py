@@ -61,6 +61,7 @@ HEAD_DIM = 16
 ROPE_THETA = 10000.0
 MASK_TOKEN_ID = 3
 BOS, EOS = 1, 2
+CONTEXT_LEN = 2048  # max_position_embeddings: SGLang's context length for these models
 PERIOD = 4  # the target repeats its last PERIOD tokens; the draft gets up to PERIOD right
 
 # Residual-stream layout (see the module docstring). IDENT/COPY are 31 wide: kv head 0 carries
@@ -91,10 +92,16 @@ def _run_in_venv(*args: str) -> None:
         raise RuntimeError(f"building a model failed ({' '.join(args)}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def write_target(dest: Path | str, *, seed: int = 0) -> Path:
-    """Write the tiny target model to ``dest`` (created); return it."""
+def write_target(dest: Path | str, *, seed: int = 0, lm_head_scale: float = 1.0) -> Path:
+    """Write the tiny target model to ``dest`` (created); return it.
+
+    ``lm_head_scale`` < 1 flattens every next-token distribution by the same factor on
+    the logits (the copy's margin of > 13 logits becomes ``13 * scale``): a target whose
+    samples at temperature 1 spread over several tokens, for statistical tests of the
+    sampler. Its greedy continuation is the same periodic one.
+    """
     dest = Path(dest)
-    _run_in_venv("target", str(dest), "--seed", str(seed))
+    _run_in_venv("target", str(dest), "--seed", str(seed), "--lm-head-scale", repr(float(lm_head_scale)))
     return dest
 
 
@@ -142,7 +149,7 @@ def _qwen3_config(num_layers: int):
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        max_position_embeddings=2048,
+        max_position_embeddings=CONTEXT_LEN,
         rope_theta=ROPE_THETA,
         tie_word_embeddings=False,
         torch_dtype="float32",
@@ -209,7 +216,7 @@ def _copy_head(attn, distance: int) -> None:
         attn.k_norm.weight.fill_(QK_NORM_GAIN)
 
 
-def _build_target(dest: Path, seed: int) -> None:
+def _build_target(dest: Path, seed: int, lm_head_scale: float = 1.0) -> None:
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -217,7 +224,7 @@ def _build_target(dest: Path, seed: int) -> None:
     model = Qwen3ForCausalLM(_qwen3_config(TARGET_LAYERS)).to(torch.float32)
     emb = _codes(seed)
     lm_head = torch.zeros(VOCAB, HIDDEN)
-    lm_head[:, COPY.start : COPY.stop] = emb[:, IDENT.start : IDENT.stop]
+    lm_head[:, COPY.start : COPY.stop] = emb[:, IDENT.start : IDENT.stop] * lm_head_scale
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(emb)
         model.lm_head.weight.copy_(lm_head)
@@ -312,9 +319,10 @@ def _main(argv: list[str]) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--random", action="store_true")
+    ap.add_argument("--lm-head-scale", type=float, default=1.0)
     a = ap.parse_args(argv)
     if a.kind == "target":
-        _build_target(a.dest, a.seed)
+        _build_target(a.dest, a.seed, a.lm_head_scale)
     elif a.kind == "draft":
         _build_draft(a.dest, a.seed, a.block_size, a.random)
     else:  # the defaults of write_target / write_draft

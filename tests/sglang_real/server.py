@@ -24,7 +24,8 @@ from typing import Any
 
 import httpx
 
-from .setup_env import CACHE, server_env, venv_python
+from .serverenv import COVERAGE_VARS, coverage_env, server_env
+from .setup_env import CACHE, venv_python
 
 READY_LINE = "The server is fired up and ready to roll!"
 
@@ -41,6 +42,8 @@ BASE_ARGS = (
     # An idle scheduler otherwise busy-polls one whole core (measured: ~90% of a core).
     "--sleep-on-idle",
 )
+
+
 
 
 class ServerError(RuntimeError):
@@ -129,6 +132,11 @@ class SglangServer:
         env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         env.pop("PYTHONPATH", None)  # the caller's (e.g. pytest's) paths must not leak in
+        for key in COVERAGE_VARS:
+            env.pop(key, None)
+        if self.python != venv_python():
+            # A prefix holds the DDTree bundle: its scheduler is measured.
+            env.update(coverage_env())
         # Two cores on the CI machines: one intra-op thread keeps the spawned processes from
         # fighting over them (and makes float reductions independent of thread scheduling).
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -184,13 +192,19 @@ class SglangServer:
         ``top_logprobs=k`` asks for the log-probs of the chosen and the top-k tokens of every
         generated position (``meta_info["output_token_logprobs"]`` / ``["output_top_logprobs"]``).
         """
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, **sampling}
+        return self.generate_each(input_ids, [params] * len(input_ids), top_logprobs=top_logprobs)
+
+    def generate_each(
+        self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *, top_logprobs: int = 0
+    ) -> list[Output]:
+        """One /generate call with its own sampling parameters per prompt (a seed each, say)."""
         self._check_alive()
+        if len(sampling_params) != len(input_ids):
+            raise ValueError(f"{len(input_ids)} prompts, {len(sampling_params)} sampling parameter sets")
         body: dict[str, Any] = {
             "input_ids": [list(map(int, ids)) for ids in input_ids],
-            "sampling_params": {
-                "temperature": temperature, "max_new_tokens": max_new_tokens,
-                "ignore_eos": ignore_eos, **sampling,
-            },
+            "sampling_params": [dict(p) for p in sampling_params],
         }
         if top_logprobs:
             body.update(return_logprob=True, top_logprobs_num=int(top_logprobs))
@@ -228,6 +242,8 @@ class SglangServer:
 
     def signal_stop(self) -> None:
         """First half of :meth:`stop` (lets a pool stop several servers at once)."""
+        if self.proc is not None and self._stopping is None:
+            _save_coverage(self.proc.pid)
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -270,6 +286,41 @@ class SglangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _save_coverage(sid: int, timeout: float = 30.0) -> None:
+    """Have every measured scheduler of session ``sid`` save its coverage before SGLang
+    ends it with SIGKILL (standins/.../coverage_startup.py: SIGUSR2, then it touches
+    ``pids/<pid>.saved``)."""
+    data_dir = os.environ.get("DDTREE_COVERAGE_DIR")
+    if not os.environ.get("DDTREE_COVERAGE_RC") or not data_dir:
+        return
+    pids_dir = Path(data_dir) / "pids"
+    waiting: dict[int, str | None] = {}
+    for pid in _session_pids(sid):
+        marker = pids_dir / str(pid)
+        try:
+            if marker.read_text() != _start_time(pid):
+                continue  # a reused pid: not the process that announced itself
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        saved = pids_dir / f"{pid}.saved"
+        waiting[pid] = saved.read_text() if saved.exists() else None
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        for pid, before in list(waiting.items()):
+            saved = pids_dir / f"{pid}.saved"
+            if (saved.read_text() if saved.exists() else None) != before or not Path(f"/proc/{pid}").exists():
+                del waiting[pid]
+        time.sleep(0.1)
+    if waiting:
+        raise ServerError(f"schedulers {sorted(waiting)} did not save their coverage within {timeout:.0f} s")
+
+
+def _start_time(pid: int) -> str:
+    """As coverage_startup.process_start_time (the stand-ins do not import in this venv)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
 def _session_pids(sid: int) -> list[int]:

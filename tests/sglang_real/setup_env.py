@@ -225,6 +225,13 @@ def install_standins(steps: Steps) -> None:
         isolation = ["--no-build-isolation"] if has_setuptools else []  # else pip fetches setuptools
         pip("install", "-q", "--no-deps", "--force-reinstall", *isolation, src)
         shutil.rmtree(src, ignore_errors=True)
+        # Every interpreter of this venv (and of the prefixes that add its site-packages)
+        # imports the coverage starter, a no-op unless DDTREE_COVERAGE_RC is set.
+        site = subprocess.run(
+            [venv_python(), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True, text=True, env=build_env(), check=True,
+        ).stdout.strip()
+        Path(site, "sglang_cpu_coverage.pth").write_text("import sglang_cpu_standins.coverage_startup\n")
 
 
 def check(steps: Steps) -> None:
@@ -235,17 +242,9 @@ def check(steps: Steps) -> None:
             "assert 'cpu_standins' in eps, eps;"
             "print('torch', torch.__version__, 'sglang', sglang.__version__, 'plugins', eps)"
         )
+        from serverenv import server_env  # noqa: PLC0415  (beside this script; stdlib only)
+
         run([venv_python(), "-c", code], env=dict(build_env(), **server_env()))
-
-
-def server_env() -> dict[str, str]:
-    """The environment the CPU server needs (also used by tests/sglang_real/server.py)."""
-    ld = os.environ.get("LD_LIBRARY_PATH", "")
-    return {
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "SGLANG_NATIVE_MOVE_KV_CACHE": "1",
-        "LD_LIBRARY_PATH": str(STUB_DIR) + (":" + ld if ld else ""),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

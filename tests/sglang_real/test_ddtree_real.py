@@ -28,64 +28,31 @@ right); drafting a block of ``budget + 1`` (tying the block to the budget) fails
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
-from ddtree_ops.inventory_types import DdtreeSettings, Host
-from ddtree_ops.patching import deploy, load_bundle
-from ddtree_ops.transport.local import LocalTransport
-
 from . import models
-from .prefix import make_prefix
+from .conftest import NEW_TOKENS
 from .server import SglangServer
-from .setup_env import server_env
+from .serverenv import coverage_env, server_env
 from .test_real_server_smoke import LOGPROB_ATOL, PROMPTS, TOP_LOGPROBS
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_real, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-BUNDLE = REPO / "patches" / "ddtree_temperature"
-NEW_TOKENS = 24
 TOPK = 4
 CASES = {"batch1": PROMPTS[:1], "batch3": PROMPTS}
 ABORT_HINT = "tree_speculative_sampling_target_only"
 
 
 @pytest.fixture(scope="session")
-def ddtree_python(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A prefix with the real SGLang 0.5.23 and the DDTree bundle deployed by ddtree-ops."""
-    python = make_prefix(tmp_path_factory.mktemp("ddtree-prefix") / "prefix")
-    host = Host(name="cpu-ddtree", connection="local", ddtree=DdtreeSettings(python=str(python)), source="<test>")
-    with LocalTransport(host.name) as t:
-        outcome = deploy(t, host, load_bundle(BUNDLE))
-    assert outcome.outcome == "applied", outcome
-    return python
-
-
-@pytest.fixture(scope="session")
 def random_draft(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.write_draft(tmp_path_factory.mktemp("random-draft") / "draft", block_size=8, random_weights=True)
-
-
-@pytest.fixture(scope="session")
-def reference_outputs(real_servers, tiny_models) -> list:
-    """The target alone: the outputs every DDTREE server must reproduce."""
-    baseline = real_servers.get("baseline", tiny_models["target"])
-    baseline.flush_cache()
-    return baseline.generate(PROMPTS, max_new_tokens=NEW_TOKENS + 16, top_logprobs=TOP_LOGPROBS)
-
-
-@pytest.fixture(scope="session")
-def oracle_file(reference_outputs, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("oracle") / "oracle.json"
-    path.write_text(
-        json.dumps({",".join(map(str, p)): o.output_ids for p, o in zip(PROMPTS, reference_outputs, strict=True)})
-    )
-    return path
 
 
 def ddtree_args(draft: Path, budget: int, topk: int = TOPK) -> list[str]:
@@ -128,18 +95,30 @@ def _tree_server(pool, python, target, draft, budget, kind, tmp_dir: Path, env: 
 
 # Module-scoped and parametrized: pytest runs every test of one budget before the next,
 # so each server configuration starts once.
-@pytest.fixture(scope="module", params=[4, 16], ids=["budget4", "budget16"])
+@pytest.fixture(scope="module", params=[4, 16, 64], ids=["budget4", "budget16", "budget64"])
 def random_server(request, real_servers, ddtree_python, tiny_models, random_draft, tmp_path_factory) -> TreeServer:
     return _tree_server(real_servers, ddtree_python, tiny_models["target"], random_draft, request.param, "random",
                         tmp_path_factory.getbasetemp(), {})
 
 
+# How a sampled request is verified on each oracle server: budget 4 by the worker's
+# reference branch (the CPU fallback), budget 16 by its kernel branch, the one a GPU host
+# runs (build_speculative_verify_target_probs feeding tree_speculative_sampling_target_only),
+# with only the CUDA op replaced by its pure-torch twin (stand-in tree_sampling_kernel).
+ORACLE_SAMPLERS = {4: "reference", 16: "kernel"}
+SAMPLER_ENV = {
+    "reference": {"SGLANG_DDTREE_REFERENCE_SAMPLER": "1"},
+    "kernel": {"SGLANG_CPU_STANDINS_ENABLE": "tree_sampling_kernel"},
+}
+
+
 @pytest.fixture(scope="module", params=[4, 16], ids=["budget4", "budget16"])
 def oracle_server(request, real_servers, ddtree_python, tiny_models, oracle_file, tmp_path_factory) -> TreeServer:
+    base = tmp_path_factory.getbasetemp()
     return _tree_server(
-        real_servers, ddtree_python, tiny_models["target"], tiny_models["draft"], request.param, "oracle",
-        tmp_path_factory.getbasetemp(),
-        {"DDTREE_TEST_ORACLE": str(oracle_file), "SGLANG_DDTREE_REFERENCE_SAMPLER": "1"},
+        real_servers, ddtree_python, tiny_models["target"], tiny_models["draft"], request.param, "oracle", base,
+        {"DDTREE_TEST_ORACLE": str(oracle_file), "DDTREE_TEST_MASK": str(base / f"mask-{request.param}.jsonl"),
+         **SAMPLER_ENV[ORACLE_SAMPLERS[request.param]]},
     )
 
 
@@ -198,9 +177,19 @@ def test_server_info_reports_how_the_tree_is_verified(oracle_server):
     info = srv.server_info()
     tree = info["ddtree"]
     assert tree["verify_attention_backend"] == "TorchNativeAttnBackend"
-    assert tree["tree_mask"] == "custom_mask"
+    # What the worker checked at start, not a constant: every plugin hook found in its
+    # site's wrapper chain, the capture hook's input, and (no graphs on CPU) no captures.
+    checks = tree["tree_mask"]
+    assert checks["hooks_in_place"] == [
+        "DecodeCudaGraphRunner.get_spec_info", "spec_info.create_dummy_verify_input",
+        "dflash_utils.validate_dflash_request", "spec_sampling_mask.validate_spec_sampling_mask_request",
+        "spec_utils.spec_need_hidden_states", "Scheduler.get_init_info",
+    ], checks
+    assert checks["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer"
+    assert checks["verify_graphs"] == "none captured"
     assert tree["decode_cuda_graph"] == "disabled" and tree["verify_cuda_graph_captured"] is False
-    assert tree["sampler"] == "reference"
+    assert tree["candidate_head"] == "eager"
+    assert tree["sampler"] == ORACLE_SAMPLERS[oracle_server.budget]
     assert tree["accept_thresholds"] == [1.0, 1.0]
     assert info["speculative_algorithm"] == "DDTREE"
     assert info["speculative_eagle_topk"] == TOPK
@@ -218,12 +207,134 @@ def test_sampled_request_is_aborted_alone_and_the_server_keeps_serving(random_se
     assert_same_as_target(got, reference_outputs, f"after an aborted request, budget {budget}")
 
 
-def test_sampled_requests_are_served_with_the_reference_sampler(oracle_server):
+def test_a_sampled_request_is_served_then_greedy_stays_exact(oracle_server, reference_outputs):
+    """One temperature 0.7 request through the server's sampler (budget 16: the kernel
+    branch, which crashed on its first sampled request when it read the draft state from
+    ``batch.spec_info``), then greedy requests are still served, equal to the target."""
     srv = oracle_server.server()
-    outs = srv.generate(PROMPTS, max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9)
-    for o in outs:
+    (out,) = srv.generate(PROMPTS[:1], max_new_tokens=16, temperature=0.7)
+    assert len(out.output_ids) == 16 and out.meta_info["spec_verify_ct"] > 0, out.meta_info
+    assert all(0 <= t < models.VOCAB for t in out.output_ids)
+    got = srv.generate(PROMPTS, max_new_tokens=NEW_TOKENS, top_logprobs=TOP_LOGPROBS)
+    assert_same_as_target(got, reference_outputs, f"after a sampled request, budget {oracle_server.budget}")
+
+
+def test_sampled_requests_with_top_k_top_p_and_min_p_are_served(oracle_server, reference_outputs):
+    srv = oracle_server.server()
+    outs = srv.generate(PROMPTS, max_new_tokens=16, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
+    # One batch whose requests differ in top-k (the verifier's top-k is then per row),
+    # with a greedy row among them: that row must still be the target's own output.
+    mixed = srv.generate_each([*PROMPTS, PROMPTS[0]], [
+        *({"temperature": 0.9, "top_k": k, "max_new_tokens": 16, "ignore_eos": True} for k in (5, 40, -1)),
+        {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True},
+    ])
+    for o in [*outs, *mixed]:
         assert len(o.output_ids) == 16 and o.meta_info["spec_verify_ct"] > 0, o.meta_info
         assert all(0 <= t < models.VOCAB for t in o.output_ids)
+    assert mixed[-1].output_ids == reference_outputs[0].output_ids[:16], "the greedy row of a sampled batch diverged"
+
+
+def test_the_mask_attention_reads_is_the_tree_mask_buffer(oracle_server):
+    """No per-round copy: every target verify hands attention a view of the worker's
+    TreeMaskBuffer, long enough that FlashInfer's planning would not re-allocate it."""
+    srv = oracle_server.server()
+    srv.generate(PROMPTS, max_new_tokens=12)
+    path = srv_mask_file(oracle_server)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records, "the mask probe saw no target verify"
+    assert all(r["view_of_buffer"] for r in records), records
+    assert all(r["mask_cells"] >= r["flashinfer_needs"] for r in records), records
+    assert {r["n"] for r in records} == {oracle_server.budget + 1}, records
+
+
+def srv_mask_file(tree_server: TreeServer) -> Path:
+    return tree_server.widths.parent / f"mask-{tree_server.budget}.jsonl"
+
+
+PER_NODE_INEXACT = {
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "presence_penalty": {"presence_penalty": 0.3},
+    "repetition_penalty": {"repetition_penalty": 1.2},
+    "logit_bias": {"logit_bias": {"7": 2.0}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(PER_NODE_INEXACT))
+def test_penalties_and_logit_bias_are_refused_alone_with_one_line(field, oracle_server, reference_outputs):
+    srv = oracle_server.server()
+    with pytest.raises(Exception) as err:
+        srv.generate(PROMPTS[:1], max_new_tokens=8, **PER_NODE_INEXACT[field])
+    message = str(err.value)
+    assert "400" in message and f"DDTREE does not apply {field} per tree node" in message, message
+    got = srv.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, top_logprobs=TOP_LOGPROBS)
+    assert_same_as_target(got, reference_outputs, f"after refusing {field}")
+
+
+# Requests DDTREE's rounds cannot serve, each refused at admission alone: (extra fields of
+# the /generate body, extra sampling params, the 400's text).
+REFUSED_ALONE = {
+    # the support each sampled token was drawn from: DDTREE's rounds do not build it
+    "return_sampling_mask": ({"return_sampling_mask": True}, {}, "return_sampling_mask is not supported with DDTREE"),
+    # refused before SGLang's grammar manager sees it
+    "regex": ({}, {"regex": "[a-z]+"}, "DDTREE does not support constrained decoding"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_ALONE))
+def test_requests_the_rounds_cannot_serve_are_refused_alone(case, oracle_server, reference_outputs):
+    srv = oracle_server.server()
+    fields, params, text = REFUSED_ALONE[case]
+    body = {"input_ids": PROMPTS[0], **fields,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, **params}}
+    resp = httpx.post(srv.url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 400 and text in resp.text, resp.text
+    got = srv.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, top_logprobs=TOP_LOGPROBS)
+    assert_same_as_target(got, reference_outputs, f"after refusing {case}")
+
+
+def _near_context_requests(limit: int, context_len: int) -> tuple[list[list[int]], list[dict]]:
+    """Prompts of ``limit - 64`` to ``limit - 1`` tokens (prefixes of one fixed random
+    sequence, so the radix cache shares them), each asking for every token the
+    context admits (``context_len - prompt``; SGLang caps it a little lower)."""
+    rng = random.Random(2030)
+    seq = [rng.randrange(4, models.VOCAB) for _ in range(limit)]
+    lens = range(limit - 64, limit)
+    return ([seq[:n] for n in lens],
+            [{"temperature": 0.0, "max_new_tokens": context_len - n, "ignore_eos": True} for n in lens])
+
+
+@pytest.fixture(scope="session")
+def near_context(real_servers, tiny_models) -> dict:
+    """The target alone near its context end: the outputs, and its answer at the limit."""
+    baseline = real_servers.get("baseline", tiny_models["target"])
+    info = baseline.server_info()
+    # Scheduler._handle_generate_request refuses a prompt of max_req_input_len tokens or more.
+    limit, context_len = int(info["max_req_input_len"]), models.CONTEXT_LEN
+    prompts, params = _near_context_requests(limit, context_len)
+    outputs = baseline.generate_each(prompts, params)
+    with pytest.raises(Exception) as refused:
+        baseline.generate_each([prompts[-1] + [5]], [params[-1]])
+    return {"limit": limit, "context_len": context_len, "outputs": [o.output_ids for o in outputs],
+            "refusal": str(refused.value)}
+
+
+def test_near_the_context_end_every_request_is_served_exactly(random_server, near_context):
+    """Prompts from limit - 64 to the limit, each with the most new tokens it may ask
+    for: every round's KV reservation stays inside the request's req_to_token row (it
+    ran past it and killed the scheduler), the outputs equal the target alone, and the
+    prompt at the limit is refused as the target alone refuses it."""
+    srv = random_server.server()
+    prompts, params = _near_context_requests(near_context["limit"], near_context["context_len"])
+    got = srv.generate_each(prompts, params)
+    want = near_context["outputs"]
+    assert [len(o.output_ids) for o in got] == [len(w) for w in want]
+    diverged = [len(p) for p, o, w in zip(prompts, got, want, strict=True) if o.output_ids != w]
+    assert not diverged, f"budget {random_server.budget}: prompt lengths {diverged} diverged from the target alone"
+    with pytest.raises(Exception) as refused:
+        srv.generate_each([prompts[-1] + [5]], [params[-1]])
+    assert "400" in str(refused.value) and "400" in near_context["refusal"], (refused.value, near_context["refusal"])
+    (alive,) = srv.generate(PROMPTS[:1], max_new_tokens=8)
+    assert len(alive.output_ids) == 8
 
 
 REFUSALS = {
@@ -234,6 +345,12 @@ REFUSALS = {
     "page-size": (["--page-size", "2"], {}, "--page-size"),
     "block-flag-disagrees": (["--speculative-dflash-block-size", "4"], {}, "--speculative-dflash-block-size"),
     "rejection-sampling": (["--speculative-use-rejection-sampling"], {}, "--speculative-use-rejection-sampling"),
+    "num-steps": (["--speculative-num-steps", "2"], {}, "--speculative-num-steps"),
+    "pp-size": (["--pp-size", "2"], {}, "--pp-size"),
+    "dp-attention": (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], {}, "dp attention"),
+    "draft-window": (["--speculative-draft-window-size", "64"], {}, "--speculative-draft-window-size"),
+    "disaggregation": (["--disaggregation-mode", "prefill"], {}, "--disaggregation-mode"),
+    "watermark": (["--enable-watermark"], {}, "--enable-watermark"),
     "thresholds": (["--speculative-accept-threshold-single", "0"], {}, "--speculative-accept-threshold-single"),
     "torch_native-without-tree-verify": (
         [], {"SGLANG_CPU_STANDINS_DISABLE": "ddtree_backend"}, "--attention-backend torch_native",
@@ -245,12 +362,15 @@ _RESOLVE = r"""
 import json, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
+from sglang.srt.arg_groups.overrides import max_speculative_num_draft_tokens, resolved_view
 from sglang.srt.server_args import prepare_server_args
 results = []
 for argv in json.loads(sys.argv[1]):
     try:
-        prepare_server_args(argv).resolve_once()
-        results.append({"ok": True})
+        args = prepare_server_args(argv)
+        args.resolve_once()
+        results.append({"ok": True, "draft_backend": resolved_view(args).speculative_draft_attention_backend,
+                        "max_draft_tokens": max_speculative_num_draft_tokens(args)})
     except Exception as exc:
         results.append({"ok": False, "type": type(exc).__name__, "message": str(exc)})
 print(json.dumps(results))
@@ -262,25 +382,48 @@ def _resolve_all(python: Path, argvs: list[list[str]], env: dict[str, str], cwd:
     one interpreter: one import of SGLang instead of one per case."""
     proc = subprocess.run(
         [str(python), "-c", _RESOLVE, json.dumps(argvs)], capture_output=True, text=True, timeout=600, cwd=cwd,
-        env={**server_env(), "HOME": str(cwd), "PATH": "/usr/bin:/bin", **env},
+        env={**server_env(), **coverage_env(now=True), "HOME": str(cwd), "PATH": "/usr/bin:/bin", **env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Resolved beside REFUSALS (same interpreter): a draft whose config has no block_size.
+BLOCKLESS = {
+    "blockless": [],
+    "blockless-flag-1": ["--speculative-dflash-block-size", "1"],
+    "blockless-flag-8": ["--speculative-dflash-block-size", "8"],
+    # A draft backend that takes a tree or windowed path (fa3 does whenever top-k > 1):
+    # moved to the verify backend, which runs a plain block (the GPU default's path).
+    "blockless-flag-8-fa3-draft": ["--speculative-dflash-block-size", "8", "--speculative-draft-attention-backend",
+                                   "fa3"],
+}
+
+
 @pytest.fixture(scope="module")
 def refusals(ddtree_python, tiny_models, tmp_path_factory) -> dict[str, dict]:
-    """Every case of REFUSALS resolved, grouped by environment (one interpreter each)."""
+    """Every case of REFUSALS and BLOCKLESS resolved, grouped by environment (one
+    interpreter each)."""
     cwd = tmp_path_factory.mktemp("resolve")
-    base = ["--model-path", str(tiny_models["target"]), "--device", "cpu", "--attention-backend", "torch_native",
-            "--skip-tokenizer-init", "--dtype", "float32", *ddtree_args(tiny_models["draft"], 4)]
+    blockless = models.write_draft(cwd / "blockless-draft", block_size=None)
+
+    def base(draft: Path) -> list[str]:
+        return ["--model-path", str(tiny_models["target"]), "--device", "cpu", "--attention-backend", "torch_native",
+                "--skip-tokenizer-init", "--dtype", "float32", *ddtree_args(draft, 4)]
+
     out: dict[str, dict] = {}
-    groups: dict[str, list[str]] = {}
-    for case, (_, env, _) in REFUSALS.items():
-        groups.setdefault(json.dumps(env, sort_keys=True), []).append(case)
+    groups: dict[str, list[tuple[str, list[str]]]] = {json.dumps({}): []}
+    for case, (extra, env, _) in REFUSALS.items():
+        # argparse: the last flag wins
+        groups.setdefault(json.dumps(env, sort_keys=True), []).append((case, base(tiny_models["draft"]) + extra))
+    for case, extra in BLOCKLESS.items():
+        groups[json.dumps({})].append((case, base(blockless) + extra))
+    without_draft = base(tiny_models["draft"])
+    at = without_draft.index("--speculative-draft-model-path")
+    groups[json.dumps({})].append(("no-draft", without_draft[:at] + without_draft[at + 2:]))
     for env_key, cases in groups.items():
-        argvs = [base + REFUSALS[case][0] for case in cases]  # argparse: the last flag wins
-        for case, result in zip(cases, _resolve_all(ddtree_python, argvs, json.loads(env_key), cwd), strict=True):
+        results = _resolve_all(ddtree_python, [argv for _, argv in cases], json.loads(env_key), cwd)
+        for (case, _), result in zip(cases, results, strict=True):
             out[case] = result
     return out
 
@@ -294,16 +437,23 @@ def test_unservable_setups_are_refused_at_startup_naming_the_flag(case, refusals
     assert "\n" not in result["message"] and flag in result["message"], result["message"]
 
 
-def test_a_draft_without_a_block_size_is_refused_naming_the_flag(ddtree_python, tiny_models, tmp_path):
-    draft = models.write_draft(tmp_path / "draft", block_size=None)
-    argv = ["--model-path", str(tiny_models["target"]), "--device", "cpu", "--attention-backend", "torch_native",
-            "--skip-tokenizer-init", "--dtype", "float32", *ddtree_args(draft, 4)]
-    refused, served = _resolve_all(
-        ddtree_python, [argv, [*argv, "--speculative-dflash-block-size", "8"]], {}, tmp_path
-    )
+def test_ddtree_without_a_draft_model_is_refused_naming_the_flag(refusals):
+    got = refusals["no-draft"]
+    assert not got["ok"] and got["type"] == "DDTreeError", got
+    assert "--speculative-draft-model-path" in got["message"] and "\n" not in got["message"], got
+
+
+def test_a_draft_without_a_block_size_is_refused_naming_the_flag(refusals):
+    refused, too_small = refusals["blockless"], refusals["blockless-flag-1"]
     assert not refused["ok"] and "--speculative-dflash-block-size" in refused["message"], refused
+    assert not too_small["ok"] and "must be >= 2" in too_small["message"], too_small
     # ... and resolved once the flag states the block it was trained with.
-    assert served["ok"], served
+    assert refusals["blockless-flag-8"]["ok"], refusals["blockless-flag-8"]
+    # Each round writes the block (8) and the verify window (budget 4 + 1) from the same
+    # position: SGLang reserves KV for the wider one.
+    assert refusals["blockless-flag-8"]["max_draft_tokens"] == 8, refusals["blockless-flag-8"]
+    moved = refusals["blockless-flag-8-fa3-draft"]
+    assert moved["ok"] and moved["draft_backend"] == "torch_native", moved
 
 
 def test_the_launcher_prints_the_refusal_as_its_last_line(ddtree_python, tiny_models, tmp_path):

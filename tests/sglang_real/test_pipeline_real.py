@@ -36,7 +36,7 @@ from ddtree_ops.transport.local import LocalTransport
 
 from . import prefix as prefixes
 from .server import BASE_ARGS, free_port
-from .setup_env import server_env
+from .serverenv import COVERAGE_VARS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_real, pytest.mark.timeout(900)]
 
@@ -78,6 +78,8 @@ def cpu_host(
     """An inventory with one local host whose Python is a fresh SGLang 0.5.23 prefix and
     whose server is the real SGLang on CPU; the finaliser stops whatever it still runs."""
     monkeypatch.setenv("DDTREE_OPS_STATE", str(tmp_path / "state.json"))
+    for key in COVERAGE_VARS:  # this server runs code other tests measure (serverenv.py)
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("DDTREE_OPS_INVENTORY", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing may land in the repository (results/ defaults)
     root, owned = fast_root(tmp_path / "prefixes")
@@ -181,7 +183,8 @@ def test_deploy_restart_bench_report_on_real_sglang(
     assert info["speculative_algorithm"] == "DDTREE", info
     tree = info["ddtree"]
     assert (tree["budget"], tree["topk"], tree["draft_block_size"]) == (BUDGET, TOPK, 8), tree
-    assert tree["tree_mask"] == "custom_mask" and tree["sampler"] == "reference", tree
+    assert tree["tree_mask"]["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer", tree
+    assert len(tree["tree_mask"]["hooks_in_place"]) == 6 and tree["sampler"] == "reference", tree
     # Launched without the eager flags, but SGLang has no CUDA graphs on CPU: restart
     # reports the mode the server resolved, not the one it asked for.
     assert "disabled" not in result["argv"], result["argv"]

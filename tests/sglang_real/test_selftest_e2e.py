@@ -1,7 +1,7 @@
 """`ddtree-ops selftest HOST --e2e` against the REAL SGLang 0.5.23 server on CPU.
 
 Through the real CLI, on a local host whose python is a prefix with the DDTree bundle
-deployed by ddtree-ops (the session fixture of test_ddtree_real.py) and whose inventory
+deployed by ddtree-ops (the session fixture in conftest.py) and whose inventory
 gives the CPU flags and environment the test harness uses: the bundle's
 ``selftest_e2e.py`` writes its tiny random-weight models, launches the target alone and
 DDTREE at budgets 4 and 16 with decode graphs off, and reports. What must hold: every run
@@ -28,8 +28,7 @@ import yaml
 from cli_json import json_data
 
 from .server import BASE_ARGS
-from .setup_env import server_env
-from .test_ddtree_real import ddtree_python  # noqa: F401  (the session's deployed prefix)
+from .serverenv import COVERAGE_VARS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_real, pytest.mark.timeout(900)]
 
@@ -52,7 +51,7 @@ def _processes_naming(text: str) -> list[str]:
 
 def test_selftest_e2e_on_the_real_cpu_server(
     cli,
-    ddtree_python: Path,  # noqa: F811
+    ddtree_python: Path,
     tmp_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
@@ -63,6 +62,8 @@ def test_selftest_e2e_on_the_real_cpu_server(
     # the servers' TMPDIR (their IPC socket paths must stay under 108 bytes).
     work = tmp_path_factory.mktemp("e2e")
     monkeypatch.setenv("TMPDIR", str(work))
+    for key in COVERAGE_VARS:  # these servers run code other tests measure (serverenv.py)
+        monkeypatch.delenv(key, raising=False)
     env = {**server_env(), "HOME": str(home), "OMP_NUM_THREADS": "1"}
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(yaml.safe_dump({"all": {"hosts": {HOST: {
@@ -94,7 +95,8 @@ def test_selftest_e2e_on_the_real_cpu_server(
         tree = run["ddtree"]
         assert (tree["budget"], tree["verify_width"], tree["draft_block_size"]) == (
             run["budget"], run["budget"] + 1, 16), label
-        assert tree["tree_mask"] == "custom_mask", label
+        assert tree["tree_mask"]["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer", label
+        assert tree["tree_mask"]["verify_graphs"] == "none captured", label
     assert report["graph_capture"] == {}  # no graphs "on" run
     assert json.loads((tmp_path / "reports" / f"{HOST}.json").read_text()) == report
     assert report["params"]["env"] == sorted(env)  # names only: values stay on the host

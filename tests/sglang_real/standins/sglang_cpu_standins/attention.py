@@ -158,6 +158,8 @@ def forward_extend_with_target_verify(original, self, q, k, v, layer, forward_ba
     from . import ddtree
 
     ddtree.record_width("draft" if layer.attn_type == AttentionType.ENCODER_ONLY else "target", n)
+    if layer.layer_id == 0:
+        ddtree.record_mask(spec_info, forward_batch, n, bs)
     prefix_lens = [int(x) for x in forward_batch.seq_lens[:bs].tolist()]
     pool_rows = [int(x) for x in forward_batch.req_pool_indices[:bs].tolist()]
     masks = verify_masks(

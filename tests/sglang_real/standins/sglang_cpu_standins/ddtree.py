@@ -22,6 +22,14 @@ Probes (off unless their environment variable names a file):
   compaction of accepted tree nodes) -- plus distinct wrong candidates.
 * ``DDTREE_TEST_WIDTHS``: JSON lines ``{"runner": "draft"|"target", "tokens_per_req": n}``
   for every distinct TARGET_VERIFY width the attention stand-in serves.
+* ``DDTREE_TEST_BREAK_HOOK``: a HookRegistry target whose hooks then fail to apply, the
+  way ``HookRegistry.apply_hooks`` meets a broken hook in the field (it logs the exception
+  and carries on): the DDTREE worker must refuse to start.
+* ``DDTREE_TEST_MASK``: JSON lines, one per distinct record, of the tree mask a target
+  verify hands attention: whether it is a view of the worker's ``TreeMaskBuffer`` (the
+  buffer the last ``TreeMaskBuffer.write`` filled), its cells, and what FlashInfer's
+  verify planning needs before it re-allocates (``generate_attn_arg_prefill``,
+  srt/speculative/dflash_info.py: ``seq_lens_sum * N + N * N * bs`` cells).
 """
 
 from __future__ import annotations
@@ -110,3 +118,48 @@ def record_width(runner: str, tokens_per_req: int) -> None:
     _SEEN_WIDTHS.add((runner, tokens_per_req))
     with open(path, "a") as f:
         f.write(json.dumps({"runner": runner, "tokens_per_req": tokens_per_req}) + "\n")
+
+
+_MASK_BUFFER_PTR: list[int] = []
+_SEEN_MASKS: set[tuple] = set()
+
+
+def mask_buffer_write(original, self, *args, **kwargs):
+    """AROUND ``ddtree_utils.TreeMaskBuffer.write``: note the buffer's storage."""
+    out = original(self, *args, **kwargs)
+    _MASK_BUFFER_PTR[:] = [self._buf.untyped_storage().data_ptr()]
+    return out
+
+
+def record_mask(spec_info, forward_batch, n: int, bs: int) -> None:
+    path = os.environ.get("DDTREE_TEST_MASK")
+    mask = getattr(spec_info, "custom_mask", None)
+    if not path or mask is None or not hasattr(spec_info, "retrieve_next_sibling"):
+        return  # not a DDTREE target verify
+    record = {
+        "view_of_buffer": bool(_MASK_BUFFER_PTR) and mask.untyped_storage().data_ptr() == _MASK_BUFFER_PTR[0],
+        "mask_cells": int(mask.numel()),
+        "flashinfer_needs": int(forward_batch.seq_lens_sum) * n + n * n * bs,
+        "bs": bs,
+        "n": n,
+    }
+    key = tuple(sorted(record.items()))
+    if key in _SEEN_MASKS or len(_SEEN_MASKS) > 200:
+        return
+    _SEEN_MASKS.add(key)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def break_hook(target: str) -> None:
+    """Make HookRegistry fail to apply the hooks of ``target`` (see DDTREE_TEST_BREAK_HOOK)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    real_apply = HookRegistry._apply_target.__func__
+
+    def failing(cls, name, hooks):
+        if name == target:
+            raise RuntimeError(f"DDTREE_TEST_BREAK_HOOK: {name} cannot be applied")
+        return real_apply(cls, name, hooks)
+
+    HookRegistry._apply_target = classmethod(failing)

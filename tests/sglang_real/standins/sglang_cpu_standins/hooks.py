@@ -175,11 +175,52 @@ def plain_qk_norm_rope_on_cpu(result, self, *args, **kwargs):
     return result
 
 
+# --- 7. deterministic inference with torch_native ---------------------------------------------
+
+
+def allow_deterministic_torch_native() -> None:
+    """Add "torch_native" to ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES`` (TEST-ONLY).
+
+    Why: per-request ``sampling_seed`` takes effect only under
+    ``--enable-deterministic-inference`` (``SamplingBatchInfo.from_schedule_batch``,
+    srt/sampling/sampling_batch_info.py), which refuses any attention backend outside that
+    list (arg_groups/choices.py, checked in ``_deterministic_attention_backend``,
+    arg_groups/overrides.py) -- GPU backends whose kernels are made batch-invariant. The
+    CPU server's torch_native SDPA with one intra-op thread already is. The list is shared
+    by reference (server_args.py re-exports it), so extending it in place is enough.
+    """
+    from sglang.srt.arg_groups.choices import DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+
+    if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        DETERMINISTIC_ATTENTION_BACKEND_CHOICES.append("torch_native")
+
+
+def no_batch_invariant_mode_on_cpu(original, self, *args, **kwargs):
+    """AROUND ``ModelRunner.maybe_enable_batch_invariant_mode``: skip it on CPU (TEST-ONLY).
+
+    Why: under ``--enable-deterministic-inference`` the runner swaps matmul and friends for
+    batch-invariant Triton kernels registered on the CUDA/XPU dispatch key
+    (srt/batch_invariant_ops/batch_invariant_ops.py ``enable_batch_invariant_mode``), which
+    raises "No supported accelerator (CUDA/XPU) available" on a CPU. Without it a CPU
+    server still honours ``sampling_seed`` (the seeded sampler and EAGLE's seeded verify
+    coins); its float sums may then depend on the batch's composition, so tests that
+    compare seeded outputs send them in batches of the same shape.
+    """
+    if str(getattr(self, "device", "")).startswith("cpu"):
+        return None
+    return original(self, *args, **kwargs)
+
+
+# Stand-ins that change what a CPU server can serve, not only whether it starts: on only
+# where a test names them in SGLANG_CPU_STANDINS_ENABLE.
+OPT_IN = {"tree_sampling_kernel"}
+
+
 def _standins():
     """name -> (target, hook, hook type) for HookRegistry, or a callable to run once."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    from . import attention, ddtree, kernels
+    from . import attention, coverage_startup, ddtree, kernels, sampling
 
     table = {
         "dflash_device": (
@@ -209,7 +250,21 @@ def _standins():
             attention.forward_extend_with_target_verify,
             HookType.AROUND,
         ),
+        "murmur_hash32": (
+            "sglang.kernels.ops.sampling.murmur_hash.murmur_hash32",
+            sampling.murmur_hash32,
+            HookType.AROUND,
+        ),
+        "deterministic_backend": allow_deterministic_torch_native,
+        "batch_invariant_mode": (
+            "sglang.srt.model_executor.model_runner.ModelRunner.maybe_enable_batch_invariant_mode",
+            no_batch_invariant_mode_on_cpu,
+            HookType.AROUND,
+        ),
     }
+    if ddtree.installed():
+        # The twin runs the DDTree bundle's reference of the kernel.
+        table["tree_sampling_kernel"] = sampling.provide_tree_sampling_kernel
     for name, fn in kernels.REPLACEMENTS.items():
         table[f"kernel_{name}"] = (f"sgl_kernel.speculative.{name}", fn, HookType.REPLACE)
     if ddtree.installed():
@@ -219,6 +274,18 @@ def _standins():
             HookType.AROUND,
         )
         table["ddtree_backend"] = ddtree.declare_torch_native
+    if ddtree.installed() and os.environ.get("DDTREE_COVERAGE_RC"):
+        table["ddtree_coverage"] = (
+            "sglang.srt.speculative.ddtree_registration.DDTreeSpecAlgo.create_worker",
+            coverage_startup.around,
+            HookType.AROUND,
+        )
+    if ddtree.installed() and os.environ.get("DDTREE_TEST_MASK"):
+        table["ddtree_mask_probe"] = (
+            "sglang.srt.speculative.ddtree_utils.TreeMaskBuffer.write",
+            ddtree.mask_buffer_write,
+            HookType.AROUND,
+        )
     if ddtree.installed() and os.environ.get("DDTREE_TEST_ORACLE"):
         table["ddtree_oracle"] = (
             "sglang.srt.speculative.ddtree_worker_v2.DDTreeWorkerV2._draft",
@@ -242,16 +309,33 @@ def register_all() -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from . import ddtree
+
     table = _standins()
-    disabled = {x.strip() for x in os.environ.get("SGLANG_CPU_STANDINS_DISABLE", "").split(",") if x.strip()}
+
+    def names(var: str) -> set[str]:
+        return {x.strip() for x in os.environ.get(var, "").split(",") if x.strip()}
+
+    disabled = names("SGLANG_CPU_STANDINS_DISABLE")
+    enabled = names("SGLANG_CPU_STANDINS_ENABLE")
     # DDTREE's stand-ins exist only where the bundle is installed; naming them elsewhere
     # is not a typo.
-    unknown = disabled - set(table) - {"ddtree_device", "ddtree_backend", "ddtree_oracle"}
-    if unknown:
-        raise ValueError(f"SGLANG_CPU_STANDINS_DISABLE: unknown stand-ins {sorted(unknown)}; known: {sorted(table)}")
+    ddtree_only = {"ddtree_device", "ddtree_backend", "ddtree_oracle", "ddtree_mask_probe", "ddtree_coverage",
+                   "tree_sampling_kernel"}
+    unknown = (disabled | enabled) - set(table) - ddtree_only
+    if unknown or not enabled <= OPT_IN:
+        raise ValueError(
+            f"SGLANG_CPU_STANDINS_DISABLE/ENABLE: unknown stand-ins {sorted(unknown | (enabled - OPT_IN))}; "
+            f"known: {sorted(table)}, opt-in: {sorted(OPT_IN)}"
+        )
+    disabled |= OPT_IN - enabled
+    broken = os.environ.get("DDTREE_TEST_BREAK_HOOK")
+    if broken and ddtree.installed():
+        ddtree.break_hook(broken)
     for name, entry in table.items():
         if name in disabled:
-            logger.warning("sglang_cpu_standins: %s disabled", name)
+            if name not in OPT_IN:
+                logger.warning("sglang_cpu_standins: %s disabled", name)
         elif callable(entry):
             entry()
         else:
