@@ -135,6 +135,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="batch 32, prefix 1k/8k/32k, budget 16, top-k 4 only")
     ap.add_argument("--sampled", action="store_true", help="rounds with a sampled request (retrieve tensors built)")
+    ap.add_argument("--batches", help="comma-separated batch sizes (default 1,32; --quick: 32)")
+    ap.add_argument("--budgets", help="comma-separated budgets (default 16,64; --quick: 16)")
+    ap.add_argument("--topks", help="comma-separated top-k (default 4,8; --quick: 4)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the round's tensors are tiny, and on a shared "
                          "machine extra threads only add contention; 0 = torch's default)")
@@ -143,12 +146,15 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     du = load_ddtree_utils()
 
+    def ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",")) if text else default
+
     grid = [
         (bs, prefix, budget, topk)
-        for bs in ((32,) if args.quick else (1, 32))
+        for bs in ints(args.batches, (32,) if args.quick else (1, 32))
         for prefix in (1024, 8192, 32768)
-        for budget in ((16,) if args.quick else (16, 64))
-        for topk in ((4,) if args.quick else (4, 8))
+        for budget in ints(args.budgets, (16,) if args.quick else (16, 64))
+        for topk in ints(args.topks, (4,) if args.quick else (4, 8))
     ]
     rows = []
     for bs, prefix, budget, topk in grid:
@@ -165,12 +171,11 @@ def main() -> int:
         f"b{bs}/B{budget}/k{topk}": round(cost("new", bs, 32768, budget, topk) / cost("new", bs, 1024, budget, topk), 3)
         for bs, _p, budget, topk in grid
     }
-    speedup = round(cost("old", 32, 8192, 16, 4) / cost("new", 32, 8192, 16, 4), 1)
-    new_at_goal = cost("new", 32, 8192, 16, 4)
-
     if args.json:
         print(json.dumps(rows))
         return 0
+    speedup = round(cost("old", 32, 8192, 16, 4) / cost("new", 32, 8192, 16, 4), 1)
+    new_at_goal = cost("new", 32, 8192, 16, 4)
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"draft block {BLOCK_SIZE}, {'sampled' if args.sampled else 'greedy'} rounds")
     print(f"{'batch':>5} {'prefix':>6} {'budget':>6} {'topk':>4} {'layout':>6} {'host_us':>10} {'h2d_bytes':>11} "
