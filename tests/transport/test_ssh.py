@@ -72,7 +72,14 @@ def test_a_file_operation_on_a_dead_connection_fails_once_then_reconnects(
             "read_bytes": lambda: t.read_bytes(path),
             "exists": lambda: t.exists(path),
         }
-        with pytest.raises(TransportError, match=rf"^{fh.name}: cannot \w+ {path}: connection lost \("):
+        # Whether the client saw the connection die before the call: its transport thread
+        # reads the EOF on its own, and then the call reconnects at once as after a host
+        # restart (SSHTransport._client). On a loaded machine that came first now and then.
+        transport = t._clients[-1].get_transport()
+        if transport is not None and transport.is_active():
+            with pytest.raises(TransportError, match=rf"^{fh.name}: cannot \w+ {path}: connection lost \("):
+                calls[op]()
+        else:
             calls[op]()
         # The dead connection was dropped: the next operations reconnect and succeed.
         t.write_atomic(path, b"after")
