@@ -32,25 +32,20 @@ lint: $(STAMP)
 
 # The whole suite. Without PYTEST_ARGS the real-SGLang environment (minutes of pip and
 # disk on a fresh machine) is built while the rest of the suite runs, and the real-server
-# lane starts as soon as it is built, beside the rest of the suite: that one mostly
-# waits on sshd hosts and subprocesses (~0.65 of a core), the lane's servers are CPU-bound
-# (~1.5 cores with two workers). The lane runs niced: the rest of the suite has timing
-# tests (deadlines, Ctrl-C mid-sweep) that must not starve, the lane only waits longer.
-# The rest of the suite writes to .cache/main-suite.log, shown when it ends.
+# lane runs last. Both run on two pytest-xdist workers: on CI's two cores either alone is
+# CPU-bound (measured: the rest of the suite 551 s with two workers, 576 s with four; the
+# lane 881 s with two, ~20 min with one), and running them side by side was slower than
+# one after the other (both starve: ~28 min against ~25).
+MAIN_XDIST ?= -n 2
 REAL_XDIST ?= -n 2 --dist loadscope
 test: $(STAMP) $(if $(strip $(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p .cache; \
 	$(PYTHON) tests/sglang_real/setup_env.py > .cache/sglang-cpu-setup.log 2>&1 & setup=$$!; \
-	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q --ignore=tests/sglang_real \
-		> .cache/main-suite.log 2>&1 & main=$$!; \
-	rc=0; \
-	if wait $$setup; then \
-		tail -n 1 .cache/sglang-cpu-setup.log; \
-		nice -n 10 $(MAKE) --no-print-directory real-server-lane || rc=1; \
-	else cat .cache/sglang-cpu-setup.log; rc=1; fi; \
-	wait $$main || rc=1; \
-	echo "== tests outside tests/sglang_real (.cache/main-suite.log):"; cat .cache/main-suite.log; \
+	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(MAIN_XDIST) --ignore=tests/sglang_real; rc=$$?; \
+	if ! wait $$setup; then cat .cache/sglang-cpu-setup.log; exit 1; fi; \
+	tail -n 1 .cache/sglang-cpu-setup.log; \
+	$(MAKE) --no-print-directory real-server-lane || rc=1; \
 	exit $$rc
 else
 	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
