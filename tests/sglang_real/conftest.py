@@ -33,6 +33,39 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sglang_real: starts the real SGLang server on CPU (.cache/sglang-cpu)")
 
 
+# How the lane shares two workers (`make real-server-lane`: ``--dist loadgroup
+# --no-loadscope-reorder``). A worker is its own session with its own ServerPool, so each
+# module is one unit (its module-scoped servers start once), and the two modules that
+# share the target alone run as one unit, the smoke first while that server is up. The
+# units go out longest first, the free worker taking the next; measured per unit with two
+# workers (server starts included): the tree unit ~700 s, pipeline 203 s, sampling 200 s,
+# selftest --e2e 142 s, triton 95 s, the rest under 50 s each. With loadscope's order
+# (most tests first) one worker ran test_ddtree_real alone and then idled 220 s while
+# the other ran everything else, the longest single tests last.
+LANE_UNITS = (
+    ("tree", ("test_real_server_smoke", "test_ddtree_real")),
+    ("pipeline", ("test_pipeline_real",)),
+    ("sampling", ("test_ddtree_sampling",)),
+    ("selftest-e2e", ("test_selftest_e2e",)),
+    ("triton", ("test_ddtree_triton",)),
+    ("inprocess", ("test_ddtree_inprocess",)),
+    ("kernels", ("test_standin_kernels",)),
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    rank = {module: (i, j) for i, (_, modules) in enumerate(LANE_UNITS) for j, module in enumerate(modules)}
+    group = {module: name for name, modules in LANE_UNITS for module in modules}
+    at = [i for i, item in enumerate(items) if item.path.parent == here]
+    if not at:
+        return
+    lane = sorted((items[i] for i in at), key=lambda item: rank.get(item.path.stem, (len(rank), 0)))  # stable
+    for i, item in zip(at, lane, strict=True):
+        items[i] = item
+        item.add_marker(pytest.mark.xdist_group(group.get(item.path.stem, item.path.stem)))
+
+
 @pytest.fixture(scope="session")
 def sglang_cpu_env() -> Path:
     """The built venv's python; skip when it is not built, fail when it is stale."""
