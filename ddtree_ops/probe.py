@@ -1,7 +1,7 @@
 """Remote facts about a host, gathered in ONE round trip.
 
 A small stdlib-only Python program is sent on stdin to the host's configured interpreter
-and answers one JSON line: Python version, SGLang version and package directory (found
+and answers one message (transport/hostprogram.py): Python version, SGLang version and package directory (found
 with ``importlib.util.find_spec`` / ``importlib.metadata`` — importing SGLang takes
 seconds and may fail for reasons unrelated to whether it is installed), torch and the
 CUDA version it was built for (read from its version file, not imported), GPUs from
@@ -16,19 +16,19 @@ fleet-wide doctor always reports every host.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddtree_ops.errors import DdtreeOpsError, stderr_tail
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.transport import RoundTripCounter, Script, Transport, open_transport
+from ddtree_ops.transport import RoundTripCounter, Transport, open_transport
+from ddtree_ops.transport.hostprogram import run_program
 
-MARKER = "DDTREE-OPS-FACTS "
 PROBE_TIMEOUT_S = 120.0
 
-# Runs on the host with only the standard library (Python >= 3.8). Values arrive as argv.
+# Runs on the host with only the standard library (Python >= 3.8), framed as every host
+# program is (transport/hostprogram.py): the ports and bind address arrive in PAYLOAD.
 PROBE_SOURCE = r'''
 import json, os, platform, shutil, socket, subprocess, sys
 
@@ -125,7 +125,7 @@ def main(ports, bind_host):
     out["ports_busy"] = busy
     return out
 
-print("DDTREE-OPS-FACTS " + json.dumps(main([int(p) for p in sys.argv[1].split(",")], sys.argv[2])))
+reply(main([int(p) for p in PAYLOAD["ports"]], PAYLOAD["bind_host"]))
 '''
 
 
@@ -175,15 +175,15 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
     """One remote command; every failure is returned as ``error``, never raised."""
     port = host.ddtree.server.port
     ports = tuple(slot.port for slot in host.ddtree.server.slots) or (port,)
-    script = Script((host.python, "-", ",".join(map(str, ports)), host.ddtree.server.bind_host), PROBE_SOURCE)
+    payload = {"ports": list(ports), "bind_host": host.ddtree.server.bind_host}
     try:
-        result = transport.run(script, timeout=timeout)
+        run = run_program(transport, host.python, PROBE_SOURCE, payload, timeout=timeout)
     except DdtreeOpsError as exc:
         return HostFacts(
             host=host.name, python=host.python, port=port, error=exc.message or str(exc), error_type=type(exc).__name__
         )
-    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(MARKER)), None)
-    if line is None:
+    result, data = run.result, run.reply
+    if data is None:
         if result.returncode in (126, 127):
             why = f"remote interpreter {host.python!r} not found or not executable (ddtree.python)"
         else:
@@ -198,7 +198,6 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
             error_type="CommandFailed",
             duration_s=result.duration,
         )
-    data = json.loads(line[len(MARKER) :])
     return HostFacts(
         host=host.name,
         reachable=True,

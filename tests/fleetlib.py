@@ -390,6 +390,28 @@ def write_nvidia_smi(bin_dir: Path, gpu: str, count: int = 8) -> Path:
     return stub
 
 
+CHATTER = "chatty host: conda hook says hello"
+
+
+def chatty_python(bin_dir: Path, python: str | Path) -> Path:
+    """An interpreter that talks on stdout before any program runs, as hosts do: a shell
+    hook (conda's activation, a login banner) echoes before ``exec``, and a
+    ``sitecustomize`` prints at start-up, the second time without a newline so that the
+    program's first output shares its line."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    site = bin_dir / "chatty-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nprint({CHATTER!r})\nsys.stdout.write({CHATTER!r})\nsys.stdout.flush()\n"
+    )
+    wrapper = bin_dir / "python"
+    wrapper.write_text(
+        f"#!/bin/sh\necho {CHATTER!r}\nPYTHONPATH={str(site)!r} exec {str(python)!r} \"$@\"\n"
+    )
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def build_fleet(root: Path, gpus: Sequence[str | None] = ("rtx-pro-6000", "b300", None)) -> Fleet:
     """Start one sshd per entry of ``gpus`` (a GPU model, or None for a host without one)."""
     root.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,8 @@
 """On-host load generation: the benchmark client as it runs on the GPU host, next to its server.
 
-Sent like the service agent (:mod:`ddtree_ops.service._agent`): the program text travels
-on stdin with every run (the stdin bootstrap of :mod:`ddtree_ops.patching.remote`, the
-payload after a NUL), so the host always runs the controller's own version and nothing
-is installed there. Stdlib only and Python 3.8-compatible: it runs with the host's
+Sent like every host program (:mod:`ddtree_ops.transport.hostprogram`): the program text
+travels on stdin with every run, the payload after a NUL, so the host always runs the
+controller's own version and nothing is installed there. Stdlib only and Python 3.8-compatible: it runs with the host's
 ``ddtree.python``, whose guaranteed content is SGLang's environment and no more.
 
 Why on the host: a server bound to loopback (as fleets ship, so that no unauthenticated
@@ -12,8 +11,8 @@ there puts the network and the operator's CPU into TTFT and ITL.
 
 The payload (JSON) holds requests already built by the controller (route and body per
 prompt, :mod:`ddtree_ops.bench.client`), so the request payloads have one source. Output
-is one JSON object per line, flushed as soon as it exists, so the controller can write
-progress while the load runs::
+is one message per object (``reply``: a marked line), flushed as soon as it exists, so the
+controller can write progress while the load runs::
 
     {"kind": "flush", "ok": true, "detail": "HTTP 200"}
     {"kind": "server_info", "info": {...} | null}
@@ -32,7 +31,6 @@ import json
 import queue
 import random
 import socket
-import sys
 import threading
 import time
 
@@ -250,17 +248,15 @@ class _Connection:
 
 
 class _Writer:
-    """One JSON object per line on stdout, whole lines only (workers write concurrently)."""
+    """Sends one message per object, whole messages only (workers send concurrently)."""
 
-    def __init__(self, out):
-        self.out = out
+    def __init__(self, send):
+        self.send = send
         self.lock = threading.Lock()
 
     def emit(self, obj):
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
         with self.lock:
-            self.out.write(line)
-            self.out.flush()
+            self.send(obj)
 
 
 # How far ahead of the first arrival a rate-driven batch is scheduled: time for every
@@ -367,9 +363,8 @@ def server_info(address, port, timeout):
     return {"kind": "server_info", "info": info if isinstance(info, dict) else None}
 
 
-def main(payload, out):
-    p = json.loads(payload)
-    writer = _Writer(out)
+def main(p, send):
+    writer = _Writer(send)
     address, port = p["address"], int(p["port"])
     if p.get("flush"):
         writer.emit(flush_cache(address, port, float(p.get("flush_timeout_s", 30.0))))
@@ -380,4 +375,4 @@ def main(payload, out):
 
 
 if __name__ == "__main__":
-    main(globals()["PAYLOAD"], sys.stdout)
+    main(globals()["PAYLOAD"], globals()["reply"])  # both defined by the bootstrap

@@ -15,7 +15,6 @@ and the metrics cannot tell the modes apart except by the row's ``client`` field
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.errors import DdtreeOpsError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import probe_address
-from ddtree_ops.transport.base import Transport, python_program
+from ddtree_ops.transport.base import Transport
+from ddtree_ops.transport.hostprogram import Message, run_program
 
 ClientMode = Literal["local", "host"]
 HOSTCLIENT_SOURCE = Path(__file__).with_name("_hostclient.py").read_text()
@@ -100,13 +100,7 @@ class _Stream:
     results: dict[int, RequestResult] = field(default_factory=dict)
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def line(self, text: str) -> None:
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return  # not ours (a sitecustomize printing on the host); the summary decides
-        if not isinstance(obj, dict):
-            return
+    def message(self, obj: Message) -> None:
         if obj.get("kind") == "request" and isinstance(obj.get("result"), dict):
             result = as_request_result(obj["result"])
             self.results[int(obj.get("index", len(self.results)))] = result
@@ -128,9 +122,9 @@ class HostClient:
         """One host client run; None, or why it did not answer completely."""
         server = self.host.ddtree.server
         body = {"address": probe_address(server.bind_host), "port": server.port, **payload}
-        script = python_program(self.host.python, HOSTCLIENT_SOURCE, json.dumps(body, separators=(",", ":")))
         try:
-            result = self.transport.run(script, timeout=timeout, on_line=stream.line)
+            result = run_program(self.transport, self.host.python, HOSTCLIENT_SOURCE, body, timeout=timeout,
+                                 on_message=stream.message).result
         except DdtreeOpsError as exc:
             return f"host client on {self.host.name}: {exc}"
         if result.returncode != 0:

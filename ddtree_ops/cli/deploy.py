@@ -30,6 +30,7 @@ from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
 from ddtree_ops.service.lifecycle import service_status
+from ddtree_ops.transport.base import Transport
 
 DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
 
@@ -179,7 +180,7 @@ def deploy_cmd(
                 diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
             if restart_fn is not None and out.outcome == "applied":
                 try:
-                    restart_fn(t, h, out.plan.package_version)
+                    restart_fn(t, h)
                 except DdtreeOpsError as exc:
                     # The files are in place and recorded; only the restart needs another go.
                     exc.message = f"patch applied, but the restart failed: {exc.message}"
@@ -198,18 +199,19 @@ def deploy_cmd(
     raise_if_failed("deploy", results)
 
 
-def _restart_hook(budget: int, topk: int) -> Callable[[Any, Host, str | None], None]:
+def _restart_hook(budget: int, topk: int) -> Callable[[Transport, Host], None]:
     """The lifecycle restart of ``deploy --restart``; its run config is checked before any host is touched."""
     from ddtree_ops.service.launch import RunConfig
-    from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
+    from ddtree_ops.service.lifecycle import prepare_restart
     from ddtree_ops.service.lifecycle import restart as service_restart
 
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
 
-    def hook(transport: Any, host: Host, version: str | None) -> None:
-        # The patch is installed once per machine; every GPU slot's server runs it.
+    def hook(transport: Any, host: Host) -> None:
+        # The patch is installed once per machine; every GPU slot's server runs it. The
+        # policy is restart's own: the probed facts key the eager fallbacks.
         for server in host.slot_hosts():
-            service_restart(transport, RestartRequest(server, run, LaunchFacts(version)))
+            service_restart(transport, prepare_restart(transport, server, run, machine=host))
 
     return hook
 

@@ -35,10 +35,9 @@ from ddtree_ops.cli.common import (
     transport_for,
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, ServiceError
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.probe import probe_host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.logphases import Phase, PhaseEvent
@@ -95,27 +94,6 @@ def _slots_and_machines(obj: AppContext, target: str) -> tuple[list[Host], dict[
     inventory = load_inventory_for(obj)
     hosts = inventory.resolve_slots(target)
     return hosts, {h.machine: inventory.hosts[h.machine] for h in hosts if h.slot is not None}
-
-
-def _refuse_beside_whole_host_server(transport: Any, slot: Host, machine: Host) -> None:
-    """A slot must not launch beside a server that holds every GPU of its machine (one
-    launched before the inventory had slots): it would fail later, less clearly."""
-    pid = lifecycle.whole_host_server(transport, machine)
-    if pid is not None:
-        raise ServiceError(
-            f"a server launched on {machine.name} as one server, not in a GPU slot, still runs (pid {pid}, "
-            f"run dir {machine.ddtree.run_dir}) and holds every GPU; 'ddtree-ops stop {machine.name}' stops it",
-            host=slot.name,
-        )
-
-
-def _facts(transport: Any, host: Host) -> lifecycle.LaunchFacts:
-    """The probe's SGLang version and GPU arch; the version alone (from the package
-    metadata) if the probe found none."""
-    facts = probe_host(transport, host)
-    if facts.sglang_version is None:
-        return lifecycle.LaunchFacts(manager.sglang_version(transport, host))
-    return lifecycle.LaunchFacts.from_probe(facts)
 
 
 @dataclass
@@ -222,11 +200,9 @@ def restart(
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
             try:
-                if host.slot is not None:
-                    _refuse_beside_whole_host_server(t, host, machines[host.machine])
-                request = lifecycle.RestartRequest(
-                    host, run, _facts(t, host), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
-                    stop_grace_s=grace, smoke=smoke, lease=_lease_pass(t, host, force=force),
+                request = lifecycle.prepare_restart(
+                    t, host, run, machine=machines.get(host.machine), lease=_lease_pass(t, host, force=force),
+                    timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
                 )
                 result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
             except BaseException as exc:

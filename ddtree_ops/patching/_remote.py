@@ -18,8 +18,8 @@ State lives outside the package directory, in ``<sys.prefix>/.ddtree-ops/``:
     lock/           atomic mkdir; lock/info.json says who holds it
     backups/<txn>/  previous contents of every file a transaction overwrites
 
-Every step answers one JSON line after a marker, so that noise a site-customize prints
-on stdout cannot be mistaken for the answer.
+Every step answers one message (``reply``, transport/hostprogram.py), so that noise a
+site-customize prints on stdout cannot be mistaken for the answer.
 """
 
 import hashlib
@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 
-MARKER = "@@DDTREE-OPS-RESULT@@"
 TMP_PREFIX = ".ddtree-tmp-"
 SITE_KEY_PREFIX = "../"
 # Same pattern as the controller's bundle.DIST_INFO_RE (this file runs alone on the host).
@@ -656,8 +655,7 @@ def do_recover(p):
 STEPS = {"gather": do_gather, "prepare": do_prepare, "commit": do_commit, "recover": do_recover}
 
 
-def main(payload):
-    p = json.loads(payload)
+def main(p):
     try:
         result = {"ok": True, "result": STEPS[p["step"]](p)}
     except Refused as exc:
@@ -666,8 +664,7 @@ def main(payload):
         where = exc.filename or ""
         message = "%s%s" % (exc.strerror or exc, (": " + str(where)) if where else "")
         result = {"ok": False, "kind": "io", "message": message}
-    sys.stdout.write("\n" + MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    globals()["reply"](result)  # defined by the bootstrap (ddtree_ops/transport/hostprogram.py)
 
 
 if __name__ == "__main__":

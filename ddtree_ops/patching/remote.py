@@ -2,13 +2,13 @@
 
 The program text is a constant of ours; every value (paths, hashes, file contents) goes
 in one JSON document on stdin after a NUL byte, so nothing a user wrote ever becomes
-shell or Python syntax. Refusals of the remote side come back as data and are mapped
-here, once, to the exception tree.
+shell or Python syntax (the framing of every host program: transport/hostprogram.py).
+Refusals of the remote side come back as data and are mapped here, once, to the
+exception tree.
 """
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,9 @@ from ddtree_ops.errors import (
     RemoteFileError,
     VerifyError,
 )
-from ddtree_ops.transport.base import Transport, python_program
+from ddtree_ops.transport.base import Transport
+from ddtree_ops.transport.hostprogram import run_program
 
-MARKER = "@@DDTREE-OPS-RESULT@@"
 
 @lru_cache(maxsize=1)
 def program_text() -> str:
@@ -64,9 +64,8 @@ def run_step(
     """
     body = dict(payload)
     body["step"] = step
-    script = python_program(python, program_text(), json.dumps(body, separators=(",", ":")))
-    res = transport.run(script, timeout=timeout)
-    answer = _parse(res.stdout)
+    run = run_program(transport, python, program_text(), body, timeout=timeout)
+    res, answer = run.result, run.reply
     if answer is None:
         raise CommandFailed(
             res.returncode,
@@ -84,17 +83,3 @@ def run_step(
     if kind in _KIND_TO_ERROR:
         raise _KIND_TO_ERROR[kind](message, host=transport.host)
     raise RemoteRefusal(kind, message, host=transport.host, extra=extra)
-
-
-def _parse(stdout: str) -> dict[str, Any] | None:
-    idx = stdout.rfind(MARKER)
-    if idx < 0:
-        return None
-    line = stdout[idx + len(MARKER) :].strip().splitlines()
-    if not line:
-        return None
-    try:
-        value = json.loads(line[0])
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

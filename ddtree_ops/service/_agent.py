@@ -1,9 +1,10 @@
 """Remote side of the process manager: sent on stdin to the host's own Python.
 
-Run as ``python - ACTION JSON``. Stdlib only and Python 3.8-compatible, because it runs
-with whatever interpreter the GPU host has. Every value arrives inside the JSON argv
-entry and is used as data (argv lists for Popen, paths for open); the program text is a
-constant of ours. It prints exactly one JSON object on stdout.
+Run through ddtree_ops/transport/hostprogram.py: its ``PAYLOAD`` is ``{"action": ...,
+"args": {...}}``, on stdin (the server's ``env`` holds tokens: never on a command line),
+and it answers one message with ``reply``. Stdlib only and Python 3.8-compatible, because
+it runs with whatever interpreter the GPU host has. Every value is used as data (argv
+lists for Popen, paths for open); the program text is a constant of ours.
 
 One ``poll`` is one round trip that answers everything the readiness loop needs: is the
 launched process alive, what did its log say since the last poll, who listens on the
@@ -17,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 
 LAUNCH_FILE = "launch.json"
@@ -593,15 +593,13 @@ ACTIONS = {
 }
 
 
-def main(argv):
-    action, payload = argv[1], json.loads(argv[2])
+def main(payload):
     try:
-        result = ACTIONS[action](payload)
+        result = ACTIONS[payload["action"]](payload["args"])
     except Exception as exc:
         result = {"error": "agent", "detail": "%s: %s" % (type(exc).__name__, exc)}
-    sys.stdout.write(json.dumps(result))
-    sys.stdout.flush()
+    globals()["reply"](result)  # defined by the bootstrap (ddtree_ops/transport/hostprogram.py)
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    main(globals()["PAYLOAD"])

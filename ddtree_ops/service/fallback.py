@@ -23,7 +23,7 @@ from ddtree_ops.state import FallbackKey, StateStore
 
 
 class BisectionFinding(Protocol):
-    """What a budget bisection tells (``cli.selftest.Bisection``)."""
+    """What a budget bisection tells (``ddtree_ops.selftest.Bisection``)."""
 
     @property
     def first_failing(self) -> int | None: ...

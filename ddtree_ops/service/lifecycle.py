@@ -55,7 +55,7 @@ from ddtree_ops.service.smoke import SmokeFailure, SmokeResult, SmokeSpec, crash
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
 
-if TYPE_CHECKING:  # the probe is the caller's business; only its facts' shape is read here
+if TYPE_CHECKING:
     from ddtree_ops.probe import HostFacts
 
 PhaseCallback = Callable[[PhaseEvent], None]
@@ -171,6 +171,58 @@ class RestartRequest:
     poll_interval_s: float = 0.5
     smoke: SmokeSpec | None = field(default_factory=SmokeSpec)
     lease: LeasePass = field(default_factory=LeasePass)
+
+
+# What a restart decodes before it says ready unless told otherwise (``--no-smoke``: None).
+DEFAULT_SMOKE = SmokeSpec()
+
+
+def launch_facts(transport: Transport, host: Host, facts: HostFacts | None = None) -> LaunchFacts:
+    """What a launch on ``host`` must know: the probe's SGLang version and GPU architecture
+    (``facts`` when the caller probed already, else one probe now); the version alone,
+    from the package metadata, where the probe found none."""
+    if facts is None:
+        from ddtree_ops.probe import probe_host
+
+        facts = probe_host(transport, host)
+    if facts.sglang_version is None:
+        return LaunchFacts(manager.sglang_version(transport, host), probed_gpu_arch(g.compute_cap for g in facts.gpus))
+    return LaunchFacts.from_probe(facts)
+
+
+def prepare_restart(
+    transport: Transport,
+    host: Host,
+    run: RunConfig,
+    *,
+    machine: Host | None = None,
+    facts: HostFacts | None = None,
+    lease: LeasePass | None = None,
+    timeout: float | None = None,
+    retry_cuda_graph: bool = False,
+    stop_grace_s: float = 30.0,
+    smoke: SmokeSpec | None = DEFAULT_SMOKE,
+) -> RestartRequest:
+    """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
+    to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
+    (:func:`launch_facts`), so that a fallback one of them recorded is honoured by the others.
+
+    A GPU slot (``host.slot``) of ``machine`` is refused (ServiceError) while a server
+    launched on the machine as one server still runs: it holds every GPU. ``lease`` is how
+    a sweep's lease on the host is treated (None: refused while another sweep holds it).
+    """
+    if host.slot is not None and machine is not None:
+        pid = whole_host_server(transport, machine)
+        if pid is not None:
+            raise ServiceError(
+                f"a server launched on {machine.name} as one server, not in a GPU slot, still runs (pid {pid}, "
+                f"run dir {machine.ddtree.run_dir}) and holds every GPU; 'ddtree-ops stop {machine.name}' stops it",
+                host=host.name,
+            )
+    return RestartRequest(
+        host, run, launch_facts(transport, host, facts), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
+        stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
+    )
 
 
 @dataclass(frozen=True)
@@ -589,12 +641,15 @@ def whole_host_server(transport: Transport, machine: Host) -> int | None:
 
 
 __all__ = [
+    "DEFAULT_SMOKE",
     "LaunchFacts",
     "RestartRequest",
     "RestartResult",
     "RunConfig",
     "ServiceStatus",
     "StopResult",
+    "launch_facts",
+    "prepare_restart",
     "restart",
     "service_status",
     "stop",

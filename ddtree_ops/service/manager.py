@@ -12,7 +12,6 @@ systemd in the test machines), and an untested restart path is worse than none.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,7 +23,8 @@ from ddtree_ops import lockholder
 from ddtree_ops.errors import DdtreeOpsError, LeaseHeld, PortBusy, ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import LaunchSpec, probe_address
-from ddtree_ops.transport.base import Script, Transport
+from ddtree_ops.transport.base import Transport
+from ddtree_ops.transport.hostprogram import run_program
 
 AGENT_SOURCE = (Path(__file__).with_name("_agent.py")).read_text()
 LOG_FILE = "server.log"
@@ -55,23 +55,17 @@ class StopResult:
 def call_agent(
     transport: Transport, host: Host, action: str, payload: dict[str, Any], *, timeout: float = 60.0
 ) -> dict[str, Any]:
-    """One round trip to the remote agent. Raises TransportError / ServiceError."""
-    script = Script(argv=(host.python, "-", action, json.dumps(payload)), source=AGENT_SOURCE)
-    result = transport.run(script, timeout=timeout)
-    if result.returncode != 0:
+    """One round trip to the remote agent (its payload, the server's ``env`` included, on
+    stdin: :mod:`~ddtree_ops.transport.hostprogram`). Raises TransportError / ServiceError."""
+    run = run_program(transport, host.python, AGENT_SOURCE, {"action": action, "args": payload}, timeout=timeout)
+    data = run.reply
+    if data is None:
+        result = run.result
         raise ServiceError(
-            f"service agent ({action}) failed with exit code {result.returncode} using {host.python}: "
-            f"{result.stderr.strip()[-400:]}",
+            f"service agent ({action}) with {host.python} gave no answer (exit code {result.returncode}): "
+            f"{result.stderr.strip()[-400:] or result.stdout.strip()[-200:]!s}",
             host=host.name,
         )
-    try:
-        data = json.loads(result.stdout)
-    except json.JSONDecodeError as exc:
-        raise ServiceError(
-            f"service agent ({action}) answered non-JSON: {result.stdout[:200]!r}", host=host.name
-        ) from exc
-    if not isinstance(data, dict):
-        raise ServiceError(f"service agent ({action}) answered {type(data).__name__}", host=host.name)
     if data.get("error") == "agent":
         raise ServiceError(f"service agent ({action}) error: {data.get('detail')}", host=host.name)
     return data

@@ -36,28 +36,13 @@ class Script:
     ``source``); the program text itself is a constant of ours. With ``extra_stdin`` the
     interpreter must not read ahead past its program: ``bash -s`` is fine, but ``sh -s``
     (dash) and ``python -`` read ahead and would treat the data as code — for those, use
-    a small ``-c`` bootstrap that reads all of stdin and splits it at a separator.
+    a small ``-c`` bootstrap that reads all of stdin and splits it at a separator
+    (:mod:`.hostprogram`, the framing of every Python program ddtree-ops runs on a host).
     """
 
     argv: tuple[str, ...]
     source: str
     extra_stdin: str = ""
-
-
-# Reads a program up to the NUL byte and the payload after it: a constant ``-c``
-# bootstrap, because ``python -`` reads ahead and would take the payload for code.
-_PROGRAM_BOOTSTRAP = (
-    "import sys\n"
-    "d=sys.stdin.buffer.read()\n"
-    "s,_,a=d.partition(b'\\0')\n"
-    "exec(compile(s,'<ddtree-ops>','exec'),{'__name__':'__main__','PAYLOAD':a.decode('utf-8')})\n"
-)
-
-
-def python_program(python: str, source: str, payload: str) -> Script:
-    """``source`` run by the host's ``python`` with ``payload`` as its global ``PAYLOAD``;
-    both travel on stdin, so no value reaches the host's command line."""
-    return Script(argv=(python, "-c", _PROGRAM_BOOTSTRAP), source=source + "\0", extra_stdin=payload)
 
 
 Command = Sequence[str] | Script

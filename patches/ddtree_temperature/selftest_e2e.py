@@ -6,10 +6,11 @@ SGLang itself requires)::
     python selftest_e2e.py ['{"budgets": [4, 16], "graphs": ["off"]}']
 
 A deployment tool may instead send this program on stdin behind a small bootstrap that
-defines ``PAYLOAD``: a JSON document ``{"params": {...}, "selftest": "<selftest.py's
-text>"}`` (so that no parameter, e.g. an environment value, shows on a command line);
-run by hand, ``argv[1]`` holds the parameters and the ``selftest.py`` beside this file
-is used. Parameters, every key optional (see ``DEFAULTS``): ``budgets``, ``graphs`` ("on": SGLang's default
+defines ``PAYLOAD``, the decoded JSON document ``{"params": {...}, "selftest":
+"<selftest.py's text>"}`` (so that no parameter, e.g. an environment value, shows on a
+command line), and ``reply``, which the report is then sent with (one framed message
+the tool can tell from anything else on stdout); run by hand, ``argv[1]`` holds the parameters, the
+``selftest.py`` beside this file is used and the report is one JSON line on stdout. Parameters, every key optional (see ``DEFAULTS``): ``budgets``, ``graphs`` ("on": SGLang's default
 decode CUDA graphs, "off": ``--cuda-graph-backend-decode disabled``), ``topk``,
 ``block_size`` (the draft's trained block), ``new_tokens``, ``prompts`` (token-id lists;
 the first is sent alone, then all of them as one batch), ``extra_args`` / ``env`` (the
@@ -167,9 +168,8 @@ class RequestError(Exception):
 
 def read_inputs(argv):
     """(parameters as given, selftest.py's text or None): from ``PAYLOAD`` or argv + file."""
-    payload = globals().get("PAYLOAD")
-    if payload:
-        doc = json.loads(payload)
+    doc = globals().get("PAYLOAD")
+    if doc is not None:
         if not isinstance(doc, dict):
             raise ValueError("the payload must be one JSON object")
         return doc.get("params") or {}, doc.get("selftest")
@@ -713,8 +713,12 @@ def _gpu_arch():
 
 def _emit(report, start, code):
     report["seconds"] = round(time.monotonic() - start, 1)
-    sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
-    sys.stdout.flush()
+    send = globals().get("reply")
+    if send is not None:  # sent behind a deployment tool's bootstrap: its framed message
+        send(report)
+    else:
+        sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+        sys.stdout.flush()
     sys.exit(code)
 
 

@@ -12,17 +12,19 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_json import json_data
+from fleetlib import chatty_python
 
-from ddtree_ops.cli.selftest import (
+from ddtree_ops.errors import CommandFailed, PatchError
+from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.patching.bundle import load_bundle
+from ddtree_ops.selftest import (
     DEFAULT_BUNDLE,
     SelftestResult,
     parse_report,
     run_selftest,
     selftest_source,
 )
-from ddtree_ops.errors import CommandFailed, PatchError
-from ddtree_ops.inventory_types import DdtreeSettings, Host
-from ddtree_ops.patching.bundle import load_bundle
+from ddtree_ops.transport.hostprogram import MARKER
 from ddtree_ops.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +52,12 @@ def _host(python: Path, name: str = "selftest-local") -> Host:
     return Host(name=name, connection="local", ddtree=DdtreeSettings(python=str(python)), source="<test>")
 
 
-def test_selftest_passes_on_deployed_files(tmp_path: Path) -> None:
-    host = _host(_fake_site(tmp_path, deployed=True))
+@pytest.mark.parametrize("chatty", [False, True], ids=["quiet", "chatty"])
+def test_selftest_passes_on_deployed_files(tmp_path: Path, chatty: bool) -> None:
+    python = _fake_site(tmp_path, deployed=True)
+    if chatty:  # a host whose shell hook talks on stdout first: the report is the framed message
+        python = chatty_python(tmp_path / "chatty", python)
+    host = _host(python)
     with LocalTransport(host.name) as t:
         result = run_selftest(t, host, source=selftest_source())
     assert result.ok, result.as_dict()
@@ -87,7 +93,8 @@ def test_selftest_reports_a_broken_deployed_core_as_failed_checks(tmp_path: Path
 
 def test_parse_report_without_json_is_a_command_failure() -> None:
     with pytest.raises(CommandFailed) as info:
-        parse_report("h1", 1, "Traceback...\nboom\n", "SyntaxError: x", ["python3", "-"])
+        # A JSON line that is not a message (no marker) is not a report either.
+        parse_report("h1", 1, 'Traceback...\n{"ok": true, "deployed": true}\n', "SyntaxError: x", ["python3", "-"])
     assert "no JSON report" in str(info.value) and "h1" in str(info.value)
 
 
@@ -98,7 +105,7 @@ def test_parse_report_marks_any_failed_check() -> None:
         "kernel": "available",
         "checks": {"golden_encoding": {"ok": True, "detail": "x"}, "kernel_vs_reference": {"ok": False, "detail": "y"}},
     }
-    result = parse_report("h", 0, json.dumps(report), "", ["p", "-"])
+    result = parse_report("h", 0, "banner of a chatty host\n" + MARKER + json.dumps(report) + "\n", "", ["p", "-"])
     assert isinstance(result, SelftestResult)
     assert not result.ok and result.failed_checks == ["kernel_vs_reference"]
 
@@ -167,7 +174,8 @@ def test_selftest_on_the_ssh_fleet_after_deploy(ssh_fleet) -> None:  # type: ign
 
 def test_table_rendering_names_each_host_and_its_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddtree_ops.cli.main import AppContext
-    from ddtree_ops.cli.selftest import CheckResult, _render
+    from ddtree_ops.cli.selftest import _render
+    from ddtree_ops.selftest import CheckResult
 
     obj = AppContext(json=False)
     monkeypatch.setattr(obj.console, "width", 200)  # no cell wrapping in the assertions

@@ -23,9 +23,9 @@ import yaml
 from cli_json import json_data
 from fleetlib import cached_prefix_template, fast_root, find_wheel, free_port
 
-from ddtree_ops.cli.selftest import DEFAULT_BUNDLE, E2E_NAME
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.patching import deploy, load_bundle
+from ddtree_ops.selftest import DEFAULT_BUNDLE, E2E_NAME
 from ddtree_ops.state import FallbackKey, StateStore
 from ddtree_ops.transport.local import LocalTransport
 

@@ -23,18 +23,11 @@ from cli_json import json_data
 from test_selftest import _fake_site
 
 from ddtree_ops.cli.main import AppContext
-from ddtree_ops.cli.selftest import (
-    DEFAULT_BUNDLE,
-    E2E_NAME,
-    E2eOptions,
-    E2eResult,
-    _render_e2e,
-    e2e_options,
-    parse_e2e_report,
-    write_reports,
-)
+from ddtree_ops.cli.selftest import _render_e2e, e2e_options, write_reports
 from ddtree_ops.errors import CommandFailed, ConfigError, PatchError
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.selftest import DEFAULT_BUNDLE, E2E_NAME, E2eOptions, E2eResult, parse_e2e_report
+from ddtree_ops.transport.hostprogram import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = DEFAULT_BUNDLE / E2E_NAME
@@ -189,7 +182,7 @@ def _report(**kw: object) -> dict:
 
 
 def _parse(report: dict, rc: int = 0, stdout_prefix: str = "") -> E2eResult:
-    return parse_e2e_report("gpu-1", rc, stdout_prefix + json.dumps(report) + "\n", "", ARGV)
+    return parse_e2e_report("gpu-1", rc, stdout_prefix + "\n" + MARKER + json.dumps(report) + "\n", "", ARGV)
 
 
 def test_parse_a_passing_report() -> None:

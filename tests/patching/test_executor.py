@@ -107,6 +107,24 @@ def test_fresh_deploy_three_round_trips_noop_one(mini: MiniHost, basic: Bundle) 
     _assert_clean(mini)
 
 
+def test_a_host_whose_python_talks_on_stdout_deploys_and_rolls_back(mini: MiniHost, basic: Bundle,
+                                                                    tmp_path: Path) -> None:
+    """Every step answers one framed message (transport/hostprogram.py): what a shell hook
+    and a sitecustomize print on stdout is not mistaken for it."""
+    from dataclasses import replace
+
+    from fleetlib import chatty_python
+
+    host = replace(mini.host, ddtree=replace(mini.host.ddtree, python=str(chatty_python(tmp_path / "chatty",
+                                                                                        mini.host.python))))
+    out = deploy(_t(mini), host, basic)
+    assert out.outcome == "applied", out.message
+    assert _assert_not_mixed(mini, basic) == "patched"
+    assert host_status(_t(mini), host).bundle_name == "basic"
+    assert rollback(_t(mini), host).outcome == "rolled-back"
+    _assert_clean(mini)
+
+
 def test_rollback_restores_originals_and_twice_is_noop(mini: MiniHost, basic: Bundle) -> None:
     before = {
         rel: mini.file(rel).read_bytes()

@@ -1,0 +1,91 @@
+"""One restart policy (``lifecycle.prepare_restart``) for ``restart``, ``deploy --restart``
+and a sweep: an eager fallback that one of them learned is honoured by the others.
+
+The host is a prefix with SGLang's files (so that ``deploy`` has a package to patch)
+serving the simulator on its B300 profile, whose CUDA-graph capture crashes above budget
+8, and whose ``nvidia-smi`` (a stand-in on PATH) reports a B300, ``sm_103``. The inventory
+names the GPU ``b300``: a fallback must be keyed on what the probe found, as ``restart``
+records it. ``deploy --restart`` used to key on the inventory's name, miss the record and
+launch with graphs again, crashing one more capture (a full model load on a real host).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import yaml
+from fleetlib import write_nvidia_smi
+from service.simhosts import free_port, run_cli
+
+from ddtree_ops.bench import ledger
+from ddtree_ops.inventory import load_inventory
+from ddtree_ops.service import manager
+from ddtree_ops.state import StateStore
+from ddtree_ops.transport.local import LocalTransport
+from patching.conftest import BUNDLES, MiniHost
+
+
+def _inventory(tmp_path: Path, mini: MiniHost) -> Path:
+    # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
+    (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
+              "draft_model_path": "sim/qwen3-8b-dflash", "port": free_port(), "expected_load_s": 5,
+              "env": {"SIM_LOAD_S": "0.2", "SIM_GPU": "b300", "SIM_TIME_SCALE": "0.1"}}
+    hosts = {"b1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
+                               "gpu": "b300", "server": server}}}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(
+        {"all": {"children": {"b": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}
+    ))
+    return inv
+
+
+def _sweep(tmp_path: Path) -> Path:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "general kenobi"}\n')
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "policy", "targets": ["b1"],
+        "grid": {"algorithm": ["ddtree"], "budget": [16], "topk": [4], "temperature": [0.0], "concurrency": [1]},
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 16}, "warmup": 0,
+    }))
+    return path
+
+
+def test_an_eager_fallback_restart_recorded_is_honoured_by_deploy_restart_and_by_a_sweep(
+    tmp_path: Path, mini: MiniHost
+) -> None:
+    inv = _inventory(tmp_path, mini)
+    state = tmp_path / "state.json"
+    bin_dir = tmp_path / "bin"
+    write_nvidia_smi(bin_dir, "b300")
+    host = load_inventory([inv]).hosts["b1"]
+
+    def fallbacks() -> list[tuple[str, int | None]]:
+        return sorted((r.key.gpu_arch, r.key.budget) for r in StateStore(state).fallbacks())
+
+    try:
+        first = run_cli(inv, "--json", "restart", "b1", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4",
+                        state=state, path_first=bin_dir)
+        assert first.returncode == 0, first.stdout + first.stderr
+        # restart tried graphs, the capture crashed, it fell back and remembered: on sm_103.
+        assert fallbacks() == [("sm_103", 16)]
+
+        deployed = run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), "--restart", "--budget", "16", "--topk", "4",
+                           state=state, path_first=bin_dir)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        # Launched eager at once: no second capture crash, so nothing new to remember.
+        assert fallbacks() == [("sm_103", 16)]
+        record = manager.status(LocalTransport("b1"), host, lines=0)["record"]
+        assert record["cuda_graph"] is False
+
+        swept = run_cli(inv, "bench", "--sweep", str(_sweep(tmp_path)), "--out", str(tmp_path / "l.jsonl"),
+                        state=state, path_first=bin_dir)
+        assert swept.returncode == 0, swept.stdout + swept.stderr
+        (row,) = ledger.read_ledger(tmp_path / "l.jsonl").rows
+        assert row["status"] == "ok" and row["cuda_graph"] is False and row["gpu_arch"] == "sm_103", row
+        assert "capturing_cuda_graphs" not in row["readiness_s"], row["readiness_s"]
+        assert fallbacks() == [("sm_103", 16)]
+    finally:
+        manager.stop(LocalTransport("b1"), host, grace_s=5)
