@@ -8,7 +8,7 @@ same sweep runs through ``SweepRunner`` (the code ``bench`` runs) with the host'
 ``ddtree.server.slots`` set to 1, 2 and 4 slots of one GPU each; each run starts from no
 server. Before the runs, one restart calibrates what a launch costs (restart -> ready:
 stop, load, capture, smoke), recorded for every slot in a private state file, as a
-previous sweep would have; the estimate is then ``expected_schedule`` — the dry run's.
+previous sweep would have; the estimate is then the prepared sweep's schedule — the dry run's.
 
 Printed per slot count: measured wall time, its ratio to the 1-slot time, the estimate and
 the estimate's error. The simulator's own CPU work (several servers on few cores) slows
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from ddtree_ops.bench.plan import plan_sweep
+from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.prompts import build_workload
-from ddtree_ops.bench.runner import SweepRunner, expected_schedule
+from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle
@@ -106,13 +106,14 @@ def main() -> int:
         os.environ[STATE_ENV] = str(tmp / "state.json")
         load = calibrate(tmp, args.load_s, max(counts))
         spec = parse_sweep(sweep_doc(), tmp / "slots.yaml")
-        plan = plan_sweep(spec)
         workload = build_workload(spec.workload)
         for n in counts:
             host = load_inventory([write_inventory(tmp, n, args.load_s)]).hosts["sim"]
-            estimated = expected_schedule(spec, plan, host).wall_s
+            prepared = prepare_sweep(spec, [host])
+            sched = prepared.hosts[0].schedule
+            estimated = sched.wall_s if sched is not None else prepared.hosts[0].estimate_s
             started = time.monotonic()
-            outcome = SweepRunner(spec, [host], workload, ledger_path=tmp / f"ledger-{n}.jsonl").run()
+            outcome = SweepRunner(prepared, workload, ledger_path=tmp / f"ledger-{n}.jsonl").run()
             wall = time.monotonic() - started
             (summary,) = outcome.hosts
             rows.append({"slots": n, "wall_s": round(wall, 2), "estimated_s": round(estimated, 2),

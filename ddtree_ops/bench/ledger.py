@@ -151,6 +151,11 @@ class LedgerRow:
 FIELDS: tuple[str, ...] = ("schema_version",) + tuple(
     f.name for f in fields(LedgerRow) if f.name != "schema_version"
 )
+#: The latency statistics of a row, as :meth:`~ddtree_ops.bench.metrics.CellMetrics.flat`
+#: names them (``ttft_ms_p99``...): the one list the runner copies and the report reads.
+LATENCY_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(LedgerRow) if f.name.startswith(("ttft_ms_", "itl_ms_", "tpot_ms_", "e2e_ms_"))
+)
 #: Fields a row must carry (the metrics default to None).
 REQUIRED: tuple[str, ...] = tuple(
     f.name for f in fields(LedgerRow) if f.default is MISSING and f.default_factory is MISSING

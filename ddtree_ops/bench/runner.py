@@ -20,6 +20,11 @@ ledger key (host, configuration, workload hash, repeat) already has an ``ok`` ro
 refuses a ledger of another sweep (rows carry ``sweep_hash``) and cuts off a truncated
 last line first (:meth:`SweepRunner.prepare`, before any host is touched).
 
+The sweep arrives planned (:mod:`.prepare`: the same plan ``--dry-run`` renders). The
+rest lives beside this slot worker: provenance (:mod:`.provenance`), row assembly
+(:mod:`.rows`), a server place's servers and lease over the sweep (:mod:`.lifetime`), and
+the typed calls into the lower layers (:mod:`.services`).
+
 Where the load comes from (:mod:`.onhost`): with ``client: host`` (the default when the
 server binds loopback) the client runs on the GPU host over the host's transport and
 streams each request's record back as it finishes; with ``client: local`` it runs here
@@ -31,39 +36,39 @@ ITL at high concurrency. Every row records its ``client``.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ddtree_ops import lockholder
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec
-from ddtree_ops.bench.metrics import calculate_metrics
-from ddtree_ops.bench.onhost import ClientMode, LoadClient, client_mode, make_client
-from ddtree_ops.bench.onhost import server_url as server_url
-from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan, cell_seconds, plan_sweep
+from ddtree_ops.bench.ledger import LedgerRow
+from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
+from ddtree_ops.bench.metrics import CellMetrics, RequestResult, calculate_metrics
+from ddtree_ops.bench.onhost import LoadClient, make_client
+from ddtree_ops.bench.plan import Cell, ServerConfig
+from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
-from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
-from ddtree_ops.bench.sweep import SweepSpec, sweep_hash
+from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
+from ddtree_ops.bench.rows import RowMaker, now_iso
+from ddtree_ops.bench.schedule import Job
+from ddtree_ops.bench.services import Services, default_services
+from ddtree_ops.bench.sweep import sweep_hash
 from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.transport.base import Transport
 
 if TYPE_CHECKING:
-    from ddtree_ops.service.launch import Algorithm
-    from ddtree_ops.service.lifecycle import RestartRequest
+    from ddtree_ops.service.lifecycle import RestartResult
 
-LEDGER_ALGORITHM: dict[str, Algorithm] = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
 # Errors after which nothing more can be done on the host in this sweep (LeaseHeld:
 # another sweep holds it).
 _HOST_LOST = (ConnectError, AuthError, HostKeyError, LeaseHeld)
+Run = tuple[Cell, int]
 
 
 @dataclass(frozen=True)
@@ -113,229 +118,12 @@ class SweepOutcome:
         return any(h.interrupted for h in self.hosts)
 
 
-class RestartHook(Protocol):
-    """``lifecycle.restart`` as the runner calls it."""
-
-    def __call__(
-        self, transport: Transport, request: RestartRequest, *, cancel: threading.Event | None = ...
-    ) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Services:
-    """The lifecycle and transport functions the runner calls; swapped only by tests that
-    need to count calls, never to fake a server."""
-
-    open_transport: Callable[[Host], Transport]
-    restart: RestartHook
-    stop: Callable[..., Any]
-    status: Callable[..., Any]
-    probe: Callable[[Transport, Host], Any] | None = None
-    patch_status: Callable[[Transport, Host], Any] | None = None
-    # The host's sweep lease (manager.take_lease / release_lease); None: no lease taken.
-    take_lease: Callable[..., Any] | None = None
-    release_lease: Callable[[Transport, Host, str], Any] | None = None
-
-
-def default_services(*, host_key_policy: str = "strict") -> Services:
-    from ddtree_ops.patching.status import host_status
-    from ddtree_ops.probe import probe_host
-    from ddtree_ops.service import lifecycle, manager
-    from ddtree_ops.transport import open_transport
-
-    return Services(
-        open_transport=lambda h: open_transport(h, host_key_policy=host_key_policy),
-        restart=lifecycle.restart,
-        stop=lifecycle.stop,
-        status=lifecycle.service_status,
-        probe=probe_host,
-        patch_status=host_status,
-        take_lease=manager.take_lease,
-        release_lease=manager.release_lease,
-    )
-
-
-def run_config(server: ServerConfig) -> Any:
-    from ddtree_ops.service.launch import RunConfig
-
-    algo = LEDGER_ALGORITHM[server.algorithm]
-    return RunConfig(algorithm=algo, budget=server.budget, topk=server.topk)
-
-
-def _smoke_status(restart: Any) -> str | None:
-    """The ledger's ``smoke``: None where no server started, else passed or skipped."""
-    if restart is None:
-        return None
-    result = getattr(restart, "smoke", None)
-    return "passed" if result is not None and result.passed else "skipped"
-
-
-def _now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class _Provenance:
-    gpu_name: str | None = None
-    gpu_arch: str | None = None
-    gpu_count: int | None = None
-    driver: str | None = None
-    # The SGLang installed on the host (probed); launch commands are built for it.
-    sglang_version: str | None = None
-    # What the serving process says it is (``/server_info.version``), once it runs.
-    serving_version: str | None = None
-    bundle_name: str | None = None
-    bundle_hash: str | None = None
-    facts: Any = None
-    # ``/server_info.ddtree`` of the serving process: what the plugin resolved.
-    verify_attention_backend: str | None = None
-    verify_cuda_graph: bool | None = None
-    draft_block_size: int | None = None
-    tree_sampler: str | None = None
-
-
-def _arch(compute_cap: object) -> str | None:
-    # nvidia-smi's "12.0" -> "sm_120", as the ledger spells architectures.
-    return f"sm_{str(compute_cap).strip().replace('.', '')}" if compute_cap not in (None, "") else None
-
-
-def _provenance(transport: Transport, host: Host, services: Services) -> _Provenance:
-    """GPU, SGLang version and deployed bundle, best effort: provenance that cannot be
-    learned is null on the rows, it does not stop the benchmark."""
-    facts = None
-    if services.probe is not None:
-        try:
-            facts = services.probe(transport, host)
-        except DdtreeOpsError:
-            facts = None
-    gpus = tuple(getattr(facts, "gpus", ()) or ())
-    gpu = gpus[0] if gpus else None
-    arch = _arch(getattr(gpu, "compute_cap", None))
-    version = getattr(facts, "sglang_version", None)
-    bundle_name = bundle_hash = None
-    if services.patch_status is not None:
-        try:
-            st = services.patch_status(transport, host)
-            bundle_name, bundle_hash = st.bundle_name, st.bundle_identity
-            version = version or st.package_version
-        except DdtreeOpsError:
-            pass
-    return _Provenance(
-        gpu_name=getattr(gpu, "name", None),
-        gpu_arch=arch,
-        gpu_count=len(gpus) or None,
-        driver=getattr(gpu, "driver_version", None),
-        sglang_version=version,
-        bundle_name=bundle_name,
-        bundle_hash=bundle_hash,
-        facts=facts,
-    )
-
-
-def _with_server_info(prov: _Provenance, info: Mapping[str, Any] | None) -> _Provenance:
-    """Host provenance completed by what the launched server says about itself.
-
-    ``version`` is the serving process's own version: the one the measurements belong to,
-    even where it differs from the installed package (the simulator says ``0.5.23-sim``
-    while serving from a prefix holding SGLang 0.5.23). ``simulated_gpu`` exists only on
-    the simulator; it names the GPU only where the host probe found none, so a real
-    ``nvidia-smi`` always wins and real SGLang (which has no such field) changes nothing.
-    Malformed values are ignored: provenance never fails a sweep. The tree fields belong
-    to one launch: a server that does not answer leaves them None, not the last one's.
-    """
-    if not info:
-        return dataclasses.replace(prov, **_tree_provenance(None))
-    changes: dict[str, Any] = {}
-    version = info.get("version")
-    if isinstance(version, str) and version.strip():
-        changes["serving_version"] = version.strip()
-    sim = info.get("simulated_gpu")
-    if isinstance(sim, Mapping) and prov.gpu_name is None and prov.gpu_count is None:
-        name = sim.get("name")
-        if isinstance(name, str) and name.strip():
-            name = name.strip()
-            # The field says simulated; the row must never pass for real hardware.
-            changes["gpu_name"] = name if name.endswith("(simulated)") else f"{name} (simulated)"
-            cap = sim.get("compute_cap")
-            changes["gpu_arch"] = _arch(cap) if isinstance(cap, (str, int, float)) else None
-            count = sim.get("count")
-            changes["gpu_count"] = (
-                count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
-            )
-    changes.update(_tree_provenance(info.get("ddtree")))
-    return dataclasses.replace(prov, **changes)
-
-
-def _tree_provenance(tree: object) -> dict[str, Any]:
-    """The DDTree plugin's ``/server_info.ddtree`` fields a row keeps. Every launch reads
-    them afresh: an AR or DFLASH server has no such object, and its rows say None."""
-    out: dict[str, Any] = dict.fromkeys(
-        ("verify_attention_backend", "verify_cuda_graph", "draft_block_size", "tree_sampler")
-    )
-    if not isinstance(tree, Mapping):
-        return out
-    for key, name in (("verify_attention_backend", "verify_attention_backend"), ("sampler", "tree_sampler")):
-        value = tree.get(key)
-        if isinstance(value, str) and value.strip():
-            out[name] = value.strip()
-    captured = tree.get("verify_cuda_graph_captured")
-    if isinstance(captured, bool):
-        out["verify_cuda_graph"] = captured
-    block = tree.get("draft_block_size")
-    if isinstance(block, int) and not isinstance(block, bool) and block > 0:
-        out["draft_block_size"] = block
-    return out
-
-
-def expected_launch_s(host: Host) -> float:
-    """What one server launch on ``host`` costs a sweep: its last whole restart (stopping
-    the old server, load, capture, smoke; the state file), else its last load, else the
-    inventory's ``expected_load_s``."""
-    from ddtree_ops.state import StateStore
-
-    state, model = StateStore(), host.ddtree.server.model_path or ""
-    for learned in (state.learned_restart_s(host.name, model), state.learned_load_s(host.name, model)):
-        if learned is not None:
-            return learned
-    return host.ddtree.server.expected_load_s
-
-
-def expected_schedule(spec: SweepSpec, plan: SweepPlan, host: Host) -> Schedule:
-    """Which of ``host``'s server places (its GPU slots, or the host itself) is expected to
-    run which launch, and when: what ``bench --dry-run`` shows and the runner's queue
-    follows (per launch: :func:`expected_launch_s`; measuring: :func:`cell_seconds`)."""
-    slots = host.slot_hosts()
-
-    def cell_s(cell: Cell) -> float:
-        return cell_seconds(cell, num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens,
-                            warmup=plan.warmup)
-
-    loads = {Slot(host.name, i, s.slot.gpus if s.slot else ()): expected_launch_s(s) for i, s in enumerate(slots)}
-    jobs = make_jobs(plan_runs(plan), cell_s=cell_s, load_s=min(loads.values()), slots=len(slots))
-    return schedule(jobs, list(loads), load_s=loads)
-
-
-def _for_slot(prov: _Provenance, host: Host) -> _Provenance:
-    """A slot's rows count the GPUs its server sees, not the machine's. (No GPU probed: the
-    server's own report fills it in, see :func:`_with_server_info`.)"""
-    if host.slot is None or prov.gpu_count is None:
-        return prov
-    return dataclasses.replace(prov, gpu_count=len(host.slot.gpus))
-
-
-@dataclass
-class _Shared:
-    cancel: threading.Event
-    stop_all: threading.Event
-    on_progress: Callable[[Progress], None]
-
-
 @dataclass
 class _HostRun:
     """Mutable bookkeeping of one host's workers (one per GPU slot; counters under ``lock``)."""
 
-    host: Host
-    pending: list[tuple[Cell, int]]
+    plan: HostPlan
+    pending: list[Run]
     planned: int
     skipped: int
     done: int = 0
@@ -345,6 +133,10 @@ class _HostRun:
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def host(self) -> Host:
+        return self.plan.host
+
     def eta(self) -> float | None:
         if not self.done:
             return None
@@ -352,14 +144,13 @@ class _HostRun:
         return per * (len(self.pending) - self.done)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _SlotRun:
     """One server place of a host: the host itself, or one of its GPU slots (a slot host
     with its own port, run dir, lease and load client)."""
 
     hr: _HostRun
     host: Host
-    lease: str | None = None  # the token of this sweep's lease on the slot, once taken
 
     @property
     def label(self) -> str:
@@ -388,69 +179,53 @@ class _JobQueue:
             return left
 
 
+@dataclass(frozen=True)
+class _GaveUp:
+    """A launch that ended the slot's work: the host is lost (``error``) or the sweep was
+    interrupted (``error`` None)."""
+
+    error: str | None
+
+
 class SweepRunner:
-    """Carries out one sweep. Build it, then :meth:`run` (blocking; threads inside)."""
+    """Carries out one prepared sweep. Build it, then :meth:`run` (blocking; threads inside)."""
 
     def __init__(
         self,
-        spec: SweepSpec,
-        hosts: Sequence[Host],
+        prepared: PreparedSweep,
         workload: WorkloadPrompts,
         *,
         ledger_path: Path,
-        resume: bool = False,
-        fail_fast: bool = False,
-        keep_server: bool = False,
-        restart_timeout: float | None = None,
-        smoke: bool = True,
+        options: SweepOptions | None = None,
         services: Services | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         cancel: threading.Event | None = None,
         run_id: str | None = None,
     ) -> None:
-        self.spec = spec
-        self.hosts = tuple(hosts)
+        self.prepared = prepared
+        self.spec = prepared.spec
         self.workload = workload
         self.ledger_path = Path(ledger_path)
-        self.resume = resume
-        self.fail_fast = fail_fast
-        self.keep_server = keep_server
-        self.restart_timeout = restart_timeout
-        self.smoke = smoke
+        self.options = options or SweepOptions()
         self.services = services or default_services()
-        self.shared = _Shared(
-            cancel=cancel or threading.Event(), stop_all=threading.Event(), on_progress=on_progress or (lambda _p: None)
-        )
+        self.on_progress = on_progress or (lambda _p: None)
+        self.cancel = cancel or threading.Event()
+        self.stop_all = threading.Event()
         self.run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-        self.sweep_hash = sweep_hash(spec)
+        self.rows = RowMaker(self.spec, workload, self.run_id, sweep_hash(self.spec))
         self.bad_lines: tuple[tuple[int, str], ...] = ()
         self.healed: str | None = None
         self._done: set[str] | None = None
 
     # -- planning ---------------------------------------------------------------------
 
-    def key_fields(self, host: str, cell: Cell, repeat: int) -> dict[str, Any]:
-        """The ledger's identity fields of one run (see ``ledger.KEY_FIELDS``)."""
-        return {
-            "host": host,
-            "algorithm": LEDGER_ALGORITHM[cell.server.algorithm],
-            "budget": cell.server.budget,
-            "topk": cell.server.topk,
-            "temperature": cell.sampling.temperature,
-            "top_p": cell.sampling.top_p,
-            "top_k": cell.sampling.top_k,
-            "concurrency": cell.concurrency,
-            "request_rate": self.spec.request_rate,
-            "workload_hash": self.workload.workload_hash,
-            "repeat": repeat,
-        }
-
-    def pending_runs(self, host: str, plan: SweepPlan, done: set[str]) -> list[tuple[Cell, int]]:
+    def pending_runs(self, host: str, done: set[str]) -> list[Run]:
+        plan = self.prepared.plan
         return [
             (cell, r)
             for cell in plan.cells
             for r in range(plan.repeats)
-            if ledger.row_key(self.key_fields(host, cell, r)) not in done
+            if ledger.row_key(self.rows.key_fields(host, cell, r)) not in done
         ]
 
     def prepare(self) -> None:
@@ -465,13 +240,14 @@ class SweepRunner:
         if self._done is not None:
             return
         ledger.check_writable(self.ledger_path)
-        if not self.resume:
+        if not self.options.resume:
             self._done = set()
             return
         read = ledger.read_ledger(self.ledger_path)
-        ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.sweep_hash, path=self.ledger_path)
-        modes = {h.name: self.client_mode(h) for h in self.hosts}
-        ledger.check_same_client(read.rows, modes, path=self.ledger_path)
+        ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.rows.sweep_hash,
+                                path=self.ledger_path)
+        ledger.check_same_client(read.rows, {hp.host.name: hp.client for hp in self.prepared.hosts},
+                                 path=self.ledger_path)
         bad = list(read.bad_lines)
         removed = ledger.heal_truncated_tail(self.ledger_path)
         if removed:
@@ -488,40 +264,24 @@ class SweepRunner:
     # -- running ----------------------------------------------------------------------
 
     def run(self) -> SweepOutcome:
-        plan = plan_sweep(self.spec)
         done = self.done_keys()
         runs = []
-        for host in self.hosts:
-            pending = self.pending_runs(host.name, plan, done)
-            runs.append(_HostRun(host, pending, planned=plan.runs, skipped=plan.runs - len(pending)))
+        planned = self.prepared.plan.runs
+        for hp in self.prepared.hosts:
+            pending = self.pending_runs(hp.host.name, done)
+            runs.append(_HostRun(hp, pending, planned=planned, skipped=planned - len(pending)))
         with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="bench") as pool:
             summaries = list(pool.map(self._run_host, runs))
         return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines, self.healed)
 
     def _emit(self, hr: _HostRun, phase: str, *, slot: str = "", **kw: Any) -> None:
-        self.shared.on_progress(
+        self.on_progress(
             Progress(host=hr.host.name, done=hr.done, total=len(hr.pending), phase=phase, eta_s=hr.eta(), slot=slot,
                      **kw)
         )
 
     def _stopping(self) -> bool:
-        return self.shared.cancel.is_set() or self.shared.stop_all.is_set()
-
-    def _jobs(self, hr: _HostRun, slots: Sequence[Host]) -> list[Job]:
-        """The host's pending runs as server launches. One server: in plan order (the
-        configuration already running first). Several slots: repeats split where a slot
-        would idle, longest expected first."""
-        if len(slots) == 1:
-            return make_jobs(hr.pending, cell_s=lambda _c: 0.0, load_s=0.0, slots=1)
-
-        def cell_s(cell: Cell) -> float:
-            return cell_seconds(
-                cell, num_prompts=len(self.workload.prompts), max_new_tokens=self.workload.max_new_tokens,
-                warmup=self.spec.warmup,
-            )
-
-        load_s = min(expected_launch_s(slot) for slot in slots)
-        return longest_first(make_jobs(hr.pending, cell_s=cell_s, load_s=load_s, slots=len(slots)))
+        return self.cancel.is_set() or self.stop_all.is_set()
 
     def _run_host(self, hr: _HostRun) -> HostSummary:
         host = hr.host
@@ -529,7 +289,7 @@ class SweepRunner:
             self._emit(hr, "finished", message="nothing left to run")
             return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
         slots = host.slot_hosts()
-        queue = _JobQueue(self._jobs(hr, slots))
+        queue = _JobQueue(self.prepared.jobs(hr.plan, hr.pending))
         if len(slots) == 1:
             errors = [self._run_slot(_SlotRun(hr, slots[0]), queue)]
         else:
@@ -540,190 +300,100 @@ class SweepRunner:
         # Every slot gave up (host lost, lease held): what nobody ran fails with the reason,
         # fail-fast or not — the host's rows must say why they are missing.
         left = queue.drain()
-        if left and error is not None and all(errors) and not self.shared.cancel.is_set():
+        if left and error is not None and all(errors) and not self.cancel.is_set():
             for job in left:
-                self._fail_rest(_SlotRun(hr, host), _Provenance(), None, job.runs, error)
-        interrupted = self.shared.cancel.is_set() and hr.done < len(hr.pending)
+                self._fail_rest(_SlotRun(hr, host), Provenance(), None, job.runs, error)
+        interrupted = self.cancel.is_set() and hr.done < len(hr.pending)
         self._emit(hr, "failed" if error else "finished", message=error or "")
         return HostSummary(
             host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted
         )
 
     def _run_slot(self, sr: _SlotRun, queue: _JobQueue) -> str | None:
-        """One server place's worker: probe, then launch and measure job after job until
-        the queue is empty. Returns why it gave up, or None."""
-        error: str | None = None
-        started_server = False
-        transport: Transport | None = None
-        holding: list[tuple[Cell, int]] = []
+        """One server place's worker: lease, probe, then launch and measure job after job
+        until the queue is empty. Returns why it gave up, or None."""
         try:
-            transport = self.services.open_transport(sr.host)
-            # The lease before anything else: a host another sweep holds is refused
-            # without probing it first (the probe and bundle status cost ~0.13 s per host).
-            self._hold(sr, transport)
-            self._emit(sr.hr, "probing", slot=sr.label)
-            prov = _for_slot(_provenance(transport, sr.host, self.services), sr.host)
-            error, started_server = self._run_jobs(sr, transport, prov, queue, holding)
+            with self.services.open_transport(sr.host) as transport, SweepServer(
+                self.services, transport, sr.host, sr.hr.host, sweep=self.spec.name, run_id=self.run_id,
+                options=self.options, cancel=self.cancel,
+                on_takeover=lambda message: self._emit(sr.hr, "restarting", slot=sr.label, message=message),
+            ) as server:
+                # The lease came first: a host another sweep holds is refused without
+                # probing it (the probe and bundle status cost ~0.13 s per host).
+                self._emit(sr.hr, "probing", slot=sr.label)
+                prov = for_slot(probe_provenance(transport, sr.host, self.services), sr.host)
+                error = self._run_jobs(sr, server, prov, queue)
         except DdtreeOpsError as exc:
-            # Not even provenance, or a failure past the rows' own handling: the runs in
-            # hand fail with the reason; the queue's jobs wait for another slot, or fail
-            # at the host's end.
+            # No lease, no connection: the queue's jobs wait for another slot, or fail at
+            # the host's end with this reason.
             error = str(exc)
-            self._fail_rest(sr, _Provenance(), None, list(holding), error)
-        finally:
-            if transport is not None:
-                if started_server and (self.shared.cancel.is_set() or not self.keep_server):
-                    try:
-                        self.services.stop(transport, sr.host, lease=self._lease_pass(sr))
-                    except DdtreeOpsError:
-                        pass  # the host may be the one that went away; its rows say so
-                self._release(sr, transport)
-                transport.close()
         if error:
             self._emit(sr.hr, "failed", slot=sr.label, message=error)
         return error
 
-    def _run_jobs(
-        self, sr: _SlotRun, transport: Transport, prov: _Provenance, queue: _JobQueue,
-        holding: list[tuple[Cell, int]],
-    ) -> tuple[str | None, bool]:
-        """Take jobs from ``queue`` until it is empty: launch each job's server, measure its
-        runs. Returns (error that ended this slot, whether a server was started). The runs
-        in hand not yet written are kept in ``holding``, for the caller to fail on an
-        unexpected error."""
-        host = sr.host
-        started = False
-        client = make_client(self.client_mode(host), transport, host)
-        serving: ServerConfig | None = None
-        while not self._stopping() and (job := queue.take(serving)) is not None:
-            server, runs = job.server, list(job.runs)
-            holding[:] = runs
-            self._emit(sr.hr, "restarting", slot=sr.label, cell=server.key)
-            try:
-                restart = self._restart(sr, transport, prov, server, runs)
-                started = True
-                serving = server
-            except _HOST_LOST as exc:
-                holding.clear()
-                self._fail_rest(sr, prov, None, runs, str(exc))
-                return str(exc), started
-            except Interrupted:
-                return None, started
-            except DdtreeOpsError as exc:
-                holding.clear()
-                self._fail_rest(sr, prov, None, runs, f"server did not start: {exc}")
-                serving = None
-                continue
-            served = self._served(client, prov)
-            for cell, rep in runs:
-                if self._stopping():
-                    return None, started
-                row = self._measure(sr, client, served, restart, cell, rep)
-                holding.remove((cell, rep))
-                if row["status"] == "failed" and not self._serving(transport, host):
-                    self._emit(sr.hr, "restarting", slot=sr.label, cell=server.key, message="server gone; restarting")
-                    rest = runs[runs.index((cell, rep)) + 1 :]
-                    try:
-                        restart = self._restart(sr, transport, prov, server, runs)
-                    except _HOST_LOST as exc:
-                        holding.clear()
-                        self._fail_rest(sr, prov, None, rest, str(exc))
-                        return str(exc), started
-                    except Interrupted:
-                        return None, started
-                    except DdtreeOpsError as exc:
-                        holding.clear()
-                        self._fail_rest(sr, prov, None, rest, f"server did not restart: {exc}")
-                        serving = None
-                        break
-                    served = self._served(client, prov)
-            holding.clear()
-        return None, started
-
-    def _lease_pass(self, sr: _SlotRun) -> Any:
-        from ddtree_ops.service.manager import LeasePass
-
-        return LeasePass(token=sr.lease)
-
-    def _hold(self, sr: _SlotRun, transport: Transport) -> None:
-        """Take the host's sweep lease when this sweep first reaches it (before probing it),
-        so that no other sweep or restart touches the server until :meth:`_release`. Raises LeaseHeld
-        at once when another live sweep holds it; a dead holder's lease is taken over."""
-        if sr.lease is not None or self.services.take_lease is None:
-            return
-        token = uuid.uuid4().hex
-        holder = lockholder.holder_record(token, "bench") | {"sweep": self.spec.name, "run_id": self.run_id}
-        # Marked running first: a lease of this very process is dead only once its run ended.
-        lockholder.run_started(token)
-        try:
-            taken = self.services.take_lease(transport, sr.host, token=token, holder=holder)
-        except BaseException:
-            lockholder.run_ended(token)
-            raise
-        sr.lease = token
-        if isinstance(taken, dict):
-            from ddtree_ops.service.manager import describe_lease
-
-            message = f"took over the lease of dead {describe_lease(taken)}"
-            self._emit(sr.hr, "restarting", slot=sr.label, message=message)
-
-    def _release(self, sr: _SlotRun, transport: Transport) -> None:
-        """Give the host back at the sweep's end, however it ended; a lease that cannot be
-        released (host gone) is provably dead once this run has ended."""
-        if sr.lease is None or self.services.release_lease is None:
-            return
-        try:
-            self.services.release_lease(transport, sr.host, sr.lease)
-        except DdtreeOpsError:
-            pass
-        finally:
-            lockholder.run_ended(sr.lease)
-
-    def _restart(
-        self, sr: _SlotRun, transport: Transport, prov: _Provenance, server: ServerConfig,
-        runs: Sequence[tuple[Cell, int]],
-    ) -> Any:
-        from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
-        from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
-
-        self._hold(sr, transport)
+    def _launch(
+        self, sr: _SlotRun, server: SweepServer, prov: Provenance, job: Job, rest: Sequence[Run], *, again: bool,
+    ) -> RestartResult | _GaveUp | None:
+        """Launch ``job``'s server: its result; or :class:`_GaveUp`; or None where it did not
+        start (``rest`` fails with the reason and the slot goes on with the next job)."""
         with sr.hr.lock:
             sr.hr.restarts += 1
-        facts = LaunchFacts.from_probe(prov.facts) if prov.facts is not None else LaunchFacts(prov.sglang_version)
-        # The smoke decodes at the sampling settings this server is about to be measured at.
-        smoke = SmokeSpec.for_samplings(
-            SmokeSampling.of(c.sampling.temperature, c.sampling.top_p, c.sampling.top_k) for c, _ in runs
-        ) if self.smoke else None
-        request = RestartRequest(sr.host, run_config(server), facts, timeout=self.restart_timeout, smoke=smoke,
-                                 lease=self._lease_pass(sr))
-        return self.services.restart(transport, request, cancel=self.shared.cancel)
-
-    def _served(self, client: LoadClient, prov: _Provenance) -> _Provenance:
-        """Provenance for the rows of the server just launched: read its ``/server_info``
-        once per launch (a new process may be a different build). Unreadable -> the probed
-        values stand."""
-        return _with_server_info(prov, client.server_info())
-
-    def client_mode(self, host: Host) -> ClientMode:
-        """``local`` or ``host``: the sweep's ``client``, else decided by the bind address."""
-        return client_mode(host, self.spec.client)
-
-    def _serving(self, transport: Transport, host: Host) -> bool:
         try:
-            st = self.services.status(transport, host)
-        except DdtreeOpsError:
-            return False
-        return bool(getattr(st, "running", False)) and getattr(st, "health", None) == 200
+            # The smoke decodes at the sampling settings this server is about to be measured at.
+            return server.restart(job.server, (c.sampling for c, _ in job.runs), prov.facts)
+        except _HOST_LOST as exc:
+            self._fail_rest(sr, prov, None, rest, str(exc))
+            return _GaveUp(str(exc))
+        except Interrupted:
+            return _GaveUp(None)
+        except DdtreeOpsError as exc:
+            self._fail_rest(sr, prov, None, rest, f"server did not {'restart' if again else 'start'}: {exc}")
+            return None
+
+    def _run_jobs(self, sr: _SlotRun, server: SweepServer, prov: Provenance, queue: _JobQueue) -> str | None:
+        """Take jobs from ``queue`` until it is empty: launch each job's server, measure its
+        runs. Returns the error that ended this slot (a failure past the rows' own handling
+        fails the runs of the job in hand with it)."""
+        client = make_client(sr.hr.plan.client, server.transport, sr.host)
+        serving: ServerConfig | None = None
+        left: list[Run] = []
+        try:
+            while not self._stopping() and (job := queue.take(serving)) is not None:
+                left = list(job.runs)
+                restart: RestartResult | None = None  # the server measuring ``left``; None: launch one
+                why = ""  # why it is launched again
+                while left:
+                    if restart is None:
+                        self._emit(sr.hr, "restarting", slot=sr.label, cell=job.server.key, message=why)
+                        launched = self._launch(sr, server, prov, job, left, again=bool(why))
+                        if isinstance(launched, _GaveUp):
+                            return launched.error
+                        if launched is None:
+                            serving = None
+                            break
+                        serving, restart = job.server, launched
+                        served = with_server_info(prov, client.server_info())
+                    if self._stopping():
+                        return None
+                    cell, rep = left[0]
+                    row = self._measure(sr, client, served, restart, cell, rep)
+                    left.pop(0)  # written: no longer the caller's to fail
+                    if row.status == "failed" and not server.serving():
+                        restart, why = None, "server gone; restarting"
+        except DdtreeOpsError as exc:
+            self._fail_rest(sr, prov, None, left, str(exc))
+            return str(exc)
+        return None
 
     def _measure(
-        self, sr: _SlotRun, client: LoadClient, prov: _Provenance, restart: Any, cell: Cell, rep: int
-    ) -> dict[str, Any]:
+        self, sr: _SlotRun, client: LoadClient, prov: Provenance, restart: RestartResult, cell: Cell, rep: int
+    ) -> LedgerRow:
         self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
-        started_at = _now_iso()
+        started_at = now_iso()
         client.flush_cache()
         finished = [0]
 
-        def on_done(_result: Any) -> None:
+        def on_done(_result: RequestResult) -> None:
             # Records stream in as requests finish (from the host too): show them arriving.
             finished[0] += 1
             self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep,
@@ -748,94 +418,35 @@ class SweepRunner:
         error = None
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
-        row = self._row(sr, prov, restart, cell, rep, started_at, error=error)
-        flat = metrics.flat()
-        row.update(
-            completed=metrics.completed,
-            failed=metrics.failed,
-            duration_s=metrics.duration_s,
-            output_tok_s=metrics.output_tok_s,
-            request_s=metrics.request_s,
-            total_input_tokens=metrics.input_tokens,
-            total_output_tokens=metrics.output_tokens,
-            accept_length=metrics.accept_length,
-            verify_ct=metrics.verify_steps or None,
-            **{k: v for k, v in flat.items() if k[:3] in ("ttf", "itl", "tpo", "e2e")},
-        )
+        row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics)
         self._append(sr, row, cell)
         return row
 
-    def _row(
-        self, sr: _SlotRun, prov: _Provenance, restart: Any, cell: Cell, rep: int, started_at: str, *, error: str | None
-    ) -> dict[str, Any]:
-        wl = self.spec.workload
-        name = wl.prompt_set or "+".join(p.stem for p in wl.prompt_files)
-        row = self.key_fields(sr.hr.host.name, cell, rep)
-        row.update(
-            run_id=self.run_id,
-            sweep=self.spec.name,
-            sweep_hash=self.sweep_hash,
-            started_at=started_at,
-            finished_at=_now_iso(),
-            gpu_name=prov.gpu_name,
-            gpu_arch=prov.gpu_arch,
-            gpu_count=prov.gpu_count,
-            driver=prov.driver,
-            sglang_version=prov.serving_version or prov.sglang_version,
-            sglang_installed_version=prov.sglang_version,
-            bundle_name=prov.bundle_name,
-            bundle_hash=prov.bundle_hash,
-            verify_attention_backend=prov.verify_attention_backend,
-            verify_cuda_graph=prov.verify_cuda_graph,
-            draft_block_size=prov.draft_block_size,
-            tree_sampler=prov.tree_sampler,
-            server_argv=list(getattr(restart, "argv", ()) or ()),
-            cuda_graph=bool(getattr(restart, "cuda_graph", False)),
-            fallback_reason=getattr(restart, "fallback_reason", None),
-            smoke=_smoke_status(restart),
-            smoke_s=getattr(getattr(restart, "smoke", None), "seconds", None),
-            readiness_s=dict(getattr(restart, "phase_durations", {}) or {}),
-            workload_name=name,
-            workload_num_prompts=len(self.workload.prompts),
-            workload_max_new_tokens=self.workload.max_new_tokens,
-            workload_ignore_eos=self.workload.ignore_eos,
-            workload_seed=wl.seed,
-            client=self.client_mode(sr.host),
-            slot=sr.host.slot.index if sr.host.slot is not None else None,
-            gpu_indices=list(sr.host.slot.gpus) if sr.host.slot is not None else None,
-            status="failed" if error else "ok",
-            error=error,
-        )
-        return row
+    def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
+             started_at: str, *, error: str | None, metrics: CellMetrics | None = None) -> LedgerRow:
+        return self.rows.row(machine=sr.hr.host.name, server_host=sr.host, client=sr.hr.plan.client, prov=prov,
+                             restart=restart, cell=cell, repeat=rep, started_at=started_at, error=error,
+                             metrics=metrics)
 
-    def _append(self, sr: _SlotRun, row: Mapping[str, Any], cell: Cell) -> None:
+    def _append(self, sr: _SlotRun, row: LedgerRow, cell: Cell) -> None:
         hr = sr.hr
         ledger.append_row(self.ledger_path, row)
         with hr.lock:
             hr.done += 1
-            if row["status"] == "ok":
+            if row.status == "ok":
                 hr.ok_rows += 1
             else:
                 hr.failed_rows += 1
-        if row["status"] != "ok" and self.fail_fast:
-            self.shared.stop_all.set()
-        self._emit(hr, "row", slot=sr.label, cell=cell.key, repeat=int(row["repeat"]), status=str(row["status"]),
-                   message=row.get("error") or "")
+        if row.status != "ok" and self.options.fail_fast:
+            self.stop_all.set()
+        self._emit(hr, "row", slot=sr.label, cell=cell.key, repeat=row.repeat, status=row.status,
+                   message=row.error or "")
 
     def _fail_rest(
-        self, sr: _SlotRun, prov: _Provenance, restart: Any, runs: Sequence[tuple[Cell, int]], error: str
+        self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, runs: Sequence[Run], error: str
     ) -> None:
         for cell, rep in runs:
-            self._append(sr, self._row(sr, prov, restart, cell, rep, _now_iso(), error=error), cell)
+            self._append(sr, self._row(sr, prov, restart, cell, rep, now_iso(), error=error), cell)
 
 
-def run_sweep(
-    spec: SweepSpec,
-    hosts: Sequence[Host],
-    workload: WorkloadPrompts,
-    *,
-    ledger_path: Path,
-    **options: Any,
-) -> SweepOutcome:
-    """Convenience wrapper: ``SweepRunner(...).run()``."""
-    return SweepRunner(spec, hosts, workload, ledger_path=ledger_path, **options).run()
+__all__ = ["HostSummary", "Progress", "SweepOptions", "SweepOutcome", "SweepRunner"]

@@ -17,12 +17,13 @@ import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from ddtree_ops.bench.onhost import client_mode
-from ddtree_ops.bench.plan import SweepPlan, estimate_seconds, plan_sweep
+from ddtree_ops.bench.lifetime import SweepOptions
+from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
 from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress as RunProgress
-from ddtree_ops.bench.runner import SweepOutcome, SweepRunner, default_services, expected_launch_s, expected_schedule
+from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.bench.schedule import Schedule
+from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
 from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app, err_console
@@ -46,25 +47,24 @@ def _hosts(obj: AppContext, spec: SweepSpec, target: str | None) -> list[Host]:
     return list(seen.values())
 
 
-def _plan_json(spec: SweepSpec, plan: SweepPlan, hosts: list[Host], estimates: dict[str, float]) -> dict[str, Any]:
+def _plan_json(prepared: PreparedSweep) -> dict[str, Any]:
+    spec, plan = prepared.spec, prepared.plan
     return {
         "sweep": spec.name,
-        "hosts": [h.name for h in hosts],
+        "hosts": [hp.host.name for hp in prepared.hosts],
         # Where each host's load is generated: "host" (next to its server) or "local".
-        "clients": {h.name: client_mode(h, spec.client) for h in hosts},
+        "clients": {hp.host.name: hp.client for hp in prepared.hosts},
         "restarts_per_host": plan.restarts,
         "rows_per_host": plan.runs,
-        "estimated_s": estimates,
+        "estimated_s": {hp.host.name: hp.estimate_s for hp in prepared.hosts},
         "groups": [
             {"server": g.server.key, "cells": [c.key for c in g.cells], "baseline": any(c.baseline for c in g.cells)}
             for g in plan.groups
         ],
+        # Hosts with GPU slots: the expected schedule, and its wall time against one server's.
+        "slot_schedules": {hp.host.name: _schedule_json(hp.schedule) for hp in prepared.hosts
+                           if hp.schedule is not None},
     }
-
-
-def _slot_schedules(spec: SweepSpec, plan: SweepPlan, hosts: list[Host]) -> dict[str, Schedule]:
-    """For each host with several GPU slots: which slot is expected to run what, and when."""
-    return {h.name: expected_schedule(spec, plan, h) for h in hosts if len(h.slot_hosts()) > 1}
 
 
 def _schedule_json(sched: Schedule) -> dict[str, Any]:
@@ -79,19 +79,10 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
     }
 
 
-def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[Host], *, wide: bool = False) -> None:
-    estimates: dict[str, float] = {}
-    for h in hosts:
-        estimates[h.name] = estimate_seconds(
-            plan, load_s=expected_launch_s(h.slot_hosts()[0]), num_prompts=spec.workload.num_prompts,
-            max_new_tokens=spec.workload.max_new_tokens,
-        )
-    schedules = _slot_schedules(spec, plan, hosts)
+def _render_plan(obj: AppContext, prepared: PreparedSweep, *, wide: bool = False) -> None:
+    spec, plan = prepared.spec, prepared.plan
     if obj.json:
-        data = _plan_json(spec, plan, hosts, estimates)
-        # Hosts with GPU slots: the expected schedule, and its wall time against one server's.
-        data["slot_schedules"] = {name: _schedule_json(sched) for name, sched in schedules.items()}
-        set_json_data(obj, data)
+        set_json_data(obj, _plan_json(prepared))
         return
     columns = (
         TableColumn("#", "right"),
@@ -108,17 +99,17 @@ def _render_plan(obj: AppContext, spec: SweepSpec, plan: SweepPlan, hosts: list[
         rows.append([str(i), label, str(len(g.cells)), ", ".join(f"{t:g}" for t in temps), ", ".join(map(str, conc))])
     title = f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host"
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
-    for h in hosts:
-        sched = schedules.get(h.name)
+    for hp in prepared.hosts:
+        h, sched = hp.host, hp.schedule
         if sched is None:
             obj.console.print(
-                f"{h.name}: client {client_mode(h, spec.client)}, estimated {estimates[h.name] / 60:.1f} min "
+                f"{h.name}: client {hp.client}, estimated {hp.estimate_s / 60:.1f} min "
                 "(learned or expected load time per launch)", markup=False, highlight=False,
             )
             continue
         obj.console.print(
-            f"{h.name}: client {client_mode(h, spec.client)}, {len(sched.slots)} GPU slots, estimated "
-            f"{sched.wall_s / 60:.1f} min (one server: {estimates[h.name] / 60:.1f} min)", markup=False,
+            f"{h.name}: client {hp.client}, {len(sched.slots)} GPU slots, estimated "
+            f"{sched.wall_s / 60:.1f} min (one server: {hp.estimate_s / 60:.1f} min)", markup=False,
             highlight=False,
         )
         for slot in sched.slots:
@@ -184,10 +175,9 @@ def bench(
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
     obj: AppContext = ctx.obj
     spec = load_sweep(sweep)
-    hosts = _hosts(obj, spec, target)
-    plan = plan_sweep(spec)
+    prepared = prepare_sweep(spec, _hosts(obj, spec, target))
     if dry_run:
-        _render_plan(obj, spec, plan, hosts, wide=wide)
+        _render_plan(obj, prepared, wide=wide)
         return
     workload = build_workload(spec.workload, search=(spec.source.parent,))
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
@@ -202,15 +192,11 @@ def bench(
             f(p)
 
     runner = SweepRunner(
-        spec,
-        hosts,
+        prepared,
         workload,
         ledger_path=ledger_path,
-        resume=resume,
-        fail_fast=fail_fast,
-        keep_server=keep_server,
-        restart_timeout=restart_timeout,
-        smoke=not no_smoke,
+        options=SweepOptions(resume=resume, fail_fast=fail_fast, keep_server=keep_server,
+                             restart_timeout=restart_timeout, smoke=not no_smoke),
         services=default_services(host_key_policy=obj.host_key_policy),
         on_progress=forward,
         cancel=cancel,
@@ -230,7 +216,9 @@ def bench(
         disable=obj.json,
         transient=False,
     ) as bar:
-        tasks: dict[str, TaskID] = {h.name: bar.add_task("waiting", total=plan.runs, host=h.name) for h in hosts}
+        tasks: dict[str, TaskID] = {
+            hp.host.name: bar.add_task("waiting", total=prepared.plan.runs, host=hp.host.name) for hp in prepared.hosts
+        }
 
         def on_progress(p: RunProgress) -> None:
             desc = p.phase if not p.cell else f"{p.phase} {p.cell}"

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.onhost import client_mode
+from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.prompts import build_workload
-from ddtree_ops.bench.runner import Progress, SweepRunner, default_services
+from ddtree_ops.bench.runner import Progress, SweepRunner
+from ddtree_ops.bench.services import default_services
 from ddtree_ops.inventory_types import Host
 
 from .test_runner import local_host, rows_of, sim_server, stop_all, sweep
@@ -39,8 +42,8 @@ def test_sweep_with_client_host_writes_ok_rows_measured_on_the_host(tmp_path: Pa
     out = tmp_path / "ledger.jsonl"
     events: list[Progress] = []
     try:
-        outcome = SweepRunner(spec, [host], build_workload(spec.workload), ledger_path=out, smoke=False,
-                              on_progress=events.append).run()
+        outcome = SweepRunner(prepare_sweep(spec, [host]), build_workload(spec.workload), ledger_path=out,
+                              options=SweepOptions(smoke=False), on_progress=events.append).run()
     finally:
         stop_all([host])
     rows = rows_of(out)
@@ -66,7 +69,8 @@ def test_sweep_over_ssh_measures_a_loopback_server_from_the_host(ssh_fleet, tmp_
     spec = sweep(tmp_path, baselines=[], grid=GRID)  # no client key: loopback -> host
     out = tmp_path / "ledger.jsonl"
     try:
-        outcome = SweepRunner(spec, [host], build_workload(spec.workload), ledger_path=out, smoke=False,
+        outcome = SweepRunner(prepare_sweep(spec, [host]), build_workload(spec.workload), ledger_path=out,
+                              options=SweepOptions(smoke=False),
                               services=default_services(host_key_policy="strict")).run()
     finally:
         stop_all([host])

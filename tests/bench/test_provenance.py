@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from ddtree_ops.bench.runner import _Provenance, _with_server_info
+from ddtree_ops.bench.provenance import Provenance as _Provenance
+from ddtree_ops.bench.provenance import with_server_info as _with_server_info
 
 PROBED_NO_GPU = _Provenance(sglang_version="0.5.23", bundle_name="ddtree_temperature", bundle_hash="ab" * 32)
 PROBED_GPU = _Provenance(gpu_name="NVIDIA B300 SXM6 AC", gpu_arch="sm_103", gpu_count=8, driver="580.65.06",

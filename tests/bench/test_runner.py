@@ -23,9 +23,12 @@ import pytest
 import yaml
 
 from ddtree_ops.bench import ledger
+from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.plan import plan_sweep
+from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.prompts import build_workload
-from ddtree_ops.bench.runner import Progress, SweepRunner, default_services
+from ddtree_ops.bench.runner import Progress, SweepRunner
+from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.service import lifecycle
@@ -113,7 +116,7 @@ def test_server_killed_mid_cell_fails_that_row_and_is_restarted(tmp_path: Path) 
 
     out = tmp_path / "ledger.jsonl"
     try:
-        outcome = SweepRunner(spec, [host], workload, ledger_path=out, on_progress=on_progress).run()
+        outcome = SweepRunner(prepare_sweep(spec, [host]), workload, ledger_path=out, on_progress=on_progress).run()
     finally:
         stop_all([host])
     rows = rows_of(out)
@@ -226,7 +229,7 @@ def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) 
 
     out = tmp_path / "ledger.jsonl"
     try:
-        outcome = SweepRunner(spec, [cut, survivor], workload, ledger_path=out, on_progress=on_progress,
+        outcome = SweepRunner(prepare_sweep(spec, [cut, survivor]), workload, ledger_path=out, on_progress=on_progress,
                               services=default_services(host_key_policy="strict")).run()
     finally:
         ssh_fleet.start(cut.name)
@@ -255,7 +258,8 @@ def test_unreachable_host_fails_its_rows_and_fail_fast_stops_the_others(tmp_path
     workload = build_workload(spec.workload)
     out = tmp_path / "ledger.jsonl"
     try:
-        outcome = SweepRunner(spec, [gone, alive], workload, ledger_path=out, fail_fast=True).run()
+        outcome = SweepRunner(prepare_sweep(spec, [gone, alive]), workload, ledger_path=out,
+                              options=SweepOptions(fail_fast=True)).run()
     finally:
         stop_all([alive])
     rows = rows_of(out)

@@ -89,7 +89,7 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
 
 
 def test_a_launch_costs_the_last_whole_restart_else_the_last_load_else_the_inventory(tmp_path: Path) -> None:
-    from ddtree_ops.bench.runner import expected_launch_s
+    from ddtree_ops.bench.prepare import expected_launch_s
     from ddtree_ops.inventory import load_inventory
     from ddtree_ops.state import StateStore
 

@@ -1,0 +1,127 @@
+"""A server place's servers over one sweep, owned by a context manager (as vLLM's
+``benchmarks/sweep`` owns its server with ``run_server``).
+
+Entering takes the place's sweep lease, before anything else touches the host, so that
+no other sweep or restart disturbs its servers until the sweep is done there (a dead
+holder's lease is taken over; a live one's raises LeaseHeld at once). :meth:`restart`
+launches a server through the one restart policy (``lifecycle.prepare_restart``) with
+the smoke at the settings about to be measured. Leaving, however the block ended, stops
+the server it started (unless the sweep keeps it and was not interrupted) and gives the
+lease back.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ddtree_ops import lockholder
+from ddtree_ops.bench.plan import Sampling, ServerConfig
+from ddtree_ops.bench.rows import run_config
+from ddtree_ops.bench.services import Services
+from ddtree_ops.errors import DdtreeOpsError
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport.base import Transport
+
+if TYPE_CHECKING:
+    from ddtree_ops.probe import HostFacts
+    from ddtree_ops.service.lifecycle import RestartResult
+    from ddtree_ops.service.manager import LeasePass
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """How a sweep runs: ``resume`` skips runs the ledger has ``ok`` rows for;
+    ``fail_fast`` stops every host at the first failed row; ``keep_server`` leaves the
+    last server running; ``restart_timeout`` bounds each launch (None: load-aware);
+    ``smoke`` decodes before a server is measured (``--no-smoke``: False)."""
+
+    resume: bool = False
+    fail_fast: bool = False
+    keep_server: bool = False
+    restart_timeout: float | None = None
+    smoke: bool = True
+
+
+class SweepServer:
+    """The servers of one server place (``host``: a machine, or one of its GPU slots, of
+    ``machine``) over a sweep; see the module docstring."""
+
+    def __init__(
+        self, services: Services, transport: Transport, host: Host, machine: Host, *, sweep: str, run_id: str,
+        options: SweepOptions, cancel: threading.Event, on_takeover: Callable[[str], None],
+    ) -> None:
+        self.services, self.transport, self.host, self.machine = services, transport, host, machine
+        self._sweep, self._run_id, self._options, self._cancel = sweep, run_id, options, cancel
+        self._on_takeover = on_takeover
+        self.lease: str | None = None
+        self.started = False
+
+    def lease_pass(self) -> LeasePass:
+        from ddtree_ops.service.manager import LeasePass
+
+        return LeasePass(token=self.lease)
+
+    def __enter__(self) -> SweepServer:
+        token = uuid.uuid4().hex
+        holder = lockholder.holder_record(token, "bench") | {"sweep": self._sweep, "run_id": self._run_id}
+        # Marked running first: a lease of this very process is dead only once its run ended.
+        lockholder.run_started(token)
+        try:
+            taken = self.services.take_lease(self.transport, self.host, token=token, holder=holder)
+        except BaseException:
+            lockholder.run_ended(token)
+            raise
+        self.lease = token
+        if taken is not None:
+            from ddtree_ops.service.manager import describe_lease
+
+            self._on_takeover(f"took over the lease of dead {describe_lease(taken)}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.started and (self._cancel.is_set() or not self._options.keep_server):
+                try:
+                    self.services.stop(self.transport, self.host, lease=self.lease_pass())
+                except DdtreeOpsError:
+                    pass  # the host may be the one that went away; its rows say so
+        finally:
+            # A lease that cannot be released (host gone) is provably dead once this run ended.
+            if self.lease is not None:
+                try:
+                    self.services.release_lease(self.transport, self.host, self.lease)
+                except DdtreeOpsError:
+                    pass
+                finally:
+                    lockholder.run_ended(self.lease)
+
+    def restart(self, server: ServerConfig, samplings: Iterable[Sampling], facts: HostFacts | None) -> RestartResult:
+        """Launch ``server`` and wait until it serves (lifecycle errors propagate)."""
+        from ddtree_ops.service.lifecycle import prepare_restart
+        from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
+
+        smoke = SmokeSpec.for_samplings(
+            SmokeSampling.of(s.temperature, s.top_p, s.top_k) for s in samplings
+        ) if self._options.smoke else None
+        request = prepare_restart(
+            self.transport, self.host, run_config(server), machine=self.machine, facts=facts, lease=self.lease_pass(),
+            timeout=self._options.restart_timeout, smoke=smoke,
+        )
+        result = self.services.restart(self.transport, request, cancel=self._cancel)
+        self.started = True
+        return result
+
+    def serving(self) -> bool:
+        """The server answers (after a failed row: is it still there?)."""
+        try:
+            st = self.services.status(self.transport, self.host)
+        except DdtreeOpsError:
+            return False
+        return st.running and st.health == 200
+
+
+__all__ = ["SweepOptions", "SweepServer"]

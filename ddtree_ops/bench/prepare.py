@@ -1,0 +1,89 @@
+"""A sweep planned once for its hosts: what ``bench --dry-run`` renders and the runner runs.
+
+:func:`prepare_sweep` turns a sweep file and its target hosts into a
+:class:`PreparedSweep`: the cells and server launches (:func:`~.plan.plan_sweep`), and
+per host where its load comes from, what one launch is expected to cost there (learned
+from its last restarts, else the inventory's ``expected_load_s``), the estimate with one
+server and, for a host with several GPU slots, which slot is expected to run which launch
+(:mod:`.schedule`). The runner queues a host's launches with :meth:`PreparedSweep.jobs`,
+the same function over the runs that ``--resume`` left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ddtree_ops.bench.onhost import ClientMode, client_mode
+from ddtree_ops.bench.plan import Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
+from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
+from ddtree_ops.bench.sweep import SweepSpec
+from ddtree_ops.inventory_types import Host
+
+
+def expected_launch_s(host: Host) -> float:
+    """What one server launch on ``host`` costs a sweep: its last whole restart (stopping
+    the old server, load, capture, smoke; the state file), else its last load, else the
+    inventory's ``expected_load_s``."""
+    from ddtree_ops.state import StateStore
+
+    state, model = StateStore(), host.ddtree.server.model_path or ""
+    for learned in (state.learned_restart_s(host.name, model), state.learned_load_s(host.name, model)):
+        if learned is not None:
+            return learned
+    return host.ddtree.server.expected_load_s
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One target host's part of the sweep."""
+
+    host: Host
+    client: ClientMode
+    # Expected seconds per launch on each of its server places (its GPU slots, or itself).
+    launch_s: tuple[float, ...]
+    # Every launch and run with one server.
+    estimate_s: float
+    # Several GPU slots: which slot is expected to run which launch, and when.
+    schedule: Schedule | None
+
+
+@dataclass(frozen=True)
+class PreparedSweep:
+    spec: SweepSpec
+    plan: SweepPlan
+    hosts: tuple[HostPlan, ...]
+
+    def cell_s(self, cell: Cell) -> float:
+        workload = self.spec.workload
+        return cell_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
+                            warmup=self.plan.warmup)
+
+    def jobs(self, hp: HostPlan, runs: Sequence[tuple[Cell, int]]) -> list[Job]:
+        """``runs`` of ``hp``'s host as server launches. One server: in plan order. Several
+        slots: repeats split where a slot would idle, longest expected first."""
+        if hp.schedule is None:
+            return make_jobs(runs, cell_s=lambda _c: 0.0, load_s=0.0, slots=1)
+        return longest_first(make_jobs(runs, cell_s=self.cell_s, load_s=min(hp.launch_s), slots=len(hp.launch_s)))
+
+
+def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
+    plan = plan_sweep(spec)
+    prepared = PreparedSweep(spec, plan, ())
+    planned = []
+    for host in hosts:
+        places = host.slot_hosts()
+        launch_s = tuple(expected_launch_s(place) for place in places)
+        estimate = estimate_seconds(plan, load_s=launch_s[0], num_prompts=spec.workload.num_prompts,
+                                    max_new_tokens=spec.workload.max_new_tokens)
+        sched = None
+        if len(places) > 1:
+            loads = {Slot(host.name, i, place.slot.gpus if place.slot else ()): s
+                     for i, (place, s) in enumerate(zip(places, launch_s, strict=True))}
+            jobs = make_jobs(plan_runs(plan), cell_s=prepared.cell_s, load_s=min(launch_s), slots=len(places))
+            sched = schedule(jobs, list(loads), load_s=loads)
+        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched))
+    return PreparedSweep(spec, plan, tuple(planned))
+
+
+__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "prepare_sweep"]

@@ -1,0 +1,126 @@
+"""Ledger rows as the runner writes them: one :class:`~ddtree_ops.bench.ledger.LedgerRow`
+per (host, cell, repeat), from the sweep's identity, the host's provenance, the launch
+that served it and what was measured (nothing, on a row that failed before measuring)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from ddtree_ops.bench import ledger
+from ddtree_ops.bench.ledger import LedgerRow
+from ddtree_ops.bench.metrics import CellMetrics
+from ddtree_ops.bench.plan import Cell, ServerConfig
+from ddtree_ops.bench.prompts import WorkloadPrompts
+from ddtree_ops.bench.provenance import Provenance
+from ddtree_ops.bench.sweep import SweepSpec
+from ddtree_ops.inventory_types import Host
+
+if TYPE_CHECKING:
+    from ddtree_ops.service.launch import Algorithm, RunConfig
+    from ddtree_ops.service.lifecycle import RestartResult
+
+LEDGER_ALGORITHM: dict[str, Algorithm] = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
+
+
+def run_config(server: ServerConfig) -> RunConfig:
+    """The lifecycle's launch configuration of one of the sweep's servers."""
+    from ddtree_ops.service.launch import RunConfig
+
+    return RunConfig(algorithm=LEDGER_ALGORITHM[server.algorithm], budget=server.budget, topk=server.topk)
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class RowMaker:
+    """What every row of one sweep run shares, and how a row is put together."""
+
+    spec: SweepSpec
+    workload: WorkloadPrompts
+    run_id: str
+    sweep_hash: str
+
+    def key_fields(self, host: str, cell: Cell, repeat: int) -> dict[str, Any]:
+        """The ledger's identity fields of one run (see ``ledger.KEY_FIELDS``)."""
+        return {
+            "host": host,
+            "algorithm": LEDGER_ALGORITHM[cell.server.algorithm],
+            "budget": cell.server.budget,
+            "topk": cell.server.topk,
+            "temperature": cell.sampling.temperature,
+            "top_p": cell.sampling.top_p,
+            "top_k": cell.sampling.top_k,
+            "concurrency": cell.concurrency,
+            "request_rate": self.spec.request_rate,
+            "workload_hash": self.workload.workload_hash,
+            "repeat": repeat,
+        }
+
+    def row(
+        self, *, machine: str, server_host: Host, client: str, prov: Provenance, restart: RestartResult | None,
+        cell: Cell, repeat: int, started_at: str, error: str | None, metrics: CellMetrics | None = None,
+    ) -> LedgerRow:
+        """``machine``: the inventory host the row belongs to; ``server_host``: the server
+        place that served it (the machine itself, or one of its GPU slots)."""
+        wl = self.spec.workload
+        slot = server_host.slot
+        smoke = None if restart is None else restart.smoke
+        fields: dict[str, Any] = self.key_fields(machine, cell, repeat) | {
+            "run_id": self.run_id,
+            "sweep": self.spec.name,
+            "sweep_hash": self.sweep_hash,
+            "started_at": started_at,
+            "finished_at": now_iso(),
+            "gpu_name": prov.gpu_name,
+            "gpu_arch": prov.gpu_arch,
+            "gpu_count": prov.gpu_count,
+            "driver": prov.driver,
+            "sglang_version": prov.serving_version or prov.sglang_version,
+            "sglang_installed_version": prov.sglang_version,
+            "bundle_name": prov.bundle_name,
+            "bundle_hash": prov.bundle_hash,
+            "verify_attention_backend": prov.verify_attention_backend,
+            "verify_cuda_graph": prov.verify_cuda_graph,
+            "draft_block_size": prov.draft_block_size,
+            "tree_sampler": prov.tree_sampler,
+            "server_argv": list(restart.argv) if restart is not None else [],
+            "cuda_graph": restart.cuda_graph if restart is not None else False,
+            "fallback_reason": restart.fallback_reason if restart is not None else None,
+            # None where no server started; else whether its smoke ran (``--no-smoke``).
+            "smoke": None if restart is None else ("passed" if smoke is not None and smoke.passed else "skipped"),
+            "smoke_s": smoke.seconds if smoke is not None else None,
+            "readiness_s": {str(k): v for k, v in restart.phase_durations.items()} if restart is not None else {},
+            "workload_name": wl.prompt_set or "+".join(p.stem for p in wl.prompt_files),
+            "workload_num_prompts": len(self.workload.prompts),
+            "workload_max_new_tokens": self.workload.max_new_tokens,
+            "workload_ignore_eos": self.workload.ignore_eos,
+            "workload_seed": wl.seed,
+            "client": client,
+            "slot": slot.index if slot is not None else None,
+            "gpu_indices": list(slot.gpus) if slot is not None else None,
+            "status": "failed" if error else "ok",
+            "error": error,
+        }
+        if metrics is not None:
+            flat: Mapping[str, object] = metrics.flat()
+            fields.update(
+                completed=metrics.completed,
+                failed=metrics.failed,
+                duration_s=metrics.duration_s,
+                output_tok_s=metrics.output_tok_s,
+                request_s=metrics.request_s,
+                total_input_tokens=metrics.input_tokens,
+                total_output_tokens=metrics.output_tokens,
+                accept_length=metrics.accept_length,
+                verify_ct=metrics.verify_steps or None,
+                **{name: flat[name] for name in ledger.LATENCY_FIELDS},
+            )
+        return LedgerRow(**fields)
+
+
+__all__ = ["LEDGER_ALGORITHM", "RowMaker", "now_iso", "run_config"]
