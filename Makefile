@@ -40,7 +40,7 @@ lint: $(STAMP)
 # was slower than one after the other (both starve: ~28 min against ~25). How the lane
 # splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS.
 MAIN_XDIST ?= -n 2
-REAL_XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
+REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP) $(if $(strip $(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p .cache; \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,8 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sglang_real: starts the real SGLang server on CPU (.cache/sglang-cpu)")
 
 
-# How the lane shares two workers (`make real-server-lane`: ``--dist loadgroup
-# --no-loadscope-reorder``). A worker is its own session with its own ServerPool, so each
+# How the lane shares two workers (`make real-server-lane`: two xdist workers,
+# ``--no-loadscope-reorder``). A worker is its own session with its own ServerPool, so each
 # module is one unit (its module-scoped servers start once), and the two modules that
 # share the target alone run as one unit, the smoke first while that server is up. The
 # units go out longest first, the free worker taking the next; measured per unit with two
@@ -51,19 +52,35 @@ LANE_UNITS = (
     ("inprocess", ("test_ddtree_inprocess",)),
     ("kernels", ("test_standin_kernels",)),
 )
+_UNIT_OF = {module: name for name, modules in LANE_UNITS for module in modules}
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The lane's tests in LANE_UNITS order (the order the units go out in)."""
     here = Path(__file__).resolve().parent
     rank = {module: (i, j) for i, (_, modules) in enumerate(LANE_UNITS) for j, module in enumerate(modules)}
-    group = {module: name for name, modules in LANE_UNITS for module in modules}
     at = [i for i, item in enumerate(items) if item.path.parent == here]
-    if not at:
-        return
     lane = sorted((items[i] for i in at), key=lambda item: rank.get(item.path.stem, (len(rank), 0)))  # stable
     for i, item in zip(at, lane, strict=True):
         items[i] = item
-        item.add_marker(pytest.mark.xdist_group(group.get(item.path.stem, item.path.stem)))
+
+
+# xdist's loadgroup marks do not group under pytest 9 (xdist 3.8 renames ``item._nodeid``,
+# which pytest 9's ``nodeid`` no longer reads), so the units are xdist scopes instead.
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return _UNIT_OF.get(module, module)
+
+    return LaneUnits(config, log)
 
 
 @pytest.fixture(scope="session")
