@@ -39,10 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
 # module is one unit (its module-scoped servers start once), and the two modules that
 # share the target alone run as one unit, the smoke first while that server is up. The
 # units go out longest first, the free worker taking the next; measured per unit with two
-# workers (server starts included): the tree unit ~700 s, pipeline 203 s, sampling 200 s,
-# selftest --e2e 142 s, triton 95 s, the rest under 50 s each. With loadscope's order
-# (most tests first) one worker ran test_ddtree_real alone and then idled 220 s while
-# the other ran everything else, the longest single tests last.
+# workers busy (server starts included): the tree unit 728 s, pipeline 249 s, sampling
+# 200 s, selftest --e2e 200 s, triton 161 s (it starts the target alone again), the rest
+# under 50 s each; the workers ended at 789 s and 848 s. With loadscope's order (most
+# tests first) one worker ran test_ddtree_real alone and then idled 220 s while the other
+# ran everything else, the longest single tests last (lane 880 s against 858 s now: the
+# lane is CPU-bound, so the balance gains little).
 LANE_UNITS = (
     ("tree", ("test_real_server_smoke", "test_ddtree_real")),
     ("pipeline", ("test_pipeline_real",)),
