@@ -32,9 +32,10 @@ lint: $(STAMP)
 
 # The whole suite. Without PYTEST_ARGS the real-SGLang environment (minutes of pip and
 # disk on a fresh machine) is built while the rest of the suite runs, at the lowest CPU
-# priority: measured on fresh clones of the same suite, the rest of the suite took 726 s
-# beside it at nice 19 (the environment 586 s, done first) and 783 s at normal priority
-# (the environment 416 s). The real-server lane runs last. Both run on two pytest-xdist workers: on CI's two cores
+# priority, so that it takes from the suite only what the suite leaves idle (measured on
+# fresh clones: the suite 726 s beside it at nice 19, the environment 586 s and done
+# first; at normal priority, 8 tests fewer, 689 s and 389 s). The real-server lane runs
+# last. Both run on two pytest-xdist workers: on CI's two cores
 # either alone is CPU-bound (measured: the rest of the suite 551 s with two workers, 576 s
 # with four; the lane 881 s with two, ~20 min with one), and running them side by side
 # was slower than one after the other (both starve: ~28 min against ~25). How the lane
