@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -185,9 +185,10 @@ def launch_facts(transport: Transport, host: Host, facts: HostFacts | None = Non
         from ddtree_ops.probe import probe_host
 
         facts = probe_host(transport, host)
-    if facts.sglang_version is None:
-        return LaunchFacts(manager.sglang_version(transport, host), probed_gpu_arch(g.compute_cap for g in facts.gpus))
-    return LaunchFacts.from_probe(facts)
+    probed = LaunchFacts.from_probe(facts)
+    if probed.sglang_version is None:
+        return replace(probed, sglang_version=manager.sglang_version(transport, host))
+    return probed
 
 
 def prepare_restart(
