@@ -2,7 +2,7 @@
 
 The real-server tests run every branch a GPU host takes, with one thing replaced: SGLang's
 CUDA op ``tree_speculative_sampling_target_only`` by its pure-torch twin
-(``ddtree_utils.reference_tree_speculative_sampling``). That rests on the twin matching
+(``ddtree_reference.reference_tree_speculative_sampling``). That rests on the twin matching
 the op, which only a GPU can show. On a lent GPU machine (no SGLang, no network) one call
 checks:
 
@@ -208,7 +208,7 @@ def _cases(quick: bool):
                         yield {"bs": bs, "budget": budget, "topk": topk, "vocab": vocab, **setting}
 
 
-def _trial(du, torch, case, seed, device):
+def _trial(du, ref, torch, case, seed, device):
     """Inputs of one kernel call: a batch of best-first trees over a draft whose candidates the
     target often likes (so paths go deep), the target law per node, one coin per node."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -225,7 +225,7 @@ def _trial(du, torch, case, seed, device):
     n = budget + 1
     # After a node of depth d the target favours what the draft proposed at depth d + 1.
     logits = torch.gather(base, 1, trees.depths.unsqueeze(2).expand(bs, n, vocab)) + randn(bs, n, vocab) * 0.3
-    probs = du.target_probs_from_logits(
+    probs = ref.target_probs_from_logits(
         logits.view(bs * n, vocab), case["temperature"], case["top_k"], case["top_p"], case["min_p"]
     ).view(bs, n, vocab).contiguous()
     retrieve = du.tree_retrieve_batch(trees)
@@ -260,16 +260,16 @@ def _bonus_on_boundary(torch, probs, draft_probs, last_row, coin, token) -> bool
     return any(abs(u - e) <= 1e-5 * max(1.0, float(cdf[-1])) for e in edges)
 
 
-def check_kernel(du, torch, kernel, *, quick: bool, trials: int, device: str) -> dict:
+def check_kernel(du, ref, torch, kernel, *, quick: bool, trials: int, device: str) -> dict:
     totals = {"cases": 0, "requests": 0, "accepted_drafts": 0, "paths_equal": 0, "counts_equal": 0,
               "tokens_equal": 0, "bonus_boundary_only": 0, "mismatches": 0}
     examples = []
     for ci, case in enumerate(_cases(quick)):
         totals["cases"] += 1
         for t in range(trials):
-            trees, retrieve, probs, coins, final = _trial(du, torch, case, 1000 * ci + t, device)
+            trees, retrieve, probs, coins, final = _trial(du, ref, torch, case, 1000 * ci + t, device)
             got, got_dp = _outputs(kernel, trees, retrieve, probs, coins, final, torch, device)
-            want, _ = _outputs(du.reference_tree_speculative_sampling, trees, retrieve, probs, coins, final, torch,
+            want, _ = _outputs(ref.reference_tree_speculative_sampling, trees, retrieve, probs, coins, final, torch,
                                device)
             for b in range(case["bs"]):
                 totals["requests"] += 1
@@ -335,15 +335,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from ddtree_ops.ddtree_core import load_ddtree_utils
+    from ddtree_ops.ddtree_core import load_ddtree_reference, load_ddtree_utils
 
-    du = load_ddtree_utils()
+    du, ref = load_ddtree_utils(), load_ddtree_reference()
     t0 = time.monotonic()
     report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "log": []}
     if args.cpu_twin:
         # The harness itself, here: the twin stands for the kernel (every case must agree).
         device = "cpu"
-        kernel = du.reference_tree_speculative_sampling
+        kernel = ref.reference_tree_speculative_sampling
         report["device"] = "cpu (twin vs twin)"
     else:
         if not torch.cuda.is_available():
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(report))
             return 1
         kernel = _kernel_call(fn, torch)
-    report["kernel"] = check_kernel(du, torch, kernel, quick=args.quick, trials=args.trials, device=device)
+    report["kernel"] = check_kernel(du, ref, torch, kernel, quick=args.quick, trials=args.trials, device=device)
     if not args.cpu_twin:
         report["verify_round"] = check_verify_round(device)
         try:

@@ -13,7 +13,8 @@ count is small enough to enumerate; "-" marks the skipped cells and why).
 A second table gives the whole round as the worker runs it (build every request's
 tree, then the verify layout: tokens, positions, ancestor mask, retrieve tensors):
 one request at a time with the per-request functions vs the batch helpers
-(``build_ddtree_trees_from_topk_batch`` + ``layout_verify_batch``), in microseconds
+(``host_layout``: ``build_ddtree_trees_from_topk_batch`` + ``layout_verify_batch``, the
+bundle's host-side round before it moved to the device), in microseconds
 per round.
 """
 
@@ -32,7 +33,8 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddtree_ops.ddtree_core import load_ddtree_utils  # noqa: E402
+from benchmarks import host_layout  # noqa: E402
+from ddtree_ops.ddtree_core import load_ddtree_reference  # noqa: E402
 
 
 def drafter_topk(depth: int, k: int, vocab: int, seed: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -99,8 +101,8 @@ def per_request_round(du: ModuleType, ids: torch.Tensor, lps: torch.Tensor, budg
 
 
 def batched_round(du: ModuleType, ids: torch.Tensor, lps: torch.Tensor, budget: int, prefixes: list[int]) -> None:
-    trees = du.build_ddtree_trees_from_topk_batch(ids, lps, budget, [0] * ids.shape[0])
-    du.layout_verify_batch(trees, prefixes, budget + 1, need_retrieve=True)
+    trees = host_layout.build_ddtree_trees_from_topk_batch(ids, lps, budget, [0] * ids.shape[0])
+    host_layout.layout_verify_batch(trees, prefixes, budget + 1, need_retrieve=True)
 
 
 def round_us(fn: Callable[[], object], repeats: int) -> float:
@@ -160,7 +162,7 @@ def main() -> None:
     if args.quick:
         args.budgets, args.topks = [4, 16, 64, 256, 1024], [2, 4, 16]
     torch.set_num_threads(args.threads)
-    du = load_ddtree_utils()
+    du = load_ddtree_reference()
 
     print(f"torch {torch.__version__}, {args.threads} thread(s), depth {args.depth}, "
           f"best of {args.repeats}; microseconds per request; load average "

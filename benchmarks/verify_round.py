@@ -6,7 +6,7 @@ layout attention backends read (per request ``N`` rows of ``prefix + N`` columns
 the first-child / next-sibling retrieve tensors (built only when a request samples:
 ``--sampled`` measures such rounds, the default measures all-greedy ones).
 
-* ``old``: the previous bundle's round. The top-k crosses to the host (``.cpu()``),
+* ``old``: the previous bundle's round (``host_layout.py``). The top-k crosses to the host (``.cpu()``),
   the trees are built by the heap per request, the layout (mask included, prefix
   columns and all) is built on the host and copied to the device.
 * ``new``: the serving round now: ``build_tree_batch``, ``tree_ancestor_masks``,
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import host_layout  # noqa: E402
 from ddtree_ops.ddtree_core import load_ddtree_utils  # noqa: E402
 
 BLOCK_SIZE = 16  # the draft block of the DFlash drafters the fleet serves
@@ -63,8 +64,8 @@ def _sync(device: str) -> None:
 def old_round(du, ids, lps, roots, prefix_lens_cpu, budget, device, sampled):
     """The previous worker's layout path; returns (h2d bytes, d2h bytes)."""
     d2h = ids.numel() * 8 + lps.numel() * 4 + roots.numel() * 8
-    trees = du.build_ddtree_trees_from_topk_batch(ids.cpu(), lps.cpu(), budget, roots.cpu())
-    layout = du.layout_verify_batch(trees, prefix_lens_cpu, budget + 1, need_retrieve=sampled)
+    trees = host_layout.build_ddtree_trees_from_topk_batch(ids.cpu(), lps.cpu(), budget, roots.cpu())
+    layout = host_layout.layout_verify_batch(trees, prefix_lens_cpu, budget + 1, need_retrieve=sampled)
     h2d = 0
     for t in (
         layout.tokens,

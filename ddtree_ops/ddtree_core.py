@@ -1,9 +1,12 @@
-"""Access to the ONE copy of the DDTree algorithm, the file shipped in the patch bundle.
+"""Access to the ONE copy of the DDTree algorithm, the files shipped in the patch bundle.
 
-``patches/ddtree_temperature/files/srt/speculative/ddtree_utils.py`` is deployed into
-SGLang's site-packages, so it cannot live inside this package as well: a second copy
-would drift. It is loaded here by file path, so the tests and the simulated server run
-the exact bytes that get deployed.
+``patches/ddtree_temperature/files/srt/speculative/`` holds the reference
+(``ddtree_reference.py``: per-request trees, encodings, verification, the target
+distribution and the pure-torch sampler) and the device-resident round the server
+runs (``ddtree_utils.py``). They are deployed into SGLang's site-packages, so they
+cannot live inside this package as well: a second copy would drift. Each is loaded
+here by file path (both depend on torch alone), so the tests and the simulated server
+run the exact bytes that get deployed.
 """
 
 from __future__ import annotations
@@ -17,27 +20,37 @@ from types import ModuleType
 from ddtree_ops.errors import BundleError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DDTREE_UTILS_PATH = (
-    REPO_ROOT / "patches" / "ddtree_temperature" / "files" / "srt" / "speculative" / "ddtree_utils.py"
-)
-# A private name: it must never shadow SGLang's own module if both end up in one process.
-MODULE_NAME = "ddtree_ops._bundled_ddtree_utils"
+BUNDLE_SPECULATIVE_DIR = REPO_ROOT / "patches" / "ddtree_temperature" / "files" / "srt" / "speculative"
+DDTREE_REFERENCE_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_reference.py"
+DDTREE_UTILS_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py"
+
+
+def _load_by_path(path: Path) -> ModuleType:
+    # A private name: it must never shadow SGLang's own module if both end up in one process.
+    name = f"ddtree_ops._bundled_{path.stem}"
+    if not path.is_file():
+        raise BundleError(f"{path}: DDTree core module not found (is this a source checkout?)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise BundleError(f"{path}: cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve their module through sys.modules while the class is created.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+@functools.cache
+def load_ddtree_reference() -> ModuleType:
+    """The bundled ``ddtree_reference.py`` (once per process): the per-request reference."""
+    return _load_by_path(DDTREE_REFERENCE_PATH)
 
 
 @functools.cache
 def load_ddtree_utils() -> ModuleType:
-    """Import the bundled ``ddtree_utils.py`` by path (once per process) and return it."""
-    if not DDTREE_UTILS_PATH.is_file():
-        raise BundleError(f"{DDTREE_UTILS_PATH}: DDTree core module not found (is this a source checkout?)")
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, DDTREE_UTILS_PATH)
-    if spec is None or spec.loader is None:
-        raise BundleError(f"{DDTREE_UTILS_PATH}: cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve their module through sys.modules while the class is created.
-    sys.modules[MODULE_NAME] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(MODULE_NAME, None)
-        raise
-    return module
+    """The bundled ``ddtree_utils.py`` (once per process): the device-resident round."""
+    return _load_by_path(DDTREE_UTILS_PATH)

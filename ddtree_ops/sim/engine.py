@@ -3,7 +3,7 @@
 One asyncio task plays SGLang's scheduler: each iteration either prefills newly
 admitted requests (producing their first token, as SGLang's prefill does) or runs one
 decode step over every running request. What a step *produces* comes from running the
-real DDTree code (``ddtree_ops.ddtree_core.load_ddtree_utils``) against the synthetic
+real DDTree code (``ddtree_ops.ddtree_core.load_ddtree_reference``) against the synthetic
 language; how long it *takes* comes from the GPU profile's cost model, slept in real
 time scaled by ``SIM_TIME_SCALE``. The CPU work of a step counts towards its sleep, so
 the simulator only distorts timing once that work exceeds the modelled step time
@@ -32,10 +32,10 @@ from ddtree_ops.sim.text import EOS_TOKEN, VOCAB, hash_ints
 
 
 def load_core() -> ModuleType:
-    """The ONE copy of the DDTree algorithm (the deployed patch file)."""
-    from ddtree_ops.ddtree_core import load_ddtree_utils
+    """The ONE copy of the DDTree algorithm: the deployed per-request reference."""
+    from ddtree_ops.ddtree_core import load_ddtree_reference
 
-    return load_ddtree_utils()
+    return load_ddtree_reference()
 
 
 @dataclass
@@ -306,7 +306,7 @@ class Engine:
         lasts = torch.tensor([r.last_token for r in batch], dtype=torch.int64)
         cats = [r.category for r in batch]
         ids, lps = self.language.draft_topk(keys, starts, lasts, cats, depth, min(topk, VOCAB))
-        trees = core.build_ddtree_trees_from_topk_batch(ids, lps, budget, lasts)
+        trees = [core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(lasts[b])) for b in range(len(batch))]
         n = max(len(t.parents) for t in trees)
         # Target logits after every node: (position of the node's child, node token).
         row_keys: list[int] = []
@@ -369,6 +369,6 @@ def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """softmax(logits/T) then top-k then top-p, SGLang's order (same code as verification)."""
     if p.top_k == -1 and p.top_p >= 1.0:
         return torch.softmax(logits.float() / p.temperature, dim=-1)
-    from ddtree_ops.ddtree_core import load_ddtree_utils
+    from ddtree_ops.ddtree_core import load_ddtree_reference
 
-    return load_ddtree_utils().target_probs_from_logits(logits, p.temperature, p.top_k, p.top_p)
+    return load_ddtree_reference().target_probs_from_logits(logits, p.temperature, p.top_k, p.top_p)

@@ -3,8 +3,9 @@
 Usage: ``python selftest.py`` or ``python - < selftest.py`` (how a deployment tool
 sends it over SSH). Needs torch; never imports sglang (test hosts carry
 sglang's files without its dependencies): the package directory is found with
-``importlib.util.find_spec`` and the deployed ``ddtree_utils.py`` is loaded by path, so
-what is tested is the file SGLang itself would import.
+``importlib.util.find_spec`` and the deployed ``ddtree_reference.py`` and
+``ddtree_utils.py`` are loaded by path, so what is tested is the files SGLang itself
+would import.
 
 Prints ONE JSON object on stdout (sent behind a deployment tool's bootstrap that defines ``reply``: one
 message through it instead):
@@ -15,7 +16,8 @@ torch / sglang is missing).
 
 Checks: the golden encoding of the worked example; builder and encoding properties on
 random trees; the greedy walk; exactness of the pure-torch reference sampler (a fixed-seed
-statistical check); and, where CUDA and SGLang's kernel import, kernel vs reference on
+statistical check); the device round (``ddtree_utils``: trees and greedy walk) against the
+reference; and, where CUDA and SGLang's kernel import, kernel vs reference on
 identical coins over many random trees (outputs must be identical). Without them the
 kernel check reports "not available" and the rest still runs.
 """
@@ -30,7 +32,9 @@ import time
 import traceback
 
 REL_PATH = ("srt", "speculative", "ddtree_utils.py")
-MODULE_NAME = "_ddtree_selftest_utils"
+# The per-request reference beside it: the checks below run on it, and the device
+# round in ddtree_utils.py is checked against it.
+REFERENCE = "ddtree_reference.py"
 
 
 def _emit(report, code):
@@ -56,9 +60,10 @@ def _locate():
 
 
 def _load(path):
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    name = "_ddtree_selftest_" + os.path.basename(path)[: -len(".py")]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # dataclasses look their module up while building
+    sys.modules[name] = module  # dataclasses look their module up while building
     spec.loader.exec_module(module)
     return module
 
@@ -175,6 +180,36 @@ def check_greedy(m, torch, trees=100):
     return "%d random trees: walk follows the target argmax, bonus at the last node" % trees
 
 
+def check_device_round(m, dev, torch, batches=40):
+    """The serving round (ddtree_utils) equals the reference tree for tree: same trees,
+    and the same greedy walk, on random drafts (sorted rows, frequent ties)."""
+    rng = random.Random(4321)
+    for _ in range(batches):
+        bs, depth, k, budget = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 4), rng.randint(1, 30)
+        lps = torch.tensor(
+            [[sorted((-rng.randint(0, 12) / 4 for _ in range(k)), reverse=True) for _ in range(depth)]
+             for _ in range(bs)], dtype=torch.float32)
+        ids = torch.tensor([[[1000 * d + 7 * r + b for r in range(k)] for d in range(depth)] for b in range(bs)])
+        roots = torch.tensor([rng.randrange(900) for _ in range(bs)])
+        batch = dev.build_tree_batch(ids, lps, budget, roots)
+        trees = [m.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(bs)]
+        want = dev.tree_batch_from_trees(trees, budget + 1)
+        for field in ("tokens", "parents", "depths", "logws", "valid"):
+            assert torch.equal(getattr(batch, field), getattr(want, field)), field
+        argmax = torch.randint(0, 5000, (bs, budget + 1), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        for b, tree in enumerate(trees):
+            for i in range(1, len(tree)):
+                if rng.random() < 0.6:
+                    argmax[b, tree.parents[i]] = tree.token_ids[i]
+        paths = dev.follow_verified_tree_batch(batch, argmax)
+        for b, tree in enumerate(trees):
+            accepted, proposed = m.follow_verified_tree(tree.parents, tree.token_ids, argmax[b])
+            length = int(paths.commit_lens[b])
+            assert paths.nodes[b, :length].tolist() == accepted, (b, accepted)
+            assert paths.tokens[b, :length].tolist() == proposed, (b, proposed)
+    return "%d random batches: device trees and greedy walk equal the reference" % batches
+
+
 def _tv(counts, probs, total):
     return 0.5 * sum(abs(counts.get(t, 0) / total - p) for t, p in enumerate(probs))
 
@@ -257,6 +292,10 @@ def main():
     if path is None:
         report["error"] = "bundle not deployed: %s is missing" % os.path.join(sglang_dir, *REL_PATH)
         _emit(report, 2)
+    reference = os.path.join(os.path.dirname(path), REFERENCE)
+    if not os.path.isfile(reference):
+        report["error"] = "bundle not deployed: %s is missing" % reference
+        _emit(report, 2)
     report["deployed"] = True
     try:
         import torch
@@ -266,9 +305,10 @@ def main():
     report["torch"] = torch.__version__
     report["cuda"] = bool(torch.cuda.is_available())
     try:
-        m = _load(path)
+        m = _load(reference)
+        device = _load(path)
     except Exception as exc:
-        report["error"] = "deployed ddtree_utils.py does not load: %s: %s" % (type(exc).__name__, exc)
+        report["error"] = "deployed DDTree modules do not load: %s: %s" % (type(exc).__name__, exc)
         _emit(report, 1)
 
     for name, fn in (
@@ -276,6 +316,7 @@ def main():
         ("builder_encoding_properties", check_properties),
         ("greedy_walk", check_greedy),
         ("reference_sampler_exact", check_reference_exact),
+        ("device_round", lambda m, torch: check_device_round(m, device, torch)),
     ):
         try:
             report["checks"][name] = {"ok": True, "detail": fn(m, torch)}

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from ddtree_ops.ddtree_core import load_ddtree_utils
+from ddtree_ops.ddtree_core import load_ddtree_reference, load_ddtree_utils
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
@@ -40,13 +40,13 @@ def test_the_harness_agrees_with_itself_over_deep_paths() -> None:
 
 
 def test_a_kernel_that_draws_another_bonus_is_caught(gpu_check: ModuleType) -> None:
-    du = load_ddtree_utils()
+    du, ref = load_ddtree_utils(), load_ddtree_reference()
 
     def off_by_one(**kw):
-        du.reference_tree_speculative_sampling(**kw)
+        ref.reference_tree_speculative_sampling(**kw)
         bs = kw["candidates"].shape[0]
         last = kw["accept_index"][torch.arange(bs), kw["accept_token_num"].long()].long()
         kw["predicts"][last] = (kw["predicts"][last] + 1) % kw["target_probs"].shape[-1]
 
-    got = gpu_check.check_kernel(du, torch, off_by_one, quick=True, trials=1, device="cpu")
+    got = gpu_check.check_kernel(du, ref, torch, off_by_one, quick=True, trials=1, device="cpu")
     assert not got["ok"] and got["mismatches"] > 0 and got["examples"], got

@@ -28,7 +28,13 @@ from ddtree_ops.transport.hostprogram import MARKER
 from ddtree_ops.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parents[2]
-EXPECTED_CHECKS = {"golden_encoding", "builder_encoding_properties", "greedy_walk", "reference_sampler_exact"}
+EXPECTED_CHECKS = {
+    "golden_encoding",
+    "builder_encoding_properties",
+    "greedy_walk",
+    "reference_sampler_exact",
+    "device_round",
+}
 
 
 def _fake_site(root: Path, *, deployed: bool) -> Path:
@@ -74,21 +80,42 @@ def test_selftest_says_bundle_not_deployed(tmp_path: Path) -> None:
     assert str(info.value).startswith(f"{host.name}: ")
 
 
-def test_selftest_reports_a_broken_deployed_core_as_failed_checks(tmp_path: Path) -> None:
-    # A deployed core whose retrieve encoding is wrong must fail the golden check, not pass.
-    host = _host(_fake_site(tmp_path, deployed=True))
-    core = tmp_path / "site" / "sglang" / "srt" / "speculative" / "ddtree_utils.py"
-    core.write_text(
-        core.read_text()
-        + "\n_orig = compile_ddtree_retrieve\n"
+# A deployed module that computes something else must fail the check that covers it.
+BROKEN = {
+    # the reference's retrieve encoding wrong: the golden worked example catches it
+    "reference": (
+        "ddtree_reference.py",
+        "compile_ddtree_retrieve",
         "def compile_ddtree_retrieve(parents, node_logws, *, offset=0):\n"
         "    i, n, s = _orig(parents, node_logws, offset=offset)\n"
-        "    return i, n, s.flip(0)\n"
-    )
+        "    return i, n, s.flip(0)\n",
+        "golden_encoding",
+    ),
+    # the serving round's builder off by one token: only the device-vs-reference check sees it
+    "device": (
+        "ddtree_utils.py",
+        "build_tree_batch",
+        "def build_tree_batch(*args, **kwargs):\n"
+        "    out = _orig(*args, **kwargs)\n"
+        "    out.tokens[:, 1:] += 1\n"
+        "    return out\n",
+        "device_round",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_selftest_reports_a_broken_deployed_module_as_a_failed_check(tmp_path: Path, case: str) -> None:
+    name, function, replacement, check = BROKEN[case]
+    host = _host(_fake_site(tmp_path, deployed=True))
+    module = tmp_path / "site" / "sglang" / "srt" / "speculative" / name
+    module.write_text(module.read_text() + f"\n_orig = {function}\n" + replacement)
     with LocalTransport(host.name) as t:
         result = run_selftest(t, host, source=selftest_source())
     assert not result.ok
-    assert "golden_encoding" in result.failed_checks
+    assert check in result.failed_checks
+    if case == "device":
+        assert result.failed_checks == ["device_round"]
 
 
 def test_parse_report_without_json_is_a_command_failure() -> None:

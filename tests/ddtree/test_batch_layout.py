@@ -46,18 +46,18 @@ def _depths(parents: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_compile_retrieve_batch_equals_per_request(du: ModuleType, seed: int) -> None:
+def test_compile_retrieve_batch_equals_per_request(ref: ModuleType, layout: ModuleType, seed: int) -> None:
     rng = random.Random(seed)
     trees = _batch(rng, rng.randint(1, 9), rng.choice([2, 5, 17, 40]))
     n = max(len(p) for p, _ in trees) + rng.choice([0, 0, 3])
-    index, nxt, sib = du.compile_ddtree_retrieve_batch(
+    index, nxt, sib = layout.compile_ddtree_retrieve_batch(
         [p for p, _ in trees], [w for _, w in trees], num_nodes_padded=n
     )
     assert index.shape == nxt.shape == sib.shape == (len(trees), n)
     assert index.dtype == nxt.dtype == sib.dtype == torch.int64
     for b, (parents, logws) in enumerate(trees):
         m = len(parents)
-        ri, rn, rs = du.compile_ddtree_retrieve(parents, logws, offset=b * n)
+        ri, rn, rs = ref.compile_ddtree_retrieve(parents, logws, offset=b * n)
         assert index[b, :m].tolist() == ri.tolist()
         assert nxt[b, :m].tolist() == rn.tolist()
         assert sib[b, :m].tolist() == rs.tolist()
@@ -66,106 +66,106 @@ def test_compile_retrieve_batch_equals_per_request(du: ModuleType, seed: int) ->
         assert sib[b, m:].tolist() == [-1] * (n - m)
 
 
-def test_compile_retrieve_batch_default_width_and_tensor_inputs(du: ModuleType) -> None:
+def test_compile_retrieve_batch_default_width_and_tensor_inputs(layout: ModuleType) -> None:
     rng = random.Random(7)
     trees = _batch(rng, 5, 12)
-    ref = du.compile_ddtree_retrieve_batch([p for p, _ in trees], [w for _, w in trees])
-    got = du.compile_ddtree_retrieve_batch(
+    want = layout.compile_ddtree_retrieve_batch([p for p, _ in trees], [w for _, w in trees])
+    got = layout.compile_ddtree_retrieve_batch(
         [torch.tensor(p) for p, _ in trees], [torch.tensor(w, dtype=torch.float64) for _, w in trees]
     )
-    assert ref[0].shape[1] == max(len(p) for p, _ in trees)
-    for a, b in zip(ref, got, strict=True):
+    assert want[0].shape[1] == max(len(p) for p, _ in trees)
+    for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_mask_batch_equals_per_request_with_root_padding(du: ModuleType, seed: int) -> None:
+def test_mask_batch_equals_per_request_with_root_padding(ref: ModuleType, layout: ModuleType, seed: int) -> None:
     rng = random.Random(1000 + seed)
     trees = _batch(rng, rng.randint(1, 9), rng.choice([2, 5, 17, 40, 130]))
     n = max(len(p) for p, _ in trees) + rng.choice([0, 0, 2])
-    masks = du.tree_attention_mask_batch([p for p, _ in trees], n)
+    masks = layout.tree_attention_mask_batch([p for p, _ in trees], n)
     assert masks.shape == (len(trees), n, n) and masks.dtype == torch.bool
     for b, (parents, _) in enumerate(trees):
-        expected = du.tree_attention_mask(parents + [0] * (n - len(parents)))
+        expected = ref.tree_attention_mask(parents + [0] * (n - len(parents)))
         assert torch.equal(masks[b], expected), b
 
 
-def test_mask_batch_of_a_long_chain(du: ModuleType) -> None:
+def test_mask_batch_of_a_long_chain(ref: ModuleType, layout: ModuleType) -> None:
     # Depth n - 1: the doubling must run to the top of the deepest tree.
     chain = [-1] + list(range(99))
-    masks = du.tree_attention_mask_batch([chain, [-1, 0]], 100)
+    masks = layout.tree_attention_mask_batch([chain, [-1, 0]], 100)
     assert torch.equal(masks[0], torch.ones(100, 100, dtype=torch.bool).tril())
-    assert torch.equal(masks[1], du.tree_attention_mask([-1, 0] + [0] * 98))
+    assert torch.equal(masks[1], ref.tree_attention_mask([-1, 0] + [0] * 98))
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_positions_batch_equals_per_request(du: ModuleType, seed: int) -> None:
+def test_positions_batch_equals_per_request(ref: ModuleType, layout: ModuleType, seed: int) -> None:
     rng = random.Random(2000 + seed)
     trees = _batch(rng, rng.randint(1, 9), 20)
     n = max(len(p) for p, _ in trees) + 1
     depths = [_depths(p) for p, _ in trees]
     starts = [rng.randrange(5000) for _ in trees]
-    pos = du.tree_positions_batch(depths, torch.tensor(starts), n)
+    pos = layout.tree_positions_batch(depths, torch.tensor(starts), n)
     assert pos.shape == (len(trees), n) and pos.dtype == torch.int64
     for b, d in enumerate(depths):
-        assert torch.equal(pos[b], du.tree_positions(d + [1] * (n - len(d)), starts[b]))
-    assert torch.equal(pos, du.tree_positions_batch(depths, starts, n))
+        assert torch.equal(pos[b], ref.tree_positions(d + [1] * (n - len(d)), starts[b]))
+    assert torch.equal(pos, layout.tree_positions_batch(depths, starts, n))
 
 
-def test_custom_mask_batch_equals_concatenation(du: ModuleType) -> None:
+def test_custom_mask_batch_equals_concatenation(layout: ModuleType) -> None:
     rng = random.Random(3)
     trees = _batch(rng, 6, 10)
     n = 10
-    masks = du.tree_attention_mask_batch([p for p, _ in trees], n)
+    masks = layout.tree_attention_mask_batch([p for p, _ in trees], n)
     prefixes = [0, 1, 7, 30, 2, 5]
     expected = torch.cat([
         torch.cat([torch.ones((n, prefixes[b]), dtype=torch.bool), masks[b]], dim=1).reshape(-1)
         for b in range(len(trees))
     ])
-    assert torch.equal(du.tree_custom_mask_batch(masks, prefixes), expected)
+    assert torch.equal(layout.tree_custom_mask_batch(masks, prefixes), expected)
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
-def test_builder_batch_equals_per_request(du: ModuleType, k: int) -> None:
+def test_builder_batch_equals_per_request(ref: ModuleType, layout: ModuleType, k: int) -> None:
     g = torch.Generator().manual_seed(k)
     lp = torch.log_softmax(torch.randn(6, 5, 50, generator=g) * 2.0, dim=-1).topk(k, dim=-1)
     roots = [11, 12, 13, 14, 15, 16]
     for budget in (0, 1, 7, 40):
         expected = [
-            du.build_ddtree_tree_from_topk(lp.indices[b], lp.values[b], budget, root_token=roots[b])
+            ref.build_ddtree_tree_from_topk(lp.indices[b], lp.values[b], budget, root_token=roots[b])
             for b in range(6)
         ]
-        assert du.build_ddtree_trees_from_topk_batch(lp.indices, lp.values, budget, torch.tensor(roots)) == expected
+        assert layout.build_ddtree_trees_from_topk_batch(lp.indices, lp.values, budget, torch.tensor(roots)) == expected
         # Nested lists take the same path as the per-request function.
-        assert du.build_ddtree_trees_from_topk_batch(
+        assert layout.build_ddtree_trees_from_topk_batch(
             lp.indices.tolist(), lp.values.tolist(), budget, roots
         ) == expected
 
 
-def test_builder_batch_rejects_mismatched_batches(du: ModuleType) -> None:
+def test_builder_batch_rejects_mismatched_batches(layout: ModuleType) -> None:
     ids = torch.zeros((2, 3, 2), dtype=torch.int64)
     with pytest.raises(ValueError, match="same"):
-        du.build_ddtree_trees_from_topk_batch(ids, torch.zeros((2, 3, 3)), 4, [0, 0])
+        layout.build_ddtree_trees_from_topk_batch(ids, torch.zeros((2, 3, 3)), 4, [0, 0])
     with pytest.raises(ValueError, match="batch sizes differ"):
-        du.build_ddtree_trees_from_topk_batch(ids, torch.zeros((2, 3, 2)), 4, [0])
+        layout.build_ddtree_trees_from_topk_batch(ids, torch.zeros((2, 3, 2)), 4, [0])
 
 
-def test_batch_helpers_reject_what_the_per_request_functions_reject(du: ModuleType) -> None:
+def test_batch_helpers_reject_what_the_per_request_functions_reject(ref: ModuleType, layout: ModuleType) -> None:
     good = [-1, 0, 0]
     for bad in ([-1, 2, 1], [0, 0], [-1, 5], [-1, 1]):
         with pytest.raises(ValueError):
-            du.compile_ddtree_retrieve(bad, [0.0] * len(bad))
+            ref.compile_ddtree_retrieve(bad, [0.0] * len(bad))
         with pytest.raises(ValueError):
-            du.compile_ddtree_retrieve_batch([good, bad], [[0.0] * 3, [0.0] * len(bad)])
+            layout.compile_ddtree_retrieve_batch([good, bad], [[0.0] * 3, [0.0] * len(bad)])
         with pytest.raises(ValueError):
-            du.tree_attention_mask_batch([good, bad], 3)
+            layout.tree_attention_mask_batch([good, bad], 3)
     with pytest.raises(ValueError, match="needs 1..3 nodes"):
-        du.tree_attention_mask_batch([[-1, 0, 0, 0]], 3)
+        layout.tree_attention_mask_batch([[-1, 0, 0, 0]], 3)
     with pytest.raises(ValueError, match="node_logws"):
-        du.compile_ddtree_retrieve_batch([good], [[0.0]])
+        layout.compile_ddtree_retrieve_batch([good], [[0.0]])
 
 
-def _reference_layout(du: ModuleType, trees: list, prefix_lens: list[int], num_nodes: int) -> dict:
+def _reference_layout(ref: ModuleType, trees: list, prefix_lens: list[int], num_nodes: int) -> dict:
     """The verify layout built one request at a time from the contract functions."""
     bs = len(trees)
     tokens = torch.empty((bs, num_nodes), dtype=torch.int64)
@@ -178,10 +178,10 @@ def _reference_layout(du: ModuleType, trees: list, prefix_lens: list[int], num_n
         n = len(tree.parents)
         pad = num_nodes - n
         tokens[b] = torch.tensor(tree.token_ids + [tree.token_ids[0]] * pad)
-        positions[b] = du.tree_positions(tree.depths + [1] * pad, prefix_lens[b])
-        mask = du.tree_attention_mask(tree.parents + [0] * pad)
+        positions[b] = ref.tree_positions(tree.depths + [1] * pad, prefix_lens[b])
+        mask = ref.tree_attention_mask(tree.parents + [0] * pad)
         masks.append(torch.cat([torch.ones((num_nodes, prefix_lens[b]), dtype=torch.bool), mask], 1).reshape(-1))
-        idx, nxt, sib = du.compile_ddtree_retrieve(tree.parents, tree.node_logws, offset=b * num_nodes)
+        idx, nxt, sib = ref.compile_ddtree_retrieve(tree.parents, tree.node_logws, offset=b * num_nodes)
         r_index[b] = torch.arange(b * num_nodes, (b + 1) * num_nodes)
         r_index[b, :n] = idx
         r_next[b, :n] = nxt
@@ -191,19 +191,19 @@ def _reference_layout(du: ModuleType, trees: list, prefix_lens: list[int], num_n
 
 
 @pytest.mark.parametrize("bs", [1, 2, 3, 4, 5, 9])
-def test_layout_verify_batch_equals_per_request_layout(du: ModuleType, bs: int) -> None:
+def test_layout_verify_batch_equals_per_request_layout(ref: ModuleType, layout: ModuleType, bs: int) -> None:
     # Batch sizes on both sides of the small-batch switch take different code paths.
     g = torch.Generator().manual_seed(bs)
     budget, depth = 12, 6
     lp = torch.log_softmax(torch.randn(bs, depth, 40, generator=g) * 2.0, dim=-1).topk(3, dim=-1)
-    trees = du.build_ddtree_trees_from_topk_batch(lp.indices, lp.values, budget, list(range(100, 100 + bs)))
+    trees = layout.build_ddtree_trees_from_topk_batch(lp.indices, lp.values, budget, list(range(100, 100 + bs)))
     # A short tree (candidates ran out) exercises padding.
-    trees[0] = du.build_ddtree_tree_from_topk(lp.indices[0, :1, :2], lp.values[0, :1, :2], budget, root_token=100)
+    trees[0] = ref.build_ddtree_tree_from_topk(lp.indices[0, :1, :2], lp.values[0, :1, :2], budget, root_token=100)
     prefixes = [5 + 3 * b for b in range(bs)]
-    ref = _reference_layout(du, trees, prefixes, budget + 1)
+    want = _reference_layout(ref, trees, prefixes, budget + 1)
     for need_retrieve in (True, False):
-        got = du.layout_verify_batch(trees, torch.tensor(prefixes), budget + 1, need_retrieve=need_retrieve)
-        for name, expected in ref.items():
+        got = layout.layout_verify_batch(trees, torch.tensor(prefixes), budget + 1, need_retrieve=need_retrieve)
+        for name, expected in want.items():
             value = getattr(got, name)
             if name.startswith("retrieve") and not need_retrieve:
                 assert value is None
@@ -211,7 +211,7 @@ def test_layout_verify_batch_equals_per_request_layout(du: ModuleType, bs: int) 
                 assert value.dtype == expected.dtype and torch.equal(value, expected), name
 
 
-def test_layout_verify_batch_refuses_a_tree_larger_than_the_window(du: ModuleType) -> None:
-    tree = du.build_ddtree_tree_from_topk([[1, 2], [3, 4]], [[-0.1, -0.2], [-0.3, -0.4]], 4)
+def test_layout_verify_batch_refuses_a_tree_larger_than_the_window(ref: ModuleType, layout: ModuleType) -> None:
+    tree = ref.build_ddtree_tree_from_topk([[1, 2], [3, 4]], [[-0.1, -0.2], [-0.3, -0.4]], 4)
     with pytest.raises(ValueError, match="does not fit the verify window"):
-        du.layout_verify_batch([tree], [0], 3, need_retrieve=False)
+        layout.layout_verify_batch([tree], [0], 3, need_retrieve=False)

@@ -38,9 +38,9 @@ def _all_paths(lps: list[list[float]]) -> list[tuple[tuple[int, ...], float]]:
 
 @settings(max_examples=300, deadline=None)
 @given(topk_inputs())
-def test_builder_is_top_budget_by_brute_force(du: ModuleType, case: tuple) -> None:
+def test_builder_is_top_budget_by_brute_force(ref: ModuleType, case: tuple) -> None:
     ids, lps, budget = case
-    tree = du.build_ddtree_tree_from_topk(ids, lps, budget, root_token=-1)
+    tree = ref.build_ddtree_tree_from_topk(ids, lps, budget, root_token=-1)
     n = len(tree.parents)
     paths = _all_paths(lps)
     assert n - 1 == min(budget, len(paths))
@@ -63,13 +63,13 @@ def test_builder_is_top_budget_by_brute_force(du: ModuleType, case: tuple) -> No
     assert sorted(tree.node_logws[1:], reverse=True) == best
 
 
-def test_builder_accepts_tensors_and_runs_out_of_candidates(du: ModuleType) -> None:
+def test_builder_accepts_tensors_and_runs_out_of_candidates(ref: ModuleType) -> None:
     ids = torch.tensor([[3, 4], [5, 6]])
     lps = torch.log(torch.tensor([[0.6, 0.4], [0.7, 0.3]]))
-    tree = du.build_ddtree_tree_from_topk(ids, lps, 100, root_token=9)
+    tree = ref.build_ddtree_tree_from_topk(ids, lps, 100, root_token=9)
     assert len(tree) == 1 + 2 + 4  # every path, budget not reached
     assert tree.token_ids[0] == 9
-    assert du.build_ddtree_tree_from_topk(ids, lps, 0).parents == [-1]
+    assert ref.build_ddtree_tree_from_topk(ids, lps, 0).parents == [-1]
 
 
 @pytest.mark.parametrize(
@@ -77,6 +77,6 @@ def test_builder_accepts_tensors_and_runs_out_of_candidates(du: ModuleType) -> N
     [([[1, 2]], [[-0.1]], 3), ([[1, 2], [3]], [[-0.1, -0.2], [-0.3]], 3), ([[1]], [[-0.1]], -1)],
     ids=["shape-mismatch", "ragged", "negative-budget"],
 )
-def test_builder_rejects_bad_input(du: ModuleType, ids: list, lps: list, budget: int) -> None:
+def test_builder_rejects_bad_input(ref: ModuleType, ids: list, lps: list, budget: int) -> None:
     with pytest.raises(ValueError):
-        du.build_ddtree_tree_from_topk(ids, lps, budget)
+        ref.build_ddtree_tree_from_topk(ids, lps, budget)

@@ -46,10 +46,10 @@ def _case(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_build_tree_batch_equals_the_heap_per_request(du: ModuleType, seed: int) -> None:
+def test_build_tree_batch_equals_the_heap_per_request(ref: ModuleType, du: ModuleType, seed: int) -> None:
     _, ids, lps, budget, roots = _case(seed)
     got = du.build_tree_batch(ids, lps, budget, roots)
-    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    trees = [ref.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
     want = du.tree_batch_from_trees(trees, budget + 1)
     for field in BATCH_FIELDS:
         assert torch.equal(getattr(got, field), getattr(want, field)), field
@@ -57,9 +57,9 @@ def test_build_tree_batch_equals_the_heap_per_request(du: ModuleType, seed: int)
     assert got.max_depth >= max(t.max_depth for t in trees)
 
 
-def _assert_builds_like_the_heap(du: ModuleType, ids, lps, budget: int, roots) -> None:
+def _assert_builds_like_the_heap(ref: ModuleType, du: ModuleType, ids, lps, budget: int, roots) -> None:
     got = du.build_tree_batch(ids, lps, budget, roots)
-    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    trees = [ref.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
     want = du.tree_batch_from_trees(trees, budget + 1)
     for field in BATCH_FIELDS:
         assert torch.equal(getattr(got, field), getattr(want, field)), field
@@ -79,24 +79,28 @@ def _assert_builds_like_the_heap(du: ModuleType, ids, lps, budget: int, roots) -
     ],
 )
 @pytest.mark.parametrize("ties", [False, True])
-def test_build_tree_batch_edge_shapes(du: ModuleType, bs: int, depth: int, k: int, budget: int, ties: bool) -> None:
+def test_build_tree_batch_edge_shapes(
+    ref: ModuleType, du: ModuleType, bs: int, depth: int, k: int, budget: int, ties: bool
+) -> None:
     for seed in range(5):
         rng = random.Random(seed)
         ids, lps = _draft(rng, bs, depth, k, ties=ties)
-        _assert_builds_like_the_heap(du, ids, lps, budget, torch.tensor([rng.randrange(900) for _ in range(bs)]))
+        _assert_builds_like_the_heap(ref, du, ids, lps, budget, torch.tensor([rng.randrange(900) for _ in range(bs)]))
 
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize(("depth", "k", "budget"), [(15, 4, 16), (15, 8, 24), (10, 3, 40), (15, 8, 64)])
-def test_build_tree_batch_serving_shapes(du: ModuleType, seed: int, depth: int, k: int, budget: int) -> None:
+def test_build_tree_batch_serving_shapes(
+    ref: ModuleType, du: ModuleType, seed: int, depth: int, k: int, budget: int
+) -> None:
     """Deep trees: wide final selections (the topk path of the key-order selection)."""
     rng = random.Random(seed)
     ids, lps = _draft(rng, 3, depth, k, ties=seed % 2 == 0)
-    _assert_builds_like_the_heap(du, ids, lps, budget, torch.tensor([5, 6, 7]))
+    _assert_builds_like_the_heap(ref, du, ids, lps, budget, torch.tensor([5, 6, 7]))
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_build_tree_batch_with_masked_logprobs(du: ModuleType, seed: int) -> None:
+def test_build_tree_batch_with_masked_logprobs(ref: ModuleType, du: ModuleType, seed: int) -> None:
     """-inf log-probs (masked tokens) tie among themselves and still pop in key order."""
     rng = random.Random(seed)
     bs, depth, k = rng.randint(1, 4), rng.choice([1, 3, 6, 15]), rng.randint(1, 5)
@@ -107,11 +111,11 @@ def test_build_tree_batch_with_masked_logprobs(du: ModuleType, seed: int) -> Non
             if masked:
                 lps[b, d, k - masked :] = float("-inf")
     budget = rng.choice([1, 4, 16, 40])
-    _assert_builds_like_the_heap(du, ids, lps, budget, torch.arange(bs))
+    _assert_builds_like_the_heap(ref, du, ids, lps, budget, torch.arange(bs))
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_build_tree_batch_at_the_pruning_bounds(du: ModuleType, seed: int) -> None:
+def test_build_tree_batch_at_the_pruning_bounds(ref: ModuleType, du: ModuleType, seed: int) -> None:
     """Rows of zeros then a cliff: every node of the zero block ties at logw 0, so the
     heap takes whole blocks (a depth's positions, a parent's ranks) up to the budget,
     the shapes at which the static frontier widths and candidate lists are tight."""
@@ -123,7 +127,7 @@ def test_build_tree_batch_at_the_pruning_bounds(du: ModuleType, seed: int) -> No
     ]
     lps = torch.tensor([[sorted(row, reverse=True) for row in req] for req in rows])
     ids = torch.arange(bs * depth * k).reshape(bs, depth, k)
-    _assert_builds_like_the_heap(du, ids, lps, rng.randint(1, 40), torch.arange(bs))
+    _assert_builds_like_the_heap(ref, du, ids, lps, rng.randint(1, 40), torch.arange(bs))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -141,33 +145,35 @@ def test_best_in_key_order_is_a_stable_descending_sort(du: ModuleType, seed: int
 
 
 @pytest.mark.parametrize("budget", [62, 63, 64, 100, 130])
-def test_ancestor_masks_past_one_word_per_row(du: ModuleType, budget: int) -> None:
+def test_ancestor_masks_past_one_word_per_row(ref: ModuleType, layout: ModuleType, du: ModuleType, budget: int) -> None:
     """Rows of more than 64 nodes span several packed words (bit 63 is the sign bit)."""
     rng = random.Random(budget)
     ids, lps = _draft(rng, 2, 15, 8, ties=True)
     batch = du.build_tree_batch(ids, lps, budget, torch.tensor([1, 2]))
-    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, b + 1) for b in range(2)]
+    trees = [ref.build_ddtree_tree_from_topk(ids[b], lps[b], budget, b + 1) for b in range(2)]
     n = budget + 1
-    want = du.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
+    want = layout.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
     assert torch.equal(du.tree_ancestor_masks(batch), want)
     # A chain: every node's row is its whole path.
     chain = du.tree_batch_from_trees(
-        [du.build_ddtree_tree_from_topk(torch.zeros(n - 1, 1, dtype=torch.int64), torch.zeros(n - 1, 1), n - 1)], n
+        [ref.build_ddtree_tree_from_topk(torch.zeros(n - 1, 1, dtype=torch.int64), torch.zeros(n - 1, 1), n - 1)], n
     )
     assert torch.equal(du.tree_ancestor_masks(chain)[0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_masks_and_retrieve_pointers_equal_the_batch_reference(du: ModuleType, seed: int) -> None:
+def test_masks_and_retrieve_pointers_equal_the_batch_reference(
+    ref: ModuleType, layout: ModuleType, du: ModuleType, seed: int
+) -> None:
     _, ids, lps, budget, roots = _case(seed)
     batch = du.build_tree_batch(ids, lps, budget, roots)
-    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    trees = [ref.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
     n = budget + 1
     # Padding nodes hang off the root in both layouts.
-    want_masks = du.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
+    want_masks = layout.tree_attention_mask_batch([t.parents + [0] * (n - len(t)) for t in trees], n)
     assert torch.equal(du.tree_ancestor_masks(batch), want_masks)
     index, nxt, sib = du.tree_retrieve_batch(batch)
-    w_index, w_nxt, w_sib = du.compile_ddtree_retrieve_batch(
+    w_index, w_nxt, w_sib = layout.compile_ddtree_retrieve_batch(
         [t.parents for t in trees], [t.node_logws for t in trees], num_nodes_padded=n
     )
     assert torch.equal(index, w_index) and torch.equal(nxt, w_nxt) and torch.equal(sib, w_sib)
@@ -192,10 +198,10 @@ def test_retrieve_chains_visit_every_real_node_once_and_no_padding(du: ModuleTyp
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_greedy_walk_batch_equals_follow_verified_tree(du: ModuleType, seed: int) -> None:
+def test_greedy_walk_batch_equals_follow_verified_tree(ref: ModuleType, du: ModuleType, seed: int) -> None:
     rng, ids, lps, budget, roots = _case(seed)
     batch = du.build_tree_batch(ids, lps, budget, roots)
-    trees = [du.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
+    trees = [ref.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b])) for b in range(len(roots))]
     n = budget + 1
     argmax = torch.randint(0, 5000, (len(trees), n))
     for b, tree in enumerate(trees):  # the target often agrees with some child
@@ -205,7 +211,7 @@ def test_greedy_walk_batch_equals_follow_verified_tree(du: ModuleType, seed: int
                 argmax[b, i] = tree.token_ids[rng.choice(kids)]
     paths = du.follow_verified_tree_batch(batch, argmax)
     for b, tree in enumerate(trees):
-        accepted, proposed = du.follow_verified_tree(tree.parents, tree.token_ids, argmax[b])
+        accepted, proposed = ref.follow_verified_tree(tree.parents, tree.token_ids, argmax[b])
         length = int(paths.commit_lens[b])
         assert length == len(accepted)
         assert paths.nodes[b, :length].tolist() == accepted
@@ -227,7 +233,7 @@ def test_accepted_paths_from_kernel_outputs(du: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_mask_buffer_view_is_the_full_custom_mask_and_restores(du: ModuleType, seed: int) -> None:
+def test_mask_buffer_view_is_the_full_custom_mask_and_restores(layout: ModuleType, du: ModuleType, seed: int) -> None:
     rng = random.Random(seed)
     buf = du.TreeMaskBuffer("cpu")
     for _round in range(4):
@@ -238,7 +244,7 @@ def test_mask_buffer_view_is_the_full_custom_mask_and_restores(du: ModuleType, s
         slack = rng.randint(0, 50)  # host bounds may exceed the exact size
         view = buf.write(masks, prefix, cells + slack)
         assert view.numel() == cells + slack
-        assert torch.equal(view[:cells], du.tree_custom_mask_batch(masks, prefix))
+        assert torch.equal(view[:cells], layout.tree_custom_mask_batch(masks, prefix))
         assert bool(view[cells:].all())
         buf.restore()
         assert bool(buf._buf.all()), "between rounds every cell is True"

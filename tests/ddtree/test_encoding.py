@@ -19,30 +19,30 @@ WORKED_IDS = [[10, 11], [20, 21], [30, 31]]
 WORKED_LPS = [[-0.1, -0.8], [-0.5, -1.0], [-0.1, -2.0]]
 
 
-def test_worked_example_from_design(du: ModuleType) -> None:
-    tree = du.build_ddtree_tree_from_topk(WORKED_IDS, WORKED_LPS, 5, root_token=7)
+def test_worked_example_from_design(ref: ModuleType) -> None:
+    tree = ref.build_ddtree_tree_from_topk(WORKED_IDS, WORKED_LPS, 5, root_token=7)
     assert tree.parents == [-1, 0, 1, 2, 0, 1]
     assert tree.depths == [0, 1, 2, 3, 1, 2]
     assert tree.token_ids == [7, 10, 20, 30, 11, 21]
     assert tree.node_logws[0] == 0.0
-    index, next_token, next_sibling = du.compile_ddtree_retrieve(tree.parents, tree.node_logws)
+    index, next_token, next_sibling = ref.compile_ddtree_retrieve(tree.parents, tree.node_logws)
     assert index.tolist() == [0, 1, 2, 3, 4, 5]
     assert next_token.tolist() == [1, 2, 3, -1, -1, -1]
     assert next_sibling.tolist() == [-1, 4, 5, -1, -1, -1]
     assert index.dtype == next_token.dtype == next_sibling.dtype == torch.int64
 
 
-def test_offset_shifts_only_retrieve_index(du: ModuleType) -> None:
-    tree = du.build_ddtree_tree_from_topk(WORKED_IDS, WORKED_LPS, 5)
-    index, next_token, next_sibling = du.compile_ddtree_retrieve(tree.parents, tree.node_logws, offset=12)
+def test_offset_shifts_only_retrieve_index(ref: ModuleType) -> None:
+    tree = ref.build_ddtree_tree_from_topk(WORKED_IDS, WORKED_LPS, 5)
+    index, next_token, next_sibling = ref.compile_ddtree_retrieve(tree.parents, tree.node_logws, offset=12)
     assert index.tolist() == [12, 13, 14, 15, 16, 17]
     assert next_token.tolist() == [1, 2, 3, -1, -1, -1]
     assert next_sibling.tolist() == [-1, 4, 5, -1, -1, -1]
 
 
-def test_worked_example_mask_and_positions(du: ModuleType) -> None:
+def test_worked_example_mask_and_positions(ref: ModuleType) -> None:
     parents = [-1, 0, 1, 2, 0, 1]
-    mask = du.tree_attention_mask(parents)
+    mask = ref.tree_attention_mask(parents)
     expected = torch.tensor(
         [
             [1, 0, 0, 0, 0, 0],
@@ -55,8 +55,8 @@ def test_worked_example_mask_and_positions(du: ModuleType) -> None:
         dtype=torch.bool,
     )
     assert torch.equal(mask, expected)
-    assert du.tree_positions([0, 1, 2, 3, 1, 2], 100).tolist() == [100, 101, 102, 103, 101, 102]
-    per_request = du.tree_positions(torch.tensor([0, 1, 1]), torch.tensor([[5], [9]]))
+    assert ref.tree_positions([0, 1, 2, 3, 1, 2], 100).tolist() == [100, 101, 102, 103, 101, 102]
+    per_request = ref.tree_positions(torch.tensor([0, 1, 1]), torch.tensor([[5], [9]]))
     assert per_request.tolist() == [[5, 6, 6], [9, 10, 10]]
 
 
@@ -65,11 +65,11 @@ def test_worked_example_mask_and_positions(du: ModuleType) -> None:
     [[0], [-1, 5], [-1, 2, 1], [-1, 1], []],
     ids=["root-has-parent", "parent-out-of-range", "cycle", "self-loop", "empty"],
 )
-def test_invalid_parent_arrays_are_refused(du: ModuleType, parents: list[int]) -> None:
+def test_invalid_parent_arrays_are_refused(ref: ModuleType, parents: list[int]) -> None:
     with pytest.raises(ValueError):
-        du.compile_ddtree_retrieve(parents, [0.0] * len(parents))
+        ref.compile_ddtree_retrieve(parents, [0.0] * len(parents))
     with pytest.raises(ValueError):
-        du.tree_attention_mask(parents)
+        ref.tree_attention_mask(parents)
 
 
 @st.composite
@@ -113,10 +113,10 @@ def _dfs(next_token: list[int], next_sibling: list[int]) -> list[int]:
 
 @settings(max_examples=200, deadline=None)
 @given(random_trees())
-def test_encoding_properties(du: ModuleType, tree: tuple[list[int], list[float]]) -> None:
+def test_encoding_properties(ref: ModuleType, tree: tuple[list[int], list[float]]) -> None:
     parents, logws = tree
     n = len(parents)
-    _, nt_t, ns_t = du.compile_ddtree_retrieve(parents, logws)
+    _, nt_t, ns_t = ref.compile_ddtree_retrieve(parents, logws)
     nt, ns = nt_t.tolist(), ns_t.tolist()
     visited = _dfs(nt, ns)
     assert sorted(visited) == list(range(1, n)), "DFS must visit every non-root node exactly once"
@@ -135,13 +135,13 @@ def test_encoding_properties(du: ModuleType, tree: tuple[list[int], list[float]]
 
 @settings(max_examples=100, deadline=None)
 @given(random_trees())
-def test_mask_is_ancestor_closure(du: ModuleType, tree: tuple[list[int], list[float]]) -> None:
+def test_mask_is_ancestor_closure(ref: ModuleType, tree: tuple[list[int], list[float]]) -> None:
     parents, _ = tree
-    assert torch.equal(du.tree_attention_mask(parents), _ancestor_mask(parents))
+    assert torch.equal(ref.tree_attention_mask(parents), _ancestor_mask(parents))
 
 
 @pytest.mark.parametrize("n", [127, 128, 129, 700])
-def test_mask_on_large_trees_both_strategies(du: ModuleType, n: int) -> None:
+def test_mask_on_large_trees_both_strategies(ref: ModuleType, n: int) -> None:
     """Sizes on both sides of the bitset / level-walk switch, numbered in any order."""
     g = torch.Generator().manual_seed(n)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
@@ -149,6 +149,6 @@ def test_mask_on_large_trees_both_strategies(du: ModuleType, n: int) -> None:
     relabelled = [-1] * n
     for old in range(1, n):
         relabelled[perm[old]] = perm[parents[old]]
-    mask = du.tree_attention_mask(relabelled)
+    mask = ref.tree_attention_mask(relabelled)
     assert mask.is_contiguous() and mask.dtype == torch.bool
     assert torch.equal(mask, _ancestor_mask(relabelled))

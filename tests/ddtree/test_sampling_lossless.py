@@ -62,7 +62,7 @@ class Case:
     l1: torch.Tensor  # [V, V]
 
 
-def make_case(du: ModuleType, seed: int) -> Case:
+def make_case(ref: ModuleType, seed: int) -> Case:
     g = torch.Generator().manual_seed(seed)
     vocab = int(torch.randint(8, 65, (1,), generator=g))
     depth = int(torch.randint(2, 5, (1,), generator=g))
@@ -75,7 +75,7 @@ def make_case(du: ModuleType, seed: int) -> Case:
     draft_logits += [torch.randn(vocab, generator=g) * 2.0 for _ in range(depth - 2)]
     lp = torch.log_softmax(torch.stack(draft_logits), dim=-1)
     top = lp.topk(k, dim=-1)
-    tree = du.build_ddtree_tree_from_topk(top.indices, top.values, budget, root_token=0)
+    tree = ref.build_ddtree_tree_from_topk(top.indices, top.values, budget, root_token=0)
     rows = []
     for i, d in enumerate(tree.depths):
         if d == 0:
@@ -88,7 +88,7 @@ def make_case(du: ModuleType, seed: int) -> Case:
 
 
 def sample_first_two(
-    du: ModuleType, case: Case, temp: float, top_k: int, top_p: float, n: int, seed: int, threshold_acc: float = 1.0
+    ref: ModuleType, case: Case, temp: float, top_k: int, top_p: float, n: int, seed: int, threshold_acc: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """n draws of (first, second) emitted token, and how many second tokens came from
     an accepted draft, straight through the reference kernel.
@@ -100,9 +100,9 @@ def sample_first_two(
     """
     tree = case.tree
     nn = len(tree)
-    tp = du.target_probs_from_logits(case.node_logits, temp, top_k, top_p)
-    tp1 = du.target_probs_from_logits(case.l1, temp, top_k, top_p)
-    _, r_next, r_sib = du.compile_ddtree_retrieve(tree.parents, tree.node_logws)
+    tp = ref.target_probs_from_logits(case.node_logits, temp, top_k, top_p)
+    tp1 = ref.target_probs_from_logits(case.l1, temp, top_k, top_p)
+    _, r_next, r_sib = ref.compile_ddtree_retrieve(tree.parents, tree.node_logws)
     spec = max(tree.depths) + 1
     cdf1 = torch.cumsum(tp1, dim=-1)
     g = torch.Generator().manual_seed(seed)
@@ -116,7 +116,7 @@ def sample_first_two(
         accept_index = torch.full((bs, spec), -1, dtype=torch.int32)
         accept_num = torch.empty(bs, dtype=torch.int32)
         cand = torch.tensor(tree.token_ids, dtype=torch.int64).expand(bs, nn)
-        du.reference_tree_speculative_sampling(
+        ref.reference_tree_speculative_sampling(
             predicts, accept_index, accept_num, cand,
             torch.arange(bs * nn, dtype=torch.int64).reshape(bs, nn),
             r_next.expand(bs, nn), r_sib.expand(bs, nn),
@@ -147,16 +147,16 @@ SETTINGS = [
 
 @pytest.mark.parametrize(("seed", "temp", "top_k", "top_p"), [(11 + i, *s) for i, s in enumerate(SETTINGS)])
 def test_first_and_two_step_distribution_match_target(
-    du: ModuleType, seed: int, temp: float, top_k: int, top_p: float
+    ref: ModuleType, seed: int, temp: float, top_k: int, top_p: float
 ) -> None:
-    case = make_case(du, seed)
+    case = make_case(ref, seed)
     vocab = case.l0.numel()
     n = N_SAMPLES
-    first, second, from_tree = sample_first_two(du, case, temp, top_k, top_p, n, seed=seed * 7 + 1)
+    first, second, from_tree = sample_first_two(ref, case, temp, top_k, top_p, n, seed=seed * 7 + 1)
     # Both branches of the sampler (accepted draft, bonus after rejections) must be exercised.
     assert 0.01 * n < from_tree < 0.99 * n
-    p0 = du.target_probs_from_logits(case.l0.unsqueeze(0), temp, top_k, top_p)[0]
-    p1 = du.target_probs_from_logits(case.l1, temp, top_k, top_p)
+    p0 = ref.target_probs_from_logits(case.l0.unsqueeze(0), temp, top_k, top_p)[0]
+    p1 = ref.target_probs_from_logits(case.l1, temp, top_k, top_p)
     joint = p0.unsqueeze(1) * p1
 
     c1 = torch.bincount(first, minlength=vocab)
@@ -166,17 +166,17 @@ def test_first_and_two_step_distribution_match_target(
     assert tv(c2, joint) < tv_bound(joint, n)
 
 
-def test_lossy_threshold_is_detected(du: ModuleType) -> None:
+def test_lossy_threshold_is_detected(ref: ModuleType) -> None:
     """threshold_acc < 1 over-accepts drafts; the same bound must catch it."""
-    case = make_case(du, 11)
+    case = make_case(ref, 11)
     n = N_SAMPLES
-    first, _, _ = sample_first_two(du, case, 1.0, -1, 1.0, n, seed=5, threshold_acc=0.3)
-    p0 = du.target_probs_from_logits(case.l0.unsqueeze(0), 1.0, -1, 1.0)[0]
+    first, _, _ = sample_first_two(ref, case, 1.0, -1, 1.0, n, seed=5, threshold_acc=0.3)
+    p0 = ref.target_probs_from_logits(case.l0.unsqueeze(0), 1.0, -1, 1.0)[0]
     assert tv(torch.bincount(first, minlength=p0.numel()), p0) > tv_bound(p0, n)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
+def test_temperature_zero_equals_greedy_walk(ref: ModuleType, seed: int) -> None:
     """Greedy rows in a mixed batch go through the sampler, and must equal the greedy walk."""
     g = torch.Generator().manual_seed(100 + seed)
     trees, logits = [], []
@@ -184,10 +184,10 @@ def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
     for _ in range(8):
         lp = torch.log_softmax(torch.randn(4, vocab, generator=g) * 2, dim=-1)
         top = lp.topk(3, dim=-1)
-        tree = du.build_ddtree_tree_from_topk(top.indices, top.values, 16, root_token=0)
+        tree = ref.build_ddtree_tree_from_topk(top.indices, top.values, 16, root_token=0)
         rows = torch.randn(n_rows, vocab, generator=g)
         # Make the target agree with the tree's best child most of the time.
-        _, r_next, _ = du.compile_ddtree_retrieve(tree.parents, tree.node_logws)
+        _, r_next, _ = ref.compile_ddtree_retrieve(tree.parents, tree.node_logws)
         for i in range(len(tree)):
             child = int(r_next[i])
             if child != -1 and torch.rand(1, generator=g).item() < 0.8:
@@ -198,11 +198,11 @@ def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
     # SGLang encodes greedy as top_k == 1 at temperature 1: rows 2 and 6 use that form.
     temps = [0.0, 1.0, 1.0, 1.0] * 2
     top_ks = [-1, -1, 1, -1] * 2
-    out = du.sample_tree_paths(trees, target, temps, top_ks, [1.0] * 8, generator=g, use_kernel=False)
+    out = ref.sample_tree_paths(trees, target, temps, top_ks, [1.0] * 8, generator=g, use_kernel=False)
     greedy_rows = [0, 2, 4, 6]
     lengths = []
     for b in greedy_rows:
-        expected = du.follow_verified_tree(trees[b].parents, trees[b].token_ids, target[b].argmax(dim=-1))
+        expected = ref.follow_verified_tree(trees[b].parents, trees[b].token_ids, target[b].argmax(dim=-1))
         assert out[b] == expected
         lengths.append(len(expected[0]))
     assert max(lengths) > 1, "the case must exercise accepted drafts, not only bonus tokens"
@@ -215,18 +215,18 @@ def test_temperature_zero_equals_greedy_walk(du: ModuleType, seed: int) -> None:
             assert trees[b].parents[child] == parent and trees[b].token_ids[child] == tok
 
 
-def test_sample_tree_paths_first_token_through_batching(du: ModuleType) -> None:
+def test_sample_tree_paths_first_token_through_batching(ref: ModuleType) -> None:
     """End to end through sample_tree_paths (padding, offsets, coin drawing, % N)."""
-    case = make_case(du, 21)
+    case = make_case(ref, 21)
     tree = case.tree
     n_pad = len(tree) + 3  # rows beyond the tree are padding the sampler must never reach
     logits = torch.cat([case.node_logits, torch.zeros(3, case.l0.numel())])
     n = 4000
-    out = du.sample_tree_paths(
+    out = ref.sample_tree_paths(
         [tree] * n, logits.expand(n, n_pad, -1), [1.0] * n, [-1] * n, [1.0] * n,
         generator=torch.Generator().manual_seed(3),
     )
     first = torch.tensor([proposed[0] for _, proposed in out])
     assert all(max(acc) < len(tree) for acc, _ in out)
-    p0 = du.target_probs_from_logits(case.l0.unsqueeze(0), 1.0, -1, 1.0)[0]
+    p0 = ref.target_probs_from_logits(case.l0.unsqueeze(0), 1.0, -1, 1.0)[0]
     assert tv(torch.bincount(first, minlength=p0.numel()), p0) < tv_bound(p0, n)

@@ -4,7 +4,7 @@
 The real-server lane (``make test``, ``make test-sglang``) runs ``tests/sglang_real`` with
 ``DDTREE_COVERAGE_RC`` naming ``bundle-coverage.ini``: every process the tests start
 in the SGLang test venv -- the servers' launcher, scheduler and detokenizer processes,
-and the one-interpreter checks -- measures the bundle's five modules where they were
+and the one-interpreter checks -- measures the bundle's six modules where they were
 deployed (``standins/.../coverage_startup.py``). Afterwards, with the test venv's python::
 
     bundle_coverage.py --check patches/ddtree_temperature/README.md
@@ -35,7 +35,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "bundle-coverage.ini"
-MODULES = ("ddtree_utils.py", "ddtree_info.py", "ddtree_worker_v2.py", "ddtree_registration.py", "ddtree_plugin.py")
+MODULES = (
+    "ddtree_reference.py",
+    "ddtree_utils.py",
+    "ddtree_info.py",
+    "ddtree_worker_v2.py",
+    "ddtree_registration.py",
+    "ddtree_plugin.py",
+)
 BEGIN, END = "<!-- bundle-coverage:begin -->", "<!-- bundle-coverage:end -->"
 TODO = "TODO"
 

@@ -16,14 +16,14 @@ from types import SimpleNamespace
 def target_laws() -> dict:
     """The worker's two target-probability paths (kernel branch: SGLang's
     ``build_speculative_verify_target_probs`` then the bundle's min-p filter; reference
-    branch: ``ddtree_utils.target_probs_from_logits``) against each other, and against
+    branch: ``ddtree_reference.target_probs_from_logits``) against each other, and against
     SGLang's own torch sampler (``top_k_top_p_min_p_sampling_from_probs_torch``,
     srt/layers/sampler.py, with its filtered probabilities) where the two sampler
     backends agree (top-p 1: the torch backend applies top-p before the top-k renorm,
     FlashInfer's, which the verifier follows, after it)."""
     import torch
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
-    from sglang.srt.speculative import ddtree_utils
+    from sglang.srt.speculative import ddtree_reference
     from sglang.srt.speculative.dflash_utils import build_speculative_verify_target_probs
 
     gen = torch.Generator().manual_seed(0)
@@ -41,8 +41,8 @@ def target_laws() -> dict:
         next_token_logits=logits, sampling_info=info, draft_token_num=n, bs=bs,
         max_top_k=int(top_ks.max()), uniform_top_k_value=None,
     )
-    kernel = ddtree_utils.min_p_renorm_probs(kernel, min_ps.view(bs, 1)).view(bs * n, vocab)
-    reference = ddtree_utils.target_probs_from_logits(
+    kernel = ddtree_reference.min_p_renorm_probs(kernel, min_ps.view(bs, 1)).view(bs * n, vocab)
+    reference = ddtree_reference.target_probs_from_logits(
         logits, temps.repeat_interleave(n), top_ks.repeat_interleave(n),
         top_ps.repeat_interleave(n), min_ps.repeat_interleave(n),
     )
@@ -60,7 +60,7 @@ def target_laws() -> dict:
         "kernel_vs_sglang_sampler_max_abs": float((kernel[rows_p1] - sglang).abs().max()),
         "kernel_vs_sglang_sampler_support_equal": bool(((kernel[rows_p1] > 0) == (sglang > 0)).all()),
         "min_p_removed_tokens": int(
-            ((ddtree_utils.target_probs_from_logits(
+            ((ddtree_reference.target_probs_from_logits(
                 logits, temps.repeat_interleave(n), top_ks.repeat_interleave(n), top_ps.repeat_interleave(n)
             ) > 0) & (reference == 0)).sum()
         ),
@@ -130,7 +130,7 @@ def tree_builder() -> dict:
     pass) against the best-first heap (``build_ddtree_tree_from_topk``, per request)
     over the worker's shapes, with tied log-probs: the same nodes in the same order."""
     import torch
-    from sglang.srt.speculative import ddtree_utils
+    from sglang.srt.speculative import ddtree_reference, ddtree_utils
 
     gen = torch.Generator().manual_seed(24)
     mismatches, trees = [], 0
@@ -145,7 +145,7 @@ def tree_builder() -> dict:
         batch = ddtree_utils.build_tree_batch(ids, lps, budget, roots)
         assert batch.num_nodes == budget + 1
         for b in range(bs):
-            want = ddtree_utils.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b]))
+            want = ddtree_reference.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(roots[b]))
             m = len(want)
             got = (batch.tokens[b, :m].tolist(), batch.parents[b, :m].tolist(), batch.depths[b, :m].tolist(),
                    batch.logws[b, :m].tolist(), int(batch.valid[b].sum()))
@@ -196,6 +196,7 @@ if __name__ == "__main__":
     from sglang.srt.speculative import (  # noqa: F401
         ddtree_info,
         ddtree_plugin,
+        ddtree_reference,
         ddtree_registration,
         ddtree_utils,
         ddtree_worker_v2,

@@ -80,7 +80,7 @@ def test_selftest_e2e_on_the_real_cpu_server(
     assert report["sglang_version"] == "0.5.23" and report["device"] == "cpu"
     assert report["baseline"]["served"] is True
     assert set(report["checks"]) >= {"golden_encoding", "builder_encoding_properties", "greedy_walk",
-                                     "reference_sampler_exact"}
+                                     "reference_sampler_exact", "device_round"}
     assert all(c["ok"] for c in report["checks"].values())
     assert report["kernel"].startswith("not available")
     assert [(r["budget"], r["graphs"]) for r in report["runs"]] == [(4, "off"), (16, "off")]

@@ -33,5 +33,5 @@ def test_selftest_passes_on_the_deployed_bundle(ddtree_python, tmp_path):
     # no CUDA here: the kernel comparison is the GPU check's (benchmarks/gpu_check.py)
     assert report["cuda"] is False and report["kernel"].startswith("not available"), report
     assert set(report["checks"]) == {"golden_encoding", "builder_encoding_properties", "greedy_walk",
-                                     "reference_sampler_exact"}, report
+                                     "reference_sampler_exact", "device_round"}, report
     assert all(c["ok"] for c in report["checks"].values()), report

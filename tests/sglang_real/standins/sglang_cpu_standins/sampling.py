@@ -12,7 +12,7 @@
   op's ``TensorMatcher`` checks at entry (dtypes, shapes bound across tensors, one
   device, contiguous tensors, thresholds in [0, 1]) -- a call the CUDA op would reject
   fails here too -- then runs the DDTree bundle's pure-torch twin of the kernel
-  (``ddtree_utils.reference_tree_speculative_sampling``), which the GPU check
+  (``ddtree_reference.reference_tree_speculative_sampling``), which the GPU check
   (``benchmarks/gpu_check.py``) compares with the real kernel on identical coins.
   Opt-in (``SGLANG_CPU_STANDINS_ENABLE=tree_sampling_kernel``): without it a CPU server
   keeps SGLang's own answer (no kernel), which the abort tests rely on.
@@ -57,7 +57,7 @@ def tree_speculative_sampling_target_only(
 ) -> None:
     """The op's signature (``kernels/ops/speculative/sampling.py``) and entry checks
     (``sampling.cuh``), then the bundle's twin of the kernel."""
-    from sglang.srt.speculative.ddtree_utils import reference_tree_speculative_sampling
+    from sglang.srt.speculative.ddtree_reference import reference_tree_speculative_sampling
 
     _check(candidates.dim() == 2, f"candidates must be [bs, draft_tokens], got {tuple(candidates.shape)}")
     bs, n = candidates.shape

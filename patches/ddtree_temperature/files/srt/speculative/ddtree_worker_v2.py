@@ -51,7 +51,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative import ddtree_plugin, ddtree_utils
+from sglang.srt.speculative import ddtree_plugin, ddtree_reference, ddtree_utils
 from sglang.srt.speculative.ddtree_info import (
     DDTreeDraftInputV2,
     DDTreeVerifyInput,
@@ -798,12 +798,12 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 uniform_top_k_value=draft_input.uniform_top_k_value,
             )
             if sampling_info.need_min_p_sampling:
-                target_probs = ddtree_utils.min_p_renorm_probs(
+                target_probs = ddtree_reference.min_p_renorm_probs(
                     target_probs, sampling_info.min_ps.view(bs, 1)
                 )
         else:
-            verify = ddtree_utils.reference_tree_speculative_sampling
-            target_probs = ddtree_utils.target_probs_from_logits(
+            verify = ddtree_reference.reference_tree_speculative_sampling
+            target_probs = ddtree_reference.target_probs_from_logits(
                 logits,
                 sampling_info.temperatures.view(-1).repeat_interleave(width),
                 sampling_info.top_ks.view(-1).repeat_interleave(width),
