@@ -123,10 +123,13 @@ def test_poisson_rate_and_flush(server) -> None:
     load = run_load(url, LoadSpec(prompts=prompts(5), max_new_tokens=4, concurrency=5, request_rate=20.0))
     assert all(r.ok for r in load.results)
     starts = [r.start for r in load.results]
-    # Seed 0 at 20/s: gaps of 93, 71, 27 and 15 ms between arrivals, in prompt order (the
-    # host client's threads may wake a few ms late on a busy machine).
-    assert starts[-1] - starts[0] >= 0.206 - 0.01
-    assert all(b > a - 0.01 for a, b in zip(starts, starts[1:], strict=False))
+    # Seed 0 at 20/s: gaps of 93, 71, 27 and 15 ms between arrivals, in prompt order. The
+    # host client sleeps each thread until its request is due, so a thread that wakes late
+    # shortens the spread by as much (24 ms once, both cores busy in a fresh-clone CI run)
+    # and may start after the next one (gaps of 15 ms): hence the slack; all five sent at
+    # once would spread over ~0 ms.
+    assert starts[-1] - starts[0] >= 0.206 - 0.05
+    assert all(b > a - 0.03 for a, b in zip(starts, starts[1:], strict=False))
     assert url.flush_cache() == (True, "HTTP 200") and state.flushes == 1
 
 
