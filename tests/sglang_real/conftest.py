@@ -8,6 +8,9 @@ dir and its tail is part of every start/request error.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,7 @@ from ddtree_ops.transport.local import LocalTransport
 
 from . import models, setup_env
 from .prefix import make_prefix
-from .server import ServerPool, is_built
+from .server import Output, ServerPool, is_built
 
 BUNDLE = Path(__file__).resolve().parents[2] / "patches" / "ddtree_temperature"
 # Tokens every greedy DDTREE comparison generates (the references hold 16 more).
@@ -40,8 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # share the target alone run as one unit, the smoke first while that server is up. The
 # units go out longest first, the free worker taking the next; measured per unit with two
 # workers busy (server starts included): the tree unit 728 s, pipeline 249 s, sampling
-# 200 s, selftest --e2e 200 s, triton 161 s (it starts the target alone again), the rest
-# under 50 s each; the workers ended at 789 s and 848 s. With loadscope's order (most
+# 200 s, selftest --e2e 200 s, triton 161 s (it started the target alone again, for
+# reference outputs the tree unit's worker now hands over: ``reference_outputs``), the
+# rest under 50 s each; the workers ended at 789 s and 848 s. With loadscope's order (most
 # tests first) one worker ran test_ddtree_real alone and then idled 220 s while the other
 # ran everything else, the longest single tests last (lane 880 s against 858 s now: the
 # lane is CPU-bound, so the balance gains little).
@@ -146,14 +150,43 @@ def ddtree_python(sglang_cpu_env: Path, tmp_path_factory: pytest.TempPathFactory
     return python
 
 
+def _model_digest(model_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(model_dir).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def reference_outputs(real_servers, tiny_models) -> list:
-    """The target alone: the outputs every DDTREE server must reproduce."""
+def reference_outputs(real_servers, tiny_models, tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> list:
+    """The target alone: the outputs every DDTREE server must reproduce.
+
+    Run once per lane, not once per worker: the first worker to need them runs the
+    target alone and writes them beside the workers' temp dirs; the other reads them
+    (the lane's second worker otherwise started the target alone again, ~55 s of two
+    busy cores, for these outputs only). They are keyed by the target's bytes and the
+    request, so a worker whose model or prompts differ computes its own."""
     from .test_real_server_smoke import PROMPTS, TOP_LOGPROBS
 
-    baseline = real_servers.get("baseline", tiny_models["target"])
-    baseline.flush_cache()
-    return baseline.generate(PROMPTS, max_new_tokens=NEW_TOKENS + 16, top_logprobs=TOP_LOGPROBS)
+    def generate() -> list:
+        baseline = real_servers.get("baseline", tiny_models["target"])
+        baseline.flush_cache()
+        return baseline.generate(PROMPTS, max_new_tokens=NEW_TOKENS + 16, top_logprobs=TOP_LOGPROBS)
+
+    if worker_id == "master":  # one process: nothing to share
+        return generate()
+    key = hashlib.sha256(
+        json.dumps([_model_digest(tiny_models["target"]), PROMPTS, NEW_TOKENS + 16, TOP_LOGPROBS]).encode()
+    ).hexdigest()[:16]
+    shared = tmp_path_factory.getbasetemp().parent / f"reference-outputs-{key}.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits rather than starting a second server
+        if shared.exists():
+            return [Output(**o) for o in json.loads(shared.read_text())]
+        outputs = generate()
+        shared.write_text(json.dumps([dataclasses.asdict(o) for o in outputs]))
+        return outputs
 
 
 @pytest.fixture(scope="session")
