@@ -217,7 +217,12 @@ def test_drain_race_is_never_reported_ready(sim_target) -> None:
     )
     assert outcome.reason == "ready"
     stale = [d for p, d in seen if p.get("health") == 200 and d != "ready"]
-    assert stale and all(d.startswith("stale") for d in stale)  # the race really happened
+    assert any(d.startswith("stale") for d in stale), stale  # the race really happened
+    # Every other 200 was refused too: a draining process may answer /health_generate and
+    # then fail /server_info, the one refusal readiness.judge gives before its identity
+    # checks (a fresh-clone run with both cores busy failed the old, stale-only assertion).
+    odd = [d for d in stale if not d.startswith(("stale", "/server_info unavailable"))]
+    assert not odd, odd
     assert sim_target.server_info(host)["startup_time"] > old_info["startup_time"]
     assert sim_target.process_gone(old.pid)
 
