@@ -49,6 +49,10 @@ class RunConfig:
     topk: int | None = None
     cuda_graph: CudaGraphMode = "auto"
     extra_args: tuple[str, ...] = ()
+    # DDTREE only: a ``{"ddtree": {...}}`` runtime-state file on the host, passed as
+    # ``--speculative-adaptive-config`` (0.5.23's own flag: the plugin cannot add one).
+    # ``budget``/``topk`` are then the launch state, which must be in the file's set.
+    adaptive_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -67,6 +71,11 @@ class RunConfig:
             raise ConfigError("topk only applies to DDTREE")
         if not all(isinstance(a, str) for a in self.extra_args):
             raise ConfigError("extra_args must be strings")
+        if self.adaptive_config is not None:
+            if self.algorithm != "DDTREE":
+                raise ConfigError("adaptive_config (runtime states) only applies to DDTREE")
+            if not isinstance(self.adaptive_config, str) or not self.adaptive_config.strip():
+                raise ConfigError(f"adaptive_config must be a path on the host, not {self.adaptive_config!r}")
 
     def describe(self) -> str:
         parts: list[str] = [self.algorithm]
@@ -74,6 +83,8 @@ class RunConfig:
             parts.append(f"budget={self.budget}")
         if self.topk is not None:
             parts.append(f"topk={self.topk}")
+        if self.adaptive_config is not None:
+            parts.append(f"adaptive_config={self.adaptive_config}")
         return " ".join(parts)
 
 
@@ -147,6 +158,9 @@ def speculative_flags(run: RunConfig, draft_model_path: str | None, *, host: str
         if run.budget is None or run.topk is None:
             raise ConfigError("DDTREE needs both --budget and --topk", host=host)
         flags += ddtree_flags(run.budget, run.topk)
+        if run.adaptive_config is not None:
+            # One argv element, like every other value: a path with spaces stays one word.
+            flags += ["--speculative-adaptive-config", run.adaptive_config]
     return tuple(flags)
 
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ddtree_ops.sim.profiles import PROFILES
+from ddtree_ops.sim.states import AdaptiveConfig, AdaptiveConfigError, load_adaptive_config
 
 CUDA_GRAPH_BACKENDS = ("full", "breakable", "disabled")
 SPEC_ALGORITHMS = ("DFLASH", "DDTREE")
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-cuda-graph", action=_DeprecatedStoreTrue)
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--max-running-requests", type=_positive_int, default=None)
+    # 0.5.23's own flag for runtime speculative configurations; the DDTree plugin reads its
+    # "ddtree" key (the set of runtime states, see ddtree_ops/sim/states.py).
+    parser.add_argument("--speculative-adaptive-config", type=str, default=None)
     return parser
 
 
@@ -158,7 +162,8 @@ class ServerArgs:
     """Resolved launch flags, flat, as ``/server_info`` reports them.
 
     ``ddtree`` is not a flag: it is the resolved tree (None unless DDTREE), reported as
-    ``/server_info``'s top-level ``ddtree`` object, not among the flat fields.
+    ``/server_info``'s top-level ``ddtree`` object, not among the flat fields; nor is
+    ``ddtree_adaptive``, the validated ``--speculative-adaptive-config`` file.
     """
 
     model_path: str
@@ -180,7 +185,10 @@ class ServerArgs:
     disable_cuda_graph: bool
     mem_fraction_static: float
     max_running_requests: int
+    speculative_adaptive_config: str | None = None
     ddtree: DDTreeConfig | None = None
+    # The validated runtime-state set (DDTREE with --speculative-adaptive-config only).
+    ddtree_adaptive: AdaptiveConfig | None = None
 
     @property
     def speculating(self) -> bool:
@@ -205,7 +213,7 @@ class ServerArgs:
     def as_dict(self) -> dict[str, Any]:
         """The flat fields (everything but ``ddtree``)."""
         flat = asdict(self)
-        del flat["ddtree"]
+        del flat["ddtree"], flat["ddtree_adaptive"]
         return flat
 
 
@@ -305,6 +313,18 @@ def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
             parser.error(error)
         assert tree is not None
         num_draft, block, topk, steps = tree.verify_width, tree.draft_block_size, tree.topk, 1
+    adaptive: AdaptiveConfig | None = None
+    if ns.speculative_adaptive_config is not None:
+        if tree is None:
+            # 0.5.23 itself honours the file for EAGLE only; its "ddtree" key is the plugin's.
+            parser.error("--speculative-adaptive-config: the simulator reads its \"ddtree\" key only with "
+                         "--speculative-algorithm DDTREE")
+        assert tree is not None
+        try:
+            adaptive = load_adaptive_config(ns.speculative_adaptive_config, launch_budget=tree.budget,
+                                            launch_topk=tree.topk)
+        except AdaptiveConfigError as exc:
+            parser.error(str(exc))
     decode = ns.cuda_graph_backend_decode or "full"
     prefill = ns.cuda_graph_backend_prefill or "breakable"
     if ns.disable_cuda_graph:
@@ -329,7 +349,9 @@ def parse_server_args(argv: Sequence[str]) -> tuple[ServerArgs, list[str]]:
         disable_cuda_graph=bool(ns.disable_cuda_graph),
         mem_fraction_static=ns.mem_fraction_static if ns.mem_fraction_static is not None else 0.85,
         max_running_requests=ns.max_running_requests or 128,
+        speculative_adaptive_config=ns.speculative_adaptive_config,
         ddtree=tree,
+        ddtree_adaptive=adaptive,
     )
     return args, warnings
 

@@ -28,6 +28,7 @@ from ddtree_ops.sim.language import CATEGORIES, Category, SyntheticLanguage
 from ddtree_ops.sim.logs import scheduler_crash
 from ddtree_ops.sim.params import SamplingParams, StepOutput
 from ddtree_ops.sim.profiles import PROFILES, GpuProfile
+from ddtree_ops.sim.states import GraphOutcome, RuntimeStates, StateGraph, TreeState
 from ddtree_ops.sim.text import EOS_TOKEN, VOCAB, hash_ints
 
 
@@ -52,6 +53,9 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     verify_ct: int = 0
     correct_drafts: int = 0
+    # Tree nodes proposed over the request's rounds: the sum of each round's budget (the
+    # budget may change between rounds on a server with runtime states).
+    proposed_drafts: int = 0
     finish_reason: dict[str, Any] | None = None
     queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     aborted: bool = False
@@ -121,6 +125,9 @@ class Engine:
         self.total_verify_ct = 0
         self.total_completion_tokens = 0
         self.last_step_ms = 0.0
+        # DDTREE's runtime states: one fixed state from the flags until the server's
+        # startup replaces it with the captured set of --speculative-adaptive-config.
+        self.states: RuntimeStates | None = fixed_states(args) if args.ddtree is not None else None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -145,6 +152,12 @@ class Engine:
     def flush_cache(self) -> bool:
         """SGLang refuses to flush while requests run; so do we."""
         return not self._running and not self._waiting
+
+    def restart_acceptance_stats(self) -> None:
+        """An accepted switch starts the cumulative acceptance over (the contract: a
+        number averaged across two trees describes neither)."""
+        self.total_verify_ct = 0
+        self.total_completion_tokens = 0
 
     def avg_spec_accept_length(self) -> float:
         if self.total_verify_ct == 0:
@@ -214,12 +227,12 @@ class Engine:
             else:
                 batch = list(self._running)
                 self._crash_if_configured(batch)
-                outputs, verify_tokens = self._decode(batch)
+                outputs, verify_tokens, graph = self._decode(batch)
                 ms = self.profile.step_ms(
                     batch=len(batch),
                     verify_tokens=verify_tokens,
                     draft_positions=self.args.draft_positions,
-                    cuda_graph=self.args.decode_cuda_graph,
+                    cuda_graph=graph,
                 )
             self.last_step_ms = ms
             self._planned_end = t0 + self.settings.scaled(ms / 1000.0)
@@ -238,8 +251,8 @@ class Engine:
             scheduler_crash(args.tp_size, _SAMPLED_CRASH_TRACE)
 
     def _tree_budget(self) -> int:
-        if self.args.ddtree is not None:
-            return self.args.ddtree.budget
+        if self.states is not None:
+            return self.states.active.budget
         return max(0, (self.args.speculative_num_draft_tokens or 1) - 1)
 
     def _commit(self, req: GenRequest, new_ids: list[int]) -> None:
@@ -284,20 +297,25 @@ class Engine:
     def _prefill(self, batch: Sequence[GenRequest]) -> list[list[int]]:
         return self._sample_one(batch, self._root_logits(batch))
 
-    def _decode(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int]:
+    def _decode(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int, bool]:
+        """(tokens per request, tokens verified per request, whether the step replays a
+        CUDA graph)."""
         algo = self.args.speculative_algorithm
         if algo is None:
-            return self._sample_one(batch, self._root_logits(batch)), 1
+            return self._sample_one(batch, self._root_logits(batch)), 1, self.args.decode_cuda_graph
         return self._speculate(batch)
 
-    def _speculate(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int]:
+    def _speculate(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int, bool]:
         core = self.core
         assert core is not None
         args = self.args
         depth = args.draft_depth
-        if args.ddtree is not None:
-            topk = args.ddtree.topk
-            budget = args.ddtree.budget
+        graph = args.decode_cuda_graph
+        if self.states is not None:
+            # Read once, at the round's start: a switch arriving mid-round applies to the next.
+            state = self.states.for_round(len(batch))
+            topk, budget = state.topk, state.budget
+            graph = graph and self.states.graph(budget).served_with_graph
         else:  # DFLASH verifies one chain: the drafter's rank-0 token at every position
             topk = 1
             budget = depth
@@ -360,9 +378,19 @@ class Engine:
             accepted, proposed = res
             req.verify_ct += 1
             req.correct_drafts += len(accepted) - 1
+            req.proposed_drafts += budget
             self.total_verify_ct += 1
             outputs.append(list(proposed))
-        return outputs, n
+        return outputs, n, graph
+
+
+def fixed_states(args: ServerArgs) -> RuntimeStates:
+    """The one state of a DDTREE server without runtime states (mode "fixed")."""
+    tree = args.ddtree
+    assert tree is not None
+    outcome: GraphOutcome = "captured" if args.decode_cuda_graph else "disabled"
+    return RuntimeStates(launch=TreeState(tree.budget, tree.topk), graphs=(StateGraph(tree.budget, outcome),),
+                         config=None)
 
 
 def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -80,9 +80,9 @@ def run_offline(
         engine._commit(req, engine._prefill([req])[0])
         first = len(req.output_ids)
         while req.finish_reason is None:
-            outs, verify_tokens = engine._decode([req])
+            outs, verify_tokens, graph = engine._decode([req])
             sim_ms += engine.profile.step_ms(
-                batch=1, verify_tokens=verify_tokens, draft_positions=draft, cuda_graph=args.decode_cuda_graph
+                batch=1, verify_tokens=verify_tokens, draft_positions=draft, cuda_graph=graph
             )
             engine._commit(req, outs[0])
             verify += 1

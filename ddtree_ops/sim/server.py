@@ -31,6 +31,7 @@ from ddtree_ops.sim.args import ServerArgs, SimSettings
 from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash, scheduler_logger
 from ddtree_ops.sim.params import RequestError, SamplingParams
 from ddtree_ops.sim.profiles import PROFILES
+from ddtree_ops.sim.states import GraphOutcome, RuntimeStates, StateGraph, SwitchRefused, TreeState
 from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
 
 if TYPE_CHECKING:  # the engine imports torch; the server loads it during "Load weight"
@@ -114,7 +115,7 @@ def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
     }
     args = state.args
     if args.speculating and req.verify_ct > 0:
-        proposed = req.verify_ct * ((args.speculative_num_draft_tokens or 1) - 1)
+        proposed = req.proposed_drafts
         meta["spec_accept_rate"] = req.correct_drafts / proposed if proposed else 0.0
         meta["spec_accept_length"] = len(req.output_ids) / req.verify_ct
         meta["spec_num_correct_drafts"] = req.correct_drafts
@@ -167,9 +168,11 @@ async def server_info(request: Request) -> Response:
         "last_gen_throughput": 0.0,
         "memory_usage": {"weight": 0.0, "kvcache": 0.0},
     }
+    if engine is not None and engine.states is not None:
+        internal["ddtree"] = engine.states.as_json()
     extra: dict[str, Any] = {}
     if state.args.ddtree is not None:
-        extra["ddtree"] = ddtree_info(state.args)
+        extra["ddtree"] = ddtree_info(state.args, engine.states if engine else None)
     return _json(
         {
             **state.args.as_dict(),
@@ -206,15 +209,20 @@ async def server_info(request: Request) -> Response:
     )
 
 
-def ddtree_info(args: ServerArgs) -> dict[str, Any]:
+def ddtree_info(args: ServerArgs, states: RuntimeStates | None = None) -> dict[str, Any]:
     """``/server_info``'s ``ddtree`` object, with the DDTree plugin's fields
     (``DDTreeWorkerV2.describe_ddtree``). The simulator has no attention backends and
     no CUDA graphs, so it names neither a backend class nor a captured graph it does not
     have: both backends are "simulated", and ``verify_cuda_graph_captured`` says whether
     the simulated capture ran (decode graphs not disabled). Sampled requests verify with
-    the pure-torch twin of the kernel: ``sampler`` "reference"."""
+    the pure-torch twin of the kernel: ``sampler`` "reference". Static, from startup: with
+    runtime states it describes the launch state (``internal_states[0].ddtree`` says which
+    state is active and how each one's capture went)."""
     tree = args.ddtree
     assert tree is not None
+    captured = args.decode_cuda_graph
+    if states is not None and tree.budget in states.graphs:
+        captured = states.graph(tree.budget).served_with_graph
     return {
         "budget": tree.budget,
         "topk": tree.topk,
@@ -224,7 +232,7 @@ def ddtree_info(args: ServerArgs) -> dict[str, Any]:
         "verify_attention_backend": SIMULATED_BACKEND,
         "draft_attention_backend": SIMULATED_BACKEND,
         "decode_cuda_graph": args.cuda_graph_backend_decode,
-        "verify_cuda_graph_captured": args.decode_cuda_graph,
+        "verify_cuda_graph_captured": captured,
         "candidate_head": "draft CUDA graph" if args.decode_cuda_graph else "eager",
         # The plugin reports what its start-up checks found; the simulator has no hooks to
         # check, and says so instead of claiming them.
@@ -233,6 +241,36 @@ def ddtree_info(args: ServerArgs) -> dict[str, Any]:
         # SGLang's --speculative-accept-threshold-{single,acc} defaults: exact verification.
         "accept_thresholds": [1.0, 1.0],
     }
+
+
+async def set_internal_state(request: Request) -> Response:
+    """SGLang's ``/set_internal_state`` with the DDTree plugin's handler: ``server_args``
+    ``ddtree_budget`` / ``ddtree_topk`` pin a runtime state, ``ddtree_policy: 1`` follows
+    the launch policy again. 200 ``[true]`` (one answer per DP rank: one here) or 400
+    ``{"detail": ...}``; a refusal changes nothing. The engine reads the state at the
+    start of each round, so an accepted switch lands between two rounds."""
+    engine = _engine(request)
+    try:
+        obj = await _read_json(request)
+    except RequestError as exc:
+        return _json({"detail": str(exc)}, 400)
+    server_args = obj.get("server_args") if isinstance(obj, dict) else None
+    if not isinstance(server_args, dict):
+        return _json({"detail": "set_internal_state needs {\"server_args\": {...}}"}, 400)
+    if engine.states is None:
+        return _json({"detail": "DDTREE: this server is not DDTREE: it has no runtime states to switch"}, 400)
+    try:
+        engine.states.apply(server_args)
+    except SwitchRefused as exc:
+        return _json({"detail": str(exc)}, 400)
+    engine.restart_acceptance_stats()
+    states = engine.states
+    main_logger.info(
+        f"DDTREE: runtime state {states.mode} budget={states.active.budget} topk={states.active.topk} "
+        f"(switch {states.switches})",
+        extra={"prefix": ""},
+    )
+    return _json([True])
 
 
 async def model_info(request: Request) -> Response:
@@ -512,6 +550,7 @@ def build_app(state: State) -> Starlette:
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/v1/models", v1_models, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/set_internal_state", set_internal_state, methods=["POST"]),
         Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -539,6 +578,80 @@ class _Server(uvicorn.Server):
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _capture_fails(args: ServerArgs, settings: SimSettings, budget: int) -> bool:
+    """Whether the profile's capture crash hits a DDTREE verify graph of ``budget``
+    (B300: budget > 8, unless the fault is the candidate head and its eager switch is on)."""
+    limit = PROFILES[settings.gpu].capture_fails_ddtree_budget_over
+    head_avoids = settings.capture_fault == "candidate_head" and settings.eager_draft_head
+    return limit is not None and args.ddtree is not None and budget > limit and not head_avoids
+
+
+async def _capture(args: ServerArgs, settings: SimSettings, name: str, per_req: int, avail: float) -> float:
+    """Log one graph capture's begin line and take its (simulated) time; returns the
+    simulated seconds it took (the end or failure line is the caller's)."""
+    log_ranks(
+        args.tp_size,
+        logging.INFO,
+        f"Capture {name} CUDA graph begin. backend={args.cuda_graph_backend_decode}, "
+        f"num_tokens_per_req={per_req}, avail mem={avail:.2f} GB",
+    )
+    capture_s = 2.0 + 0.01 * args.cuda_graph_max_bs_decode
+    await asyncio.sleep(settings.scaled(capture_s))
+    return capture_s
+
+
+async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail: float) -> RuntimeStates:
+    """Capture one target-verify graph per budget of the runtime-state set, smallest first
+    (``eagle_worker_v2.build_adaptive_runtime_state`` captures a runner per state). A
+    failed capture does not end the launch: that state is served eager, or dropped with a
+    warning (``on_capture_failure``), and the others keep their graphs. Its log line avoids
+    SGLang's "Capture cuda graph failed" wording on purpose: that line means the whole
+    launch failed, and the toolkit's readiness wait reads it so."""
+    config = args.ddtree_adaptive
+    tree = args.ddtree
+    assert config is not None and tree is not None
+    tp = args.tp_size
+    graphs: list[StateGraph] = []
+    for budget in config.budgets:
+        if not args.decode_cuda_graph:
+            graphs.append(StateGraph(budget, "disabled"))
+            continue
+        if budget in config.eager_budgets:
+            graphs.append(StateGraph(budget, "eager", "listed in ddtree.eager_budgets"))
+            continue
+        capture_s = await _capture(args, settings, "target verify", budget + 1, avail)
+        if _capture_fails(args, settings, budget):
+            reason = "CUDA error: an illegal memory access was encountered"
+            outcome: GraphOutcome = "eager" if config.on_capture_failure == "eager" else "dropped"
+            then = "serving it eager" if outcome == "eager" else "dropped from the runtime states"
+            log_ranks(tp, logging.WARNING,
+                      f"DDTREE: verify graph of budget {budget} (num_tokens_per_req={budget + 1}) did not "
+                      f"capture: {reason}; {then}")
+            graphs.append(StateGraph(budget, outcome, reason))
+            continue
+        avail -= 0.3
+        log_ranks(
+            tp,
+            logging.INFO,
+            f"Capture target verify CUDA graph end. elapsed={capture_s:.2f} s, mem usage=0.30 GB, "
+            f"avail mem={avail:.2f} GB.",
+        )
+        graphs.append(StateGraph(budget, "captured"))
+    states = RuntimeStates(launch=TreeState(tree.budget, tree.topk), graphs=tuple(graphs), config=config)
+    if tree.budget not in states.budgets:
+        # The launch state itself was dropped: the server starts on the smallest state left.
+        if not states.budgets:
+            scheduler_crash(tp, "DDTREE: every runtime state failed to capture and was dropped; "
+                                "nothing left to serve (set on_capture_failure to \"eager\")")
+        states.active = TreeState(states.budgets[0], tree.topk)
+    main_logger.info(
+        f"DDTREE: runtime states budgets={list(states.budgets)} topk_max={states.topk_max} mode={states.mode} "
+        f"graphs={','.join(f'{g.budget}:{g.cuda_graph}' for g in graphs)}",
+        extra={"prefix": ""},
+    )
+    return states
 
 
 async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) -> int:
@@ -606,27 +719,15 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
         f"K size: {kv_gb / 2:.2f} GB, V size: {kv_gb / 2:.2f} GB",
     )
     avail -= kv_gb
-    if args.decode_cuda_graph:
+    if args.ddtree_adaptive is not None:
+        # One verify graph per runtime state; a failed capture costs only its own state.
+        engine.states = await _capture_runtime_states(args, settings, avail)
+    elif args.decode_cuda_graph:
         verify = args.speculating
         name = "target verify" if verify else "target decode"
         # The verify window: the block for DFLASH, root + budget for DDTREE.
-        per_req = args.speculative_num_draft_tokens or 1
-        log_ranks(
-            tp,
-            logging.INFO,
-            f"Capture {name} CUDA graph begin. backend={args.cuda_graph_backend_decode}, "
-            f"num_tokens_per_req={per_req}, avail mem={avail:.2f} GB",
-        )
-        capture_s = 2.0 + 0.01 * args.cuda_graph_max_bs_decode
-        await asyncio.sleep(settings.scaled(capture_s))
-        limit = profile.capture_fails_ddtree_budget_over
-        head_avoids = settings.capture_fault == "candidate_head" and settings.eager_draft_head
-        if (
-            limit is not None
-            and args.ddtree is not None
-            and args.ddtree.budget > limit
-            and not head_avoids
-        ):
+        capture_s = await _capture(args, settings, name, args.speculative_num_draft_tokens or 1, avail)
+        if args.ddtree is not None and _capture_fails(args, settings, args.ddtree.budget):
             error = (
                 "Capture cuda graph failed: CUDA error: an illegal memory access was encountered\n"
                 "CUDA kernel errors might be asynchronously reported at some other API call, so the "

@@ -133,3 +133,21 @@ def test_missing_model_or_draft_names_the_key() -> None:
         )
     with pytest.raises(ConfigError, match="DDTREE needs both"):
         build_launch_spec(make_host(), RunConfig("DDTREE", budget=8), "0.5.23", cuda_graph=True)
+
+
+def test_adaptive_config_is_one_argv_element_after_the_launch_state() -> None:
+    path = "/run/ddtree states/adaptive.json"  # a space must not split it
+    run = RunConfig("DDTREE", budget=4, topk=2, adaptive_config=path)
+    spec = build_launch_spec(make_host(), run, "0.5.23", cuda_graph=True)
+    args = spec.server_args
+    assert args[args.index("--speculative-adaptive-config") + 1] == path
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "5"
+    assert tuple(shlex.split(spec.display())) == spec.argv
+    plain = build_launch_spec(make_host(), RunConfig("DDTREE", budget=4, topk=2), "0.5.23", cuda_graph=True)
+    assert "--speculative-adaptive-config" not in plain.server_args
+    assert spec.argv_hash != plain.argv_hash
+    assert "adaptive_config=" in run.describe()
+    with pytest.raises(ConfigError, match="only applies to DDTREE"):
+        RunConfig("DFLASH", budget=16, adaptive_config=path)
+    with pytest.raises(ConfigError, match="must be a path on the host"):
+        RunConfig("DDTREE", budget=4, topk=2, adaptive_config=" ")
