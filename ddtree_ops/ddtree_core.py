@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLE_SPECULATIVE_DIR = REPO_ROOT / "patches" / "ddtree_temperature" / "files" / "srt" / "speculative"
 DDTREE_REFERENCE_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_reference.py"
 DDTREE_UTILS_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py"
+DDTREE_RUNTIME_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_runtime.py"
 
 
 def _load_by_path(path: Path) -> ModuleType:
@@ -54,3 +55,10 @@ def load_ddtree_reference() -> ModuleType:
 def load_ddtree_utils() -> ModuleType:
     """The bundled ``ddtree_utils.py`` (once per process): the device-resident round."""
     return _load_by_path(DDTREE_UTILS_PATH)
+
+
+@functools.cache
+def load_ddtree_runtime() -> ModuleType:
+    """The bundled ``ddtree_runtime.py`` (once per process): the runtime tree states'
+    config, policy routing and switch validation, pure Python."""
+    return _load_by_path(DDTREE_RUNTIME_PATH)

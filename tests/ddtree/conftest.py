@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from ddtree_ops.ddtree_core import REPO_ROOT, load_ddtree_reference, load_ddtree_utils
+from ddtree_ops.ddtree_core import REPO_ROOT, load_ddtree_reference, load_ddtree_runtime, load_ddtree_utils
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,12 @@ def ref() -> ModuleType:
 def du() -> ModuleType:
     """The device-resident round the server runs (``ddtree_utils.py``)."""
     return load_ddtree_utils()
+
+
+@pytest.fixture(scope="session")
+def rt() -> ModuleType:
+    """The runtime tree states' pure part (``ddtree_runtime.py``)."""
+    return load_ddtree_runtime()
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ MODULES = (
     "ddtree_reference.py",
     "ddtree_utils.py",
     "ddtree_info.py",
+    "ddtree_runtime.py",
     "ddtree_worker_v2.py",
     "ddtree_registration.py",
     "ddtree_plugin.py",

@@ -184,6 +184,8 @@ def test_server_info_reports_how_the_tree_is_verified(oracle_server):
         "DecodeCudaGraphRunner.get_spec_info", "spec_info.create_dummy_verify_input",
         "dflash_utils.validate_dflash_request", "spec_sampling_mask.validate_spec_sampling_mask_request",
         "spec_utils.spec_need_hidden_states", "Scheduler.get_init_info",
+        "SchedulerInternalStateController.set_internal_state", "SchedulerInternalStateController.get_internal_state",
+        "TokenizerControlMixin.set_internal_state",
     ], checks
     assert checks["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer"
     assert checks["verify_graphs"] == "none captured"
@@ -400,6 +402,18 @@ BLOCKLESS = {
 }
 
 
+# Resolved beside REFUSALS: --speculative-adaptive-config files (the runtime tree states)
+# on a budget-4 launch: (the file's JSON, None if it resolves else the refusal's text).
+RUNTIME_CONFIGS: dict[str, tuple[object, str | None]] = {
+    "runtime-ok": ({"ddtree": {"budgets": [4, 64], "policy": {"8": {"budget": 64, "topk": 2}}}}, None),
+    "runtime-launch-not-in-set": ({"ddtree": {"budgets": [8, 16]}},
+                                  "the launch budget 4 (--speculative-num-draft-tokens 5) is not in ddtree.budgets"),
+    "runtime-policy-budget": ({"ddtree": {"budgets": [4, 16], "policy": {"8": {"budget": 12, "topk": 4}}}},
+                              'ddtree.policy["8"].budget 12 is not in ddtree.budgets [4, 16]'),
+    "runtime-not-json": ("{budgets", "not JSON"),
+}
+
+
 @pytest.fixture(scope="module")
 def refusals(ddtree_python, tiny_models, tmp_path_factory) -> dict[str, dict]:
     """Every case of REFUSALS and BLOCKLESS resolved, grouped by environment (one
@@ -418,6 +432,10 @@ def refusals(ddtree_python, tiny_models, tmp_path_factory) -> dict[str, dict]:
         groups.setdefault(json.dumps(env, sort_keys=True), []).append((case, base(tiny_models["draft"]) + extra))
     for case, extra in BLOCKLESS.items():
         groups[json.dumps({})].append((case, base(blockless) + extra))
+    for case, (content, _) in RUNTIME_CONFIGS.items():
+        path = cwd / f"{case}.json"
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+        groups[json.dumps({})].append((case, base(tiny_models["draft"]) + ["--speculative-adaptive-config", str(path)]))
     without_draft = base(tiny_models["draft"])
     at = without_draft.index("--speculative-draft-model-path")
     groups[json.dumps({})].append(("no-draft", without_draft[:at] + without_draft[at + 2:]))
@@ -435,6 +453,22 @@ def test_unservable_setups_are_refused_at_startup_naming_the_flag(case, refusals
     assert not result["ok"], f"{case}: resolved although DDTREE cannot serve it"
     assert result["type"] == "DDTreeError", result
     assert "\n" not in result["message"] and flag in result["message"], result["message"]
+
+
+@pytest.mark.parametrize("case", sorted(c for c, (_, text) in RUNTIME_CONFIGS.items() if text is not None))
+def test_a_bad_runtime_config_is_refused_at_startup_naming_the_file_and_key(case, refusals, tmp_path_factory):
+    result, text = refusals[case], RUNTIME_CONFIGS[case][1]
+    assert not result["ok"] and result["type"] == "DDTreeError", result
+    message = result["message"]
+    assert "\n" not in message and text in message, message
+    assert message.startswith("DDTREE: --speculative-adaptive-config ") and f"{case}.json: " in message, message
+
+
+def test_a_runtime_set_reserves_kv_for_its_widest_tree(refusals):
+    # A switch to budget 64 may come after the scheduler reserved the next round's KV:
+    # SGLang reserves for the widest tree of the set (65 tokens), not the launch's 5.
+    got = refusals["runtime-ok"]
+    assert got["ok"] and got["max_draft_tokens"] == 65, got
 
 
 def test_ddtree_without_a_draft_model_is_refused_naming_the_flag(refusals):

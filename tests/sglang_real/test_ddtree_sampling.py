@@ -4,7 +4,8 @@ The servers run a *spread* target (the tiny target with its lm_head scaled by 0.
 temperature 1 its top three tokens carry about 0.46 / 0.28 / 0.26 of their mass, where
 the plain tiny target puts > 99.99 % on one) with the constructed DFlash draft, and
 ``--enable-deterministic-inference`` so that each request's ``sampling_seed`` fixes its
-randomness (SGLang honours ``sampling_seed`` only there). DDTREE runs the worker's kernel
+randomness (SGLang honours ``sampling_seed`` only there). The DDTREE server is launched
+on budget 16 and switched at runtime to budget 4, the tree tested. DDTREE runs the worker's kernel
 branch: ``build_speculative_verify_target_probs`` and the min-p filter feeding
 ``tree_speculative_sampling_target_only``, the CUDA op replaced by its pure-torch twin
 (stand-in ``tree_sampling_kernel``) -- the path a GPU host takes.
@@ -35,10 +36,12 @@ min-p request is served on the kernel branch (test_ddtree_real.py).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
 from . import models
@@ -65,12 +68,26 @@ def plain_spread(real_servers, spread_target):
     return real_servers.get("spread-plain", spread_target, DETERMINISTIC)
 
 
+# The DDTREE server is launched on budget 16 with budget 4 among its runtime states, and
+# switched to budget 4 before every test: the sampled tests hold after a live switch.
+LAUNCH_BUDGET, TESTED = 16, {"budget": 4, "topk": 4}
+
+
 @pytest.fixture
-def ddtree_spread(real_servers, ddtree_python, spread_target, tiny_models):
-    return real_servers.get(
-        "spread-ddtree", spread_target, [*ddtree_args(tiny_models["draft"], 4), *DETERMINISTIC],
+def ddtree_spread(real_servers, ddtree_python, spread_target, tiny_models, tmp_path_factory):
+    config = tmp_path_factory.getbasetemp() / "spread-runtime.json"
+    config.write_text(json.dumps({"ddtree": {"budgets": [TESTED["budget"], LAUNCH_BUDGET]}}))
+    srv = real_servers.get(
+        "spread-ddtree", spread_target,
+        [*ddtree_args(tiny_models["draft"], LAUNCH_BUDGET), *DETERMINISTIC,
+         "--speculative-adaptive-config", str(config)],
         env=SAMPLER_ENV["kernel"], python=ddtree_python,
     )
+    resp = httpx.post(srv.url + "/set_internal_state", timeout=60,
+                      json={"server_args": {"ddtree_budget": TESTED["budget"], "ddtree_topk": TESTED["topk"]}})
+    assert resp.status_code == 200 and resp.json() == [True], resp.text
+    assert srv.server_info()["internal_states"][0]["ddtree"]["active"] == TESTED
+    return srv
 
 
 def _top(out, k: int, temperature: float) -> dict[int, float]:

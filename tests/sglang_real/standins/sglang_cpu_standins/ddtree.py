@@ -21,7 +21,9 @@ Probes (off unless their environment variable names a file):
   runs through nodes that are not the first chain (which is what exercises the KV
   compaction of accepted tree nodes) -- plus distinct wrong candidates.
 * ``DDTREE_TEST_WIDTHS``: JSON lines ``{"runner": "draft"|"target", "tokens_per_req": n}``
-  for every distinct TARGET_VERIFY width the attention stand-in serves.
+  for every distinct TARGET_VERIFY width the attention stand-in serves (with
+  ``DDTREE_TEST_WIDTHS_EVERY=1``: one line per verify forward, in order, for tests that
+  switch the tree at runtime).
 * ``DDTREE_TEST_BREAK_HOOK``: a HookRegistry target whose hooks then fail to apply, the
   way ``HookRegistry.apply_hooks`` meets a broken hook in the field (it logs the exception
   and carries on): the DDTREE worker must refuse to start.
@@ -113,7 +115,8 @@ _SEEN_WIDTHS: set[tuple[str, int]] = set()
 
 def record_width(runner: str, tokens_per_req: int) -> None:
     path = os.environ.get("DDTREE_TEST_WIDTHS")
-    if not path or (runner, tokens_per_req) in _SEEN_WIDTHS:
+    every = os.environ.get("DDTREE_TEST_WIDTHS_EVERY") == "1"
+    if not path or (not every and (runner, tokens_per_req) in _SEEN_WIDTHS):
         return
     _SEEN_WIDTHS.add((runner, tokens_per_req))
     with open(path, "a") as f:

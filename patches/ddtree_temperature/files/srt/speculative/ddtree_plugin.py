@@ -19,6 +19,14 @@ makes by algorithm family; as a pull request each one becomes an
 * ``spec_need_hidden_states``: like DFLASH, no hidden states ride the FutureMap.
 * ``Scheduler.get_init_info``: ``/server_info`` gains a ``ddtree`` entry with the
   resolved tree size, draft block, verify backend, decode graph mode and sampler.
+* ``SchedulerInternalStateController.set_internal_state`` /
+  ``get_internal_state`` and ``TokenizerControlMixin.set_internal_state``: the
+  runtime tree states (``ddtree_runtime``): ``/set_internal_state`` switches the
+  active (budget, top-k) or the per-batch-size policy, validated as a whole before
+  anything changes, a refusal answered with HTTP 400 and its reason;
+  ``/server_info``'s ``internal_states[i].ddtree`` reports the live state. As a
+  pull request these are entries of ``_update_handlers`` and a
+  ``_add_speculative`` branch.
 """
 
 from __future__ import annotations
@@ -261,6 +269,88 @@ def add_server_info(result: Dict[str, Any], scheduler) -> Dict[str, Any]:
     return result
 
 
+def _ddtree_worker(scheduler) -> Optional[Any]:
+    worker = getattr(scheduler, "draft_worker", None)
+    return worker if hasattr(worker, "ddtree_runtime") else None
+
+
+def set_internal_state(original, controller, recv_req):
+    """The DDTREE switch keys of a ``/set_internal_state`` request, handled as one
+    update: all validated first (nothing changes on a refusal), committed in the
+    scheduler's loop, between two rounds; the other keys go to SGLang's handlers."""
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+    from sglang.srt.speculative.ddtree_runtime import SWITCH_KEYS, TreeSwitchRefused
+
+    requested = dict(recv_req.server_args)
+    ours = {k: requested.pop(k) for k in list(requested) if k in SWITCH_KEYS}
+    worker = _ddtree_worker(controller.scheduler)
+    if not ours or worker is None:
+        return original(controller, recv_req)
+    try:
+        planned = worker.request_tree_switch(ours)
+    except TreeSwitchRefused as refusal:
+        logger.warning(str(refusal))
+        return SetInternalStateReqOutput(updated=False)
+    if requested:
+        recv_req.server_args = requested
+        result = original(controller, recv_req)
+        if not result.updated:
+            worker.ddtree_runtime.last_refusal = (
+                f"DDTREE: the switch was not made: SGLang refused "
+                f"{', '.join(sorted(requested))} (see the server log)."
+            )
+            return result
+    worker.commit_tree_switch(planned)
+    # Acceptance statistics describe the previous tree; start over (as
+    # _apply_accept_threshold does for a new threshold).
+    reporter = controller.scheduler.metrics_reporter
+    reporter.spec_total_num_accept_tokens = reporter.spec_total_num_forward_ct = 0
+    logger.info(
+        "DDTREE runtime switch: mode %s, tree %s",
+        worker.ddtree_runtime.mode,
+        worker.ddtree_runtime.active.as_dict(),
+    )
+    return SetInternalStateReqOutput(updated=True)
+
+
+def add_internal_state(result, controller, recv_req):
+    worker = _ddtree_worker(controller.scheduler)
+    if worker is not None:
+        result.internal_state["ddtree"] = worker.ddtree_runtime.describe()
+    return result
+
+
+async def refuse_with_reason(original, manager, obj):
+    """A refused DDTREE switch answers HTTP 400 with the scheduler's reason (0.5.23
+    answers ``[false]`` and logs why), so a client sees why and can stop."""
+    from sglang.srt.speculative.ddtree_runtime import SWITCH_KEYS
+
+    updated = await original(manager, obj)
+    if all(updated) or not any(k in SWITCH_KEYS for k in obj.server_args):
+        return updated
+    reason = None
+    try:
+        states = await manager.get_internal_state()
+        reason = next(
+            (
+                s["ddtree"]["last_refusal"]
+                for s in states
+                if (s.get("ddtree") or {}).get("last_refusal")
+            ),
+            None,
+        )
+    except Exception as e:  # the reason is a courtesy; the refusal stands
+        logger.warning("DDTREE: no refusal reason from the scheduler: %s", e)
+    from fastapi import HTTPException
+
+    raise HTTPException(
+        status_code=400,
+        detail=reason
+        or "DDTREE: the switch was refused (not a DDTREE server with runtime "
+        "states, or see the server log).",
+    )
+
+
 def _count_spec_decode_metrics() -> None:
     """DDTREE rounds feed the same decode snapshot as DFLASH's."""
     from sglang.srt.managers.scheduler_components import metrics_reporter
@@ -304,6 +394,24 @@ HOOKS = (
         "sglang.srt.managers.scheduler.Scheduler.get_init_info",
         add_server_info,
         HookType.AFTER,
+    ),
+    (
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController.set_internal_state",
+        set_internal_state,
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController.get_internal_state",
+        add_internal_state,
+        HookType.AFTER,
+    ),
+    (
+        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin."
+        "set_internal_state",
+        refuse_with_reason,
+        HookType.AROUND,
     ),
 )
 

@@ -28,6 +28,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from sglang.srt.speculative.ddtree_runtime import (
+    RuntimeConfig,
+    RuntimeConfigError,
+    TreeShape,
+    load_runtime_config,
+)
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 if TYPE_CHECKING:
@@ -168,10 +174,32 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
             )
             if w is not None
         ]
+        # A runtime state may switch to a wider tree after the scheduler reserved
+        # the KV of the next decode batch (runtime_context.max_speculative_num_draft_tokens).
+        runtime = runtime_config_of(cfg)
+        if runtime is not None:
+            widths.append(runtime.max_budget + 1)
         return max(widths) if widths else None
 
     def handle_server_args(self, server_args: ServerArgs) -> None:
         resolve_ddtree_server_args(server_args)
+
+
+def runtime_config_of(cfg: Any) -> Optional[RuntimeConfig]:
+    """The ``ddtree`` section of ``--speculative-adaptive-config`` (the set of runtime
+    tree states), checked against the launch tree; None without one."""
+    path = getattr(cfg, "speculative_adaptive_config", None)
+    if not path or cfg.speculative_num_draft_tokens is None:
+        return None
+    topk = cfg.speculative_eagle_topk
+    launch = TreeShape(
+        budget=int(cfg.speculative_num_draft_tokens) - 1,
+        topk=DEFAULT_DDTREE_TOPK if topk is None else int(topk),
+    )
+    try:
+        return load_runtime_config(path, launch=launch, max_budget=MAX_DDTREE_BUDGET)
+    except RuntimeConfigError as e:
+        raise DDTreeError(f"DDTREE: {e}") from e
 
 
 def _draft_block_size(cfg: Any) -> int:
@@ -340,6 +368,20 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
     graph = _decode_graph_mode(cfg)
     how = check_verify_backend(backend, graph, str(cfg.device))
 
+    # The launch tree is resolved; the runtime set, if any, must hold it. Checked here,
+    # in the launcher, so that a bad file refuses the launch before weights load.
+    server_args.speculative_eagle_topk = topk
+    server_args.speculative_num_draft_tokens = budget + 1
+    runtime = runtime_config_of(cfg)
+    if runtime is not None and backend == "fa3" and topk == 1 < runtime.topk_max:
+        # FA3 picks its tree path (the one that reads the mask) from the launch top-k.
+        raise DDTreeError(
+            "DDTREE: --attention-backend fa3 builds its verify path from the launch "
+            f"top-k; launch with --speculative-eagle-topk > 1 when ddtree.topk_max is "
+            f"{runtime.topk_max} (--speculative-adaptive-config {runtime.source})."
+        )
+    widest = budget if runtime is None else runtime.max_budget
+
     # DFlash's draft attention backend resolution, shared; then keep the draft
     # on a backend whose TARGET_VERIFY is a plain block.
     from sglang.srt.arg_groups.speculative_hook import (
@@ -363,19 +405,17 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
 
     server_args.speculative_dflash_block_size = block
     server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = topk
-    server_args.speculative_num_draft_tokens = budget + 1
     if cfg.max_running_requests is None:
         server_args.max_running_requests = max(
             1,
             min(
                 DFLASH_DEFAULT_MAX_RUNNING_REQUESTS,
-                DEFAULT_VERIFY_ROWS_PER_ROUND // (budget + 1),
+                DEFAULT_VERIFY_ROWS_PER_ROUND // (widest + 1),
             ),
         )
     logger.info(
         "DDTREE: budget=%d topk=%d draft_block=%d verify_backend=%s (%s) "
-        "draft_backend=%s decode_graphs=%s",
+        "draft_backend=%s decode_graphs=%s runtime_budgets=%s",
         budget,
         topk,
         block,
@@ -383,6 +423,7 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
         how,
         draft_backend,
         graph,
+        "none" if runtime is None else ",".join(map(str, runtime.budgets)),
     )
 
 

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -49,7 +49,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     enable_num_token_non_padded,
 )
 from sglang.srt.models.dflash import candidate_topk
-from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
+from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative import ddtree_plugin, ddtree_reference, ddtree_utils
 from sglang.srt.speculative.ddtree_info import (
@@ -57,7 +57,16 @@ from sglang.srt.speculative.ddtree_info import (
     DDTreeVerifyInput,
     make_ddtree_draft_input,
 )
-from sglang.srt.speculative.ddtree_registration import reference_sampler_enabled
+from sglang.srt.speculative.ddtree_registration import (
+    reference_sampler_enabled,
+    runtime_config_of,
+)
+from sglang.srt.speculative.ddtree_runtime import (
+    StateOutcome,
+    TreeRuntime,
+    TreeShape,
+    capture_outcome,
+)
 from sglang.srt.speculative.dflash_utils import (
     apply_dflash_verify_logits_adjustments,
     build_speculative_verify_target_probs,
@@ -174,6 +183,15 @@ class _CaptureProbe:
         )
 
 
+@dataclass(frozen=True)
+class _TreeState:
+    """One budget's verify resources (``SpecRuntimeState``'s verify half): the
+    target attention backend built for its width and its verify graph, if any."""
+
+    attn_backend: Any
+    graph_runner: Any
+
+
 @dataclass
 class _DraftRound:
     """The draft step's results a round keeps using."""
@@ -219,10 +237,21 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         self.ddtree_budget = self.verify_width - 1
         self.ddtree_topk = int(spec.speculative_eagle_topk)
         self._adopt_block_size(int(spec.speculative_dflash_block_size))
+        # The runtime tree states (--speculative-adaptive-config): the window, the
+        # candidate buffers and the context-end bound are sized for the widest tree
+        # and the largest top-k of the set, so a switch changes no buffer.
+        self.ddtree_runtime = TreeRuntime(
+            launch=TreeShape(self.ddtree_budget, self.ddtree_topk),
+            config=runtime_config_of(spec),
+        )
+        self._tree_states: Dict[int, _TreeState] = {}
+        widest = max(self.ddtree_runtime.budgets)
+        self.ddtree_topk_max = self.ddtree_runtime.topk_max
         # Draft positions 1..block-1 propose tokens; a tree never goes deeper than
         # its budget.
         self.ddtree_depth = min(self.block_size - 1, self.ddtree_budget)
-        self.window = max(self.block_size, self.verify_width)
+        self.ddtree_max_depth = min(self.block_size - 1, widest)
+        self.window = max(self.block_size, widest + 1)
         self._mask_buffer = ddtree_utils.TreeMaskBuffer(self.device)
         self._window_ids: Optional[torch.Tensor] = None
         self._window_positions: Optional[torch.Tensor] = None
@@ -292,15 +321,123 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         captured (``Scheduler.init_all_cuda_graphs`` runs the target first) and the
         KV pools sized, the start-up checks and the context-end bound."""
         super().init_cuda_graphs()
+        self._build_tree_states()
         self._startup_checks = self._check_tree_mask_path()
         ddtree_plugin.set_round_shape(
             ddtree_plugin.RoundShape(
                 context_len=int(self.model_runner.model_config.context_len),
                 row_len=int(self.model_runner.req_to_token_pool.req_to_token.shape[1]),
                 window=self.window,
-                max_depth=self.ddtree_depth,
+                max_depth=self.ddtree_max_depth,
             )
         )
+
+    # ------------------------------------------------------- runtime states
+
+    def _build_tree_states(self) -> None:
+        """One verify state per budget of the set, as
+        ``eagle_worker_v2.build_adaptive_runtime_state`` builds one per step count:
+        the launch budget keeps what SGLang built; every other budget gets a target
+        attention backend and a verify graph built with its width in the config."""
+        runner = self.model_runner
+        runtime = self.ddtree_runtime
+        launch = runtime.launch.budget
+        graphs = runner.decode_cuda_graph_runner is not None
+        self._tree_states[launch] = _TreeState(
+            runner.attn_backend, runner.decode_cuda_graph_runner
+        )
+        outcomes = [StateOutcome(launch, "captured" if graphs else "disabled")]
+        config = runtime.config
+        for budget in () if config is None else config.budgets:
+            if budget == launch:
+                continue
+            with self._verify_width_config(budget + 1):
+                backend = self._new_target_attn_backend()
+                graph, outcome = capture_outcome(
+                    budget,
+                    lambda b: self._capture_verify_graph(backend, b + 1),
+                    graphs_enabled=graphs,
+                    config=config,
+                )
+            outcomes.append(outcome)
+            if outcome.reason is not None:
+                logger.warning(
+                    "DDTREE budget %d: verify graph not captured (%s); %s.",
+                    budget,
+                    outcome.reason,
+                    "dropped from the runtime states"
+                    if outcome.cuda_graph == "dropped"
+                    else "served eager, the other budgets keep their graphs",
+                )
+            if outcome.cuda_graph != "dropped":
+                self._tree_states[budget] = _TreeState(backend, graph)
+        runtime.outcomes = sorted(outcomes, key=lambda o: o.budget)
+        if config is not None and get_parallel().tp_rank == 0:
+            logger.info(
+                "DDTREE runtime states: %s; top-k 1..%d; mode %s",
+                ", ".join(f"{o.budget} ({o.cuda_graph})" for o in runtime.outcomes),
+                runtime.topk_max,
+                runtime.mode,
+            )
+
+    @contextlib.contextmanager
+    def _verify_width_config(self, width: int):
+        """The config a verify backend and graph of ``width`` tokens are built
+        under (capture shapes read ``speculative_num_draft_tokens``; restored after,
+        as ``eagle_worker_v2._override_worker_state`` does)."""
+        launch = self.ddtree_runtime.launch.budget + 1
+        get_context().override(
+            "ddtree.capture_override", speculative_num_draft_tokens=int(width)
+        )
+        try:
+            yield
+        finally:
+            get_context().override(
+                "ddtree.capture_restore", speculative_num_draft_tokens=launch
+            )
+
+    def _new_target_attn_backend(self):
+        runner = self.model_runner
+        backup = runner.init_new_workspace
+        try:
+            return runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            runner.init_new_workspace = backup
+
+    def _capture_verify_graph(self, attn_backend, width: int):
+        # CUDA graphs exist only on a GPU (see the bundle README).
+        runner = self.model_runner
+        return runner._decode_cuda_graph_runner_cls()(
+            runner,
+            attn_backend=attn_backend,
+            speculative_num_steps=1,
+            speculative_num_draft_tokens=int(width),
+        )
+
+    def _use_tree(self, shape: TreeShape) -> None:
+        """Make ``shape`` the tree of the round about to run: called at the start of a
+        decode round, so a switch never lands inside one. Every buffer is sized for
+        the widest tree; only the verify width, its backend and graph change."""
+        if shape.budget != self.ddtree_budget:
+            state = self._tree_states[shape.budget]
+            self.ddtree_budget = shape.budget
+            self.verify_width = shape.budget + 1
+            self.speculative_num_draft_tokens = self.verify_width
+            self.ddtree_depth = min(self.block_size - 1, shape.budget)
+            self.model_runner.attn_backend = state.attn_backend
+            self.model_runner.decode_cuda_graph_runner = state.graph_runner
+        self.ddtree_topk = shape.topk
+
+    def request_tree_switch(self, request: Dict[str, Any]):
+        """Validate a ``/set_internal_state`` switch; returns what to commit (raises
+        ``TreeSwitchRefused``). Committed by :meth:`commit_tree_switch` once every
+        key of the request passed."""
+        return self.ddtree_runtime.plan(request)
+
+    def commit_tree_switch(self, planned) -> None:
+        self.ddtree_runtime.commit(planned)
+        if self.ddtree_runtime.mode == "pinned":
+            self._use_tree(self.ddtree_runtime.active)
 
     def _check_tree_mask_path(self) -> dict:
         """Refuse to start unless the tree mask reaches the target's verify: every
@@ -325,18 +462,26 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 "DDTREE refuses to start: a target-verify graph capture would get "
                 f"{type(info).__name__} without the tree mask buffer."
             )
-        graph_runner = self.model_runner.decode_cuda_graph_runner
-        if graph_runner is None:
+        # Every runtime state's verify graphs, the launch state's first.
+        graph_runners = [
+            state.graph_runner
+            for state in self._tree_states.values()
+            if state.graph_runner is not None
+        ]
+        if not graph_runners:
             graphs = "none captured"
         else:
-            held = ddtree_plugin.CAPTURED_WITH_MASK.get(id(graph_runner), [])
-            if not held or not all(held):
-                raise DDTreeUnsupported(
-                    "DDTREE refuses to start: the target's verify CUDA graphs were "
-                    f"captured without the tree mask buffer ({sum(held)} of "
-                    f"{len(held)} captures held it)."
-                )
-            graphs = f"{len(held)} captured with the tree mask buffer"
+            captures = 0
+            for graph_runner in graph_runners:
+                held = ddtree_plugin.CAPTURED_WITH_MASK.get(id(graph_runner), [])
+                if not held or not all(held):
+                    raise DDTreeUnsupported(
+                        "DDTREE refuses to start: the target's verify CUDA graphs were "
+                        f"captured without the tree mask buffer ({sum(held)} of "
+                        f"{len(held)} captures held it)."
+                    )
+                captures += len(held)
+            graphs = f"{captures} captured with the tree mask buffer"
         return {
             "hooks_in_place": hooks,
             "capture_input": "DDTreeVerifyInput with the runner's mask buffer",
@@ -351,8 +496,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         return _DDTreeDraftCandidates(
             lm_head=lm_head,
             block_size=self.block_size,
-            depth=self.ddtree_depth,
-            topk=self.ddtree_topk,
+            depth=self.ddtree_max_depth,
+            topk=self.ddtree_topk_max,
             max_bs=max(get_exec().graph.cuda_graph_config.decode.bs),
             device=self.device,
         )
@@ -453,6 +598,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             (batch.seq_lens,), torch.get_device_module(self.device).current_stream()
         )
         bs = len(batch.seq_lens)
+        self._use_tree(self.ddtree_runtime.for_round(bs))
         width = self.verify_width
         prefix_lens = batch.seq_lens
 
@@ -611,11 +757,13 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         )
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(forward_batch)
-        depth, k = self.ddtree_depth, self.ddtree_topk
+        # The head ranks the candidates of every position a tree of the set may
+        # reach, for the set's largest top-k (sorted: a smaller top-k is a prefix).
+        rows, cols = self.ddtree_max_depth, self.ddtree_topk_max
         if self._draft_sampler is not None and draft_out.can_run_graph:
             # The captured head filled its static buffers inside the draft graph.
-            topk_ids = self._draft_sampler.ids[: bs * depth]
-            topk_logprobs = self._draft_sampler.logprobs[: bs * depth]
+            topk_ids = self._draft_sampler.ids[: bs * rows]
+            topk_logprobs = self._draft_sampler.logprobs[: bs * rows]
         else:
             hidden = draft_out.logits_output.hidden_states
             if hidden is None:
@@ -629,9 +777,15 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 raise DDTreeUnsupported("DDTREE needs the target model's lm_head.")
             with draft_tp_context(self.draft_parallel_layout):
                 topk_ids, topk_logprobs = head.compute(hidden)
+        topk_ids = topk_ids.view(bs, rows, cols)
+        topk_logprobs = topk_logprobs.view(bs, rows, cols)
+        depth, k = self.ddtree_depth, self.ddtree_topk
+        if (depth, k) != (rows, cols):
+            topk_ids = topk_ids[:, :depth, :k].contiguous()
+            topk_logprobs = topk_logprobs[:, :depth, :k].contiguous()
         return _DraftRound(
-            topk_ids=topk_ids.view(bs, depth, k),
-            topk_logprobs=topk_logprobs.view(bs, depth, k),
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
             cache_loc=cache_loc,
             kv_loc_plan=kv_loc_plan,
         )

@@ -1,0 +1,387 @@
+"""DDTREE runtime states: one per tree budget of a set given at launch, switched
+between rounds without reloading weights.
+
+SGLang 0.5.23 switches EAGLE's step count at runtime
+(``srt/speculative/adaptive_runtime_state.py``: a ``SpecRuntimeState`` per
+configuration, each with its own target-verify attention backend and graph runner,
+swapped atomically by ``AdaptiveController``; ``adaptive_spec_params.py`` routes a
+batch size to its slot). DDTREE follows the same pattern with the tree budget in
+the place of the step count: a budget fixes the verify width ``budget + 1`` and so
+needs its own verify attention backend and CUDA graph. The top-k changes only the
+tree built from the draft's candidates, which are computed for the largest top-k
+of the set, so it switches without a state of its own.
+
+The set comes through 0.5.23's flag for runtime speculative configurations,
+``--speculative-adaptive-config PATH`` (a plugin cannot add flags: the parser is
+built before plugins load), under a ``"ddtree"`` key::
+
+    {"ddtree": {"budgets": [4, 8, 16], "topk_max": 8,
+                "policy": {"1": {"budget": 16, "topk": 4}, "32": {"budget": 4, "topk": 2}},
+                "on_capture_failure": "eager", "eager_budgets": []}}
+
+This module is pure Python (no torch, no SGLang): the launch check, the worker
+and the tests share it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+CONFIG_KEY = "ddtree"
+CAPTURE_FAILURE_CHOICES = ("eager", "drop")
+# /set_internal_state keys (0.5.23's SetInternalStateReq takes numbers only).
+SWITCH_KEYS = ("ddtree_budget", "ddtree_topk", "ddtree_policy")
+_CONFIG_KEYS = {"budgets", "topk_max", "policy", "on_capture_failure", "eager_budgets"}
+
+
+class RuntimeConfigError(ValueError):
+    """A ``--speculative-adaptive-config`` whose ``ddtree`` section DDTREE cannot serve."""
+
+
+class TreeSwitchRefused(ValueError):
+    """A runtime switch this server cannot make; nothing was changed."""
+
+
+@dataclass(frozen=True, order=True)
+class TreeShape:
+    """What a round's tree is: its node budget and candidates per draft position."""
+
+    budget: int
+    topk: int
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"budget": self.budget, "topk": self.topk}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    source: str
+    budgets: Tuple[int, ...]
+    topk_max: int
+    # (smallest batch size, shape), sorted by batch size
+    policy: Tuple[Tuple[int, TreeShape], ...] = ()
+    on_capture_failure: str = "eager"
+    eager_budgets: Tuple[int, ...] = ()
+
+    @property
+    def max_budget(self) -> int:
+        return max(self.budgets)
+
+    def route(self, batch_size: int) -> TreeShape:
+        """The policy's shape for a round of ``batch_size`` requests: the entry of the
+        largest batch size not above it, the smallest entry below all (as
+        ``AdaptiveSpeculativeParams._find_closest_bs``)."""
+        sizes = [bs for bs, _ in self.policy]
+        at = bisect.bisect_right(sizes, int(batch_size)) - 1
+        return self.policy[max(0, at)][1]
+
+    def policy_dict(self) -> Optional[Dict[str, Dict[str, int]]]:
+        if not self.policy:
+            return None
+        return {str(bs): shape.as_dict() for bs, shape in self.policy}
+
+
+def _int(value: Any, where: str, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuntimeConfigError(f"{where} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise RuntimeConfigError(f"{where} must be {bounds}, got {value}")
+    return value
+
+
+def parse_runtime_config(
+    data: Any, *, source: str, launch: TreeShape, max_budget: int
+) -> Optional[RuntimeConfig]:
+    """The ``ddtree`` section of an adaptive config, checked against the launch tree;
+    None when the file has no such section (it may hold EAGLE's keys only)."""
+    if not isinstance(data, dict):
+        raise RuntimeConfigError("the file must hold a JSON object")
+    if CONFIG_KEY not in data:
+        return None
+    section = data[CONFIG_KEY]
+    if not isinstance(section, dict):
+        raise RuntimeConfigError(f"{CONFIG_KEY} must be an object")
+    unknown = sorted(set(section) - _CONFIG_KEYS)
+    if unknown:
+        raise RuntimeConfigError(
+            f"{CONFIG_KEY}.{unknown[0]} is not a key DDTREE reads "
+            f"(known: {', '.join(sorted(_CONFIG_KEYS))})"
+        )
+    raw = section.get("budgets")
+    if not isinstance(raw, list) or not raw:
+        raise RuntimeConfigError(f"{CONFIG_KEY}.budgets must be a non-empty list")
+    budgets = [
+        _int(b, f"{CONFIG_KEY}.budgets[{i}]", 1, max_budget) for i, b in enumerate(raw)
+    ]
+    if len(set(budgets)) != len(budgets):
+        raise RuntimeConfigError(f"{CONFIG_KEY}.budgets has duplicates: {budgets}")
+    budgets = sorted(budgets)
+    if launch.budget not in budgets:
+        raise RuntimeConfigError(
+            f"the launch budget {launch.budget} (--speculative-num-draft-tokens "
+            f"{launch.budget + 1}) is not in {CONFIG_KEY}.budgets {budgets}"
+        )
+
+    policy: List[Tuple[int, TreeShape]] = []
+    raw_policy = section.get("policy") or {}
+    if not isinstance(raw_policy, dict):
+        raise RuntimeConfigError(f"{CONFIG_KEY}.policy must be an object")
+    for key, entry in raw_policy.items():
+        where = f'{CONFIG_KEY}.policy["{key}"]'
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise RuntimeConfigError(f"{where}: keys are batch sizes (integers >= 1)")
+        if not isinstance(entry, dict) or set(entry) != {"budget", "topk"}:
+            raise RuntimeConfigError(f'{where} must be {{"budget": B, "topk": K}}')
+        budget = _int(entry["budget"], f"{where}.budget", 1, max_budget)
+        if budget not in budgets:
+            raise RuntimeConfigError(
+                f"{where}.budget {budget} is not in {CONFIG_KEY}.budgets {budgets}"
+            )
+        topk = _int(entry["topk"], f"{where}.topk", 1)
+        policy.append((int(key), TreeShape(budget, topk)))
+    policy.sort()
+
+    wanted_topk = max([launch.topk, *(s.topk for _, s in policy)])
+    topk_max = section.get("topk_max", wanted_topk)
+    topk_max = _int(topk_max, f"{CONFIG_KEY}.topk_max", 1)
+    if topk_max < wanted_topk:
+        raise RuntimeConfigError(
+            f"{CONFIG_KEY}.topk_max {topk_max} is below a top-k the server must "
+            f"serve ({wanted_topk}: --speculative-eagle-topk or the policy)"
+        )
+
+    on_failure = section.get("on_capture_failure", "eager")
+    if on_failure not in CAPTURE_FAILURE_CHOICES:
+        raise RuntimeConfigError(
+            f"{CONFIG_KEY}.on_capture_failure must be one of "
+            f"{', '.join(CAPTURE_FAILURE_CHOICES)}, got {on_failure!r}"
+        )
+    raw_eager = section.get("eager_budgets", [])
+    if not isinstance(raw_eager, list):
+        raise RuntimeConfigError(f"{CONFIG_KEY}.eager_budgets must be a list")
+    eager = sorted({_int(b, f"{CONFIG_KEY}.eager_budgets", 1) for b in raw_eager})
+    for budget in eager:
+        if budget not in budgets:
+            raise RuntimeConfigError(
+                f"{CONFIG_KEY}.eager_budgets: {budget} is not in {CONFIG_KEY}.budgets"
+            )
+    if launch.budget in eager:
+        # SGLang captures the launch width itself, before the worker sees the set.
+        raise RuntimeConfigError(
+            f"{CONFIG_KEY}.eager_budgets holds the launch budget {launch.budget}; "
+            "launch on a budget whose graph captures (or with graphs disabled)"
+        )
+    return RuntimeConfig(
+        source=source,
+        budgets=tuple(budgets),
+        topk_max=topk_max,
+        policy=tuple(policy),
+        on_capture_failure=on_failure,
+        eager_budgets=tuple(eager),
+    )
+
+
+def load_runtime_config(
+    path: Optional[str], *, launch: TreeShape, max_budget: int
+) -> Optional[RuntimeConfig]:
+    """Read ``--speculative-adaptive-config``; errors name the file and the key."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise RuntimeConfigError(
+            f"--speculative-adaptive-config {path}: cannot read it ({e.strerror})"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise RuntimeConfigError(
+            f"--speculative-adaptive-config {path}: not JSON (line {e.lineno}: {e.msg})"
+        ) from e
+    try:
+        return parse_runtime_config(
+            data, source=path, launch=launch, max_budget=max_budget
+        )
+    except RuntimeConfigError as e:
+        raise RuntimeConfigError(f"--speculative-adaptive-config {path}: {e}") from e
+
+
+@dataclass
+class StateOutcome:
+    """How one budget's verify graph came out at start."""
+
+    budget: int
+    cuda_graph: str  # "captured" | "eager" | "disabled" | "dropped"
+    reason: Optional[str] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "verify_width": self.budget + 1,
+            "cuda_graph": self.cuda_graph,
+            "reason": self.reason,
+        }
+
+
+def capture_outcome(
+    budget: int,
+    capture: Callable[[int], Any],
+    *,
+    graphs_enabled: bool,
+    config: RuntimeConfig,
+) -> Tuple[Any, StateOutcome]:
+    """Capture one budget's verify graph (``capture(budget)`` returns the runner) and
+    say how it went: a failing capture serves that budget eager, or drops it, and
+    never takes the other budgets' graphs with it."""
+    if not graphs_enabled:
+        return None, StateOutcome(budget, "disabled")
+    if budget in config.eager_budgets:
+        return None, StateOutcome(budget, "eager", "listed in ddtree.eager_budgets")
+    try:
+        return capture(budget), StateOutcome(budget, "captured")
+    except Exception as e:  # a capture failure of one budget, whatever raised it
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        kind = "dropped" if config.on_capture_failure == "drop" else "eager"
+        return None, StateOutcome(budget, kind, reason)
+
+
+@dataclass
+class TreeRuntime:
+    """Which tree the next round uses, and what may change it.
+
+    Mode ``fixed``: no set was given (one state). ``pinned``: a switch request (or a
+    launch without a policy) fixed the shape. ``policy``: each round takes the
+    shape the per-batch-size policy routes its batch size to.
+    """
+
+    launch: TreeShape
+    config: Optional[RuntimeConfig] = None
+    outcomes: List[StateOutcome] = field(default_factory=list)
+    mode: str = "fixed"
+    pinned: Optional[TreeShape] = None
+    active: Optional[TreeShape] = None
+    switches: int = 0
+    last_refusal: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.pinned = self.pinned or self.launch
+        self.active = self.active or self.launch
+        if self.config is not None:
+            self.mode = "policy" if self.config.policy else "pinned"
+
+    @property
+    def budgets(self) -> List[int]:
+        """The switchable budgets (dropped ones removed)."""
+        if self.config is None:
+            return [self.launch.budget]
+        dropped = {o.budget for o in self.outcomes if o.cuda_graph == "dropped"}
+        return [b for b in self.config.budgets if b not in dropped]
+
+    @property
+    def topk_max(self) -> int:
+        return self.launch.topk if self.config is None else self.config.topk_max
+
+    def for_round(self, batch_size: int) -> TreeShape:
+        """The shape of the next round (policy mode: routed by its batch size; a
+        policy entry whose budget was dropped falls back to the launch tree)."""
+        if self.mode == "policy" and self.config is not None:
+            shape = self.config.route(batch_size)
+            if shape.budget not in self.budgets:
+                shape = self.launch
+        else:
+            shape = self.pinned or self.launch
+        self.active = shape
+        return shape
+
+    def plan(self, request: Mapping[str, Any]) -> Tuple[str, TreeShape]:
+        """The (mode, pinned shape) a switch request asks for; raises
+        :class:`TreeSwitchRefused` with the reason, recorded for ``/server_info``."""
+        try:
+            return self._plan(request)
+        except TreeSwitchRefused as e:
+            self.last_refusal = str(e)
+            raise
+
+    def _plan(self, request: Mapping[str, Any]) -> Tuple[str, TreeShape]:
+        if self.config is None:
+            raise TreeSwitchRefused(
+                "DDTREE: this server has one tree (budget "
+                f"{self.launch.budget}, top-k {self.launch.topk}); launch it with "
+                "--speculative-adaptive-config holding ddtree.budgets to switch at "
+                "runtime."
+            )
+        values: Dict[str, int] = {}
+        for key, value in request.items():
+            if key not in SWITCH_KEYS:
+                raise TreeSwitchRefused(f"DDTREE: {key} is not a DDTREE switch key.")
+            if isinstance(value, bool) or float(value) != int(value):
+                raise TreeSwitchRefused(
+                    f"DDTREE: {key} must be an integer, got {value!r}."
+                )
+            values[key] = int(value)
+        if "ddtree_policy" in values:
+            if set(values) != {"ddtree_policy"}:
+                raise TreeSwitchRefused(
+                    "DDTREE: ddtree_policy goes alone (a pinned tree is "
+                    "ddtree_budget / ddtree_topk)."
+                )
+            if values["ddtree_policy"] not in (0, 1):
+                raise TreeSwitchRefused("DDTREE: ddtree_policy must be 0 or 1.")
+            if values["ddtree_policy"] == 0:
+                return "pinned", self.active or self.launch
+            if not self.config.policy:
+                raise TreeSwitchRefused(
+                    f"DDTREE: no per-batch-size policy in {self.config.source} "
+                    "(ddtree.policy); pin a tree with ddtree_budget / ddtree_topk."
+                )
+            return "policy", self.pinned or self.launch
+        base = self.active or self.launch
+        budget = values.get("ddtree_budget", base.budget)
+        topk = values.get("ddtree_topk", base.topk)
+        if budget not in self.budgets:
+            dropped = [o for o in self.outcomes if o.budget == budget]
+            why = (
+                f" (dropped at start: {dropped[0].reason})"
+                if dropped and dropped[0].cuda_graph == "dropped"
+                else ""
+            )
+            raise TreeSwitchRefused(
+                f"DDTREE: budget {budget} is not in this server's runtime states "
+                f"{self.budgets}{why}; relaunch with it in ddtree.budgets of "
+                "--speculative-adaptive-config."
+            )
+        if not 1 <= topk <= self.topk_max:
+            raise TreeSwitchRefused(
+                f"DDTREE: top-k {topk} is outside 1..{self.topk_max} (the draft "
+                "candidates are computed for ddtree.topk_max); relaunch with a larger "
+                "ddtree.topk_max."
+            )
+        return "pinned", TreeShape(budget, topk)
+
+    def commit(self, planned: Tuple[str, TreeShape]) -> None:
+        self.mode, self.pinned = planned
+        if self.mode == "pinned":
+            self.active = self.pinned
+        self.switches += 1
+        self.last_refusal = None
+
+    def describe(self) -> Dict[str, Any]:
+        """What ``/server_info`` reports under ``internal_states[i].ddtree``."""
+        if self.outcomes:
+            states = [o.as_dict() for o in self.outcomes]
+        else:
+            states = [StateOutcome(b, "disabled").as_dict() for b in self.budgets]
+        return {
+            "mode": self.mode,
+            "active": (self.active or self.launch).as_dict(),
+            "budgets": self.budgets,
+            "topk_max": self.topk_max,
+            "policy": None if self.config is None else self.config.policy_dict(),
+            "states": states,
+            "switches": self.switches,
+            "last_refusal": self.last_refusal,
+        }
