@@ -15,6 +15,7 @@ is one message per object (``reply``: a marked line), flushed as soon as it exis
 controller can write progress while the load runs::
 
     {"kind": "flush", "ok": true, "detail": "HTTP 200"}
+    {"kind": "set_state", "status": 200 | 400 | null, "body": "<the answer's body, text>"}
     {"kind": "server_info", "info": {...} | null}
     {"kind": "request", "index": 3, "result": {RequestResult's fields}}
     {"kind": "summary", "duration_s": ..., "warmup_failures": 0, "cpu_s": ...}
@@ -336,10 +337,13 @@ def run_load(load, address, port, writer):
     })
 
 
-def _simple(address, port, method, path, timeout):
+def _simple(address, port, method, path, timeout, body=None):
     conn = http.client.HTTPConnection(address, port, timeout=timeout)
     try:
-        conn.request(method, path)
+        if body is None:
+            conn.request(method, path)
+        else:
+            conn.request(method, path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         return resp.status, resp.read(1 << 20)
     finally:
@@ -352,6 +356,15 @@ def flush_cache(address, port, timeout):
     except (OSError, ValueError) as exc:
         return {"kind": "flush", "ok": False, "detail": _error_text(exc, "connect")}
     return {"kind": "flush", "ok": status == 200, "detail": f"HTTP {status}"}
+
+
+def set_state(address, port, body, timeout):
+    """``POST /set_internal_state`` (a live DDTree tree switch); the controller judges it."""
+    try:
+        status, raw = _simple(address, port, "POST", "/set_internal_state", timeout, body=body)
+    except (OSError, ValueError) as exc:
+        return {"kind": "set_state", "status": None, "body": _error_text(exc, "connect")}
+    return {"kind": "set_state", "status": status, "body": raw.decode("utf-8", "replace")}
 
 
 def server_info(address, port, timeout):
@@ -368,6 +381,9 @@ def main(p, send):
     address, port = p["address"], int(p["port"])
     if p.get("flush"):
         writer.emit(flush_cache(address, port, float(p.get("flush_timeout_s", 30.0))))
+    # Before server_info, so that one run switches the tree and reads back whether it took.
+    if p.get("set_state"):
+        writer.emit(set_state(address, port, p["set_state"], float(p.get("set_state_timeout_s", 30.0))))
     if p.get("server_info"):
         writer.emit(server_info(address, port, float(p.get("info_timeout_s", 10.0))))
     if p.get("load"):

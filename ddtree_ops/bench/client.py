@@ -235,6 +235,21 @@ def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
         return (False, _error_text(exc))
 
 
+def set_internal_state(base_url: str, body: Mapping[str, Any], *, timeout_s: float = 30.0) -> tuple[int | None, str]:
+    """``POST /set_internal_state`` (a live DDTree tree switch): (HTTP status, detail);
+    status None where no answer came. Never raises: a failed switch is a failed cell."""
+    import httpx
+
+    try:
+        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
+            r = c.post("/set_internal_state", json=dict(body))
+    except httpx.HTTPError as exc:
+        return None, _error_text(exc)
+    from ddtree_ops.bench.livetree import refusal_detail
+
+    return r.status_code, ("" if r.status_code == 200 else refusal_detail(r.status_code, r.content))
+
+
 def server_info(base_url: str, *, timeout_s: float = 10.0) -> dict[str, Any] | None:
     """``GET /server_info`` of the server being benchmarked, or None when it cannot be read.
 

@@ -84,6 +84,16 @@ class LedgerRow:
     topk: int | None  # DDTREE per-position top-k; None for AR and DFLASH
     cuda_graph: bool
     fallback_reason: str | None
+    # The server launch that served the row: ``launch_argv_hash`` is sha256 of its argv
+    # (the same launch command, the same hash; 16 hex), ``launch_id`` that plus the process
+    # (one per launch, so rows of two launches of one command stay apart). Optional, like
+    # the other late fields: older rows lack them.
+    launch_argv_hash: str | None = field(default=None, kw_only=True)
+    launch_id: str | None = field(default=None, kw_only=True)
+    # True: the row's tree (budget, top-k) was switched live on a server launched with
+    # runtime states, and proven through /server_info before measuring; False: the server
+    # was launched at this tree (or is AR / DFLASH). None where no server served the row.
+    tree_switched: bool | None = field(default=None, kw_only=True)
     # The tree as the serving DDTree plugin resolved it (``/server_info.ddtree``); None for
     # AR and DFLASH, and where the server does not say. Optional, like
     # sglang_installed_version, so older rows stay valid.

@@ -5,9 +5,10 @@ Entering takes the place's sweep lease, before anything else touches the host, s
 no other sweep or restart disturbs its servers until the sweep is done there (a dead
 holder's lease is taken over; a live one's raises LeaseHeld at once). :meth:`restart`
 launches a server through the one restart policy (``lifecycle.prepare_restart``) with
-the smoke at the settings about to be measured. Leaving, however the block ended, stops
-the server it started (unless the sweep keeps it and was not interrupted) and gives the
-lease back.
+the smoke at the settings about to be measured; a live DDTree launch first writes its
+runtime-state file into the place's run dir (atomically, through the transport).
+Leaving, however the block ended, stops the server it started (unless the sweep keeps it
+and was not interrupted) and gives the lease back.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddtree_ops import lockholder
-from ddtree_ops.bench.plan import Sampling, ServerConfig
+from ddtree_ops.bench.livetree import states_file, states_path
+from ddtree_ops.bench.plan import LaunchConfig, Sampling
 from ddtree_ops.bench.rows import run_config
 from ddtree_ops.bench.services import Services
-from ddtree_ops.errors import DdtreeOpsError
+from ddtree_ops.errors import DdtreeOpsError, RemoteFileError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
 
@@ -99,17 +101,31 @@ class SweepServer:
                 finally:
                     lockholder.run_ended(self.lease)
 
-    def restart(self, server: ServerConfig, samplings: Iterable[Sampling], facts: HostFacts | None) -> RestartResult:
-        """Launch ``server`` and wait until it serves (lifecycle errors propagate)."""
+    def restart(self, launch: LaunchConfig, samplings: Iterable[Sampling], facts: HostFacts | None) -> RestartResult:
+        """Launch ``launch`` and wait until it serves (lifecycle errors propagate)."""
         from ddtree_ops.service.lifecycle import prepare_restart
         from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 
         smoke = SmokeSpec.for_samplings(
             SmokeSampling.of(s.temperature, s.top_p, s.top_k) for s in samplings
         ) if self._options.smoke else None
+        adaptive = None
+        if launch.live:
+            name, content = states_file(launch)
+            try:
+                self.transport.write_atomic(states_path(self.host.ddtree.run_dir, name), content)
+            except RemoteFileError:
+                # A file operation fails the same way when the connection went away; a
+                # command tells the two apart (ConnectError: the host is lost, not just
+                # this launch), as the lifecycle's own first command would.
+                self.transport.run(["true"], timeout=30)
+                raise
+            # Relative on purpose: the host agent starts the server in the run dir (its
+            # cwd), whatever ``~`` or a relative run dir means on that host.
+            adaptive = name
         request = prepare_restart(
-            self.transport, self.host, run_config(server), machine=self.machine, facts=facts, lease=self.lease_pass(),
-            timeout=self._options.restart_timeout, smoke=smoke,
+            self.transport, self.host, run_config(launch, adaptive_config=adaptive), machine=self.machine,
+            facts=facts, lease=self.lease_pass(), timeout=self._options.restart_timeout, smoke=smoke,
         )
         result = self.services.restart(self.transport, request, cancel=self._cancel)
         self.started = True

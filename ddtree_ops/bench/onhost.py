@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 from ddtree_ops.bench import client as local_client
 from ddtree_ops.bench._hostclient import SUMMARY
 from ddtree_ops.bench.client import LoadResult, LoadSpec, as_request_result, request_for
+from ddtree_ops.bench.livetree import SwitchAnswer, refusal_detail, switch_request
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.errors import DdtreeOpsError
 from ddtree_ops.inventory_types import Host
@@ -64,6 +65,10 @@ class LoadClient(Protocol):
 
     def server_info(self) -> dict[str, Any] | None: ...
 
+    def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
+        """Pin a live DDTree server's tree, then read ``/server_info`` back (never raises)."""
+        ...
+
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult: ...
 
 
@@ -86,6 +91,10 @@ class LocalClient:
 
     def server_info(self) -> dict[str, Any] | None:
         return local_client.server_info(self.url)
+
+    def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
+        status, detail = local_client.set_internal_state(self.url, switch_request(budget, topk))
+        return SwitchAnswer(status, detail, self.server_info() if status == 200 else None)
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         return local_client.run_load(self.url, spec, on_done=on_done)
@@ -147,6 +156,21 @@ class HostClient:
         self._run({"server_info": True}, stream, timeout=10.0 + _COMMAND_SLACK_S)
         info = stream.answers.get("server_info", {}).get("info")
         return info if isinstance(info, dict) else None
+
+    def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
+        # One host-program run: the switch, then /server_info (the program keeps that order).
+        stream = _Stream()
+        problem = self._run({"set_state": switch_request(budget, topk), "server_info": True}, stream,
+                            timeout=40.0 + _COMMAND_SLACK_S)
+        answer = stream.answers.get("set_state")
+        if answer is None:
+            return SwitchAnswer(None, problem or "host client gave no answer", None)
+        status, body = answer.get("status"), str(answer.get("body", ""))
+        if not isinstance(status, int):
+            return SwitchAnswer(None, body, None)
+        info = stream.answers.get("server_info", {}).get("info")
+        detail = "" if status == 200 else refusal_detail(status, body.encode())
+        return SwitchAnswer(status, detail, info if isinstance(info, dict) and status == 200 else None)
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]

@@ -1,25 +1,38 @@
-"""Sweep spec -> ordered cells, grouped so that each server configuration starts once.
+"""Sweep spec -> ordered cells, grouped into server launches by what cannot be switched.
 
 Pure: no I/O, no clock. A *cell* is one server configuration (algorithm, budget, top-k)
-with one sampling setting and one concurrency. Only the server configuration needs a
-restart; temperature, top-p/top-k and concurrency are request parameters and run on the
-live server, so cells are grouped by server configuration and the groups are ordered to
-restart as rarely as possible (the configuration already running on a host goes first).
-Baselines run on every host with the same sampling grid and workload as the DDTree
-cells, so every DDTree row has a comparable baseline row.
+with one sampling setting and one concurrency. Temperature, top-p/top-k and concurrency
+are request parameters and run on the live server. A DDTree server launched with runtime
+states (``--speculative-adaptive-config``, the issue-25 contract) also switches its tree
+(budget, top-k) live through ``/set_internal_state``, so with ``relaunch: never`` (the
+default) every DDTree cell of a host shares ONE launch (:class:`LaunchConfig`: the
+algorithm and the set of budgets, which are fixed at launch, with the largest top-k it
+must serve) and only the algorithm, model and server flags need a launch of their own;
+``relaunch: always`` keeps the old one launch per (budget, top-k) for comparison. The
+model and the server flags are the host's, the same for every cell of a sweep there.
+
+Groups are ordered to launch as rarely as possible (the launch already running on a
+host goes first); within a live launch, cells go by tree, so a switch happens only where
+the tree changes. Baselines run on every host with the same sampling grid and workload
+as the DDTree cells, so every DDTree row has a comparable baseline row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_ops.bench.sweep import GRID_DEFAULTS, SweepSpec
+from ddtree_ops.bench.sweep import GRID_DEFAULTS, RELAUNCH_MODES, SweepSpec
 
 _ALGO_ORDER = {"autoregressive": 0, "dflash": 1, "ddtree": 2}
+# What one live switch costs a sweep between two cells, for the estimate only: the
+# /set_internal_state request and the /server_info readback that proves it took (two
+# requests, on the host over its transport: well under a second).
+SWITCH_S = 0.5
 
 
 @dataclass(frozen=True, order=True)
@@ -38,6 +51,54 @@ class ServerConfig:
 
     def sort_key(self) -> tuple[int, int, int]:
         return (_ALGO_ORDER[self.algorithm], self.budget or 0, self.topk or 0)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What one server launch is started with: the part of a cell that cannot change on
+    a running server.
+
+    ``budget``/``topk`` are the launch state (the tree the server starts at). A live
+    launch (``budgets`` non-empty, DDTREE only) also holds the runtime-state set: one
+    state per budget, any top-k up to ``topk_max``; its cells switch to their own tree.
+    """
+
+    algorithm: str
+    budget: int | None = None
+    topk: int | None = None
+    budgets: tuple[int, ...] = ()
+    topk_max: int | None = None
+
+    @classmethod
+    def fresh(cls, server: ServerConfig) -> LaunchConfig:
+        """A launch at ``server``'s own tree, nothing switchable (``relaunch: always``)."""
+        return cls(server.algorithm, server.budget, server.topk)
+
+    @property
+    def live(self) -> bool:
+        """Whether its cells switch the tree live (the launch holds runtime states)."""
+        return bool(self.budgets)
+
+    @property
+    def server(self) -> ServerConfig:
+        """The launch state as a server configuration (what the launch command says)."""
+        return ServerConfig(self.algorithm, self.budget, self.topk)
+
+    @property
+    def key(self) -> str:
+        if not self.live:
+            return self.server.key
+        return f"ddtree-states-b{'.'.join(map(str, self.budgets))}-k{self.topk_max}"
+
+    def serves(self, server: ServerConfig) -> bool:
+        """Whether a cell of ``server`` can be measured on this launch."""
+        if not self.live:
+            return server == self.server
+        return (server.algorithm == self.algorithm and server.budget in self.budgets
+                and server.topk is not None and self.topk_max is not None and server.topk <= self.topk_max)
+
+    def sort_key(self) -> tuple[int, int, int, tuple[int, ...]]:
+        return (*self.server.sort_key(), self.budgets)
 
 
 @dataclass(frozen=True)
@@ -61,19 +122,36 @@ class Cell:
     sampling: Sampling
     concurrency: int
     baseline: bool = False
+    # The launch that measures it; None: a launch at its own tree. Not part of its
+    # identity: the same cell measured live or on a fresh launch is the same cell.
+    via: LaunchConfig | None = None
 
     @property
     def key(self) -> str:
         """Stable identity of the cell; the ledger and ``--resume`` match on it."""
         return f"{self.server.key}|{self.sampling.key}|c{self.concurrency}"
 
+    @property
+    def launch(self) -> LaunchConfig:
+        return self.via if self.via is not None else LaunchConfig.fresh(self.server)
+
+    @property
+    def switched(self) -> bool:
+        """Whether its tree is set live on a running server before it is measured."""
+        return self.launch.live
+
 
 @dataclass(frozen=True)
 class ServerGroup:
     """Cells that share one server launch."""
 
-    server: ServerConfig
+    launch: LaunchConfig
     cells: tuple[Cell, ...]
+
+    @property
+    def switches(self) -> int:
+        """Live tree switches between its cells (one per cell: each is proven before it is measured)."""
+        return len(self.cells) if self.launch.live else 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +159,7 @@ class SweepPlan:
     groups: tuple[ServerGroup, ...]
     repeats: int
     warmup: int
+    relaunch: str = "never"
 
     @property
     def cells(self) -> tuple[Cell, ...]:
@@ -88,7 +167,13 @@ class SweepPlan:
 
     @property
     def restarts(self) -> int:
+        """Server launches per host (with one server place)."""
         return len(self.groups)
+
+    @property
+    def switches(self) -> int:
+        """Live tree switches per host (every repeat switches again)."""
+        return sum(g.switches for g in self.groups) * self.repeats
 
     @property
     def runs(self) -> int:
@@ -148,34 +233,61 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
     return list(cells.values())
 
 
+def live_launch(cells: Collection[Cell]) -> LaunchConfig | None:
+    """The one DDTree launch that can serve every DDTree cell of ``cells`` by switching:
+    a runtime state per budget they use, top-k up to the largest they use, launched at the
+    first tree they are measured at (the smallest budget, with the smallest top-k). None
+    without DDTree cells."""
+    trees = sorted({(c.server.budget, c.server.topk) for c in cells if c.server.algorithm == "ddtree"},
+                   key=lambda t: (t[0] or 0, t[1] or 0))
+    if not trees:
+        return None
+    budgets = tuple(sorted({b for b, _ in trees if b is not None}))
+    topks = [k for _, k in trees if k is not None]
+    first = trees[0]
+    return LaunchConfig("ddtree", first[0], first[1], budgets=budgets, topk_max=max(topks))
+
+
+def assign_launches(cells: Collection[Cell], relaunch: str) -> list[Cell]:
+    """``cells`` with the launch that measures each: ``never`` puts every DDTree cell on one
+    live launch (:func:`live_launch`), ``always`` gives each (budget, top-k) its own."""
+    if relaunch not in RELAUNCH_MODES:
+        raise ValueError(f"relaunch must be one of {', '.join(RELAUNCH_MODES)}, not {relaunch!r}")
+    live = live_launch(cells) if relaunch == "never" else None
+    out: list[Cell] = []
+    for cell in cells:
+        via = live if live is not None and live.serves(cell.server) else None
+        out.append(dataclasses.replace(cell, via=via))
+    return out
+
+
 def plan_sweep(
     spec: SweepSpec,
     *,
-    current: ServerConfig | None = None,
+    current: LaunchConfig | None = None,
     done: Collection[str] = (),
+    relaunch: str | None = None,
 ) -> SweepPlan:
-    """Group cells by server configuration and order them: the configuration already running
-    (``current``) first, then baselines, then DDTree by budget and top-k. ``done`` holds cell
-    keys already complete (``--resume``); they are left out and so are groups left empty."""
-    by_server: dict[ServerConfig, list[Cell]] = {}
-    for cell in expand_cells(spec):
+    """Group cells by launch and order them: the launch already running (``current``)
+    first, then baselines, then DDTree by budget and top-k; inside a live launch by tree,
+    then sampling and concurrency. ``done`` holds cell keys already complete (``--resume``);
+    they are left out and so are groups left empty (the live launch keeps the whole
+    sweep's set: the same launch whatever is left). ``relaunch`` overrides the sweep's
+    ``relaunch`` key (``bench --dry-run`` estimates both)."""
+    mode = relaunch if relaunch is not None else spec.relaunch
+    by_launch: dict[LaunchConfig, list[Cell]] = {}
+    for cell in assign_launches(expand_cells(spec), mode):
         if cell.key in done:
             continue
-        by_server.setdefault(cell.server, []).append(cell)
-    order = sorted(by_server, key=lambda s: (s != current, s.sort_key()))
-    groups = tuple(
-        ServerGroup(
-            server=s,
-            cells=tuple(
-                sorted(
-                    by_server[s],
-                    key=lambda c: (c.sampling.temperature, c.sampling.top_p, c.sampling.top_k, c.concurrency),
-                )
-            ),
-        )
-        for s in order
-    )
-    return SweepPlan(groups=groups, repeats=spec.repeats, warmup=spec.warmup)
+        by_launch.setdefault(cell.launch, []).append(cell)
+    order = sorted(by_launch, key=lambda s: (s != current, s.sort_key()))
+
+    def cell_order(c: Cell) -> tuple[int, int, float, float, int, int]:
+        return (c.server.budget or 0, c.server.topk or 0, c.sampling.temperature, c.sampling.top_p,
+                c.sampling.top_k, c.concurrency)
+
+    groups = tuple(ServerGroup(launch=s, cells=tuple(sorted(by_launch[s], key=cell_order))) for s in order)
+    return SweepPlan(groups=groups, repeats=spec.repeats, warmup=spec.warmup, relaunch=mode)
 
 
 def cell_seconds(
@@ -194,12 +306,14 @@ def estimate_seconds(
     num_prompts: int,
     max_new_tokens: int,
     s_per_step: float = 0.02,
+    switch_s: float = SWITCH_S,
 ) -> float:
     """Rough wall time for one host with one server: every restart costs ``load_s``
-    (learned per host, see the state file) and every run :func:`cell_seconds`. An estimate
-    for planning, not a promise: speculation makes steps emit several tokens, which only
-    shortens it."""
-    total = plan.restarts * load_s
+    (learned per host, see the state file), every live switch ``switch_s`` and every run
+    :func:`cell_seconds`. An estimate for planning, not a promise: speculation makes
+    steps emit several tokens, which only shortens it; a live launch captures one verify
+    graph per budget, which lengthens its load by what capture takes there."""
+    total = plan.restarts * load_s + plan.switches * switch_s
     for cell in plan.cells:
         total += plan.repeats * cell_seconds(
             cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=plan.warmup, s_per_step=s_per_step

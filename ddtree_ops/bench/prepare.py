@@ -4,20 +4,21 @@
 :class:`PreparedSweep`: the cells and server launches (:func:`~.plan.plan_sweep`), and
 per host where its load comes from, what one launch is expected to cost there (learned
 from its last restarts, else the inventory's ``expected_load_s``), the estimate with one
-server and, for a host with several GPU slots, which slot is expected to run which launch
-(:mod:`.schedule`). The runner queues a host's launches with :meth:`PreparedSweep.jobs`,
+server (with the sweep's ``relaunch`` mode, and with the other one beside it: live
+switching against a launch per tree) and, for a host with several GPU slots, which slot
+is expected to run which launch (:mod:`.schedule`). The runner queues a host's launches with :meth:`PreparedSweep.jobs`,
 the same function over the runs that ``--resume`` left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.bench.onhost import ClientMode, client_mode
-from ddtree_ops.bench.plan import Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
+from ddtree_ops.bench.plan import SWITCH_S, Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
 from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
-from ddtree_ops.bench.sweep import SweepSpec
+from ddtree_ops.bench.sweep import RELAUNCH_MODES, SweepSpec
 from ddtree_ops.inventory_types import Host
 
 
@@ -46,6 +47,9 @@ class HostPlan:
     estimate_s: float
     # Several GPU slots: which slot is expected to run which launch, and when.
     schedule: Schedule | None
+    # The same estimate with one server for each ``relaunch`` mode (the sweep's among
+    # them): what live switching saves here.
+    estimate_by_mode: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,14 @@ class PreparedSweep:
     spec: SweepSpec
     plan: SweepPlan
     hosts: tuple[HostPlan, ...]
+    # The plan of every ``relaunch`` mode (``plan`` is the sweep's own): --dry-run shows both.
+    plans: Mapping[str, SweepPlan] | None = None
 
     def cell_s(self, cell: Cell) -> float:
         workload = self.spec.workload
-        return cell_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
-                            warmup=self.plan.warmup)
+        measure = cell_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
+                               warmup=self.plan.warmup)
+        return measure + (SWITCH_S if cell.switched else 0.0)
 
     def jobs(self, hp: HostPlan, runs: Sequence[tuple[Cell, int]]) -> list[Job]:
         """``runs`` of ``hp``'s host as server launches. One server: in plan order. Several
@@ -68,22 +75,27 @@ class PreparedSweep:
 
 
 def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
-    plan = plan_sweep(spec)
-    prepared = PreparedSweep(spec, plan, ())
+    plans = {mode: plan_sweep(spec, relaunch=mode) for mode in RELAUNCH_MODES}
+    plan = plans[spec.relaunch]
+    prepared = PreparedSweep(spec, plan, (), plans)
     planned = []
     for host in hosts:
         places = host.slot_hosts()
         launch_s = tuple(expected_launch_s(place) for place in places)
-        estimate = estimate_seconds(plan, load_s=launch_s[0], num_prompts=spec.workload.num_prompts,
-                                    max_new_tokens=spec.workload.max_new_tokens)
+        by_mode = {
+            mode: estimate_seconds(p, load_s=launch_s[0], num_prompts=spec.workload.num_prompts,
+                                   max_new_tokens=spec.workload.max_new_tokens)
+            for mode, p in plans.items()
+        }
+        estimate = by_mode[spec.relaunch]
         sched = None
         if len(places) > 1:
             loads = {Slot(host.name, i, place.slot.gpus if place.slot else ()): s
                      for i, (place, s) in enumerate(zip(places, launch_s, strict=True))}
             jobs = make_jobs(plan_runs(plan), cell_s=prepared.cell_s, load_s=min(launch_s), slots=len(places))
             sched = schedule(jobs, list(loads), load_s=loads)
-        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched))
-    return PreparedSweep(spec, plan, tuple(planned))
+        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode))
+    return PreparedSweep(spec, plan, tuple(planned), plans)
 
 
 __all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "prepare_sweep"]

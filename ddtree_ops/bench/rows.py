@@ -1,9 +1,12 @@
 """Ledger rows as the runner writes them: one :class:`~ddtree_ops.bench.ledger.LedgerRow`
 per (host, cell, repeat), from the sweep's identity, the host's provenance, the launch
-that served it and what was measured (nothing, on a row that failed before measuring)."""
+that served it, the live tree it was switched to (on a launch with runtime states) and
+what was measured (nothing, on a row that failed before measuring)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -11,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.ledger import LedgerRow
+from ddtree_ops.bench.livetree import LiveTree
 from ddtree_ops.bench.metrics import CellMetrics
-from ddtree_ops.bench.plan import Cell, ServerConfig
+from ddtree_ops.bench.plan import Cell, LaunchConfig
 from ddtree_ops.bench.prompts import WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance
 from ddtree_ops.bench.sweep import SweepSpec
@@ -25,11 +29,24 @@ if TYPE_CHECKING:
 LEDGER_ALGORITHM: dict[str, Algorithm] = {"autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
 
 
-def run_config(server: ServerConfig) -> RunConfig:
-    """The lifecycle's launch configuration of one of the sweep's servers."""
+def run_config(launch: LaunchConfig, *, adaptive_config: str | None = None) -> RunConfig:
+    """The lifecycle's launch configuration of one of the sweep's launches (its launch
+    state; ``adaptive_config``: the runtime-state file of a live launch, on the host)."""
     from ddtree_ops.service.launch import RunConfig
 
-    return RunConfig(algorithm=LEDGER_ALGORITHM[server.algorithm], budget=server.budget, topk=server.topk)
+    return RunConfig(algorithm=LEDGER_ALGORITHM[launch.algorithm], budget=launch.budget, topk=launch.topk,
+                     adaptive_config=adaptive_config)
+
+
+def argv_hash(argv: tuple[str, ...] | list[str]) -> str:
+    """The ledger's ``launch_argv_hash``: sha256 of the argv as JSON, 16 hex."""
+    return hashlib.sha256(json.dumps(list(argv)).encode()).hexdigest()[:16]
+
+
+def launch_identity(restart: RestartResult) -> tuple[str, str]:
+    """(``launch_argv_hash``, ``launch_id``) of one launch: the command, and the process."""
+    digest = argv_hash(restart.argv)
+    return digest, f"{digest}.{restart.pid}.{int(restart.ready_at)}"
 
 
 def now_iso() -> str:
@@ -64,12 +81,27 @@ class RowMaker:
     def row(
         self, *, machine: str, server_host: Host, client: str, prov: Provenance, restart: RestartResult | None,
         cell: Cell, repeat: int, started_at: str, error: str | None, metrics: CellMetrics | None = None,
+        live: LiveTree | None = None,
     ) -> LedgerRow:
         """``machine``: the inventory host the row belongs to; ``server_host``: the server
-        place that served it (the machine itself, or one of its GPU slots)."""
+        place that served it (the machine itself, or one of its GPU slots); ``live``: the
+        tree the server was switched to and proven at (None: not switched, or the switch
+        failed and ``error`` says why).
+
+        A switched row's CUDA-graph fields are its own state's, not the launch's: a budget
+        whose verify graph failed to capture is served eager by a server launched with
+        graphs, and its rows must say eager."""
         wl = self.spec.workload
         slot = server_host.slot
         smoke = None if restart is None else restart.smoke
+        cuda_graph = restart.cuda_graph if restart is not None else False
+        fallback = restart.fallback_reason if restart is not None else None
+        verify_graph = prov.verify_cuda_graph
+        if live is not None:
+            cuda_graph = cuda_graph and live.graph
+            fallback = fallback or live.fallback_reason()
+            verify_graph = live.graph
+        launch_hash, launch_id = launch_identity(restart) if restart is not None else (None, None)
         fields: dict[str, Any] = self.key_fields(machine, cell, repeat) | {
             "run_id": self.run_id,
             "sweep": self.spec.name,
@@ -85,12 +117,17 @@ class RowMaker:
             "bundle_name": prov.bundle_name,
             "bundle_hash": prov.bundle_hash,
             "verify_attention_backend": prov.verify_attention_backend,
-            "verify_cuda_graph": prov.verify_cuda_graph,
+            "verify_cuda_graph": verify_graph,
             "draft_block_size": prov.draft_block_size,
             "tree_sampler": prov.tree_sampler,
             "server_argv": list(restart.argv) if restart is not None else [],
-            "cuda_graph": restart.cuda_graph if restart is not None else False,
-            "fallback_reason": restart.fallback_reason if restart is not None else None,
+            "cuda_graph": cuda_graph,
+            "fallback_reason": fallback,
+            "launch_argv_hash": launch_hash,
+            "launch_id": launch_id,
+            # The launch's kind decides it, not the switch's outcome: a failed switch is
+            # still a row of a switching launch (its error says what went wrong).
+            "tree_switched": None if restart is None else cell.switched,
             # None where no server started; else whether its smoke ran (``--no-smoke``).
             "smoke": None if restart is None else ("passed" if smoke is not None and smoke.passed else "skipped"),
             "smoke_s": smoke.seconds if smoke is not None else None,
@@ -123,4 +160,4 @@ class RowMaker:
         return LedgerRow(**fields)
 
 
-__all__ = ["LEDGER_ALGORITHM", "RowMaker", "now_iso", "run_config"]
+__all__ = ["LEDGER_ALGORITHM", "RowMaker", "argv_hash", "launch_identity", "now_iso", "run_config"]

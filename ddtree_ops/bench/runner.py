@@ -2,11 +2,16 @@
 
 Hosts run in parallel, one worker thread per host, and within a host one per server
 place: the host itself, or each of its GPU slots (``ddtree.server.slots``), each with its
-own server. A host's cells are grouped by server configuration into launches, so a server
-is restarted only when algorithm/budget/top-k change (through the lifecycle's
-``restart``, which also decides eager fallback; every row records ``cuda_graph`` and
-``fallback_reason``); with one server they run in plan order, with several slots each
-slot takes the next launch when it frees, longest expected first (:mod:`.schedule`).
+own server. A host's cells are grouped into launches by what cannot be switched
+(:mod:`.plan`), so a server is restarted only when the launch changes (through the
+lifecycle's ``restart``, which also decides eager fallback; every row records
+``cuda_graph`` and ``fallback_reason``); with one server they run in plan order, with
+several slots each slot takes the next launch when it frees, longest expected first
+(:mod:`.schedule`). On a live DDTree launch (runtime states, ``relaunch: never``) each
+cell's tree is switched through ``/set_internal_state`` and proven through
+``/server_info`` before it is measured (:mod:`.livetree`); a switch that is refused or does
+not show is that cell's failed row, never a measurement of another tree. Every row records
+its launch (``launch_argv_hash``, ``launch_id``) and whether its tree was switched live.
 
 Failures are rows, not exceptions: a host that cannot be reached, a server that crashes
 or never gets ready, a server killed mid-cell — each is written as ``status: failed`` with
@@ -49,9 +54,10 @@ from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.ledger import LedgerRow
 from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
+from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, RequestResult, calculate_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
-from ddtree_ops.bench.plan import Cell, ServerConfig
+from ddtree_ops.bench.plan import Cell, LaunchConfig
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
 from ddtree_ops.bench.prompts import WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
@@ -160,17 +166,17 @@ class _SlotRun:
 class _JobQueue:
     """A host's server launches still to run, shared by its slots: each slot takes the
     next when it frees (longest expected first, see :mod:`.schedule`), preferring one of
-    the configuration it already serves, which needs no restart."""
+    the launch it already serves, which needs no restart."""
 
     def __init__(self, jobs: Sequence[Job]) -> None:
         self._jobs = list(jobs)
         self._lock = threading.Lock()
 
-    def take(self, serving: ServerConfig | None) -> Job | None:
+    def take(self, serving: LaunchConfig | None) -> Job | None:
         with self._lock:
             if not self._jobs:
                 return None
-            at = next((i for i, j in enumerate(self._jobs) if j.server == serving), 0)
+            at = next((i for i, j in enumerate(self._jobs) if j.launch == serving), 0)
             return self._jobs.pop(at)
 
     def drain(self) -> list[Job]:
@@ -340,7 +346,7 @@ class SweepRunner:
             sr.hr.restarts += 1
         try:
             # The smoke decodes at the sampling settings this server is about to be measured at.
-            return server.restart(job.server, (c.sampling for c, _ in job.runs), prov.facts)
+            return server.restart(job.launch, (c.sampling for c, _ in job.runs), prov.facts)
         except _HOST_LOST as exc:
             self._fail_rest(sr, prov, None, rest, str(exc))
             return _GaveUp(str(exc))
@@ -355,7 +361,7 @@ class SweepRunner:
         runs. Returns the error that ended this slot (a failure past the rows' own handling
         fails the runs of the job in hand with it)."""
         client = make_client(sr.hr.plan.client, server.transport, sr.host)
-        serving: ServerConfig | None = None
+        serving: LaunchConfig | None = None
         left: list[Run] = []
         try:
             while not self._stopping() and (job := queue.take(serving)) is not None:
@@ -364,19 +370,24 @@ class SweepRunner:
                 why = ""  # why it is launched again
                 while left:
                     if restart is None:
-                        self._emit(sr.hr, "restarting", slot=sr.label, cell=job.server.key, message=why)
+                        self._emit(sr.hr, "restarting", slot=sr.label, cell=job.launch.key, message=why)
                         launched = self._launch(sr, server, prov, job, left, again=bool(why))
                         if isinstance(launched, _GaveUp):
                             return launched.error
                         if launched is None:
                             serving = None
                             break
-                        serving, restart = job.server, launched
+                        serving, restart = job.launch, launched
                         served = with_server_info(prov, client.server_info())
                     if self._stopping():
                         return None
                     cell, rep = left[0]
-                    row = self._measure(sr, client, served, restart, cell, rep)
+                    live = self._switch(sr, client, cell) if cell.switched else None
+                    if isinstance(live, str):
+                        row = self._row(sr, served, restart, cell, rep, now_iso(), error=live)
+                        self._append(sr, row, cell)
+                    else:
+                        row = self._measure(sr, client, served, restart, cell, rep, live=live)
                     left.pop(0)  # written: no longer the caller's to fail
                     if row.status == "failed" and not server.serving():
                         restart, why = None, "server gone; restarting"
@@ -385,8 +396,17 @@ class SweepRunner:
             return str(exc)
         return None
 
+    def _switch(self, sr: _SlotRun, client: LoadClient, cell: Cell) -> LiveTree | str:
+        """Pin ``cell``'s tree on the live launch and prove it took: the state it is measured
+        at, or why the cell fails (its row's error)."""
+        budget, topk = cell.server.budget, cell.server.topk
+        assert budget is not None and topk is not None  # a switched cell is a DDTree cell
+        self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, message=f"switching to budget {budget} top-k {topk}")
+        return judge_switch(client.switch_tree(budget, topk), budget, topk)
+
     def _measure(
-        self, sr: _SlotRun, client: LoadClient, prov: Provenance, restart: RestartResult, cell: Cell, rep: int
+        self, sr: _SlotRun, client: LoadClient, prov: Provenance, restart: RestartResult, cell: Cell, rep: int,
+        *, live: LiveTree | None = None,
     ) -> LedgerRow:
         self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
         started_at = now_iso()
@@ -418,15 +438,16 @@ class SweepRunner:
         error = None
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
-        row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics)
+        row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics, live=live)
         self._append(sr, row, cell)
         return row
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
-             started_at: str, *, error: str | None, metrics: CellMetrics | None = None) -> LedgerRow:
+             started_at: str, *, error: str | None, metrics: CellMetrics | None = None,
+             live: LiveTree | None = None) -> LedgerRow:
         return self.rows.row(machine=sr.hr.host.name, server_host=sr.host, client=sr.hr.plan.client, prov=prov,
                              restart=restart, cell=cell, repeat=rep, started_at=started_at, error=error,
-                             metrics=metrics)
+                             metrics=metrics, live=live)
 
     def _append(self, sr: _SlotRun, row: LedgerRow, cell: Cell) -> None:
         hr = sr.hr

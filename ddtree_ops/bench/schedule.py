@@ -17,7 +17,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ddtree_ops.bench.plan import Cell, ServerConfig, SweepPlan
+from ddtree_ops.bench.plan import Cell, LaunchConfig, SweepPlan
 
 
 @dataclass(frozen=True, order=True)
@@ -35,9 +35,10 @@ class Slot:
 
 @dataclass(frozen=True)
 class Job:
-    """One server launch and the runs (cell, repeat) it serves, all of one configuration."""
+    """One server launch and the runs (cell, repeat) it serves, all of one launch
+    configuration (a live DDTree launch serves cells of several trees)."""
 
-    server: ServerConfig
+    launch: LaunchConfig
     runs: tuple[tuple[Cell, int], ...]
     measure_s: float
 
@@ -81,17 +82,17 @@ def make_jobs(
     load_s: float,
     slots: int,
 ) -> list[Job]:
-    """One job per server configuration (in the order ``runs`` first names them), then the
+    """One job per launch configuration (in the order ``runs`` first names them), then the
     longest split by repeats while slots would otherwise idle and each part still
     measures longer than a load."""
 
-    def job(server: ServerConfig, part: Sequence[tuple[Cell, int]]) -> Job:
-        return Job(server, tuple(part), sum(cell_s(c) for c, _ in part))
+    def job(launch: LaunchConfig, part: Sequence[tuple[Cell, int]]) -> Job:
+        return Job(launch, tuple(part), sum(cell_s(c) for c, _ in part))
 
-    by_server: dict[ServerConfig, list[tuple[Cell, int]]] = {}
+    by_launch: dict[LaunchConfig, list[tuple[Cell, int]]] = {}
     for cell, rep in runs:
-        by_server.setdefault(cell.server, []).append((cell, rep))
-    jobs = [job(server, part) for server, part in by_server.items()]
+        by_launch.setdefault(cell.launch, []).append((cell, rep))
+    jobs = [job(launch, part) for launch, part in by_launch.items()]
     while len(jobs) < slots:
         longest = max(jobs, key=lambda j: j.measure_s, default=None)
         if longest is None or len(longest.repeats) < 2 or longest.measure_s / 2 <= load_s:
@@ -99,15 +100,15 @@ def make_jobs(
         first = set(longest.repeats[: len(longest.repeats) // 2])
         at = jobs.index(longest)
         jobs[at : at + 1] = [
-            job(longest.server, [(c, r) for c, r in longest.runs if r in first]),
-            job(longest.server, [(c, r) for c, r in longest.runs if r not in first]),
+            job(longest.launch, [(c, r) for c, r in longest.runs if r in first]),
+            job(longest.launch, [(c, r) for c, r in longest.runs if r not in first]),
         ]
     return jobs
 
 
 def longest_first(jobs: Sequence[Job]) -> list[Job]:
     """LPT order; ties in configuration order, so the same jobs always come out the same."""
-    return sorted(jobs, key=lambda j: (-j.measure_s, j.server.sort_key(), j.repeats))
+    return sorted(jobs, key=lambda j: (-j.measure_s, j.launch.sort_key(), j.repeats))
 
 
 def schedule(
@@ -115,7 +116,7 @@ def schedule(
     slots: Sequence[Slot],
     *,
     load_s: Mapping[Slot, float],
-    running: Mapping[Slot, ServerConfig] | None = None,
+    running: Mapping[Slot, LaunchConfig] | None = None,
 ) -> Schedule:
     """Longest expected first, each to the slot that frees first.
 
@@ -126,8 +127,8 @@ def schedule(
     """
     if not slots:
         raise ValueError("no slots to schedule on")
-    current: dict[Slot, ServerConfig | None] = {s: (running or {}).get(s) for s in slots}
-    ran: dict[Slot, set[ServerConfig]] = {s: set() for s in slots}
+    current: dict[Slot, LaunchConfig | None] = {s: (running or {}).get(s) for s in slots}
+    ran: dict[Slot, set[LaunchConfig]] = {s: set() for s in slots}
     free: list[tuple[float, int, Slot]] = [(0.0, i, s) for i, s in enumerate(slots)]
     heapq.heapify(free)
     order = longest_first(jobs)
@@ -135,15 +136,15 @@ def schedule(
     for job in order:
         t = free[0][0]
         tied = [entry for entry in free if entry[0] == t]
-        pick = min(tied, key=lambda e: (current[e[2]] != job.server, job.server in ran[e[2]], e[1]))
+        pick = min(tied, key=lambda e: (current[e[2]] != job.launch, job.launch in ran[e[2]], e[1]))
         free.remove(pick)
         heapq.heapify(free)
         slot = pick[2]
-        load = 0.0 if current[slot] == job.server else load_s[slot]
+        load = 0.0 if current[slot] == job.launch else load_s[slot]
         end = t + load + job.measure_s
         placements.append(Placement(slot, job, t, load, end))
-        current[slot] = job.server
-        ran[slot].add(job.server)
+        current[slot] = job.launch
+        ran[slot].add(job.launch)
         heapq.heappush(free, (end, pick[1], slot))
     return Schedule(tuple(placements), tuple(slots))
 

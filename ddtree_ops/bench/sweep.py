@@ -23,6 +23,7 @@ Example::
     workload: {prompt_set: mixed, num_prompts: 32, max_new_tokens: 128, seed: 0}
     repeats: 1
     warmup: 2
+    relaunch: never    # default: one DDTree launch, trees switched live; always: one per tree
 """
 
 from __future__ import annotations
@@ -52,12 +53,20 @@ GRID_DEFAULTS: Mapping[str, tuple[Any, ...]] = {
     "top_k": (-1,),
     "concurrency": (1,),
 }
-# Axes whose change needs a server restart; the others run on a live server. CUDA-graph vs
-# eager is not an axis: the lifecycle decides it (eager fallback) and every row records it.
+# Axes that change the server; the others are request parameters. Of these only the
+# algorithm needs a launch of its own: a DDTree server launched with runtime states
+# switches budget and top-k live (``relaunch: never``, the default; see plan.py).
+# CUDA-graph vs eager is not an axis: the lifecycle decides it (eager fallback, or a
+# runtime state whose capture failed) and every row records it.
 SERVER_AXES = ("algorithm", "budget", "topk")
+SWITCHABLE_AXES = ("budget", "topk")
+# ``never``: one DDTree launch per host for the whole budget x top-k grid, switched live;
+# ``always``: one launch per (budget, top-k), the behaviour before runtime states.
+RELAUNCH_MODES = ("never", "always")
 
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
-             "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client"}
+             "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
+             "relaunch"}
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "num_prompts", "max_new_tokens", "ignore_eos", "seed"}
 APIS = ("generate", "openai")
 # Where the load is generated: this machine, or the GPU host next to its server
@@ -96,6 +105,7 @@ class SweepSpec:
     request_timeout_s: float = 600.0
     description: str = ""
     client: str | None = None
+    relaunch: str = "never"
 
 
 def _fail(path: Path, key: str, msg: str) -> SweepError:
@@ -274,6 +284,10 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
     description = data.get("description", "")
     if not isinstance(description, str):
         raise _fail(path, "description", "must be text")
+    relaunch = data.get("relaunch", "never")
+    if relaunch not in RELAUNCH_MODES:
+        raise _fail(path, "relaunch", f"must be one of {', '.join(RELAUNCH_MODES)} (never: switch the DDTree tree "
+                                      f"live on one launch; always: one launch per budget and top-k), got {relaunch!r}")
     return SweepSpec(
         name=name.strip(),
         source=path,
@@ -290,6 +304,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         request_timeout_s=float(timeout),
         description=description,
         client=client,
+        relaunch=relaunch,
     )
 
 
@@ -332,8 +347,10 @@ def sweep_hash(spec: SweepSpec) -> str:
     name, not by where the checkout lies), repeats, warmup, request rate and API -- the
     parsed values, so ``0`` and ``0.0`` or a reflowed file give the same hash. Not hashed:
     the name, description and targets (running the same sweep on more hosts is the same
-    sweep), the request timeout (a limit, not part of the measurement) and the client
-    (where the load is generated; each row records which measured it). ``bench
+    sweep), the request timeout (a limit, not part of the measurement), the client
+    (where the load is generated; each row records which measured it) and ``relaunch``
+    (how the trees are set: the same cells either way, and each row records whether its
+    tree was switched live, so one ledger may hold both for comparison). ``bench
     --resume`` refuses a ledger whose rows carry another sweep's hash.
     """
     wl = spec.workload

@@ -54,11 +54,20 @@ def _plan_json(prepared: PreparedSweep) -> dict[str, Any]:
         "hosts": [hp.host.name for hp in prepared.hosts],
         # Where each host's load is generated: "host" (next to its server) or "local".
         "clients": {hp.host.name: hp.client for hp in prepared.hosts},
+        "relaunch": plan.relaunch,
         "restarts_per_host": plan.restarts,
+        "switches_per_host": plan.switches,
         "rows_per_host": plan.runs,
         "estimated_s": {hp.host.name: hp.estimate_s for hp in prepared.hosts},
+        # Both relaunch modes side by side: launches per host and each host's estimate.
+        "modes": {
+            mode: {"launches_per_host": p.restarts, "switches_per_host": p.switches,
+                   "estimated_s": {hp.host.name: (hp.estimate_by_mode or {}).get(mode) for hp in prepared.hosts}}
+            for mode, p in (prepared.plans or {plan.relaunch: plan}).items()
+        },
         "groups": [
-            {"server": g.server.key, "cells": [c.key for c in g.cells], "baseline": any(c.baseline for c in g.cells)}
+            {"server": g.launch.key, "cells": [c.key for c in g.cells], "baseline": any(c.baseline for c in g.cells),
+             "live": g.launch.live, "budgets": list(g.launch.budgets), "topk_max": g.launch.topk_max}
             for g in plan.groups
         ],
         # Hosts with GPU slots: the expected schedule, and its wall time against one server's.
@@ -72,7 +81,7 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
         "wall_s": sched.wall_s,
         "slots": [
             {"slot": s.name, "gpus": list(s.gpus),
-             "jobs": [{"server": p.job.server.key, "repeats": list(p.job.repeats), "start_s": p.start_s,
+             "jobs": [{"server": p.job.launch.key, "repeats": list(p.job.repeats), "start_s": p.start_s,
                        "end_s": p.end_s} for p in sched.on(s)]}
             for s in sched.slots
         ],
@@ -95,26 +104,38 @@ def _render_plan(obj: AppContext, prepared: PreparedSweep, *, wide: bool = False
     for i, g in enumerate(plan.groups, 1):
         temps = sorted({c.sampling.temperature for c in g.cells})
         conc = sorted({c.concurrency for c in g.cells})
-        label = g.server.key + (" (baseline)" if any(c.baseline for c in g.cells) else "")
+        label = g.launch.key + (" (baseline)" if any(c.baseline for c in g.cells) else "")
+        if g.launch.live:
+            trees = len({(c.server.budget, c.server.topk) for c in g.cells})
+            label += f" (live: {trees} trees switched)"
         rows.append([str(i), label, str(len(g.cells)), ", ".join(f"{t:g}" for t in temps), ", ".join(map(str, conc))])
-    title = f"sweep {spec.name}: {plan.restarts} server launches, {plan.runs} rows per host"
+    title = (f"sweep {spec.name}: {plan.restarts} server launches (relaunch: {plan.relaunch}), "
+             f"{plan.runs} rows per host")
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
+    plans = prepared.plans or {}
     for hp in prepared.hosts:
         h, sched = hp.host, hp.schedule
+        by_mode = hp.estimate_by_mode or {}
+        # Both relaunch modes, whichever the sweep runs: what live switching saves here.
+        modes = "; ".join(
+            f"{'live switching' if mode == 'never' else 'relaunching per tree'}: {plans[mode].restarts} launches, "
+            f"{by_mode[mode] / 60:.1f} min" for mode in ("never", "always") if mode in plans and mode in by_mode
+        )
         if sched is None:
             obj.console.print(
                 f"{h.name}: client {hp.client}, estimated {hp.estimate_s / 60:.1f} min "
-                "(learned or expected load time per launch)", markup=False, highlight=False,
+                f"(learned or expected load time per launch){'; ' + modes if modes else ''}", markup=False,
+                highlight=False,
             )
             continue
         obj.console.print(
             f"{h.name}: client {hp.client}, {len(sched.slots)} GPU slots, estimated "
-            f"{sched.wall_s / 60:.1f} min (one server: {hp.estimate_s / 60:.1f} min)", markup=False,
-            highlight=False,
+            f"{sched.wall_s / 60:.1f} min (one server: {hp.estimate_s / 60:.1f} min{'; ' + modes if modes else ''})",
+            markup=False, highlight=False,
         )
         for slot in sched.slots:
             placed = ", ".join(
-                p.job.server.key + (f" (repeats {','.join(map(str, p.job.repeats))})"
+                p.job.launch.key + (f" (repeats {','.join(map(str, p.job.repeats))})"
                                     if len(p.job.repeats) < plan.repeats else "")
                 for p in sched.on(slot)
             )

@@ -379,6 +379,9 @@ class SimSettings:
     # Which one the real fleet has is what `selftest --e2e --bisect-budgets` finds out.
     capture_fault: str = "verify"
     eager_draft_head: bool = False
+    # A DDTree plugin that predates runtime states: --speculative-adaptive-config is not
+    # read (0.5.23 ignores it for DDTREE), so the server is mode "fixed" and refuses switches.
+    no_runtime_states: bool = False
     # CUDA_VISIBLE_DEVICES as CUDA reads it (None: unset, every GPU of the machine): the
     # physical indices this process may use, so that GPU slots are testable without GPUs.
     visible_devices: str | None = None
@@ -424,7 +427,7 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S,
-    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SGLang's own
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_NO_RUNTIME_STATES, SGLang's own
     SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
     CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
@@ -450,6 +453,7 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         crash_sampled=_env_flag(env, "SIM_CRASH_SAMPLED"),
         capture_fault=_capture_fault(env),
         eager_draft_head=_env_flag(env, "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER"),
+        no_runtime_states=_env_flag(env, "SIM_NO_RUNTIME_STATES"),
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
     )
 

@@ -11,6 +11,7 @@ until then. Everything reports itself as simulated (``version`` "0.5.23-sim").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -656,6 +657,8 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
 
 async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) -> int:
     """Run the whole launch sequence; returns the process exit status."""
+    if settings.no_runtime_states:
+        args = dataclasses.replace(args, ddtree_adaptive=None)
     profile = PROFILES[settings.gpu]
     tp = args.tp_size
     loop = asyncio.get_running_loop()

@@ -6,18 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_ops.bench.plan import Cell, Sampling, ServerConfig, ServerGroup, SweepPlan
+from ddtree_ops.bench.plan import Cell, LaunchConfig, Sampling, ServerConfig, ServerGroup, SweepPlan
 from ddtree_ops.bench.schedule import Job, Slot, make_jobs, plan_runs, schedule
 
 
 def group(budget: int, cells: int = 1) -> ServerGroup:
     server = ServerConfig("ddtree", budget, 4)
-    return ServerGroup(server, tuple(Cell(server, Sampling(), c + 1) for c in range(cells)))
+    return ServerGroup(LaunchConfig.fresh(server), tuple(Cell(server, Sampling(), c + 1) for c in range(cells)))
 
 
 def job(budget: int, measure_s: float) -> Job:
     g = group(budget)
-    return Job(g.server, tuple((c, 0) for c in g.cells), measure_s)
+    return Job(g.launch, tuple((c, 0) for c in g.cells), measure_s)
 
 
 def plan(*budgets: int, repeats: int = 1) -> SweepPlan:
@@ -47,7 +47,7 @@ def test_longest_first_to_the_slot_that_frees_first() -> None:
     s2 = slots(2)
     jobs = [job(b, m) for b, m in ((1, 5.0), (2, 50.0), (3, 20.0), (4, 30.0))]
     sched = schedule(jobs, s2, load_s=dict.fromkeys(s2, 0.0))
-    order = [(p.slot.index, p.job.server.budget, p.start_s) for p in sched.placements]
+    order = [(p.slot.index, p.job.launch.budget, p.start_s) for p in sched.placements]
     assert order == [(0, 2, 0.0), (1, 4, 0.0), (1, 3, 30.0), (0, 1, 50.0)]
     assert sched.wall_s == 55.0
 
@@ -55,8 +55,8 @@ def test_longest_first_to_the_slot_that_frees_first() -> None:
 def test_a_slot_already_serving_a_configuration_takes_it_without_a_load() -> None:
     s2 = slots(2)
     jobs = make_jobs(plan_runs(plan(8, 16)), cell_s=measure(10), load_s=60, slots=2)
-    sched = schedule(jobs, s2, load_s=dict.fromkeys(s2, 60.0), running={s2[1]: ServerConfig("ddtree", 16, 4)})
-    by_budget = {p.job.server.budget: p for p in sched.placements}
+    sched = schedule(jobs, s2, load_s=dict.fromkeys(s2, 60.0), running={s2[1]: LaunchConfig("ddtree", 16, 4)})
+    by_budget = {p.job.launch.budget: p for p in sched.placements}
     assert (by_budget[16].slot, by_budget[16].load_s) == (s2[1], 0.0)
     assert (by_budget[8].slot, by_budget[8].load_s) == (s2[0], 60.0)
 
@@ -100,7 +100,7 @@ def test_every_job_runs_once_without_overlap_and_within_the_list_scheduling_boun
     ss = slots(n_slots)
     jobs = [job(i + 1, m) for i, m in enumerate(measures)]
     sched = schedule(jobs, ss, load_s=dict.fromkeys(ss, load))
-    assert sorted(p.job.server.budget for p in sched.placements) == list(range(1, len(jobs) + 1))
+    assert sorted(p.job.launch.budget for p in sched.placements) == list(range(1, len(jobs) + 1))
     for s in ss:
         spans = sorted((p.start_s, p.end_s) for p in sched.on(s))
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
@@ -110,3 +110,11 @@ def test_every_job_runs_once_without_overlap_and_within_the_list_scheduling_boun
     graham = sum(durations) / n_slots + (1 - 1 / n_slots) * max(durations)
     assert lower - 1e-6 <= sched.wall_s <= graham + 1e-6
     assert sched.wall_s <= sum(durations) + 1e-6
+
+
+def test_a_live_launch_is_one_job_for_all_its_trees() -> None:
+    live = LaunchConfig("ddtree", 4, 2, budgets=(4, 8, 16), topk_max=4)
+    cells = [Cell(ServerConfig("ddtree", b, k), Sampling(), 1, via=live) for b in (4, 8, 16) for k in (2, 4)]
+    ar = Cell(ServerConfig("autoregressive"), Sampling(), 1)
+    jobs = make_jobs([(c, 0) for c in [ar, *cells]], cell_s=measure(10), load_s=30, slots=2)
+    assert [(j.launch, len(j.runs)) for j in jobs] == [(LaunchConfig("autoregressive"), 1), (live, 6)]

@@ -33,18 +33,20 @@ def write_inventory(tmp_path: Path) -> Path:
     return inv
 
 
-def write_sweep(tmp_path: Path) -> Path:
+def write_sweep(tmp_path: Path, relaunch: str = "never") -> Path:
     (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "general kenobi"}\n')
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({
         "name": "slots", "targets": ["local"], "repeats": 2, "baselines": ["autoregressive"],
         "grid": {"algorithm": ["ddtree"], "budget": [4, 8], "topk": [2], "temperature": [0.0], "concurrency": [1, 2]},
-        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24}, "warmup": 0}))
+        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24}, "warmup": 0,
+        "relaunch": relaunch}))
     return path
 
 
 def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_path: Path) -> None:
-    inv, sweep = write_inventory(tmp_path), write_sweep(tmp_path)
+    # One launch per tree, so that there are more launches than slots to place.
+    inv, sweep = write_inventory(tmp_path), write_sweep(tmp_path, relaunch="always")
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json_data(done.stdout)
@@ -59,6 +61,11 @@ def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_pat
     assert text.returncode == 0, text.stderr
     assert "sim-x: client host, 2 GPU slots, estimated" in text.stdout and "(one server:" in text.stdout
     assert "sim-x/0 (GPUs 0,1,2,3): " in text.stdout and "sim-x/1 (GPUs 4,5,6,7): " in text.stdout
+    # Live switching (the default): the DDTree launch takes one slot, the baseline the other.
+    live = json_data(cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)), "--dry-run",
+                         cwd=tmp_path).stdout)["slot_schedules"]["sim-x"]
+    assert sorted(j["server"] for s in live["slots"] for j in s["jobs"]) == ["autoregressive", "ddtree-states-b4.8-k2"]
+    assert all(len(s["jobs"]) == 1 for s in live["slots"])
 
 
 def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) -> None:
@@ -67,7 +74,8 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     [summary] = json_data(done.stdout)["hosts"]
-    assert (summary["host"], summary["ok_rows"], summary["failed_rows"], summary["restarts"]) == ("sim-x", 12, 0, 3)
+    # Two launches: the baseline on one slot, every DDTree tree switched live on the other.
+    assert (summary["host"], summary["ok_rows"], summary["failed_rows"], summary["restarts"]) == ("sim-x", 12, 0, 2)
     rows = ledger.read_ledger(out).rows
     assert len(rows) == 12 and {r["status"] for r in rows} == {"ok"}
     assert {r["host"] for r in rows} == {"sim-x"}  # the report groups by machine / GPU type, not slot
@@ -76,6 +84,8 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
     for r in rows:
         assert r["gpu_indices"] == ([0, 1, 2, 3] if r["slot"] == 0 else [4, 5, 6, 7])
         assert r["gpu_count"] == 4 and r["client"] == "host"
+    assert {r["tree_switched"] for r in rows if r["algorithm"] == "DDTREE"} == {True}
+    assert len({r["launch_id"] for r in rows if r["algorithm"] == "DDTREE"}) == 1
     # One server configuration is launched once, on one slot: its rows share a slot.
     for config in ("AR", "DDTREE"):
         for budget in {r["budget"] for r in rows if r["algorithm"] == config}:

@@ -46,6 +46,8 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
     assert spec.repeats == 1 and spec.api == "generate"
     assert spec.client is None  # decided per host by the server's bind address
     assert load_sweep(write(tmp_path, base() | {"client": "host"})).client == "host"
+    assert spec.relaunch == "never"  # live switching unless the sweep asks for relaunches
+    assert load_sweep(write(tmp_path, base() | {"relaunch": "always"})).relaunch == "always"
 
 
 @pytest.mark.parametrize(
@@ -68,6 +70,8 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
         (lambda d: d.update(targets=[]), "targets: must be a non-empty list"),
         (lambda d: d["workload"].update(prompt_set="nosuchset"), "unknown prompt set 'nosuchset'"),
         (lambda d: d.update(client="remote"), "client: must be one of local, host, got 'remote'"),
+        (lambda d: d.update(relaunch="sometimes"), "relaunch: must be one of never, always"),
+        (lambda d: d.update(relaunch=True), "relaunch: must be one of never, always"),
     ],
 )
 def test_bad_sweeps_name_file_and_key(tmp_path: Path, mutate, needle: str) -> None:
