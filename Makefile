@@ -107,11 +107,13 @@ demo-hosts: $(STAMP)
 # The whole story on the local simulated fleet: check the hosts, deploy the DDTree patch,
 # restart on DDTree (the b300 host falls back to eager), sweep, report. A fresh ledger
 # each time; `ddtree-ops bench ... --resume` is how an interrupted sweep is finished.
+# --no-policy: the demo starts from the fixed tree even after `tune --deploy local`
+# (README "Tuning the tree per batch size"), whose policy has no budget-16 state on the b300.
 DEMO_OPS := $(VENV)/bin/ddtree-ops -i inventories/local.yaml
 demo: demo-hosts
 	$(DEMO_OPS) doctor local
 	$(DEMO_OPS) deploy local
-	$(DEMO_OPS) restart local --algorithm DDTREE --budget 16 --topk 4
+	$(DEMO_OPS) restart local --algorithm DDTREE --budget 16 --topk 4 --no-policy
 	rm -rf results/demo.jsonl results/demo_plots
 	$(DEMO_OPS) bench --sweep bench_configs/demo.yaml --out results/demo.jsonl
 	$(DEMO_OPS) report results/demo.jsonl --csv results/demo.csv \

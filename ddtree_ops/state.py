@@ -1,9 +1,9 @@
-"""Local state that outlives one command: learned load times and eager fallbacks.
+"""Local state that outlives one command: learned load times, eager fallbacks, tuned policies.
 
 Why a file on the operator's machine and not on the GPU host: the facts are about how
 the *toolkit* should act next time (how long to wait for this host+model, whether to
-skip a CUDA-graph attempt that is known to crash), and the operator's machine is the one
-place every command runs from. One JSON document, default
+skip a CUDA-graph attempt that is known to crash, which tuned DDTREE policy a restart
+launches with), and the operator's machine is the one place every command runs from. One JSON document, default
 ``~/.cache/ddtree-ops/state.json``, overridable with ``$DDTREE_OPS_STATE`` (tests point
 it into a temp dir).
 
@@ -99,6 +99,53 @@ class LoadRecord:
     restart_s: float | None = None
 
 
+@dataclass(frozen=True)
+class PolicyRecord:
+    """A tuned DDTREE policy deployed on a machine (``ddtree-ops tune --deploy``): what every
+    later DDTREE restart of the machine's servers launches with, like an eager fallback is
+    honoured, until ``restart --no-policy`` or another tune replaces it.
+
+    ``config`` is the file's exact text (its sha256 is ``sha256``): a restart checks the
+    host's copy against it and the server's readback against its policy.
+    """
+
+    host: str  # the machine's inventory name, shared by its GPU slots
+    path: str  # the file on the host
+    sha256: str
+    config: str
+    machine_type: str  # the ledger's machine type it was tuned for
+    temperature: float
+    budget: int  # the launch state: the smallest batch size's tree
+    topk: int
+    recorded_at: float
+
+    @property
+    def document(self) -> dict[str, Any]:
+        """The file's ``ddtree`` object (ConfigError when the record's text is not one)."""
+        try:
+            data = json.loads(self.config)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"policy record of {self.host}: not valid JSON (line {exc.lineno})") from exc
+        tree = data.get("ddtree") if isinstance(data, dict) else None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"policy record of {self.host}: no 'ddtree' object")
+        return tree
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return tuple(int(b) for b in self.document.get("budgets") or ())
+
+    @property
+    def topk_max(self) -> int:
+        return int(self.document.get("topk_max") or self.topk)
+
+    @property
+    def policy(self) -> dict[str, dict[str, int]]:
+        """Batch size (decimal string) -> ``{"budget", "topk"}``, as the server reads it back."""
+        policy = self.document.get("policy")
+        return policy if isinstance(policy, dict) else {}
+
+
 class StateStore:
     """The local JSON state file. Cheap to construct; every call re-reads the file."""
 
@@ -126,7 +173,8 @@ class StateStore:
             raise ConfigError(f"{self.path}: state file must hold a JSON object")
         data.setdefault("load_times", {})
         data.setdefault("fallbacks", {})
-        for key in ("load_times", "fallbacks"):
+        data.setdefault("policies", {})
+        for key in ("load_times", "fallbacks", "policies"):
             if not isinstance(data[key], dict):
                 raise ConfigError(f"{self.path}: key '{key}' must be an object")
         return data
@@ -165,6 +213,16 @@ class StateStore:
             )
         return out
 
+    def policy_for(self, host: str) -> PolicyRecord | None:
+        """The tuned policy deployed on machine ``host`` (an inventory name), or None."""
+        entry = self._load()["policies"].get(host)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return PolicyRecord(**entry)
+        except TypeError:
+            return None  # a record of another toolkit version: not trusted, never half-read
+
     # -- writing -------------------------------------------------------------
 
     def record_load_time(self, host: str, model: str, load_s: float, *, restart_s: float | None = None) -> None:
@@ -190,6 +248,20 @@ class StateStore:
                 if recorded.covers(key):
                     del data["fallbacks"][name]
                     removed.append(True)
+
+        self._update(drop)
+        return bool(removed)
+
+    def record_policy(self, record: PolicyRecord) -> None:
+        self._update(lambda data: data["policies"].__setitem__(record.host, asdict(record)))
+
+    def forget_policy(self, host: str) -> bool:
+        """Forget machine ``host``'s tuned policy; True if one was recorded."""
+        removed: list[bool] = []
+
+        def drop(data: dict[str, Any]) -> None:
+            if data["policies"].pop(host, None) is not None:
+                removed.append(True)
 
         self._update(drop)
         return bool(removed)
@@ -225,7 +297,7 @@ class StateStore:
 
 
 def _empty() -> dict[str, Any]:
-    return {"version": SCHEMA_VERSION, "load_times": {}, "fallbacks": {}}
+    return {"version": SCHEMA_VERSION, "load_times": {}, "fallbacks": {}, "policies": {}}
 
 
 def _load_key(host: str, model: str) -> str:

@@ -146,6 +146,8 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
         ),
         "report": ([str(ledger), "--min-repeats", "1"], [str(tmp_path / "nope.jsonl")], "config", 2),
         "selftest": (None, ["broken"], "fleet", 3),
+        # No DDTREE rows at the temperature asked for: refused before any host is touched.
+        "tune": ([str(ledger), "--min-repeats", "1"], [str(ledger), "--temperature", "0.6"], "config", 2),
     }
 
 

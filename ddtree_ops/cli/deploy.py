@@ -33,6 +33,9 @@ from ddtree_ops.service.lifecycle import service_status
 from ddtree_ops.transport.base import Transport
 
 DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
+# The tree `deploy --restart` launches when neither the flags nor a tuned policy give one.
+RESTART_BUDGET = 16
+RESTART_TOPK = 4
 
 
 # Imported by other command modules; the real helpers live in cli/common.py and fleet.py.
@@ -151,8 +154,13 @@ def deploy_cmd(
     ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
     restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
-    budget: int = typer.Option(16, "--budget", min=1, help="DDTree budget for --restart."),
-    topk: int = typer.Option(4, "--topk", min=1, help="DDTree top-k for --restart."),
+    budget: int | None = typer.Option(
+        None, "--budget", min=1,
+        help=f"DDTree budget for --restart (default {RESTART_BUDGET}, or a tuned policy's launch state).",
+    ),
+    topk: int | None = typer.Option(
+        None, "--topk", min=1, help=f"DDTree top-k for --restart (default {RESTART_TOPK}, or the policy's)."
+    ),
 ) -> None:
     """Deploy a patch bundle (or a local overlay) into each host's SGLang site-packages."""
     obj: AppContext = ctx.obj
@@ -199,19 +207,31 @@ def deploy_cmd(
     raise_if_failed("deploy", results)
 
 
-def _restart_hook(budget: int, topk: int) -> Callable[[Transport, Host], None]:
+def _restart_hook(budget: int | None, topk: int | None) -> Callable[[Transport, Host], None]:
     """The lifecycle restart of ``deploy --restart``; its run config is checked before any host is touched."""
+    from dataclasses import replace
+
     from ddtree_ops.service.launch import RunConfig
     from ddtree_ops.service.lifecycle import prepare_restart
     from ddtree_ops.service.lifecycle import restart as service_restart
+    from ddtree_ops.state import StateStore
 
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
+    state = StateStore()
 
     def hook(transport: Any, host: Host) -> None:
+        # A tuned policy on the machine is kept, as by `restart`; without one, the defaults.
+        tree_policy = state.policy_for(host.machine)
+        launch = run if tree_policy is not None else replace(
+            run, budget=RESTART_BUDGET if budget is None else budget, topk=RESTART_TOPK if topk is None else topk
+        )
         # The patch is installed once per machine; every GPU slot's server runs it. The
         # policy is restart's own: the probed facts key the eager fallbacks.
         for server in host.slot_hosts():
-            service_restart(transport, prepare_restart(transport, server, run, machine=host))
+            service_restart(
+                transport, prepare_restart(transport, server, launch, machine=host, tree_policy=tree_policy),
+                state=state,
+            )
 
     return hook
 

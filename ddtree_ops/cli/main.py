@@ -121,6 +121,7 @@ def _register() -> None:
         "service",
         "bench",
         "report",
+        "tune",
     ):
         importlib.import_module(f"ddtree_ops.cli.{name}")
 

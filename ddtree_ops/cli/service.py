@@ -74,6 +74,17 @@ def _run_interruptible(
     return box["r"]
 
 
+def run_with_board(
+    obj: AppContext, board: _Live, hosts: Sequence[Host], fn: Callable[[Host], T], *, cancel: threading.Event
+) -> FleetResult[T]:
+    """:func:`_run_interruptible` with the live phase board on a terminal (none under --json:
+    stdout holds the one document)."""
+    if obj.json:
+        return _run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
+    with Live(board, console=obj.console, refresh_per_second=4, transient=True):
+        return _run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
+
+
 def _lease_pass(transport: Any, host: Host, *, force: bool) -> manager.LeasePass:
     """Without --force: refused while a sweep holds the host. With it: overridden, and the
     override said on stderr, because that sweep's rows on this host are now disturbed."""
@@ -142,9 +153,15 @@ def restart(
         None,
         "--budget",
         min=1,
-        help="DDTree node budget, launched as --speculative-num-draft-tokens BUDGET+1 (DFLASH: the draft tokens).",
+        help="DDTree node budget, launched as --speculative-num-draft-tokens BUDGET+1 (DFLASH: the draft tokens). "
+        "With a tuned policy on the host: its launch state by default.",
     ),
     topk: int | None = typer.Option(None, "--topk", min=1, help="DDTree top-k (--speculative-eagle-topk)."),
+    no_policy: bool = typer.Option(
+        False, "--no-policy",
+        help="DDTREE: launch without the policy `tune --deploy` put on the host, and forget it "
+        "(by default every DDTREE restart launches with it).",
+    ),
     eager: bool = typer.Option(False, "--eager", help="Launch without CUDA graphs."),
     retry_cuda_graph: bool = typer.Option(
         False, "--retry-cuda-graph", help="Try CUDA graphs even where a fallback is recorded."
@@ -174,7 +191,9 @@ def restart(
 ) -> None:
     """Restart SGLang and wait until the NEW process serves: it answers, and a short
     speculative smoke (greedy and sampled, alone and batched) decodes without crashing.
-    Eager fallback when CUDA-graph capture or the first decodes fail with graphs on."""
+    Eager fallback when CUDA-graph capture or the first decodes fail with graphs on. A host
+    given a tuned DDTREE policy (`tune --deploy`) keeps it: a DDTREE restart launches with
+    it and is ready once the server follows it (--no-policy drops it)."""
     obj: AppContext = ctx.obj
     if no_smoke and smoke_temperature:
         raise ConfigError("--smoke-temperature and --no-smoke contradict each other")
@@ -200,22 +219,23 @@ def restart(
     def one(host: Host) -> lifecycle.RestartResult:
         with transport_for(obj, host) as t:
             try:
+                # Remembered like an eager fallback: the tuned policy stays until dropped.
+                tree_policy = None if no_policy else state.policy_for(host.machine)
                 request = lifecycle.prepare_restart(
                     t, host, run, machine=machines.get(host.machine), lease=_lease_pass(t, host, force=force),
                     timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
+                    tree_policy=tree_policy,
                 )
                 result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
+                if no_policy and run.algorithm == "DDTREE":
+                    state.forget_policy(host.machine)
             except BaseException as exc:
                 board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
                 raise exc
             board.done(host.name, Phase.READY.markup)
             return result
 
-    if obj.json:
-        results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
-    else:
-        with Live(board, console=obj.console, refresh_per_second=4, transient=True):
-            results = _run_interruptible(hosts, one, max_parallel=obj.max_parallel, cancel=cancel)
+    results = run_with_board(obj, board, hosts, one, cancel=cancel)
     _render_restart(obj, results, wide=wide)
     _finish("restart", results, cancel)
 

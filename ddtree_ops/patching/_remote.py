@@ -652,7 +652,74 @@ def do_recover(p):
     return {"outcome": "rolled-back", "txn": journal["txn"], "phase": journal.get("phase")}
 
 
-STEPS = {"gather": do_gather, "prepare": do_prepare, "commit": do_commit, "recover": do_recover}
+# Files of ours beside the applied bundle's record (a tuned DDTREE policy), in the state
+# directory: outside the package, so a reinstall of SGLang does not take them away.
+PLACED_DIR = "placed"
+
+
+def do_place(p):
+    """Put one file of ours into ``<state_dir>/placed/``, or remove it: atomic and checksummed
+    like a bundle's files (temp beside the target, its sha256 checked, os.replace, fsync).
+
+    Refused without an applied bundle (what reads the file is the bundle's plugin), while
+    a deploy holds the lock or left a journal, and, when ``expect_sha`` is given, when the
+    file is not what the controller last saw (a restore never overwrites someone else's
+    change). Answers the path, the new sha256 and the previous content, so that the
+    controller can put it back.
+    """
+    import base64
+
+    sd = state_dir()
+    name = p["name"]
+    if not name or "/" in name or name.startswith("."):
+        raise Refused("escape", "%r is not a plain file name" % (name,))
+    state = read_json(os.path.join(sd, "state.json"))
+    if not isinstance(state, dict) or "unreadable" in state or not state.get("name"):
+        raise Refused("no_bundle", "no bundle is applied for %s (no state record in %s); `ddtree-ops deploy` first"
+                      % (sys.executable, sd))
+    acquire_lock(p["holder"], None)
+    try:
+        if os.path.exists(os.path.join(sd, "journal.json")):
+            raise Refused("journal", "a journal from an interrupted deploy is present; recover first")
+        folder = os.path.join(sd, PLACED_DIR)
+        os.makedirs(folder, exist_ok=True)
+        target = os.path.join(folder, name)
+        if os.path.islink(target) or (os.path.exists(target) and not os.path.isfile(target)):
+            raise Refused("escape", "%s is not a plain file; refusing to replace it" % target)
+        current = sha256_file(target) if os.path.isfile(target) else None
+        if "expect_sha" in p and current != p["expect_sha"]:
+            raise Refused("changed", "%s changed since it was written (now %s, expected %s)"
+                          % (target, current, p["expect_sha"]))
+        previous = None
+        if current is not None:
+            with open(target, "rb") as fh:
+                previous = base64.b64encode(fh.read()).decode()
+        if p.get("content_b64") is None:
+            unlink_quietly(target)
+        else:
+            temp = os.path.join(folder, TMP_PREFIX + p["txn"][:12] + "-" + name)
+            try:
+                with open(temp, "wb") as fh:
+                    fh.write(base64.b64decode(p["content_b64"]))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.chmod(temp, 0o644)
+                got = sha256_file(temp)
+                if got != p["new_sha"]:
+                    raise Refused("io", "uploaded %s has sha256 %s, expected %s" % (target, got, p["new_sha"]))
+                os.replace(temp, target)
+            finally:
+                unlink_quietly(temp if os.path.exists(temp) else None)
+        fsync_dir(folder)
+        now = sha256_file(target) if os.path.isfile(target) else None
+        if now != p.get("new_sha"):
+            raise Refused("verify", "%s has sha256 %s after writing, expected %s" % (target, now, p.get("new_sha")))
+    finally:
+        release_lock()
+    return {"path": target, "sha256": now, "previous_sha": current, "previous_b64": previous}
+
+
+STEPS = {"gather": do_gather, "prepare": do_prepare, "commit": do_commit, "recover": do_recover, "place": do_place}
 
 
 def main(p):

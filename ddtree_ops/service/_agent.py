@@ -36,6 +36,8 @@ SERVER_INFO_KEYS = (
     # The graph mode the server resolved (on a device without CUDA graphs, e.g. CPU,
     # SGLang disables them whatever was asked).
     "cuda_graph_config",
+    # Live speculative state: the DDTree plugin's runtime states and the policy it follows.
+    "internal_states",
 )
 LOG_FILE = "server.log"
 

@@ -10,11 +10,14 @@ the host, waiting with a deadline, never launching into SGLang's 30 s "Port is a
 in use" failure) -> launch -> wait until the NEW process serves -> a speculative smoke
 (``smoke.py``: real decodes, greedy and sampled, alone and batched) -> ready. A
 CUDA-graph capture failure, or a crash or hang of the first decodes with decode graphs
-on, relaunches eager once and is remembered.
+on, relaunches eager once and is remembered. A DDTREE restart with a tuned policy
+(``tune --deploy``, remembered like a fallback: :func:`with_tree_policy`) is ready only once
+``/server_info`` says that policy is the one the server follows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
@@ -26,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 from ddtree_ops.errors import (
     ConfigError,
     DdtreeOpsError,
+    DriftError,
     Interrupted,
     PortBusy,
     ReadinessTimeout,
+    RemoteFileError,
     ServerCrashed,
     ServiceError,
 )
@@ -40,7 +45,7 @@ from ddtree_ops.service.fallback import (
     initial_cuda_graph,
     probed_gpu_arch,
 )
-from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec
+from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec, probe_address
 from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
 from ddtree_ops.service.manager import Launched, LeasePass, StopResult
 from ddtree_ops.service.readiness import (
@@ -48,11 +53,12 @@ from ddtree_ops.service.readiness import (
     WaitOutcome,
     WaitReason,
     judge,
+    policy_mismatch,
     served_cuda_graph,
     wait_loop,
 )
 from ddtree_ops.service.smoke import SmokeFailure, SmokeResult, SmokeSpec, crash_line, judge_smoke
-from ddtree_ops.state import StateStore
+from ddtree_ops.state import PolicyRecord, StateStore
 from ddtree_ops.transport.base import Transport
 
 if TYPE_CHECKING:
@@ -157,7 +163,8 @@ class RestartRequest:
     ``smoke`` the requests that prove the server decodes before it is called ready (None
     skips them: ``--no-smoke``); ``lease`` how a sweep's lease on the host is treated (the
     default: refused while another sweep holds the host; a sweep passes its own token,
-    ``--force`` overrides).
+    ``--force`` overrides); ``tree_policy`` the tuned DDTREE policy ``run`` launches with
+    (its ``adaptive_config``), which the server must report active before it is ready.
     """
 
     host: Host
@@ -171,6 +178,7 @@ class RestartRequest:
     poll_interval_s: float = 0.5
     smoke: SmokeSpec | None = field(default_factory=SmokeSpec)
     lease: LeasePass = field(default_factory=LeasePass)
+    tree_policy: PolicyRecord | None = None
 
 
 # What a restart decodes before it says ready unless told otherwise (``--no-smoke``: None).
@@ -203,6 +211,7 @@ def prepare_restart(
     retry_cuda_graph: bool = False,
     stop_grace_s: float = 30.0,
     smoke: SmokeSpec | None = DEFAULT_SMOKE,
+    tree_policy: PolicyRecord | None = None,
 ) -> RestartRequest:
     """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
     to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
@@ -211,6 +220,9 @@ def prepare_restart(
     A GPU slot (``host.slot``) of ``machine`` is refused (ServiceError) while a server
     launched on the machine as one server still runs: it holds every GPU. ``lease`` is how
     a sweep's lease on the host is treated (None: refused while another sweep holds it).
+    ``tree_policy``: the tuned policy deployed on the machine (``StateStore.policy_for``),
+    applied to a DDTREE ``run`` by :func:`with_tree_policy`; a sweep passes none, since a
+    policy would change the tree of the cell it measures.
     """
     if host.slot is not None and machine is not None:
         pid = whole_host_server(transport, machine)
@@ -220,10 +232,48 @@ def prepare_restart(
                 f"run dir {machine.ddtree.run_dir}) and holds every GPU; 'ddtree-ops stop {machine.name}' stops it",
                 host=host.name,
             )
+    run, applied = with_tree_policy(transport, host, run, tree_policy)
     return RestartRequest(
         host, run, launch_facts(transport, host, facts), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
         stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
+        tree_policy=applied,
     )
+
+
+def with_tree_policy(
+    transport: Transport, host: Host, run: RunConfig, record: PolicyRecord | None
+) -> tuple[RunConfig, PolicyRecord | None]:
+    """``run`` launched with the tuned policy ``record`` where it applies, and the record
+    the readiness check then holds the server to (None where it does not apply).
+
+    It applies to DDTREE only (an AR or DFLASH restart keeps the record for later). The
+    launch state defaults to the record's; one given must be a state of the policy (the
+    server refuses a launch outside its set). Before anything is stopped, the host's copy
+    of the file must be the one ``tune`` wrote: a changed or missing file would fail the
+    launch after the old server is gone, or serve a policy nobody chose (DriftError).
+    """
+    if record is None or run.algorithm != "DDTREE":
+        return run, None
+    where = f"the tuned DDTREE policy deployed on {host.machine} ({record.path})"
+    undo = f"`ddtree-ops tune LEDGER --deploy {host.machine}` writes it again; restart --no-policy launches without it"
+    if run.adaptive_config is not None:
+        raise ConfigError(f"{where} and adaptive_config {run.adaptive_config} both given; choose one", host=host.name)
+    budget = run.budget if run.budget is not None else record.budget
+    topk = run.topk if run.topk is not None else record.topk
+    if budget not in record.budgets or topk > record.topk_max:
+        raise ConfigError(
+            f"{where} has no state budget={budget} topk={topk} (budgets {list(record.budgets)}, top-k up to "
+            f"{record.topk_max}): restart at one of them (without --budget/--topk: budget={record.budget} "
+            f"topk={record.topk}), or with --no-policy to launch without it",
+            host=host.name,
+        )
+    try:
+        content = transport.read_bytes(record.path)
+    except RemoteFileError as exc:
+        raise DriftError(f"{where} cannot be read ({exc.message}); {undo}", host=host.name) from exc
+    if hashlib.sha256(content).hexdigest() != record.sha256:
+        raise DriftError(f"{where} changed on the host since tune wrote it; {undo}", host=host.name)
+    return replace(run, budget=budget, topk=topk, adaptive_config=record.path), record
 
 
 @dataclass(frozen=True)
@@ -394,6 +444,8 @@ def restart(
                             spec = relaunch_eager(reason, outcome.elapsed_s + smoke.seconds)
                             continue
                         raise _smoke_error(host.name, spec, smoke, reason, _tail_text(attempt))
+                if request.tree_policy is not None:
+                    _check_tree_policy(transport, host, attempt, request.tree_policy, stop_grace_s)
                 ready_at = time.time()
                 ready_s = ready_at - launched.started_at
                 state.record_load_time(host.name, model, load_s, restart_s=ready_at - began)
@@ -463,6 +515,30 @@ def _smoke(
                     note=f"{requests} requests, {len(smoke.samplings)} sampling setting(s)"))
     answer = manager.smoke(transport, host, attempt.launched, rounds, request_timeout=smoke.request_timeout_s)
     return judge_smoke(answer, smoke, speculative=run.algorithm != "AR")
+
+
+def _check_tree_policy(
+    transport: Transport, host: Host, attempt: _Attempt, record: PolicyRecord, stop_grace_s: float
+) -> None:
+    """After the smoke (its decodes ran under the policy): one more poll, and the server
+    must say it follows ``record``'s policy; else it is stopped, never left to serve
+    another tree than the one tuned."""
+    try:
+        data = manager.poll(transport, host, attempt.launched, attempt.offset)
+    except DdtreeOpsError as exc:
+        problem: str | None = f"could not read /server_info: {exc}"
+    else:
+        attempt.offset = int(data.get("offset", attempt.offset))
+        attempt.tail.extend(ln for ln in str(data.get("log", "")).splitlines() if ln.strip())
+        problem = policy_mismatch(data.get("server_info") or {}, record.policy)
+    if problem is None:
+        return
+    manager.stop(transport, host, grace_s=stop_grace_s)
+    raise ServiceError(
+        f"the tuned DDTREE policy ({record.path}) is not active: {problem}; stopped it; "
+        f"log tail: {_tail_text(attempt)}",
+        host=host.name,
+    )
 
 
 def _smoke_failure_reason(transport: Transport, host: Host, attempt: _Attempt, smoke: SmokeResult) -> str:
@@ -629,6 +705,117 @@ def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> S
     )
 
 
+@dataclass(frozen=True)
+class PreviousServer:
+    """What ran on a host before a change (its launch record), to put back on failure."""
+
+    host: str
+    running: bool
+    pid: int | None = None
+    argv: tuple[str, ...] = ()
+    launch_command: str | None = None
+    cuda_graph: bool = True
+    run: str | None = None  # RunConfig.describe() of its launch
+
+    def describe(self) -> str:
+        return (self.run or "a server") if self.running else "no server"
+
+
+def remember_server(transport: Transport, host: Host) -> PreviousServer:
+    """The server we launched on ``host`` last, and whether it still runs."""
+    data = manager.status(transport, host, lines=0)
+    rec = data.get("record") or {}
+    return PreviousServer(
+        host=host.name,
+        running=bool(data.get("alive")),
+        pid=rec.get("pid") if isinstance(rec.get("pid"), int) else None,
+        argv=tuple(str(a) for a in rec.get("argv") or ()),
+        launch_command=rec.get("launch_command") if isinstance(rec.get("launch_command"), str) else None,
+        cuda_graph=rec.get("cuda_graph") is not False,
+        run=rec.get("run") if isinstance(rec.get("run"), str) else None,
+    )
+
+
+def restore_server(
+    transport: Transport,
+    host: Host,
+    previous: PreviousServer,
+    *,
+    state: StateStore | None = None,
+    lease: LeasePass | None = None,
+    stop_grace_s: float = 30.0,
+    port_wait_s: float = 120.0,
+    poll_interval_s: float = 0.5,
+) -> str:
+    """Put ``host`` back to ``previous``: stop what runs now, and relaunch the previous server
+    with its recorded argv (its env is the inventory's, as at its launch) until it serves
+    again, proven like any launch (identity, startup time, its tree). Not a restart with a
+    fresh argv: the one that ran is the one that comes back, whatever flags built it.
+
+    Returns what was done, one phrase; raises ServiceError when it could not be done. No
+    cancel event: a rollback is what an interrupted change needs to finish. ``lease``: the
+    change's own pass (a sweep's lease it overrode with ``--force`` must not block its undo).
+    """
+    state = state if state is not None else StateStore()
+    model = host.ddtree.server.model_path or ""
+    learned = state.learned_load_s(host.name, model)
+    deadline_s, _ = DeadlinePolicy().deadline(host.ddtree.server.expected_load_s, learned)
+    spec = _previous_spec(host, previous) if previous.running else None
+    lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
+    with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, command="rollback", lease=lease):
+        manager.stop(transport, host, grace_s=stop_grace_s)
+        if spec is None:
+            return "stopped (no server ran before)"
+        _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=None, emit=lambda _e: None)
+        launched = manager.start(transport, host, spec)
+        outcome, attempt = wait_ready(
+            transport, host, spec, launched, deadline_s=deadline_s, poll_interval_s=poll_interval_s
+        )
+        if outcome.reason is not WaitReason.READY:
+            raise ServiceError(
+                f"relaunching the previous server ({previous.describe()}) ended {outcome.reason}: {outcome.detail}; "
+                f"log tail: {_tail_text(attempt)}",
+                host=host.name,
+            )
+    return f"relaunched the previous server ({previous.describe()}, pid {launched.pid})"
+
+
+def _previous_spec(host: Host, previous: PreviousServer) -> LaunchSpec:
+    """The launch spec of a recorded launch: its argv as it was; the flags readiness compares
+    with ``launch_command`` are the argv's tail that the record names as such."""
+    argv = previous.argv
+    cut = next((k for k in range(len(argv)) if " ".join(argv[k:]) == previous.launch_command), None)
+    if not argv or cut is None:
+        raise ServiceError(
+            "cannot relaunch the previous server: its launch record has no argv and launch command", host=host.name
+        )
+    server = host.ddtree.server
+    server_args = argv[cut:]
+    return LaunchSpec(
+        host=host.name, argv=argv, server_args=server_args, env=MappingProxyType(dict(server.env)), port=server.port,
+        probe_host=probe_address(server.bind_host), cuda_graph=previous.cuda_graph, model=server.model_path or "",
+        run=_run_of(server_args),
+    )
+
+
+def _run_of(server_args: tuple[str, ...]) -> RunConfig:
+    """The speculative configuration a recorded launch asked for, read back from its flags
+    (for readiness's tree check); AR where the flags do not say one we build."""
+    flags = dict(zip(server_args, server_args[1:], strict=False))
+    algorithm = flags.get("--speculative-algorithm", "AR")
+    try:
+        tokens = int(flags["--speculative-num-draft-tokens"]) if "--speculative-num-draft-tokens" in flags else None
+        if algorithm == "DDTREE":
+            topk = int(flags["--speculative-eagle-topk"]) if "--speculative-eagle-topk" in flags else None
+            return RunConfig("DDTREE", budget=None if tokens is None else tokens - 1, topk=topk,
+                             adaptive_config=flags.get("--speculative-adaptive-config"))
+        if algorithm == "DFLASH":
+            return RunConfig("DFLASH", budget=tokens)
+    except (ValueError, ConfigError):
+        pass
+    return RunConfig("AR")
+
+
 def whole_host_server(transport: Transport, machine: Host) -> int | None:
     """The pid of a server launched on ``machine`` as one server, not in a GPU slot (its
     own run_dir's launch record), if it still runs; else None.
@@ -644,6 +831,7 @@ def whole_host_server(transport: Transport, machine: Host) -> int | None:
 __all__ = [
     "DEFAULT_SMOKE",
     "LaunchFacts",
+    "PreviousServer",
     "RestartRequest",
     "RestartResult",
     "RunConfig",
@@ -651,8 +839,11 @@ __all__ = [
     "StopResult",
     "launch_facts",
     "prepare_restart",
+    "remember_server",
     "restart",
+    "restore_server",
     "service_status",
     "stop",
     "whole_host_server",
+    "with_tree_policy",
 ]

@@ -152,6 +152,29 @@ def tree_mismatch(info: Mapping[str, Any], spec: LaunchSpec) -> str | None:
     )
 
 
+def policy_mismatch(info: Mapping[str, Any], policy: Mapping[str, Mapping[str, int]]) -> str | None:
+    """Why the server answering ``info`` (``/server_info``) does not follow the per-batch-size
+    ``policy`` it was launched with, or None when it does.
+
+    The DDTree plugin reports its live state in ``internal_states[0].ddtree`` (the server
+    contract of runtime states): ``mode`` must be ``"policy"`` (not ``"pinned"`` at the
+    launch state, nor ``"fixed"``: a bundle that ignored the file) and ``policy`` the file's
+    own, batch size for batch size.
+    """
+    states = info.get("internal_states")
+    first = states[0] if isinstance(states, list) and states else None
+    live = first.get("ddtree") if isinstance(first, Mapping) else None
+    if not isinstance(live, Mapping):
+        return "/server_info has no internal_states[0].ddtree (a DDTree bundle without runtime states?)"
+    if live.get("mode") != "policy":
+        return f"internal_states[0].ddtree.mode is {live.get('mode')!r}, not 'policy'"
+    served = live.get("policy")
+    wanted = {str(bs): {"budget": e["budget"], "topk": e["topk"]} for bs, e in policy.items()}
+    if not isinstance(served, Mapping) or {str(k): v for k, v in served.items()} != wanted:
+        return f"internal_states[0].ddtree.policy is {served!r}, not the file's {wanted!r}"
+    return None
+
+
 def launch_command_matches(reported: object, server_args: tuple[str, ...]) -> bool:
     """Does ``/server_info.launch_command`` describe the flags we launched?
 

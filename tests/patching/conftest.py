@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from fleetlib import SGLANG_VERSION, find_wheel
+from service.simhosts import free_port
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 
@@ -99,3 +101,21 @@ def mini(tmp_path: Path) -> MiniHost:
     pkg = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)})) / "sglang"
     host = Host(name="mini", connection="local", ddtree=DdtreeSettings(python=str(py)), source="<test>")
     return MiniHost(host=host, prefix=prefix, pkg=pkg)
+
+
+def sim_inventory(tmp_path: Path, mini: MiniHost, *, load_s: float = 0.2) -> Path:
+    """An inventory of one local host ``b1`` whose Python is ``mini``'s prefix and whose
+    server is the simulator on its B300 profile (``load_s``: its model load)."""
+    # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
+    (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
+              "draft_model_path": "sim/qwen3-8b-dflash", "port": free_port(), "expected_load_s": 5,
+              "env": {"SIM_LOAD_S": str(load_s), "SIM_GPU": "b300", "SIM_TIME_SCALE": "0.1"}}
+    hosts = {"b1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
+                               "gpu": "b300", "server": server}}}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(
+        {"all": {"children": {"b": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}
+    ))
+    return inv

@@ -11,35 +11,18 @@ launch with graphs again, crashing one more capture (a full model load on a real
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import yaml
 from fleetlib import write_nvidia_smi
-from service.simhosts import free_port, run_cli
+from service.simhosts import run_cli
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.service import manager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost
-
-
-def _inventory(tmp_path: Path, mini: MiniHost) -> Path:
-    # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
-    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
-    (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
-    server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
-              "draft_model_path": "sim/qwen3-8b-dflash", "port": free_port(), "expected_load_s": 5,
-              "env": {"SIM_LOAD_S": "0.2", "SIM_GPU": "b300", "SIM_TIME_SCALE": "0.1"}}
-    hosts = {"b1": {"ddtree": {"python": str(mini.prefix / "bin" / "python"), "run_dir": str(tmp_path / "run"),
-                               "gpu": "b300", "server": server}}}
-    inv = tmp_path / "inv.yaml"
-    inv.write_text(yaml.safe_dump(
-        {"all": {"children": {"b": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}
-    ))
-    return inv
+from patching.conftest import BUNDLES, MiniHost, sim_inventory
 
 
 def _sweep(tmp_path: Path) -> Path:
@@ -56,7 +39,7 @@ def _sweep(tmp_path: Path) -> Path:
 def test_an_eager_fallback_restart_recorded_is_honoured_by_deploy_restart_and_by_a_sweep(
     tmp_path: Path, mini: MiniHost
 ) -> None:
-    inv = _inventory(tmp_path, mini)
+    inv = sim_inventory(tmp_path, mini)
     state = tmp_path / "state.json"
     bin_dir = tmp_path / "bin"
     write_nvidia_smi(bin_dir, "b300")

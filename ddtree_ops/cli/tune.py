@@ -1,0 +1,315 @@
+"""`ddtree-ops tune`: a ledger's best tree per machine type and concurrency -> the DDTREE
+per-batch-size policy file, written (``--out``) and deployed (``--deploy``).
+
+The choice is :mod:`ddtree_ops.report.policy` (pure), the deployment
+:mod:`ddtree_ops.tuning`; this module checks options, renders and picks the exit code.
+pandas is imported only when the command runs, like `report`.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.markup import escape
+from rich.text import Text
+
+from ddtree_ops.cli.common import (
+    TableColumn,
+    check_output_path,
+    error_text,
+    fitted_table,
+    fleet_json,
+    load_hosts,
+    print_table,
+    raise_if_failed,
+    set_json_data,
+    transport_for,
+)
+from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.cli.service import _lease_pass, _Live, run_with_board
+from ddtree_ops.errors import ConfigError, Interrupted
+from ddtree_ops.fleet import FleetResult
+from ddtree_ops.inventory_types import Host
+
+if TYPE_CHECKING:
+    from ddtree_ops.report.policy import Policy, Tuning
+    from ddtree_ops.tuning import DeployedPolicy
+
+
+@app.command("tune")
+def tune_command(
+    ctx: typer.Context,
+    ledgers: list[Path] | None = typer.Argument(
+        None, help="Ledger files or folders (default: every *.jsonl under results/)."
+    ),
+    temperature: float = typer.Option(
+        0.0, "--temperature", min=0.0,
+        help="The sampling temperature the policy is tuned for: only cells measured at it are compared. "
+        "Default 0 (greedy). The file keys trees by batch size only, so it holds one temperature.",
+    ),
+    machine: list[str] | None = typer.Option(
+        None, "--machine", help="Only this machine type, as the report names it (repeatable; default: every one)."
+    ),
+    min_repeats: int | None = typer.Option(
+        None, "--min-repeats",
+        help="Refuse cells with fewer ok repeats (default: the repeats each ledger's sweep planned).",
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write one policy file per machine type into this folder."),
+    deploy: str | None = typer.Option(
+        None, "--deploy",
+        help="Hosts (group, host, comma list, 'all') to put the policy of their machine type on, and restart with it.",
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what --out / --deploy would do; change nothing."),
+    timeout: float | None = typer.Option(
+        None, "--timeout", min=1, help="--deploy: readiness deadline per launch (default: load-aware)."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="--deploy: restart even while a sweep holds the host (its lease); says so on stderr."
+    ),
+    wide: bool = typer.Option(False, "--wide", help="Every table column, however wide."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
+) -> None:
+    """Turn a ledger's best DDTree tree per machine type and concurrency into the per-batch-size
+    policy file (--speculative-adaptive-config), and deploy it: the file beside the bundle,
+    the servers restarted with it, ready once they follow it. Later restarts keep it.
+
+    Trees are compared at one temperature (--temperature, default 0) by output throughput,
+    as `report` ranks them; eager and CUDA-graph cells never in one choice (graph cells
+    where a machine type has any). No DDTREE rows for a machine type or temperature: exit 2.
+    """
+    obj: AppContext = ctx.obj
+    obj.json = as_json = json_output or obj.json
+    check_output_path("--out", out, directory=True)
+    if (timeout is not None or force) and deploy is None:
+        raise ConfigError("--timeout and --force apply to --deploy only")
+    from ddtree_ops.report.policy import tune_ledgers
+
+    tuning = tune_ledgers(list(ledgers or []), temperature=temperature, machines=machine or (),
+                          min_repeats=min_repeats)
+    hosts = load_hosts(obj, deploy) if deploy is not None else []
+    written = _write_policies(tuning, out) if out is not None and not dry_run else []
+    payload: dict[str, Any] = {
+        "files": [str(f) for f in tuning.files], "rows": tuning.rows, "bad_lines": tuning.bad_lines,
+        "temperature": tuning.temperature, "min_repeats": tuning.min_repeats,
+        "policies": [_policy_json(p) for p in tuning.policies], "dry_run": dry_run,
+        "out": str(out) if out is not None else None, "written": [str(p) for p in written],
+    }
+    if not as_json:
+        _render_policies(obj, tuning, wide=wide)
+        _render_writes(obj, tuning, out, written, dry_run=dry_run)
+    if deploy is None:
+        if as_json:
+            set_json_data(obj, payload)
+        return
+    if dry_run:
+        plan = _deploy_plan(tuning, hosts)
+        payload["deploy"] = plan
+        if as_json:
+            set_json_data(obj, payload)
+        else:
+            _render_plan(obj, plan, wide=wide)
+        return
+    results, cancel = _deploy(obj, tuning, hosts, timeout=timeout, force=force)
+    payload["deploy"] = fleet_json("tune --deploy", results, results.failed)
+    if as_json:
+        set_json_data(obj, payload)
+    else:
+        _render_deployed(obj, results, wide=wide)
+    if cancel.is_set():
+        raise Interrupted("interrupted; each host was rolled back (see above)", failures=results.failed)
+    raise_if_failed("tune --deploy", results)
+
+
+def _write_policies(tuning: Tuning, out: Path) -> list[Path]:
+    from ddtree_ops.fsutil import write_atomic_local
+
+    names = [p.file_name for p in tuning.policies]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--out {out}: two machine types share a file name ({', '.join(names)})")
+    written = []
+    for policy in tuning.policies:
+        path = out / policy.file_name
+        try:
+            write_atomic_local(path, policy.render().encode())
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot write {path.name}: {exc.strerror or exc}") from exc
+        written.append(path)
+    return written
+
+
+def _policy_json(policy: Policy) -> dict[str, Any]:
+    return {
+        "machine": policy.machine, "temperature": policy.temperature, "cuda_graph": policy.cuda_graph,
+        "hosts": list(policy.hosts), "notes": list(policy.notes), "file_name": policy.file_name,
+        "sha256": policy.sha256, "launch": {"budget": policy.launch.budget, "topk": policy.launch.topk},
+        "entries": [vars(e) for e in policy.entries], "config": policy.config(),
+    }
+
+
+def _short_machine(name: str) -> str:
+    return name.removeprefix("NVIDIA ").replace(" (simulated)", " (sim)")
+
+
+def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
+    console = obj.console
+    console.print(
+        f"Read {tuning.rows:,} rows from {len(tuning.files)} ledger(s); DDTREE cells at temperature "
+        f"{tuning.temperature:g}, min repeats {tuning.min_repeats}; score = median − 1.4826·MAD of output tok/s, "
+        "within 1% the smaller tree.",
+        highlight=False,
+    )
+    if tuning.bad_lines:
+        console.print(f"[yellow]Skipped {tuning.bad_lines} bad line(s)[/] (`report` lists them).", highlight=False)
+    columns = (
+        TableColumn("batch ≥", "right"), TableColumn("tree"), TableColumn("tok/s ± MAD", "right"),
+        TableColumn("n", "right", drop=2), TableColumn("accept len", "right", drop=3),
+        TableColumn("vs AR", "right", drop=1), TableColumn("runner-up", wrap=True, drop=4),
+    )
+    for policy in tuning.policies:
+        rows: list[list[str | Text]] = [[
+            str(e.concurrency), Text(f"b={e.budget} k={e.topk}", style="bold green"),
+            f"{_num(e.output_tok_s)} ± {_num(e.output_tok_s_mad)}", str(e.n), _num(e.accept_length, 2),
+            _num(e.speedup_vs_ar, 2, "x"), e.runner_up or "—",
+        ] for e in policy.entries]
+        mode = "CUDA graphs" if policy.cuda_graph else "eager"
+        title = f"Policy — {_short_machine(policy.machine)} ({mode}; hosts {', '.join(policy.hosts)})"
+        print_table(console, fitted_table(columns, rows, width=console.width, wide=wide, title=title))
+        for note in [*policy.notes, *(f"batch {e.concurrency}: {e.note}" for e in policy.entries if e.note)]:
+            console.print(f"  note: {note}", highlight=False, markup=False)
+        console.print(f"  launch state: b={policy.launch.budget} k={policy.launch.topk} (the smallest batch's tree)",
+                      highlight=False, markup=False)
+        console.print(f"  {policy.file_name} (sha256 {policy.sha256[:12]}):", highlight=False, markup=False)
+        console.print(policy.render().rstrip(), highlight=False, markup=False)
+
+
+def _render_writes(obj: AppContext, tuning: Tuning, out: Path | None, written: list[Path], *, dry_run: bool) -> None:
+    if out is None:
+        return
+    if dry_run:
+        for policy in tuning.policies:
+            obj.console.print(f"Would write {out / policy.file_name}", highlight=False, markup=False)
+        return
+    for path in written:
+        obj.console.print(f"Wrote {path}", highlight=False, markup=False)
+
+
+def _deploy_plan(tuning: Tuning, hosts: list[Host]) -> list[dict[str, Any]]:
+    """What --deploy would do per host, from the ledger alone (no host is contacted)."""
+    from ddtree_ops.patching.placed import POLICY_FILE
+    from ddtree_ops.tuning import planned_target
+
+    plan: list[dict[str, Any]] = []
+    for host in hosts:
+        target = planned_target(host, tuning.host_machines)
+        policy = tuning.policy_for(target.machine_type) if target.machine_type else None
+        plan.append({
+            "host": host.name,
+            "servers": [s.name for s in host.slot_hosts()],
+            "machine_type": target.machine_type,
+            "learned_from": target.learned_from if target.machine_type else "probe at deploy",
+            "file": f"<sys.prefix of {host.python}>/.ddtree-ops/placed/{POLICY_FILE}",
+            "policy": policy.file_name if policy is not None else None,
+            "policy_map": policy.policy_map() if policy is not None else None,
+            "launch": None if policy is None else {"budget": policy.launch.budget, "topk": policy.launch.topk},
+            "problem": None if policy is not None or target.machine_type is None
+            else f"machine type {target.machine_type} has no tuned policy",
+        })
+    return plan
+
+
+def _render_plan(obj: AppContext, plan: list[dict[str, Any]], *, wide: bool) -> None:
+    from ddtree_ops.patching.placed import POLICY_FILE
+
+    columns = (
+        TableColumn("host", wrap=True), TableColumn("servers", wrap=True, drop=1),
+        TableColumn("machine type", wrap=True), TableColumn("policy (batch ≥: tree)", wrap=True),
+        TableColumn("launch", wrap=True),
+    )
+    rows: list[list[str | Text]] = []
+    for p in plan:
+        launch = p["launch"]
+        machine = f"{_short_machine(p['machine_type'] or '?')} ({p['learned_from']})"
+        policy = p["policy_map"]
+        tree: str | Text = (
+            ", ".join(f"{bs}: b={e['budget']} k={e['topk']}" for bs, e in policy.items()) if policy
+            else Text(p["problem"] or "decided by the probe's GPU", style="yellow")
+        )
+        rows.append([p["host"], ", ".join(p["servers"]), machine, tree,
+                     f"b={launch['budget']} k={launch['topk']}" if launch else "—"])
+    caption = (f"The file goes to <sys.prefix of the host's python>/.ddtree-ops/placed/{POLICY_FILE}; each server "
+               "restarts with --speculative-adaptive-config FILE at the launch state.")
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, caption=caption,
+                                          title="tune --deploy (dry run): nothing changed"))
+
+
+def _deploy(
+    obj: AppContext, tuning: Tuning, hosts: list[Host], *, timeout: float | None, force: bool
+) -> tuple[FleetResult[DeployedPolicy], threading.Event]:
+    from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
+    from ddtree_ops.state import StateStore
+    from ddtree_ops.tuning import deploy_policy
+
+    state = StateStore()
+    cancel = threading.Event()
+    # The smoke decodes at the temperature tuned for as well: the sampled verify path is
+    # what the policy will serve at it.
+    samplings = [SmokeSampling.of(tuning.temperature)] if tuning.temperature > 0 else []
+    smoke = SmokeSpec.for_samplings(samplings)
+    board = _Live([s.name for h in hosts for s in h.slot_hosts()])
+
+    def one(host: Host) -> DeployedPolicy:
+        with transport_for(obj, host) as t:
+            try:
+                result = deploy_policy(
+                    t, host, tuning.policies, tuning.host_machines, state=state, timeout=timeout, smoke=smoke,
+                    lease=_lease_pass(t, host, force=force), on_phase=board.on_phase, cancel=cancel,
+                )
+            except BaseException:
+                for server in host.slot_hosts():
+                    board.done(server.name, "failed")
+                raise
+            for server in host.slot_hosts():
+                board.done(server.name, "[green]policy active[/]")
+            return result
+
+    return run_with_board(obj, board, hosts, one, cancel=cancel), cancel
+
+
+def _render_deployed(obj: AppContext, results: FleetResult[DeployedPolicy], *, wide: bool) -> None:
+    """One row per server (a host's GPU slots each have one), then per host its file."""
+    columns = (
+        TableColumn("server", wrap=True), TableColumn("status"), TableColumn("machine type", wrap=True, drop=2),
+        TableColumn("launch"), TableColumn("graphs"), TableColumn("pid", "right", drop=1),
+        TableColumn("ready", "right"),
+    )
+    rows: list[list[str | Text]] = []
+    for name, value in results.items():
+        if isinstance(value, BaseException):
+            rows.append([name, Text("FAILED", style="bold red"), "", "", "", "", ""])
+            continue
+        for r in value.servers:
+            rows.append([r.host, Text("policy active", style="green"), _short_machine(value.machine_type),
+                         f"b={value.budget} k={value.topk}", "on" if r.cuda_graph else "eager", str(r.pid),
+                         f"{r.ready_s:.1f}s"])
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title="tune --deploy",
+                                          caption="ready: launch → the smoke passed and the policy is active."))
+    for name, value in results.succeeded.items():
+        what = "replaced the previous one" if value.replaced else "new"
+        obj.console.print(
+            f"{name}: {value.path} ({what}, sha256 {value.sha256[:12]}; machine type from the {value.learned_from})",
+            highlight=False, markup=False, soft_wrap=True,
+        )
+    for name, exc in results.failed.items():
+        obj.console.print(Text(f"{name} ({type(exc).__name__}): {error_text(exc)}", style="red"))
+    if results.succeeded:
+        obj.console.print(
+            f"Remembered: later DDTREE restarts of {escape(', '.join(results.succeeded))} launch with the policy "
+            "(`restart --no-policy` drops it).", highlight=False,
+        )

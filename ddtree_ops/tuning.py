@@ -1,0 +1,194 @@
+"""``tune --deploy``: a tuned DDTREE policy onto one host, its servers restarted with it.
+
+Per host (a machine; its GPU slots are its servers), in this order:
+
+1. **Which policy.** The host's machine type is the one its own ledger rows name (the
+   report groups machines by GPU type); a host the ledger never measured gets the GPU
+   type its probe finds (``nvidia-smi``). No policy for that type: refused, nothing touched.
+2. **What runs now** on each server (its launch record): what a failure puts back.
+3. **The file** beside the applied bundle (:func:`ddtree_ops.patching.placed.place_file`:
+   under the deploy lock, atomic, sha256 checked), returning what it replaced.
+4. **Each server restarted** through the one restart policy (``prepare_restart``, eager
+   fallbacks and the sweep lease honoured) at the policy's launch state with
+   ``--speculative-adaptive-config <file>``; ready only once the smoke decoded and
+   ``/server_info`` says the server follows exactly this policy
+   (``internal_states[0].ddtree.mode == "policy"``).
+5. **Remembered** in the local state (:class:`ddtree_ops.state.PolicyRecord`) only then,
+   so that a later plain ``restart`` launches with it too.
+
+A failure (or Ctrl-C) after step 3 leaves the host as it was, like the patch engine's
+rollback and pipx's: the previous file content is put back (or the file removed), every
+server this run touched is stopped and its previous server relaunched from its launch
+record, the local record is left as it was, and the error says what was rolled back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, recorded_error
+from ddtree_ops.inventory_types import Host
+from ddtree_ops.patching.placed import PlacedFile, place_file, restore_file
+from ddtree_ops.probe import HostFacts, probe_host
+from ddtree_ops.report.policy import Policy
+from ddtree_ops.service import lifecycle
+from ddtree_ops.service.launch import RunConfig
+from ddtree_ops.service.logphases import PhaseEvent
+from ddtree_ops.service.manager import LeasePass
+from ddtree_ops.service.smoke import SmokeSpec
+from ddtree_ops.state import PolicyRecord, StateStore
+from ddtree_ops.transport.base import Transport
+
+
+@dataclass(frozen=True)
+class PolicyTarget:
+    """Which machine type a host is, and how that was learned (``ledger`` or ``probe``)."""
+
+    host: str
+    machine_type: str | None
+    learned_from: str
+
+
+@dataclass(frozen=True)
+class DeployedPolicy:
+    """One host carrying a tuned policy: the file, and every server serving it."""
+
+    host: str
+    machine_type: str
+    learned_from: str
+    path: str
+    sha256: str
+    replaced: bool  # a file was there before (a previous tune)
+    budget: int  # the launch state
+    topk: int
+    servers: tuple[lifecycle.RestartResult, ...]
+
+
+def machine_type_of(host: Host, host_machines: Mapping[str, str], facts: HostFacts | None) -> PolicyTarget:
+    """The ledger's word for ``host`` first (the policy was chosen from its rows), else the
+    probed GPU name; None when neither says."""
+    if host.name in host_machines:
+        return PolicyTarget(host.name, host_machines[host.name], "ledger")
+    gpus = facts.gpus if facts is not None else ()
+    return PolicyTarget(host.name, gpus[0].name if gpus else None, "probe")
+
+
+def planned_target(host: Host, host_machines: Mapping[str, str]) -> PolicyTarget:
+    """What ``--dry-run`` can say without touching the host: the ledger's machine type, or
+    that the probe will decide."""
+    return machine_type_of(host, host_machines, None)
+
+
+def policy_of(target: PolicyTarget, policies: Sequence[Policy]) -> Policy:
+    """The policy tuned for ``target``'s machine type (ConfigError when there is none)."""
+    tuned = ", ".join(p.machine for p in policies) or "none"
+    if target.machine_type is None:
+        raise ConfigError(
+            f"not in the ledger, and its probe found no GPU to tell its machine type (tuned: {tuned})",
+            host=target.host,
+        )
+    policy = next((p for p in policies if p.machine == target.machine_type), None)
+    if policy is None:
+        raise ConfigError(
+            f"machine type {target.machine_type} (from the {target.learned_from}) has no tuned policy (tuned: {tuned})",
+            host=target.host,
+        )
+    return policy
+
+
+def deploy_policy(
+    transport: Transport,
+    host: Host,
+    policies: Sequence[Policy],
+    host_machines: Mapping[str, str],
+    *,
+    state: StateStore | None = None,
+    timeout: float | None = None,
+    smoke: SmokeSpec | None = lifecycle.DEFAULT_SMOKE,
+    lease: LeasePass | None = None,
+    stop_grace_s: float = 30.0,
+    on_phase: Callable[[PhaseEvent], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> DeployedPolicy:
+    """Steps 1-5 of the module docstring on one machine ``host``; raises with the host as
+    it was (the message says what was rolled back)."""
+    state = state if state is not None else StateStore()
+    facts = probe_host(transport, host)
+    if not facts.reachable:
+        raise recorded_error(facts.error_type, facts.error or "unreachable", host=host.name)
+    target = machine_type_of(host, host_machines, facts)
+    policy = policy_of(target, policies)
+    servers = host.slot_hosts()
+    before = {server.name: lifecycle.remember_server(transport, server) for server in servers}
+    placed = place_file(transport, host, policy.render().encode())
+    record = PolicyRecord(
+        host=host.machine, path=placed.path, sha256=placed.sha256, config=policy.render(),
+        machine_type=policy.machine, temperature=policy.temperature, budget=policy.launch.budget,
+        topk=policy.launch.topk, recorded_at=0.0,
+    )
+    run = RunConfig("DDTREE", budget=policy.launch.budget, topk=policy.launch.topk)
+    touched: list[Host] = []
+    results: list[lifecycle.RestartResult] = []
+    try:
+        for server in servers:
+            touched.append(server)
+            request = lifecycle.prepare_restart(
+                transport, server, run, machine=host, facts=facts, lease=lease, timeout=timeout,
+                stop_grace_s=stop_grace_s, smoke=smoke, tree_policy=record,
+            )
+            results.append(lifecycle.restart(transport, request, state=state, on_phase=on_phase, cancel=cancel))
+    except BaseException as exc:
+        undone = _roll_back(transport, host, placed, touched, before, state=state, lease=lease,
+                            stop_grace_s=stop_grace_s)
+        if isinstance(exc, DdtreeOpsError):
+            exc.message = f"{exc.message}; {undone}"
+        raise
+    state.record_policy(replace(record, recorded_at=time.time()))
+    return DeployedPolicy(
+        host=host.name, machine_type=policy.machine, learned_from=target.learned_from, path=placed.path,
+        sha256=placed.sha256, replaced=placed.previous is not None, budget=policy.launch.budget,
+        topk=policy.launch.topk, servers=tuple(results),
+    )
+
+
+def _roll_back(
+    transport: Transport,
+    host: Host,
+    placed: PlacedFile,
+    touched: Sequence[Host],
+    before: Mapping[str, lifecycle.PreviousServer],
+    *,
+    state: StateStore,
+    lease: LeasePass | None,
+    stop_grace_s: float,
+) -> str:
+    """Put back the file and every touched server; one phrase saying what was done (and
+    what could not be: each step is tried whatever the one before it did). A server still
+    the one that ran before (a restart refused before it stopped anything: the lock, the
+    lease, a bad launch state) is left alone."""
+    done: list[str] = []
+    failed: list[str] = []
+    try:
+        restore_file(transport, host, placed)
+        done.append("policy file restored" if placed.previous is not None else "policy file removed")
+    except DdtreeOpsError as exc:
+        failed.append(f"policy file {placed.path}: {exc.message}")
+    for server in touched:
+        try:
+            if lifecycle.remember_server(transport, server) == before[server.name]:
+                done.append(f"{server.name} untouched")
+                continue
+            what = lifecycle.restore_server(transport, server, before[server.name], state=state, lease=lease,
+                                            stop_grace_s=stop_grace_s)
+            done.append(f"{server.name} {what}")
+        except DdtreeOpsError as exc:
+            failed.append(f"{server.name}: {exc.message}")
+    if failed:
+        return f"rollback incomplete: {'; '.join(failed)}" + (f" (done: {', '.join(done)})" if done else "")
+    return f"rolled back: {', '.join(done)}"
+
+
+__all__ = ["DeployedPolicy", "PolicyTarget", "deploy_policy", "machine_type_of", "planned_target", "policy_of"]
