@@ -50,10 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
 # ran everything else, the longest single tests last (lane 880 s against 858 s now: the
 # lane is CPU-bound, so the balance gains little).
 LANE_UNITS = (
-    ("tree", ("test_real_server_smoke", "test_ddtree_real")),
+    ("tree", ("test_real_server_smoke", "test_ddtree_real", "test_ddtree_runtime")),
     ("pipeline", ("test_pipeline_real",)),
     ("sampling", ("test_ddtree_sampling",)),
-    ("runtime", ("test_ddtree_runtime",)),
     ("selftest-e2e", ("test_selftest_e2e",)),
     ("triton", ("test_ddtree_triton",)),
     ("inprocess", ("test_ddtree_inprocess",)),

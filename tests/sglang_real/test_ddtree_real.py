@@ -112,14 +112,21 @@ SAMPLER_ENV = {
 }
 
 
+def oracle_tree_server(pool, python, tiny_models, oracle_file, base: Path, budget: int) -> TreeServer:
+    """The oracle-draft server of ``budget`` (top-k 4), the same configuration wherever a
+    test asks for it, so that the pool starts it once (test_ddtree_runtime.py compares
+    with it)."""
+    return _tree_server(
+        pool, python, tiny_models["target"], tiny_models["draft"], budget, "oracle", base,
+        {"DDTREE_TEST_ORACLE": str(oracle_file), "DDTREE_TEST_MASK": str(base / f"mask-{budget}.jsonl"),
+         **SAMPLER_ENV[ORACLE_SAMPLERS[budget]]},
+    )
+
+
 @pytest.fixture(scope="module", params=[4, 16], ids=["budget4", "budget16"])
 def oracle_server(request, real_servers, ddtree_python, tiny_models, oracle_file, tmp_path_factory) -> TreeServer:
-    base = tmp_path_factory.getbasetemp()
-    return _tree_server(
-        real_servers, ddtree_python, tiny_models["target"], tiny_models["draft"], request.param, "oracle", base,
-        {"DDTREE_TEST_ORACLE": str(oracle_file), "DDTREE_TEST_MASK": str(base / f"mask-{request.param}.jsonl"),
-         **SAMPLER_ENV[ORACLE_SAMPLERS[request.param]]},
-    )
+    return oracle_tree_server(real_servers, ddtree_python, tiny_models, oracle_file, tmp_path_factory.getbasetemp(),
+                              request.param)
 
 
 def assert_same_as_target(got, want, label: str) -> None:

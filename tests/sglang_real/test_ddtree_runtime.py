@@ -3,7 +3,7 @@
 One server launched with ``--speculative-adaptive-config`` holding budgets 4, 8 and 16
 (top-k up to 4) and a per-batch-size policy, the oracle drafter of test_ddtree_real.py
 (accepted paths run through non-first siblings, so a wrong tree or stale KV shows), and
-one fresh launch at budget 16 / top-k 4 to compare with. What is checked:
+the fresh launch at budget 16 / top-k 4 of that module to compare with. What is checked:
 
 * ``/server_info`` reports the set, the mode, the active tree and each state's graph;
 * the policy picks the tree per round by batch size (the verify widths the attention
@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from .conftest import NEW_TOKENS
-from .test_ddtree_real import SAMPLER_ENV, assert_same_as_target, ddtree_args
+from .test_ddtree_real import SAMPLER_ENV, assert_same_as_target, ddtree_args, oracle_tree_server
 from .test_real_server_smoke import PROMPTS, TOP_LOGPROBS
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_real, pytest.mark.timeout(900)]
@@ -67,12 +67,11 @@ def runtime_server(real_servers, ddtree_python, tiny_models, oracle_file, widths
 
 
 @pytest.fixture
-def fresh_b16(real_servers, ddtree_python, tiny_models, oracle_file):
-    """A fresh launch at budget 16 / top-k 4, no runtime set."""
-    return real_servers.get(
-        "ddtree-runtime-fresh-b16", tiny_models["target"], ddtree_args(tiny_models["draft"], 16, 4),
-        env={"DDTREE_TEST_ORACLE": str(oracle_file)}, python=ddtree_python,
-    )
+def fresh_b16(real_servers, ddtree_python, tiny_models, oracle_file, tmp_path_factory):
+    """A fresh launch at budget 16 / top-k 4, no runtime set: test_ddtree_real.py's
+    oracle server of budget 16 (started once for both modules: they are one lane unit)."""
+    return oracle_tree_server(real_servers, ddtree_python, tiny_models, oracle_file, tmp_path_factory.getbasetemp(),
+                              16).server()
 
 
 def switch(srv, **server_args: float) -> httpx.Response:
