@@ -22,6 +22,7 @@ server is launched on one tree and switched to the one it tests).
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -159,47 +160,74 @@ def test_after_each_switch_greedy_equals_a_fresh_launch_and_the_target_alone(
     assert sum(o.meta_info["spec_verify_ct"] for o in fresh) < sum(o.meta_info["spec_verify_ct"] for o in before)
 
 
-def test_switches_while_requests_are_in_flight_never_corrupt_them(runtime_server, reference_outputs, widths):
+def test_switches_while_requests_are_in_flight_never_corrupt_them(
+    runtime_server, fresh_b16, reference_outputs, widths
+):
+    # Twelve requests of 96 tokens: enough rounds for switches to land while they run on
+    # a busy two-core machine (a switch is taken between two rounds, so at most one lands
+    # per round). The fresh launch gives the 96-token outputs; their first 40 are the
+    # target alone's own (reference_outputs).
+    prompts, tokens = PROMPTS * 4, 96
+    fresh_b16.flush_cache()
+    fresh = fresh_b16.generate(prompts, max_new_tokens=tokens)
+    for i, (f, w) in enumerate(zip(fresh, reference_outputs * 4, strict=True)):
+        assert f.output_ids[: len(w.output_ids)] == w.output_ids, f"request {i}: the fresh launch left the target"
     srv = runtime_server
     pin(srv, 16, 4)
     srv.flush_cache()
     start = seen_lines(widths)
     result: dict[str, Any] = {}
 
-    # Four copies of each prompt: rounds long enough for several switches to land.
-    prompts = PROMPTS * 4
-
     def run() -> None:
         try:
-            result["out"] = srv.generate(prompts, max_new_tokens=NEW_TOKENS + 16, top_logprobs=TOP_LOGPROBS)
+            result["out"] = srv.generate(prompts, max_new_tokens=tokens)
         except Exception as e:  # reported by the assertion below
             result["error"] = e
 
     worker = threading.Thread(target=run)
     worker.start()
+    # Each switch waits for a round at its width before the next is sent, so on a slow
+    # machine the requests are slower too and the count below does not depend on speed.
     shapes = [(4, 1), (8, 3), (16, 2), (4, 4), (16, 4)]
-    accepted_in_flight = 0
-    i = 0
-    while worker.is_alive():
-        resp = switch(srv, ddtree_budget=shapes[i % len(shapes)][0], ddtree_topk=shapes[i % len(shapes)][1])
+    taken_in_flight = 0
+    for budget, topk in shapes * 2:
+        if not worker.is_alive():
+            break
+        resp = switch(srv, ddtree_budget=budget, ddtree_topk=topk)
         assert resp.status_code == 200, resp.text
-        if worker.is_alive():
-            accepted_in_flight += 1
-        i += 1
-        time.sleep(0.01)
+        deadline = time.monotonic() + 300
+        while worker.is_alive() and time.monotonic() < deadline:
+            seen = target_widths(widths, start)
+            if seen and seen[-1] == budget + 1:
+                taken_in_flight += int(worker.is_alive())
+                break
+            time.sleep(0.02)
     worker.join()
     assert "error" not in result, result.get("error")
-    assert accepted_in_flight >= 3, f"only {accepted_in_flight} switches landed while the requests ran"
-    # Several trees verified within the same requests: the switches landed between rounds.
-    assert len(set(target_widths(widths, start))) >= 2, target_widths(widths, start)
-    got = result["out"]
-    want = reference_outputs * 4
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.output_ids == w.output_ids, f"request {i}: a switch in flight changed the output"
-    for copy in range(4):
-        assert_same_as_target([type(g)(g.output_ids[:NEW_TOKENS], {**g.meta_info, "output_top_logprobs":
-                               g.meta_info["output_top_logprobs"][:NEW_TOKENS]}) for g in got[3 * copy: 3 * copy + 3]],
-                              reference_outputs, f"switched in flight, copy {copy}")
+    seen = target_widths(widths, start)
+    changes = sum(1 for a, b in itertools.pairwise(seen) if a != b)
+    # Within the same requests the verify width changed again and again: the switches
+    # landed between rounds of requests in flight.
+    assert taken_in_flight >= 3 and changes >= 3, (taken_in_flight, seen)
+    for i, (g, f) in enumerate(zip(result["out"], fresh, strict=True)):
+        assert len(g.output_ids) == tokens and g.output_ids == f.output_ids, (
+            f"request {i}: a switch in flight changed the output"
+        )
+
+
+def test_sglang_keys_beside_a_switch_go_to_sglangs_handlers_and_a_refusal_of_theirs_stops_the_switch(
+    runtime_server,
+):
+    srv = runtime_server
+    pin(srv, 16, 4)
+    # An SGLang key SGLang accepts (the acceptance threshold, 1.0 = exact) and a switch: both made.
+    resp = switch(srv, ddtree_budget=8, ddtree_topk=2, speculative_accept_threshold_acc=1.0)
+    assert resp.status_code == 200 and resp.json() == [True], resp.text
+    assert runtime_state(srv)["active"] == {"budget": 8, "topk": 2}
+    # One SGLang refuses (out of its range): the switch is not made either.
+    resp = switch(srv, ddtree_budget=4, pp_max_micro_batch_size=0)
+    assert resp.status_code == 400 and "SGLang refused pp_max_micro_batch_size" in resp.json()["message"], resp.text
+    assert runtime_state(srv)["active"] == {"budget": 8, "topk": 2}
 
 
 REFUSED = {
@@ -234,8 +262,10 @@ def test_a_server_without_runtime_states_refuses_a_switch(fresh_b16):
 
 def test_acceptance_statistics_restart_at_a_switch(runtime_server):
     srv = runtime_server
-    pin(srv, 16, 4)
-    srv.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
+    # SGLang adds a round's counts to the totals every decode_log_interval (40) rounds: a
+    # chain of 4 commits at most 5 tokens a round, so 220 tokens span 44 rounds or more.
+    pin(srv, 4, 1)
+    srv.generate(PROMPTS[:1], max_new_tokens=220)
     assert srv.server_info()["internal_states"][0]["avg_spec_accept_length"] > 1
     pin(srv, 4, 2)
     # Nothing measured since the switch: SGLang reports no average at all.
