@@ -92,13 +92,16 @@ def test_a_switched_cell_measures_what_a_fresh_launch_of_its_tree_measures(tmp_p
     so the same cell on the live launch and on a launch of its own must count the same."""
     grid = {"algorithm": ["ddtree"], "budget": [4, 16], "topk": [2], "temperature": [0.0], "concurrency": [2]}
     live_out, fresh_out = tmp_path / "live.jsonl", tmp_path / "fresh.jsonl"
-    _, live = run(tmp_path, host(tmp_path, "sim-l", "rtx-pro-6000"), live_out, grid=grid, baselines=[])
+    # The live sweep loads from here (``client: local``): that client's switch path too.
+    _, live = run(tmp_path, host(tmp_path, "sim-l", "rtx-pro-6000"), live_out, grid=grid, baselines=[],
+                  client="local")
     _, fresh = run(tmp_path, host(tmp_path, "sim-f", "rtx-pro-6000"), fresh_out, grid=grid, baselines=[],
                    relaunch="always")
     assert [h.restarts for h in live.hosts] == [1] and [h.restarts for h in fresh.hosts] == [2]
     by_tree = {mode: {(r["budget"], r["topk"]): r for r in rows_of(path)}
                for mode, path in (("live", live_out), ("fresh", fresh_out))}
     assert set(by_tree["live"]) == set(by_tree["fresh"]) == {(4, 2), (16, 2)}
+    assert {r["client"] for r in by_tree["live"].values()} == {"local"}
     for tree, switched in by_tree["live"].items():
         launched = by_tree["fresh"][tree]
         assert (switched["tree_switched"], launched["tree_switched"]) == (True, False)
