@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from testports import free_port
 
 SSHD = "/usr/sbin/sshd"
 REPO = Path(__file__).resolve().parents[1]
@@ -80,12 +81,6 @@ for i in range(COUNT):
         row.append(v)
     print(", ".join(row))
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def keygen(path: Path, comment: str = "ddtree-ops-test") -> Path:

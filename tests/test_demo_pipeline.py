@@ -44,7 +44,6 @@ BUNDLE = REPO / "patches" / "ddtree_temperature"
 # Fast but inside the simulator's safe range (sim/README.md): launches still log every
 # SGLang phase and the B300 capture failure, a simulated second is 100 ms.
 FAST_SIM_ENV = {"SIM_LOAD_S": "2", "SIM_WARMUP_S": "1", "SIM_TIME_SCALE": "0.1", "SIM_SEED": "0"}
-DEMO_PORTS = {30100, 30200}
 NUM_PROMPTS = 3
 MAX_NEW_TOKENS = 16
 BUDGETS = (4, 16)
@@ -80,16 +79,6 @@ class DemoFleet:
 
     def by_gpu(self, gpu: str) -> DemoHost:
         return next(h for h in self.hosts.values() if h.gpu == gpu)
-
-
-def _loopback_port(taken: set[int], count: int = 1) -> int:
-    """A free port, with the ``count - 1`` after it free too, none of them the demo's own
-    (a running `make demo` must not collide)."""
-    while True:
-        port = free_port()
-        span = set(range(port, port + count))
-        if not span & (DEMO_PORTS | taken) and all(not _port_open(p) for p in span - {port}):
-            return port
 
 
 def _port_open(port: int) -> bool:
@@ -133,7 +122,6 @@ def demo_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Demo
     # Prefixes are ~130 MB each: on tmpfs when there is one, as the ssh test fleet does.
     root, owned = fast_root(tmp_path / "prefixes")
     hosts: dict[str, DemoHost] = {}
-    ports: set[int] = set()
     inventory = tmp_path / "local.yaml"
     try:
         for name, entry in group["hosts"].items():
@@ -141,8 +129,7 @@ def demo_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Demo
             prefix = root / name
             shutil.copytree(template, prefix, symlinks=True, ignore=shutil.ignore_patterns(".ready"))
             count = int(ddtree["server"].get("slots", {}).get("count", 1))
-            port = _loopback_port(ports, count)
-            ports.update(range(port, port + count))
+            port = free_port(count)  # never `make demo`'s own ports (testports.RESERVED)
             ddtree["python"] = str(prefix / "bin" / "python")
             ddtree["run_dir"] = str(tmp_path / "run" / name)
             ddtree["server"]["port"] = port
@@ -264,7 +251,10 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     plan = _ok_json(cli("--json", *inv, "bench", "--sweep", str(demo_fleet.sweep), "--dry-run"), "bench --dry-run")
     assert set(plan["hosts"]) == names and plan["rows_per_host"] == ROWS_PER_HOST, plan
     bench = cli(*inv, "bench", "--sweep", str(demo_fleet.sweep), "--out", str(out))
-    assert bench.exit_code == 0, f"bench exited {bench.exit_code}:\n{bench.stderr[-3000:]}\n{bench.stdout[-3000:]}"
+    if bench.exit_code != 0:  # name each failed row's error: the summary table only counts them
+        rows = ledger.read_ledger(out).rows
+        errors = [(r["host"], r["algorithm"], r["budget"], r["error"]) for r in rows if r["error"]]
+        raise AssertionError(f"bench exited {bench.exit_code}: {errors}\n{bench.stderr[-3000:]}")
     read = ledger.read_ledger(out)
     assert read.bad_lines == []
     rows = read.rows

@@ -13,17 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_json import json_data
+from testports import free_port
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.sweep import load_sweep, sweep_hash
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

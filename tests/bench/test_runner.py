@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from testports import free_port
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
@@ -37,12 +38,6 @@ from ddtree_ops.transport.local import LocalTransport
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sim_server(gpu: str, *, time_scale: float = 0.2, port: int | None = None) -> ServerSettings:

@@ -5,11 +5,12 @@ imported last when several test directories are collected together."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from testports import free_port
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 
@@ -27,12 +28,6 @@ def run_cli(
         [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), *args],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sim_host(

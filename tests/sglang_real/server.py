@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from testports import free_port
 
 from .serverenv import COVERAGE_VARS, coverage_env, server_env
 from .setup_env import CACHE, venv_python
@@ -54,12 +54,6 @@ class ServerError(RuntimeError):
 class Output:
     output_ids: list[int]
     meta_info: dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def is_built() -> bool:
@@ -168,6 +162,8 @@ class SglangServer:
                 raise ServerError(f"{self.name} not ready after {timeout:.0f}s; log tail:\n{self.log_tail()}")
             time.sleep(0.5)
         self.startup_s = time.monotonic() - t0
+        with open(self.log_path, "ab") as log:  # a lane's starts, counted and timed from its logs
+            log.write(f"=== ready in {self.startup_s:.1f} s\n".encode())
         self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=10.0))
         return self
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from testports import free_port
 
 # Fast but not instant: a 1 s simulated step takes 20 ms of real time.
 FAST_ENV = {"SIM_LOAD_S": "2", "SIM_TIME_SCALE": "0.02", "SIM_WARMUP_S": "1", "SIM_SEED": "7"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SimProcess:
