@@ -97,6 +97,7 @@ class GenerateTally:
         self.itls = []
         self.meta = {}
         self.chunks = 0
+        self.coalesced = 0
 
     def feed(self, now, obj):
         self.meta = obj.get("meta_info") or {}
@@ -108,6 +109,9 @@ class GenerateTally:
         if self.ttft is None:
             self.ttft = now - self.start
         else:
+            # Read together with the chunk before it: the gap between the two was not
+            # observed (the client read late), so this chunk's ITLs read as zero.
+            self.coalesced += now == self.last_t
             gap = (now - self.last_t) / new
             self.itls.extend([gap] * new)
         self.last_t, self.last_tokens = now, tokens
@@ -130,6 +134,7 @@ class GenerateTally:
             "spec_verify_ct": int(verify) if verify is not None else None,
             "spec_accept_length": float(accept) if accept is not None else None,
             "chunks": self.chunks,
+            "coalesced": self.coalesced,
             "server_e2e": float(server_e2e)
             if isinstance(server_e2e, (int, float)) and not isinstance(server_e2e, bool)
             else None,
@@ -173,6 +178,7 @@ class OpenAITally:
             "prompt_tokens": int(self.usage.get("prompt_tokens", 0)),
             "completion_tokens": tokens,
             "chunks": len(times),
+            "coalesced": sum(a == b for a, b in zip(times, times[1:])),
         }
 
 

@@ -151,6 +151,13 @@ class LedgerRow:
     e2e_ms_p99: float | None = None
     accept_length: float | None = None  # sum(completion tokens) / sum(verify_ct)
     verify_ct: int | None = None
+    # How far the client could observe the stream's timing: the fraction of chunks after
+    # each request's first that it read together with the chunk before (their gaps were
+    # not seen: ITLs of zero), and whether that exceeds metrics.CLIENT_BOUND_FRAC, where
+    # the row's ITL and TTFT statistics measure the client rather than the server. None in
+    # failed rows and in rows written before these fields.
+    client_coalesced_frac: float | None = None
+    client_bound: bool | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class RequestResult:
     spec_accept_length: float | None = None
     spec_verify_ct: int | None = None
     chunks: int = 0
+    # Chunks after the first that arrived in one read with the chunk before them: their
+    # gaps were not observed (the client was busy), so their ITLs are zeros.
+    coalesced: int = 0
     error: str | None = None
     # The server's own e2e (``meta_info.e2e_latency``), kept to check the client's clock.
     server_e2e: float | None = None
@@ -79,6 +82,14 @@ class CellMetrics:
     accept_length: float | None = None
     verify_steps: int = 0
     errors: tuple[str, ...] = ()
+    # Fraction of the completed requests' chunks after the first that the client read
+    # together with the one before (see RequestResult.coalesced); None without such chunks.
+    coalesced_frac: float | None = None
+
+    @property
+    def client_bound(self) -> bool | None:
+        """Whether the client, not the server, set this cell's ITL statistics."""
+        return None if self.coalesced_frac is None else self.coalesced_frac > CLIENT_BOUND_FRAC
 
     def flat(self) -> dict[str, object]:
         """Flat ``name_stat`` keys (``ttft_ms_p99``…) as the ledger stores them."""
@@ -92,6 +103,12 @@ class CellMetrics:
             else:
                 out[key] = value
         return out
+
+
+#: Above this fraction of coalesced chunks (RequestResult.coalesced) a cell's ITL
+#: percentiles are the client's: with more than one gap in twenty unseen, the p90 and the
+#: median move by a whole step once the client falls behind at high concurrency.
+CLIENT_BOUND_FRAC = 0.05
 
 
 def calculate_metrics(results: Sequence[RequestResult], *, duration_s: float | None = None) -> CellMetrics:
@@ -110,6 +127,7 @@ def calculate_metrics(results: Sequence[RequestResult], *, duration_s: float | N
     verify = sum(r.spec_verify_ct or 0 for r in spec)
     accept = sum(r.completion_tokens for r in spec) / verify if verify else None
     errors = tuple(dict.fromkeys(r.error or "failed" for r in results if not r.ok))[:5]
+    gaps = sum(max(r.chunks - 1, 0) for r in good)
     return CellMetrics(
         requests=len(results),
         completed=len(good),
@@ -126,4 +144,5 @@ def calculate_metrics(results: Sequence[RequestResult], *, duration_s: float | N
         accept_length=accept,
         verify_steps=verify,
         errors=errors,
+        coalesced_frac=sum(r.coalesced for r in good) / gaps if gaps else None,
     )

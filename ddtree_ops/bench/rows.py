@@ -155,6 +155,8 @@ class RowMaker:
                 total_output_tokens=metrics.output_tokens,
                 accept_length=metrics.accept_length,
                 verify_ct=metrics.verify_steps or None,
+                client_coalesced_frac=metrics.coalesced_frac,
+                client_bound=metrics.client_bound,
                 **{name: flat[name] for name in ledger.LATENCY_FIELDS},
             )
         return LedgerRow(**fields)

@@ -2,8 +2,10 @@
 
 Speaks the two routes the client uses, with behaviour chosen by the prompt text:
 ``fail500`` answers HTTP 500, ``die`` drops the connection after two chunks, ``error``
-sends SGLang's in-stream error object. Each step emits ``tokens_per_step`` tokens (as a
-speculating server does) and counts as one verify step.
+sends SGLang's in-stream error object, ``burst`` writes every decode chunk at once after
+the last step (chunks that queued while a client was busy reach it in one read). Each
+step emits ``tokens_per_step`` tokens (as a speculating server does) and counts as one
+verify step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def make_app(state: FakeState) -> Starlette:
                 done, steps = 1, 0
                 chunk = {"text": "x", "meta_info": {"prompt_tokens": len(text.split()), "completion_tokens": 1}}
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                queued = b""
                 while done < n:
                     await asyncio.sleep(state.step_s)
                     done = min(n, done + state.tokens_per_step)
@@ -69,7 +72,13 @@ def make_app(state: FakeState) -> Starlette:
                         "spec_verify_ct": steps,
                         "spec_accept_length": done / steps,
                     }
-                    yield b"data: " + json.dumps({"text": "x" * done, "meta_info": meta}).encode() + b"\n\n"
+                    frame = b"data: " + json.dumps({"text": "x" * done, "meta_info": meta}).encode() + b"\n\n"
+                    if "burst" in text:
+                        queued += frame
+                    else:
+                        yield frame
+                if queued:
+                    yield queued
                 yield b"data: [DONE]\n\n"
             finally:
                 state.in_flight -= 1

@@ -74,6 +74,24 @@ def test_generate_counts_tokens_steps_and_itls(server) -> None:
     assert m.output_tokens == 60
 
 
+def test_chunks_read_together_are_counted_and_make_the_cell_client_bound(server) -> None:
+    """A chunk read in one piece with the one before it has no observed gap: counted per
+    request, so a row says the client could not see the stream's timing."""
+    url, state = server
+    state.step_s = 0.02  # well above a busy machine's scheduling delay
+    spaced = run_load(url, LoadSpec(prompts=prompts(2), max_new_tokens=10))
+    burst = run_load(url, LoadSpec(prompts=prompts(2, "burst"), max_new_tokens=10))
+    for r in spaced.results:  # a step every 20 ms, read as it comes
+        assert r.ok and r.chunks == 4 and r.coalesced == 0, r
+    for r in burst.results:  # the 3 decode chunks in one write: 2 of them arrive with another
+        assert r.ok and r.chunks == 4 and r.coalesced == 2, r
+        assert r.itls[3:].count(0.0) == 6, r.itls  # their 6 ITLs read as zero
+    m_spaced = calculate_metrics(spaced.results, duration_s=spaced.duration_s)
+    m_burst = calculate_metrics(burst.results, duration_s=burst.duration_s)
+    assert (m_spaced.coalesced_frac, m_spaced.client_bound) == (0.0, False)
+    assert m_burst.coalesced_frac == pytest.approx(4 / 6) and m_burst.client_bound is True
+
+
 def test_closed_loop_never_exceeds_concurrency(server) -> None:
     url, state = server
     state.step_s = 0.01
