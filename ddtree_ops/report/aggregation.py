@@ -52,6 +52,9 @@ TIDY_DTYPES: dict[str, str] = {
     "n": "Int64",
     "n_failed_rows": "Int64",
     "failed_requests": "Int64",
+    # Repeats whose ITL/TTFT the client could not observe (ledger client_bound): their
+    # latency columns are the client's; tok/s still holds.
+    "n_client_bound": "Int64",
     "output_tok_s_median": "float64",
     "output_tok_s_mad": "float64",
     "output_tok_s_min": "float64",
@@ -107,7 +110,7 @@ class _FineGroups:
     # (len(frame) where it has none).
     first_positions: dict[str, np.ndarray]
     ok_group: np.ndarray  # fine group id of each ok row
-    ok_values: pd.DataFrame  # "failed" and MEDIAN_COLS of the ok rows, renumbered from 0
+    ok_values: pd.DataFrame  # "failed", "client_bound" and MEDIAN_COLS of the ok rows, renumbered from 0
 
 
 def aggregate_levels(frame: pd.DataFrame, levels: Sequence[GroupBy]) -> dict[GroupBy, pd.DataFrame]:
@@ -152,7 +155,7 @@ def _group_finely(frame: pd.DataFrame) -> _FineGroups:
         failed_rows=np.bincount(group_of_row, weights=failed, minlength=n_groups),
         first_positions=first_positions,
         ok_group=group_of_row[ok],
-        ok_values=frame.loc[ok, ["failed", *MEDIAN_COLS]].reset_index(drop=True),
+        ok_values=frame.loc[ok, ["failed", "client_bound", *MEDIAN_COLS]].reset_index(drop=True),
     )
 
 
@@ -199,6 +202,7 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
     deviation = (throughput - medians["output_tok_s"].to_numpy()[cell_of_ok_row]).abs()
     cells["n"] = np.bincount(cell_of_ok_row, minlength=n_cells)
     cells["failed_requests"] = ok_by_cell["failed"].sum(min_count=1).reindex(every_cell).fillna(0).to_numpy()
+    cells["n_client_bound"] = ok_by_cell["client_bound"].sum().reindex(every_cell).fillna(0).to_numpy()
     cells["output_tok_s_median"] = medians["output_tok_s"].to_numpy()
     cells["output_tok_s_mad"] = deviation.groupby(cell_of_ok_row).median().reindex(every_cell).to_numpy()
     cells["output_tok_s_min"] = ok_by_cell["output_tok_s"].min().reindex(every_cell).to_numpy()

@@ -52,7 +52,8 @@ MEDIAN_COLS: tuple[str, ...] = (
 _FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS)
 #: One row per measurement: a second row with these values is a copy, counted once.
 DUPLICATE_KEYS: tuple[str, ...] = ("run_id", *KEY_FIELDS)
-_BOOL_COLS = ("cuda_graph",)
+# client_bound: null (rows before it, failed rows) reads as False.
+_BOOL_COLS = ("cuda_graph", "client_bound")
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
 #: (each column read costs parse time on every row, so only what aggregation uses).
 LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS

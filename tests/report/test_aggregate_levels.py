@@ -41,6 +41,7 @@ def reference(frame: pd.DataFrame, by: str) -> pd.DataFrame:
                 "n": len(good),
                 "n_failed_rows": int((rows["status"] != "ok").sum()),
                 "failed_requests": good["failed"].fillna(0).sum(),
+                "n_client_bound": int(good["client_bound"].sum()),
                 "output_tok_s_median": tok.median(),
                 "output_tok_s_mad": (tok - tok.median()).abs().median(),
                 "accept_length_median": good["accept_length"].median(),
@@ -65,6 +66,7 @@ def frame(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
             host=host, gpu_name=gpu, algorithm=algorithm, budget=rng.choice((8, 16)), cuda_graph=graph,
             temperature=rng.choice((0.0, 1.0)), repeat=i, output_tok_s=rng.gauss(300, 30),
             accept_length=rng.gauss(3, 0.3), failed=rng.choice((0, 0, 0, 1)), status=status,
+            client_bound=rng.choice((None, False, False, True)),
         )
         if not graph:
             row["fallback_reason"] = rng.choice(("capture failed: illegal memory access", "capture failed: OOM", None))
@@ -80,7 +82,7 @@ def test_levels_match_the_per_row_reference(frame: pd.DataFrame, by: str) -> Non
     assert list(got["machine"]) == list(want["machine"])  # same sorted cell order
     for c in ("hosts", "gpu_name", "gpu_arch", "workload_name", "fallback_reason"):
         assert list(got[c]) == [None if v is None or v != v else v for v in want[c]], c
-    for c in ("n", "n_failed_rows", "failed_requests"):
+    for c in ("n", "n_failed_rows", "failed_requests", "n_client_bound"):
         assert got[c].astype(int).tolist() == want[c].astype(int).tolist(), c
     for c in ("output_tok_s_median", "output_tok_s_mad", "accept_length_median", "ttft_ms_median"):
         np.testing.assert_array_equal(got[c].to_numpy(dtype=float), want[c].to_numpy(dtype=float), err_msg=c)
