@@ -13,6 +13,7 @@ the same one; a process never hands out a port twice.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -31,6 +32,7 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+@functools.cache  # the range and the worker do not change within a process
 def _worker_slice() -> range:
     high = max(LOW + 1000, _ephemeral_start())
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
