@@ -17,6 +17,7 @@ controller can write progress while the load runs::
     {"kind": "flush", "ok": true, "detail": "HTTP 200"}
     {"kind": "set_state", "status": 200 | 400 | null, "body": "<the answer's body, text>"}
     {"kind": "server_info", "info": {...} | null}
+    {"kind": "rendered", "ids": [[int, ...], ...]} | {"kind": "rendered", "error": "..."}
     {"kind": "request", "index": 3, "result": {RequestResult's fields}}
     {"kind": "summary", "duration_s": ..., "warmup_failures": 0, "cpu_s": ...}
 
@@ -373,6 +374,44 @@ def set_state(address, port, body, timeout):
     return {"kind": "set_state", "status": status, "body": raw.decode("utf-8", "replace")}
 
 
+def rendered_ids(status, body):
+    """(ids, None) or (None, why) from one ``/v1/tokenize`` answer for a chat prompt.
+
+    SGLang renders ``messages`` there exactly as for a chat completion (the served
+    model's chat template, ``serving_tokenize.py`` ``_tokenize_chat_request``); a model
+    without a template answers 400 with its ``message``."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if status != 200:
+        msg = (obj.get("message") or obj.get("detail")) if isinstance(obj, dict) else None
+        return None, f"HTTP {status}: {str(msg or text.strip())[:200]}"
+    tokens = obj.get("tokens") if isinstance(obj, dict) else None
+    if not isinstance(tokens, list) or not tokens or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        return None, "the answer holds no token ids"
+    return tokens, None
+
+
+def render_chat(address, port, conversations, timeout):
+    """Each conversation's ids as the served model's chat template renders them."""
+    ids = []
+    for messages in conversations:
+        body = {"messages": messages}
+        try:
+            status, raw = _simple(address, port, "POST", "/v1/tokenize", timeout, body=body)
+        except (OSError, ValueError) as exc:
+            return {"kind": "rendered", "error": _error_text(exc, "connect")}
+        one, why = rendered_ids(status, raw)
+        if why is not None:
+            return {"kind": "rendered", "error": why}
+        ids.append(one)
+    return {"kind": "rendered", "ids": ids}
+
+
 def server_info(address, port, timeout):
     try:
         status, body = _simple(address, port, "GET", "/server_info", timeout)
@@ -392,6 +431,8 @@ def main(p, send):
         writer.emit(set_state(address, port, p["set_state"], float(p.get("set_state_timeout_s", 30.0))))
     if p.get("server_info"):
         writer.emit(server_info(address, port, float(p.get("info_timeout_s", 10.0))))
+    if p.get("render"):
+        writer.emit(render_chat(address, port, p["render"], float(p.get("render_timeout_s", 30.0))))
     if p.get("load"):
         run_load(p["load"], address, port, writer)
 

@@ -5,6 +5,9 @@ Two modes, because both matter: ``generate`` (SGLang's native ``POST /generate``
 length is exact) and ``openai`` (``/v1/completions``, or ``/v1/chat/completions`` for
 prompts given as messages; token counts from the final ``usage`` chunk, requested with
 ``stream_options.include_usage``; no speculation counters exist on that route).
+Chat prompts reach ``/generate`` as the token ids the server's own ``/v1/tokenize``
+renders their messages to (the served model's chat template, :func:`render_chat`, once
+per launch), never as a hand-made transcript.
 
 Load shapes: closed loop (``concurrency`` requests in flight, a new one as soon as one
 finishes) or, with ``request_rate``, Poisson arrivals (exponential gaps from a seeded
@@ -86,9 +89,18 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+class UnrenderedChat(ValueError):
+    """A chat prompt about to reach ``/generate`` without the served model's rendering."""
+
+
 def _generate_payload(prompt: Prompt, spec: LoadSpec) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": spec.max_new_tokens, "ignore_eos": spec.ignore_eos}
     params.update(spec.sampling)
+    if prompt.chat:
+        # Never the transcript: the drafter was trained on the model's chat template.
+        if not prompt.input_ids:
+            raise UnrenderedChat(f"chat prompt {prompt.id or prompt.text[:40]!r} was not rendered by the server")
+        return {"input_ids": list(prompt.input_ids), "sampling_params": params, "stream": True}
     return {"text": prompt.text, "sampling_params": params, "stream": True}
 
 
@@ -102,7 +114,7 @@ def _openai_request(prompt: Prompt, spec: LoadSpec) -> tuple[str, dict[str, Any]
     }
     body.update(spec.sampling)
     if prompt.messages:
-        body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]
+        body["messages"] = chat_messages(prompt.messages)
         return "/v1/chat/completions", body
     body["prompt"] = prompt.text
     return "/v1/completions", body
@@ -248,6 +260,30 @@ def set_internal_state(base_url: str, body: Mapping[str, Any], *, timeout_s: flo
     from ddtree_ops.bench.livetree import refusal_detail
 
     return r.status_code, ("" if r.status_code == 200 else refusal_detail(r.status_code, r.content))
+
+
+def render_chat(base_url: str, conversations: Sequence[Sequence[tuple[str, str]]], *,
+                timeout_s: float = 30.0) -> tuple[list[list[int]] | None, str | None]:
+    """Each conversation's token ids through the served model's chat template
+    (``POST /v1/tokenize`` with ``messages``): (ids, None), or (None, why). Never raises."""
+    import httpx
+
+    ids: list[list[int]] = []
+    try:
+        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
+            for messages in conversations:
+                r = c.post("/v1/tokenize", json={"messages": chat_messages(messages)})
+                one, why = hc.rendered_ids(r.status_code, r.content)
+                if one is None:
+                    return None, why
+                ids.append(one)
+    except httpx.HTTPError as exc:
+        return None, _error_text(exc)
+    return ids, None
+
+
+def chat_messages(messages: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": r, "content": c} for r, c in messages]
 
 
 def server_info(base_url: str, *, timeout_s: float = 10.0) -> dict[str, Any] | None:

@@ -6,8 +6,9 @@ reads), and it outlives both: rows written today are read by next month's report
 * rows are **flat** (``ttft_ms_p99``, ``workload_num_prompts``), because pandas turns a
   flat JSON line into typed columns directly, while nested objects would need
   ``json_normalize`` (per-row Python, far too slow for a million rows);
-* the two values that are naturally not scalars stay as they are: ``server_argv``
-  (a list of strings) and ``readiness_s`` (phase name -> seconds);
+* the values that are naturally not scalars stay as they are: ``server_argv`` (a list
+  of strings), ``readiness_s`` (phase name -> seconds) and ``categories`` (data set /
+  category -> its figures);
 * every row carries ``schema_version``; a reader refuses (and reports) rows of a version
   it does not know instead of silently misreading them;
 * appending is one ``write`` of one complete line, flushed and fsynced, so a crash loses
@@ -112,6 +113,11 @@ class LedgerRow:
     # workload and sampling
     workload_hash: str
     workload_name: str
+    # How the prompts reached the model: "chat-template" (the served model's own chat
+    # template: the OpenAI chat route, or /generate with the ids /v1/tokenize rendered),
+    # "text" (completion prompts sent as is), or "chat-template+text". Optional: older
+    # rows lack it (they sent chat prompts to /generate as a plain transcript).
+    workload_prompt_format: str | None = field(default=None, kw_only=True)
     workload_num_prompts: int
     workload_max_new_tokens: int
     workload_ignore_eos: bool
@@ -158,6 +164,11 @@ class LedgerRow:
     # failed rows and in rows written before these fields.
     client_coalesced_frac: float | None = None
     client_bound: bool | None = None
+    # Per data set / category of the cell's prompts (``gsm8k``, ``math500/Algebra``, the
+    # project's ``code``...): {requests, completed, output_tokens, verify_ct,
+    # accept_length, user_tok_s, tpot_ms_median} (metrics.GroupMetrics). None in failed
+    # rows and in rows written before it.
+    categories: dict[str, dict[str, Any]] | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +238,11 @@ def validate_row(row: Mapping[str, Any]) -> str | None:
         return "cuda_graph must be true or false"
     if not isinstance(row["server_argv"], list):
         return "server_argv must be a list of strings"
+    categories = row.get("categories")
+    if categories is not None and (
+        not isinstance(categories, dict) or not all(isinstance(v, dict) for v in categories.values())
+    ):
+        return "categories must map each category to its figures"
     return None
 
 

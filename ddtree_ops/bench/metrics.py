@@ -105,6 +105,49 @@ class CellMetrics:
         return out
 
 
+@dataclass(frozen=True)
+class GroupMetrics:
+    """One data set / category of a cell (the ledger's ``categories``): what its requests
+    saw, so a report can show accept length and speedup per category of a mixed workload.
+    Throughput is per user (a request's tokens over its own e2e): the cell's wall time is
+    shared by every category that ran in it."""
+
+    requests: int
+    completed: int
+    output_tokens: int
+    verify_ct: int
+    accept_length: float | None
+    user_tok_s: float | None
+    tpot_ms_median: float | None
+
+
+def group_metrics(results: Sequence[RequestResult], groups: Sequence[str]) -> dict[str, GroupMetrics]:
+    """Per group (``Prompt.group`` of the prompt each result answered, in send order)."""
+    if len(results) != len(groups):
+        raise ValueError(f"{len(results)} results for {len(groups)} prompts")
+    by: dict[str, list[RequestResult]] = {}
+    for result, group in zip(results, groups, strict=True):
+        by.setdefault(group, []).append(result)
+    out: dict[str, GroupMetrics] = {}
+    for group, rs in sorted(by.items()):
+        good = [r for r in rs if r.ok]
+        spec = [r for r in good if r.spec_verify_ct]
+        verify = sum(r.spec_verify_ct or 0 for r in spec)
+        rates = [r.completion_tokens / r.e2e for r in good if r.e2e > 0]
+        tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in good
+                 if r.ttft is not None and r.completion_tokens > 1]
+        out[group] = GroupMetrics(
+            requests=len(rs),
+            completed=len(good),
+            output_tokens=sum(r.completion_tokens for r in good),
+            verify_ct=verify,
+            accept_length=sum(r.completion_tokens for r in spec) / verify if verify else None,
+            user_tok_s=sum(rates) / len(rates) if rates else None,
+            tpot_ms_median=_stat(tpots).median,
+        )
+    return out
+
+
 #: Above this fraction of coalesced chunks (RequestResult.coalesced) a cell's ITL
 #: percentiles are the client's: with more than one gap in twenty unseen, the p90 and the
 #: median move by a whole step once the client falls behind at high concurrency.

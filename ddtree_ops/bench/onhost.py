@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ddtree_ops.bench import client as local_client
 from ddtree_ops.bench._hostclient import SUMMARY
-from ddtree_ops.bench.client import LoadResult, LoadSpec, as_request_result, request_for
+from ddtree_ops.bench.client import LoadResult, LoadSpec, as_request_result, chat_messages, request_for
 from ddtree_ops.bench.livetree import SwitchAnswer, refusal_detail, switch_request
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.errors import DdtreeOpsError
@@ -55,6 +55,14 @@ def client_mode(host: Host, chosen: str | None) -> ClientMode:
     return "host" if is_loopback(host.ddtree.server.bind_host) else "local"
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """What ``/v1/tokenize`` gave for a workload's chat prompts: ids per conversation, or why not."""
+
+    ids: tuple[tuple[int, ...], ...] = ()
+    error: str | None = None
+
+
 class LoadClient(Protocol):
     """What the runner asks of a client; every method reports failure as data."""
 
@@ -67,6 +75,10 @@ class LoadClient(Protocol):
 
     def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
         """Pin a live DDTree server's tree, then read ``/server_info`` back (never raises)."""
+        ...
+
+    def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
+        """Token ids of each conversation through the served model's chat template."""
         ...
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult: ...
@@ -95,6 +107,10 @@ class LocalClient:
     def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
         status, detail = local_client.set_internal_state(self.url, switch_request(budget, topk))
         return SwitchAnswer(status, detail, self.server_info() if status == 200 else None)
+
+    def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
+        ids, why = local_client.render_chat(self.url, conversations)
+        return Rendered(error=why) if ids is None else Rendered(tuple(map(tuple, ids)))
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         return local_client.run_load(self.url, spec, on_done=on_done)
@@ -171,6 +187,18 @@ class HostClient:
         info = stream.answers.get("server_info", {}).get("info")
         detail = "" if status == 200 else refusal_detail(status, body.encode())
         return SwitchAnswer(status, detail, info if isinstance(info, dict) and status == 200 else None)
+
+    def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
+        stream = _Stream()
+        render = [chat_messages(m) for m in conversations]
+        problem = self._run({"render": render}, stream, timeout=30.0 * max(1, len(render)) + _COMMAND_SLACK_S)
+        answer = stream.answers.get("rendered")
+        if answer is None:
+            return Rendered(error=problem or "host client gave no answer")
+        ids = answer.get("ids")
+        if not isinstance(ids, list) or len(ids) != len(render):
+            return Rendered(error=str(answer.get("error") or "the host client's answer holds no ids"))
+        return Rendered(tuple(tuple(int(t) for t in one) for one in ids))
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]

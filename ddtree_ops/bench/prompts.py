@@ -13,6 +13,8 @@ the line (JSONL) or the index (JSON).
 
 A *named set* is ``<dir>/prompts/<name>.jsonl`` next to the sweep file or in the
 project's ``bench_configs/prompts``; the name ``mixed`` means every ``*.jsonl`` there.
+Published benchmark data sets (GSM8K, HumanEval, MT-Bench...) are read by
+:mod:`.datasets`, in their own layouts, into the same :class:`Prompt`.
 
 The workload is drawn deterministically from the seed, and its hash (prompts,
 max_new_tokens, ignore_eos) goes on every ledger row so ``--resume`` and reports only
@@ -39,13 +41,32 @@ _ROLES = {"system", "user", "assistant"}
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt. ``text`` is what ``/generate`` gets; ``messages`` (if the file gave them)
-    is what the OpenAI chat route gets."""
+    """One prompt: a completion prompt (``text``, sent as is) or a chat prompt
+    (``messages``), which is only ever sent through the served model's chat template: as
+    messages on the OpenAI chat route, or, for ``/generate``, as the ``input_ids`` that
+    the server's ``/v1/tokenize`` renders them to (``input_ids``, filled per launch by the
+    runner). A chat prompt's ``text`` is a plain transcript, kept for the workload hash
+    and for display, never sent.
+
+    ``dataset`` and ``category`` say where it came from (``gsm8k``; MATH-500's subject);
+    ``followups`` are the later turns of a multi-turn question, counted, not sent."""
 
     text: str
     id: str = ""
     category: str = ""
     messages: tuple[tuple[str, str], ...] = ()
+    dataset: str = ""
+    followups: tuple[str, ...] = ()
+    input_ids: tuple[int, ...] = ()
+
+    @property
+    def chat(self) -> bool:
+        return bool(self.messages)
+
+    @property
+    def group(self) -> str:
+        """The row breakdown's key: ``dataset/category``, or whichever of them is set."""
+        return "/".join(part for part in (self.dataset, self.category) if part) or "-"
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,15 @@ class WorkloadPrompts:
     max_new_tokens: int
     ignore_eos: bool
     workload_hash: str
+    name: str = ""  # its sources, ``+``-joined: the ledger's workload_name
+
+    @property
+    def prompt_format(self) -> str:
+        """How the prompts reach the model (the ledger's ``workload_prompt_format``):
+        ``chat-template`` (through the served model's chat template), ``text`` (plain
+        completion text), or both joined by ``+``."""
+        kinds = {"chat-template" if p.chat else "text" for p in self.prompts}
+        return "+".join(k for k in ("chat-template", "text") if k in kinds)
 
 
 def _parse_item(item: Any, where: str) -> Prompt:
@@ -88,8 +118,7 @@ def _parse_item(item: Any, where: str) -> Prompt:
         ):
             raise SweepError(f"{where}: messages[{j}] must be {{role: system|user|assistant, content: str}}")
         parsed.append((m["role"], m["content"]))
-    # /generate takes raw text; without the model's chat template a plain transcript is the
-    # most neutral rendering (the OpenAI chat mode sends the messages themselves).
+    # Display and hash only: /generate gets the served model's rendering (Prompt).
     text = "\n".join(f"{role}: {content}" for role, content in parsed) + "\nassistant:"
     return Prompt(text=text, id=str(item.get("id", "")), category=str(item.get("category", "")), messages=tuple(parsed))
 
@@ -150,23 +179,54 @@ def find_prompt_set(name: str, *, search: Iterable[Path] = ()) -> tuple[Path, ..
     raise SweepError(f"unknown prompt set {name!r} (known: {', '.join(known)})")
 
 
-def build_workload(workload: Workload, *, search: Sequence[Path] = ()) -> WorkloadPrompts:
-    """Draw ``num_prompts`` prompts with the workload's seed (cycling, re-shuffled, when the
-    files hold fewer) and hash what will be sent."""
+def _draw(pool: Sequence[Prompt], count: int, rng: random.Random) -> list[Prompt]:
+    """``count`` prompts of ``pool``, shuffled, cycling (re-shuffled) when it holds fewer."""
+    chosen: list[Prompt] = []
+    while len(chosen) < count:
+        order = list(pool)
+        rng.shuffle(order)
+        chosen.extend(order[: count - len(chosen)])
+    return chosen
+
+
+def workload_pools(workload: Workload, *, search: Sequence[Path] = ()) -> list[tuple[str, tuple[Prompt, ...]]]:
+    """The workload's sources, each (name, prompts): the prompt files and named set as one
+    pool, then each data set (:mod:`.datasets`) as its own."""
     files = list(workload.prompt_files)
     if workload.prompt_set is not None:
         files.extend(find_prompt_set(workload.prompt_set, search=search))
-    pool: list[Prompt] = []
+    pools: list[tuple[str, tuple[Prompt, ...]]] = []
+    own: list[Prompt] = []
     for f in dict.fromkeys(files):
-        pool.extend(load_prompt_file(f))
-    if not pool:
+        own.extend(load_prompt_file(f))
+    if own:
+        pools.append((workload.prompt_set or "+".join(p.stem for p in workload.prompt_files), tuple(own)))
+    if workload.datasets:
+        # Here, not at the top: datasets.py builds Prompts, and pyarrow is only for data sets.
+        from ddtree_ops.bench.datasets import load_dataset
+
+        for ref in workload.datasets:
+            pools.append((ref.name, load_dataset(ref.name, ref.path).prompts))
+    return pools
+
+
+def build_workload(workload: Workload, *, search: Sequence[Path] = ()) -> WorkloadPrompts:
+    """Draw ``num_prompts`` prompts with the workload's seed and hash what will be sent.
+
+    One source: drawn from it (cycling, re-shuffled, when it holds fewer). Several (the
+    project's files and data sets, or a mix of data sets): an equal share from each, so
+    that 80 MT-Bench questions are not drowned by 90k ShareGPT conversations, the shares
+    then shuffled together so that the sets interleave in send order."""
+    pools = workload_pools(workload, search=search)
+    if not pools:
         raise SweepError("the workload names no prompt files")
     rng = random.Random(workload.seed)
-    chosen: list[Prompt] = []
-    while len(chosen) < workload.num_prompts:
-        order = list(pool)
-        rng.shuffle(order)
-        chosen.extend(order[: workload.num_prompts - len(chosen)])
+    if len(pools) == 1:
+        chosen = _draw(pools[0][1], workload.num_prompts, rng)
+    else:
+        share, extra = divmod(workload.num_prompts, len(pools))
+        chosen = [p for i, (_, pool) in enumerate(pools) for p in _draw(pool, share + (i < extra), rng)]
+        rng.shuffle(chosen)
     digest = hashlib.sha256(
         json.dumps(
             {
@@ -183,4 +243,5 @@ def build_workload(workload: Workload, *, search: Sequence[Path] = ()) -> Worklo
         max_new_tokens=workload.max_new_tokens,
         ignore_eos=workload.ignore_eos,
         workload_hash=digest[:16],
+        name="+".join(name for name, _ in pools),
     )

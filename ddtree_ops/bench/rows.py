@@ -8,14 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.ledger import LedgerRow
 from ddtree_ops.bench.livetree import LiveTree
-from ddtree_ops.bench.metrics import CellMetrics
+from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics
 from ddtree_ops.bench.plan import Cell, LaunchConfig
 from ddtree_ops.bench.prompts import WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance
@@ -81,7 +81,7 @@ class RowMaker:
     def row(
         self, *, machine: str, server_host: Host, client: str, prov: Provenance, restart: RestartResult | None,
         cell: Cell, repeat: int, started_at: str, error: str | None, metrics: CellMetrics | None = None,
-        live: LiveTree | None = None,
+        live: LiveTree | None = None, groups: Mapping[str, GroupMetrics] | None = None,
     ) -> LedgerRow:
         """``machine``: the inventory host the row belongs to; ``server_host``: the server
         place that served it (the machine itself, or one of its GPU slots); ``live``: the
@@ -132,7 +132,8 @@ class RowMaker:
             "smoke": None if restart is None else ("passed" if smoke is not None and smoke.passed else "skipped"),
             "smoke_s": smoke.seconds if smoke is not None else None,
             "readiness_s": {str(k): v for k, v in restart.phase_durations.items()} if restart is not None else {},
-            "workload_name": wl.prompt_set or "+".join(p.stem for p in wl.prompt_files),
+            "workload_name": self.workload.name or wl.prompt_set or "+".join(p.stem for p in wl.prompt_files),
+            "workload_prompt_format": self.workload.prompt_format,
             "workload_num_prompts": len(self.workload.prompts),
             "workload_max_new_tokens": self.workload.max_new_tokens,
             "workload_ignore_eos": self.workload.ignore_eos,
@@ -157,6 +158,7 @@ class RowMaker:
                 verify_ct=metrics.verify_steps or None,
                 client_coalesced_frac=metrics.coalesced_frac,
                 client_bound=metrics.client_bound,
+                categories={name: asdict(g) for name, g in groups.items()} if groups else None,
                 **{name: flat[name] for name in ledger.LATENCY_FIELDS},
             )
         return LedgerRow(**fields)

@@ -41,10 +41,11 @@ ITL at high concurrency. Every row records its ``client``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +56,11 @@ from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.ledger import LedgerRow
 from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
-from ddtree_ops.bench.metrics import CellMetrics, RequestResult, calculate_metrics
+from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
 from ddtree_ops.bench.plan import Cell, LaunchConfig
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
-from ddtree_ops.bench.prompts import WorkloadPrompts
+from ddtree_ops.bench.prompts import Prompt, WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.schedule import Job
@@ -379,15 +380,17 @@ class SweepRunner:
                             break
                         serving, restart = job.launch, launched
                         served = with_server_info(prov, client.server_info())
+                        prompts = self._render(sr, client)
                     if self._stopping():
                         return None
                     cell, rep = left[0]
                     live = self._switch(sr, client, cell) if cell.switched else None
-                    if isinstance(live, str):
-                        row = self._row(sr, served, restart, cell, rep, now_iso(), error=live)
+                    if isinstance(live, str) or isinstance(prompts, str):
+                        unmeasured = live if isinstance(live, str) else str(prompts)
+                        row = self._row(sr, served, restart, cell, rep, now_iso(), error=unmeasured)
                         self._append(sr, row, cell)
                     else:
-                        row = self._measure(sr, client, served, restart, cell, rep, live=live)
+                        row = self._measure(sr, client, served, restart, cell, rep, prompts, live=live)
                     left.pop(0)  # written: no longer the caller's to fail
                     if row.status == "failed" and not server.serving():
                         restart, why = None, "server gone; restarting"
@@ -395,6 +398,22 @@ class SweepRunner:
             self._fail_rest(sr, prov, None, left, str(exc))
             return str(exc)
         return None
+
+    def _render(self, sr: _SlotRun, client: LoadClient) -> tuple[Prompt, ...] | str:
+        """The workload as this launch receives it: for ``/generate``, each chat prompt with
+        the ids the served model's chat template renders it to; or why it cannot be sent
+        (every row of the launch fails with it: a transcript is never sent instead)."""
+        prompts = self.workload.prompts
+        if self.spec.api != "generate" or not any(p.chat for p in prompts):
+            return prompts
+        conversations = list(dict.fromkeys(p.messages for p in prompts if p.chat))
+        self._emit(sr.hr, "running", slot=sr.label, message=f"rendering {len(conversations)} chat prompts")
+        rendered = client.render_chat(conversations)
+        if rendered.error is not None or len(rendered.ids) != len(conversations):
+            return ("chat prompts could not be rendered through the served model's chat template "
+                    f"(POST /v1/tokenize): {rendered.error or 'answer incomplete'}")
+        ids = dict(zip(conversations, rendered.ids, strict=True))
+        return tuple(dataclasses.replace(p, input_ids=ids[p.messages]) if p.chat else p for p in prompts)
 
     def _switch(self, sr: _SlotRun, client: LoadClient, cell: Cell) -> LiveTree | str:
         """Pin ``cell``'s tree on the live launch and prove it took: the state it is measured
@@ -406,7 +425,7 @@ class SweepRunner:
 
     def _measure(
         self, sr: _SlotRun, client: LoadClient, prov: Provenance, restart: RestartResult, cell: Cell, rep: int,
-        *, live: LiveTree | None = None,
+        prompts: tuple[Prompt, ...], *, live: LiveTree | None = None,
     ) -> LedgerRow:
         self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
         started_at = now_iso()
@@ -421,7 +440,7 @@ class SweepRunner:
 
         load = client.run_load(
             LoadSpec(
-                prompts=self.workload.prompts,
+                prompts=prompts,
                 max_new_tokens=self.workload.max_new_tokens,
                 sampling=cell.sampling.as_params(),
                 ignore_eos=self.workload.ignore_eos,
@@ -435,19 +454,21 @@ class SweepRunner:
             on_done=on_done,
         )
         metrics = calculate_metrics(load.results, duration_s=load.duration_s)
+        groups = group_metrics(load.results, [p.group for p in prompts])
         error = None
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
-        row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics, live=live)
+        row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics, live=live,
+                        groups=groups)
         self._append(sr, row, cell)
         return row
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
              started_at: str, *, error: str | None, metrics: CellMetrics | None = None,
-             live: LiveTree | None = None) -> LedgerRow:
+             live: LiveTree | None = None, groups: Mapping[str, GroupMetrics] | None = None) -> LedgerRow:
         return self.rows.row(machine=sr.hr.host.name, server_host=sr.host, client=sr.hr.plan.client, prov=prov,
                              restart=restart, cell=cell, repeat=rep, started_at=started_at, error=error,
-                             metrics=metrics, live=live)
+                             metrics=metrics, live=live, groups=groups)
 
     def _append(self, sr: _SlotRun, row: LedgerRow, cell: Cell) -> None:
         hr = sr.hr

@@ -67,7 +67,8 @@ RELAUNCH_MODES = ("never", "always")
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
              "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
              "relaunch"}
-_WORKLOAD_KEYS = {"prompt_files", "prompt_set", "num_prompts", "max_new_tokens", "ignore_eos", "seed"}
+_WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
+                  "ignore_eos", "seed"}
 APIS = ("generate", "openai")
 # Where the load is generated: this machine, or the GPU host next to its server
 # (``bench.onhost``); None = host when the server binds loopback, else local.
@@ -75,11 +76,22 @@ CLIENTS = ("local", "host")
 
 
 @dataclass(frozen=True)
+class DatasetRef:
+    """A published data set by name (:mod:`.datasets`), read from ``path`` (a file or a
+    folder), or, without one, from a shipped or locally cached copy."""
+
+    name: str
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
 class Workload:
-    """What is sent: prompts (files and/or a named set), how many, how long, which seed."""
+    """What is sent: prompts (files, a named set and/or published data sets), how many,
+    how long, which seed."""
 
     prompt_files: tuple[Path, ...] = ()
     prompt_set: str | None = None
+    datasets: tuple[DatasetRef, ...] = ()
     num_prompts: int = 32
     max_new_tokens: int = 128
     ignore_eos: bool = True
@@ -200,9 +212,48 @@ def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[
     return tuple(rules)
 
 
+def _dataset_ref(path: Path, key: str, name: Any, where: Any) -> DatasetRef:
+    from ddtree_ops.bench.datasets import DATASETS
+
+    if not isinstance(name, str) or name not in DATASETS:
+        raise _fail(path, key, f"unknown data set {name!r} (known: {', '.join(DATASETS)})")
+    if where is None:
+        return DatasetRef(name)
+    if not isinstance(where, str) or not where.strip():
+        raise _fail(path, key.rsplit(".", 1)[0] + ".path", f"must be a file or folder path, got {where!r}")
+    p = Path(where).expanduser()
+    if not p.is_absolute():
+        p = (path.parent / p).resolve()
+    if not p.exists():
+        raise _fail(path, key.rsplit(".", 1)[0] + ".path", f"no such file or folder: {p}")
+    return DatasetRef(name, p)
+
+
+def _parse_datasets(path: Path, raw: Mapping[str, Any]) -> tuple[DatasetRef, ...]:
+    """``dataset: gsm8k`` (+ ``path:``), or ``datasets: [{name, path}, ...]`` for a mix."""
+    refs: list[DatasetRef] = []
+    if "dataset" in raw:
+        refs.append(_dataset_ref(path, "workload.dataset", raw["dataset"], raw.get("path")))
+    elif "path" in raw:
+        raise _fail(path, "workload.path", "names the file of a data set: give dataset: too")
+    listed = raw.get("datasets", [])
+    if not isinstance(listed, list):
+        raise _fail(path, "workload.datasets", "must be a list of {name, path}")
+    for i, item in enumerate(listed):
+        key = f"workload.datasets[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, Mapping) or not set(item) <= {"name", "path"} or "name" not in item:
+            raise _fail(path, key, "must be a data set name or {name, path}")
+        refs.append(_dataset_ref(path, f"{key}.name", item["name"], item.get("path")))
+    if len(set(refs)) != len(refs):
+        raise _fail(path, "workload.datasets", "names the same data set (and path) twice")
+    return tuple(refs)
+
+
 def _parse_workload(path: Path, raw: Any) -> Workload:
     if raw is None:
-        raise _fail(path, "workload", "is missing (give prompt_files or prompt_set)")
+        raise _fail(path, "workload", "is missing (give prompt_files, prompt_set or dataset)")
     if not isinstance(raw, Mapping):
         raise _fail(path, "workload", "must be a mapping")
     for key in raw:
@@ -224,8 +275,9 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
     prompt_set = raw.get("prompt_set")
     if prompt_set is not None and not isinstance(prompt_set, str):
         raise _fail(path, "workload.prompt_set", f"must be a name, got {prompt_set!r}")
-    if not files and prompt_set is None:
-        raise _fail(path, "workload", "give prompt_files or prompt_set")
+    datasets = _parse_datasets(path, raw)
+    if not files and prompt_set is None and not datasets:
+        raise _fail(path, "workload", "give prompt_files, prompt_set or dataset")
     if prompt_set is not None:
         from ddtree_ops.bench.prompts import find_prompt_set
 
@@ -239,6 +291,7 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
     return Workload(
         prompt_files=tuple(files),
         prompt_set=prompt_set,
+        datasets=datasets,
         num_prompts=_int(path, "workload.num_prompts", raw.get("num_prompts", 32), minimum=1),
         max_new_tokens=_int(path, "workload.max_new_tokens", raw.get("max_new_tokens", 128), minimum=1),
         ignore_eos=ignore_eos,
@@ -362,6 +415,8 @@ def sweep_hash(spec: SweepSpec) -> str:
         "workload": {
             "prompt_files": [p.name for p in wl.prompt_files],
             "prompt_set": wl.prompt_set,
+            # Only when set, so that the hashes of sweeps written before data sets stay.
+            **({"datasets": [[d.name, d.path.name if d.path else None] for d in wl.datasets]} if wl.datasets else {}),
             "num_prompts": wl.num_prompts,
             "max_new_tokens": wl.max_new_tokens,
             "ignore_eos": wl.ignore_eos,

@@ -17,15 +17,16 @@ import typer
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from ddtree_ops.bench.client import chat_messages
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
+from ddtree_ops.bench.prompts import WorkloadPrompts, build_workload
 from ddtree_ops.bench.runner import Progress as RunProgress
 from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.bench.schedule import Schedule
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, set_json_data
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, set_json_data
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
 from ddtree_ops.inventory_types import Host
@@ -47,10 +48,53 @@ def _hosts(obj: AppContext, spec: SweepSpec, target: str | None) -> list[Host]:
     return list(seen.values())
 
 
-def _plan_json(prepared: PreparedSweep) -> dict[str, Any]:
+def _prompts_json(workload: WorkloadPrompts) -> dict[str, Any]:
+    return {
+        "name": workload.name,
+        "hash": workload.workload_hash,
+        "prompt_format": workload.prompt_format,
+        "max_new_tokens": workload.max_new_tokens,
+        "ignore_eos": workload.ignore_eos,
+        "prompts": [
+            {"id": p.id, "dataset": p.dataset or None, "category": p.category or None,
+             "format": "chat" if p.chat else "text",
+             "messages": chat_messages(p.messages) if p.chat else None, "text": None if p.chat else p.text,
+             "followups_not_sent": len(p.followups)}
+            for p in workload.prompts
+        ],
+    }
+
+
+# How many prompts the dry run's table shows (--json lists every one).
+_SHOWN_PROMPTS = 20
+
+
+def _render_prompts(obj: AppContext, workload: WorkloadPrompts, *, wide: bool) -> None:
+    columns = (
+        TableColumn("#", "right"),
+        TableColumn("id", drop=2),
+        TableColumn("set / category", wrap=True),
+        TableColumn("format"),
+        TableColumn("prompt (start)", wrap=True),
+    )
+    rows: list[list[str | Text]] = []
+    for i, p in enumerate(workload.prompts[:_SHOWN_PROMPTS], 1):
+        shown = p.messages[-1][1] if p.chat else p.text
+        fmt = "chat" + (f" (+{len(p.followups)} turns not sent)" if p.followups else "") if p.chat else "text"
+        rows.append([str(i), printable(p.id), printable(p.group), fmt, printable(shown, limit=70)])
+    more = len(workload.prompts) - len(rows)
+    title = (f"workload {workload.name}: {len(workload.prompts)} prompts ({workload.prompt_format}), "
+             f"max_new_tokens {workload.max_new_tokens}, hash {workload.workload_hash}")
+    caption = f"{more} more: bench --dry-run --json lists every prompt" if more > 0 else None
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title,
+                                          caption=caption))
+
+
+def _plan_json(prepared: PreparedSweep, workload: WorkloadPrompts) -> dict[str, Any]:
     spec, plan = prepared.spec, prepared.plan
     return {
         "sweep": spec.name,
+        "workload": _prompts_json(workload),
         "hosts": [hp.host.name for hp in prepared.hosts],
         # Where each host's load is generated: "host" (next to its server) or "local".
         "clients": {hp.host.name: hp.client for hp in prepared.hosts},
@@ -88,11 +132,12 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
     }
 
 
-def _render_plan(obj: AppContext, prepared: PreparedSweep, *, wide: bool = False) -> None:
+def _render_plan(obj: AppContext, prepared: PreparedSweep, workload: WorkloadPrompts, *, wide: bool = False) -> None:
     spec, plan = prepared.spec, prepared.plan
     if obj.json:
-        set_json_data(obj, _plan_json(prepared))
+        set_json_data(obj, _plan_json(prepared, workload))
         return
+    _render_prompts(obj, workload, wide=wide)
     columns = (
         TableColumn("#", "right"),
         TableColumn("server", wrap=True),
@@ -197,10 +242,12 @@ def bench(
     obj: AppContext = ctx.obj
     spec = load_sweep(sweep)
     prepared = prepare_sweep(spec, _hosts(obj, spec, target))
-    if dry_run:
-        _render_plan(obj, prepared, wide=wide)
-        return
+    # Read before any host is touched, and in a dry run too: a bad data file is one line
+    # naming the file and line, whether or not the sweep runs.
     workload = build_workload(spec.workload, search=(spec.source.parent,))
+    if dry_run:
+        _render_plan(obj, prepared, workload, wide=wide)
+        return
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
     cancel = threading.Event()
     holder: dict[str, Any] = {}

@@ -39,6 +39,17 @@ Judge = Callable[[Any], "BaseException | None"]
 SCHEMA_VERSION = 1
 
 
+def printable(text: str, *, limit: int | None = None) -> str:
+    """``text`` for a terminal: control characters (an ANSI escape in a prompt or a host
+    name) shown as ``\\x1b``-style escapes, never sent raw; whitespace runs as one space;
+    cut at ``limit`` characters with an ellipsis."""
+    out = " ".join(text.split())
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in out)
+    if limit is not None and len(out) > limit:
+        out = out[: limit - 1] + "…"
+    return out
+
+
 def check_output_path(option: str, path: Path | None, *, directory: bool = False) -> None:
     """Refuse an output path whose parent directory does not exist, before any work.
 

@@ -68,6 +68,18 @@ class State:
         self.ready = False
         self.draining = False
         self.engine: Engine | None = None
+        # Prompts /v1/tokenize rendered through the chat template -> their text's category:
+        # the word hashes cannot be read back, and a chat prompt sent to /generate as those
+        # ids must behave like its text (a math question stays math). Bounded.
+        self.rendered: dict[tuple[int, ...], str] = {}
+
+    def remember(self, ids: list[int], category: str) -> None:
+        if len(self.rendered) >= _RENDERED_MAX:
+            self.rendered.clear()
+        self.rendered[tuple(ids)] = category
+
+
+_RENDERED_MAX = 1 << 16
 
 
 # --------------------------------------------------------------------------- helpers
@@ -125,7 +137,7 @@ def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
     return meta
 
 
-def _prompt_from(obj: dict[str, Any]) -> tuple[list[int], str]:
+def _prompt_from(obj: dict[str, Any], state: State | None = None) -> tuple[list[int], str]:
     text = obj.get("text")
     ids = obj.get("input_ids")
     if text is None and ids is None:
@@ -138,7 +150,7 @@ def _prompt_from(obj: dict[str, Any]) -> tuple[list[int], str]:
         return tokenize(text), classify_prompt(text)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise RequestError("input_ids must be a list of non-negative integers")
-    return list(ids), "chat"
+    return list(ids), (state.rendered.get(tuple(ids), "chat") if state is not None else "chat")
 
 
 async def _run_to_end(req: GenRequest) -> None:
@@ -335,7 +347,8 @@ async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
             raise RequestError("batched streaming is not simulated")
         if isinstance(raw, list) and len(raw) != len(batch):
             raise RequestError(f"{len(batch)} prompts but {len(raw)} sampling_params")
-        items = [(_prompt_from({"input_ids": ids}), SamplingParams.from_json(raw[i] if isinstance(raw, list) else raw))
+        items = [(_prompt_from({"input_ids": ids}, state),
+                  SamplingParams.from_json(raw[i] if isinstance(raw, list) else raw))
                  for i, ids in enumerate(batch)]
     except RequestError as exc:
         return _error(str(exc))
@@ -360,7 +373,7 @@ async def generate(request: Request) -> Response:
             raise RequestError("Request body must be a JSON object.")
         if _is_id_batch(obj.get("input_ids")) and obj.get("text") is None:
             return await _generate_batch(request, obj)
-        prompt, category = _prompt_from(obj)
+        prompt, category = _prompt_from(obj, state)
         params = SamplingParams.from_json(obj.get("sampling_params"))
         stream = obj.get("stream", False)
         if not isinstance(stream, bool):
@@ -414,7 +427,8 @@ def _openai_params(obj: dict[str, Any]) -> SamplingParams:
     return SamplingParams.from_json(raw)
 
 
-def _chat_prompt(messages: object) -> str:
+def chat_template_text(messages: object) -> str:
+    """The simulated model's chat template: ``role: content`` lines, then ``assistant:``."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     parts = []
@@ -437,7 +451,7 @@ async def _openai(request: Request, *, chat: bool) -> Response:
         if not isinstance(obj, dict):
             raise RequestError("Request body must be a JSON object.")
         if chat:
-            text = _chat_prompt(obj.get("messages"))
+            text = chat_template_text(obj.get("messages"))
         else:
             prompt = obj.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -541,6 +555,27 @@ async def chat_completions(request: Request) -> Response:
     return await _openai(request, chat=True)
 
 
+async def tokenize_route(request: Request) -> Response:
+    """``/v1/tokenize`` (``serving_tokenize.py``): ``prompt`` as text, or ``messages``
+    rendered as for a chat completion (the simulated model's template, chat_template_text)."""
+    state: State = request.app.state.sim
+    try:
+        obj = await _read_json(request)
+        if not isinstance(obj, dict):
+            raise RequestError("Request body must be a JSON object.")
+        if obj.get("messages") is not None:
+            text = chat_template_text(obj["messages"])
+            ids = tokenize(text)
+            state.remember(ids, classify_prompt(text))
+        elif isinstance(obj.get("prompt"), str):
+            ids = tokenize(obj["prompt"])
+        else:
+            raise RequestError(f"Invalid prompt type: {type(obj.get('prompt'))}. Expected str or List[str].")
+    except RequestError as exc:
+        return _openai_error(str(exc))
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": 32768})
+
+
 def build_app(state: State) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -555,6 +590,8 @@ def build_app(state: State) -> Starlette:
         Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/tokenize", tokenize_route, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
     ]
     app = Starlette(routes=routes)
     app.state.sim = state

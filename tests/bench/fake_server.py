@@ -1,9 +1,10 @@
 """A tiny SGLang-shaped streaming server on loopback, run by uvicorn in a thread.
 
-Speaks the two routes the client uses, with behaviour chosen by the prompt text:
+Speaks the routes the client uses, with behaviour chosen by the prompt text:
 ``fail500`` answers HTTP 500, ``die`` drops the connection after two chunks, ``error``
 sends SGLang's in-stream error object, ``burst`` writes every decode chunk at once after
-the last step (chunks that queued while a client was busy reach it in one read). Each
+the last step (chunks that queued while a client was busy reach it in one read);
+``/v1/tokenize`` renders chat messages through a toy chat template. Each
 step emits ``tokens_per_step`` tokens (as a speculating server does) and counts as one
 verify step.
 """
@@ -35,13 +36,15 @@ class FakeState:
     requests: int = 0
     flushes: int = 0
     bodies: list[dict] = field(default_factory=list)
+    chat_template: bool = True
 
 
 def make_app(state: FakeState) -> Starlette:
     async def generate(request: Request) -> Response:
         body = await request.json()
         state.bodies.append(body)
-        text = body["text"]
+        # Rendered chat prompts arrive as ids: the fake "tokenizer" is one id per byte.
+        text = body["text"] if "text" in body else bytes(body["input_ids"]).decode("utf-8", "replace")
         n = int(body["sampling_params"]["max_new_tokens"])
         if "fail500" in text:
             return JSONResponse({"error": "boom"}, status_code=500)
@@ -109,12 +112,26 @@ def make_app(state: FakeState) -> Starlette:
         state.flushes += 1
         return Response("ok")
 
+    async def tokenize(request: Request) -> Response:
+        """SGLang's /v1/tokenize for messages: the chat template (``<|role|>content``
+        turns, then the assistant's opening) as one id per UTF-8 byte; without a
+        template, the 400 a model without one gets."""
+        body = await request.json()
+        state.bodies.append(body)
+        if not state.chat_template:
+            return JSONResponse({"object": "error", "message": "this model has no chat template", "type":
+                                 "BadRequestError", "param": None, "code": 400}, status_code=400)
+        rendered = "".join(f"<|{m['role']}|>{m['content']}" for m in body["messages"]) + "<|assistant|>"
+        ids = list(rendered.encode())
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
     return Starlette(
         routes=[
             Route("/generate", generate, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/flush_cache", flush, methods=["POST"]),
+            Route("/v1/tokenize", tokenize, methods=["POST"]),
         ]
     )
 

@@ -18,6 +18,8 @@ from testports import free_port
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.sweep import load_sweep, sweep_hash
 
+from .test_datasets import LAYOUTS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -201,3 +203,46 @@ def test_resume_cuts_a_truncated_last_line_and_stamps_the_sweep_hash(tmp_path: P
     read = ledger.read_ledger(out)
     assert read.bad_lines == [] and sorted(r["concurrency"] for r in read.rows) == [1, 2]
     assert {r["sweep_hash"] for r in read.rows} == {sweep_hash(load_sweep(sweep))}
+
+
+DRY_RUN_SETS = [(n, p, w, r) for n, p, w, r in LAYOUTS if n != "gsm8k" or p.endswith(".jsonl")]
+
+
+@pytest.mark.parametrize(("name", "relpath", "write", "records"), DRY_RUN_SETS + [("humaneval", "", None, [])],
+                         ids=[n for n, *_ in DRY_RUN_SETS] + ["humaneval-package"])
+def test_dry_run_lists_the_prompts_of_a_data_set_in_its_published_layout(
+    tmp_path: Path, name: str, relpath: str, write, records: list
+) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    workload: dict = {"dataset": name, "num_prompts": 3, "max_new_tokens": 16}
+    if write is not None:
+        workload["path"] = str(write(tmp_path / "data" / relpath, records))
+    sweep = write_sweep(tmp_path, workload=workload)
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    wl = json_data(done.stdout)["workload"]
+    assert wl["name"] == name and len(wl["prompts"]) == 3
+    assert {p["dataset"] for p in wl["prompts"]} == {name}
+    fmt = "text" if name == "humaneval" else "chat"
+    assert {p["format"] for p in wl["prompts"]} == {fmt}
+    assert wl["prompt_format"] == ("text" if fmt == "text" else "chat-template")
+    first = wl["prompts"][0]
+    shown = first["text"] if fmt == "text" else first["messages"][-1]["content"]
+    text = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", "--wide", cwd=tmp_path)
+    assert text.returncode == 0 and f"workload {name}: 3 prompts" in " ".join(text.stdout.split())
+    assert " ".join(shown.split())[:20] in text.stdout
+
+
+def test_dry_run_names_a_bad_data_file_and_line_and_never_prints_escapes_raw(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    data = tmp_path / "test.jsonl"
+    data.write_text('{"question": "fine"}\n{"question": "\\u001b[2Jcleared?"}\n')
+    sweep = write_sweep(tmp_path, workload={"dataset": "gsm8k", "path": str(data), "num_prompts": 2})
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b[2J" not in done.stdout and "\\x1b[2Jcleared?" in done.stdout
+    data.write_text('{"question": "fine"}\n{"answer": "#### 4"}\n')
+    done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith(f"error: {data}:2: no 'question' text")
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from ddtree_ops.bench.client import LoadResult, LoadSpec
+from ddtree_ops.bench.client import LoadResult, LoadSpec, UnrenderedChat, request_for
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
 from ddtree_ops.bench.prompts import Prompt
@@ -174,3 +174,31 @@ def test_host_client_runs_on_python_3_8() -> None:
                                             api=api, request_rate=100.0))  # type: ignore[arg-type]
             assert [(r.ok, r.completion_tokens) for r in load.results] == [(True, 7)] * 3, load.results
         assert client.flush_cache() == (True, "HTTP 200")
+
+
+def test_chat_prompts_reach_generate_as_the_servers_rendering_never_a_transcript(server) -> None:
+    client, state = server
+    chat = (Prompt(text="user: hi\nassistant:", messages=(("user", "hi"),)),
+            Prompt(text="system: be brief\nuser: why?\nassistant:",
+                   messages=(("system", "be brief"), ("user", "why?"))))
+    with pytest.raises(UnrenderedChat):
+        request_for(chat[0], LoadSpec(prompts=chat, max_new_tokens=4))
+    rendered = client.render_chat([p.messages for p in chat])
+    assert rendered.error is None
+    assert [bytes(ids).decode() for ids in rendered.ids] == [
+        "<|user|>hi<|assistant|>", "<|system|>be brief<|user|>why?<|assistant|>"]
+    sent = tuple(dataclasses.replace(p, input_ids=ids) for p, ids in zip(chat, rendered.ids, strict=True))
+    load = client.run_load(LoadSpec(prompts=sent, max_new_tokens=4))
+    assert all(r.ok for r in load.results)
+    generated = [b for b in state.bodies if "sampling_params" in b]
+    assert [b["input_ids"] for b in generated] == [list(ids) for ids in rendered.ids]
+    assert all("text" not in b for b in generated)
+
+
+def test_a_model_without_a_chat_template_is_the_servers_reason(server) -> None:
+    client, state = server
+    state.chat_template = False
+    rendered = client.render_chat([(("user", "hi"),)])
+    assert rendered.ids == () and rendered.error == "HTTP 400: this model has no chat template"
+    assert client_at(client.mode, "http://127.0.0.1:9").render_chat([(("user", "hi"),)]).error.startswith(
+        "connection failed")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_ops.bench.client import chat_messages
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.onhost import client_mode
 from ddtree_ops.bench.prepare import prepare_sweep
@@ -15,6 +16,8 @@ from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress, SweepRunner
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.sim.server import chat_template_text
+from ddtree_ops.sim.text import tokenize
 
 from .test_runner import local_host, rows_of, sim_server, stop_all, sweep
 
@@ -78,3 +81,38 @@ def test_sweep_over_ssh_measures_a_loopback_server_from_the_host(ssh_fleet, tmp_
     assert not outcome.failed, rows
     assert [(r["status"], r["client"]) for r in rows] == [("ok", "host")]
     assert rows[0]["completed"] == 4 and rows[0]["sglang_version"] == "0.5.23-sim"
+
+
+@pytest.mark.parametrize("client", ["local", "host"])
+def test_a_data_set_mix_is_sent_through_the_served_models_template_and_broken_down(
+    tmp_path: Path, client: str
+) -> None:
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(
+        '{"question_id": 81, "category": "writing", "turns": ["Write a haiku about the sea.", "Now in French."]}\n'
+        '{"question_id": 111, "category": "math", "turns": ["Solve 3 * x + 7 = 22 for x.", "And for 25?"]}\n'
+    )
+    host = local_host(tmp_path, f"sim-{client}")
+    workload = {"datasets": [{"name": "mtbench", "path": str(questions)}, "humaneval"], "num_prompts": 4,
+                "max_new_tokens": 8}
+    spec = sweep(tmp_path, baselines=[], grid=GRID, client=client, workload=workload)
+    wl = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    try:
+        outcome = SweepRunner(prepare_sweep(spec, [host]), wl, ledger_path=out, options=SweepOptions(smoke=False)).run()
+    finally:
+        stop_all([host])
+    (row,) = rows_of(out)
+    assert not outcome.failed and row["status"] == "ok", row
+    assert row["workload_name"] == "mtbench+humaneval" and row["workload_prompt_format"] == "chat-template+text"
+    # The server counted the prompts it was sent: chat prompts as its own template renders
+    # them (the simulator's `role: content` lines and `assistant:`), HumanEval as its text.
+    expected = sum(len(tokenize(chat_template_text(chat_messages(p.messages)) if p.chat else p.text))
+                   for p in wl.prompts)
+    assert row["total_input_tokens"] == expected
+    assert sorted(row["categories"]) == sorted({p.group for p in wl.prompts})
+    assert {g.split("/")[0] for g in row["categories"]} == {"mtbench", "humaneval"}
+    assert sum(g["requests"] for g in row["categories"].values()) == 4
+    for g in row["categories"].values():
+        assert g["completed"] == g["requests"] and g["output_tokens"] == 8 * g["requests"]
+        assert g["accept_length"] >= 1.0 and g["user_tok_s"] > 0
