@@ -269,6 +269,12 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert r["completed"] == NUM_PROMPTS and r["failed"] == 0, where
         assert r["total_output_tokens"] == NUM_PROMPTS * MAX_NEW_TOKENS, where  # ignore_eos: every token generated
         assert r["output_tok_s"] > 0 and r["temperature"] == TEMPERATURE and r["concurrency"] == 1, where
+        # Half the project's prompts (chat ones through the served model's template), half
+        # HumanEval as completion text; each row broken down by where its prompts came from.
+        assert r["workload_name"] == "mixed+humaneval", where
+        groups = {g["group"]: g for g in r["categories"]}
+        assert "humaneval" in groups and set(groups) - {"humaneval"} <= {"code", "math", "chat"}, (where, groups)
+        assert sum(g["requests"] for g in groups.values()) == NUM_PROMPTS, where
         # Provenance: the serving simulator, the probed SGLang install, the simulated GPU
         # (no nvidia-smi here) and the bundle deploy put there.
         assert r["sglang_version"] == "0.5.23-sim" and r["sglang_installed_version"] == "0.5.23", where
@@ -302,6 +308,7 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     assert report.exit_code == 0, f"report exited {report.exit_code}:\n{report.stderr[-3000:]}\n{report.stdout[-3000:]}"
     assert f"Read {len(rows)} rows from 1 ledger(s)." in report.stdout
     assert "Best configuration" in report.stdout
+    assert "Best configurations per category" in report.stdout and "humaneval" in report.stdout
 
     # The tidy CSV: one row per (host, cell); the B300 budget-16 cell stays visibly eager.
     columns, tidy = _csv_rows(tidy_csv)

@@ -7,8 +7,8 @@ reads), and it outlives both: rows written today are read by next month's report
   flat JSON line into typed columns directly, while nested objects would need
   ``json_normalize`` (per-row Python, far too slow for a million rows);
 * the values that are naturally not scalars stay as they are: ``server_argv`` (a list
-  of strings), ``readiness_s`` (phase name -> seconds) and ``categories`` (data set /
-  category -> its figures);
+  of strings), ``readiness_s`` (phase name -> seconds) and ``categories`` (one record per data set
+  / category);
 * every row carries ``schema_version``; a reader refuses (and reports) rows of a version
   it does not know instead of silently misreading them;
 * appending is one ``write`` of one complete line, flushed and fsynced, so a crash loses
@@ -165,10 +165,11 @@ class LedgerRow:
     client_coalesced_frac: float | None = None
     client_bound: bool | None = None
     # Per data set / category of the cell's prompts (``gsm8k``, ``math500/Algebra``, the
-    # project's ``code``...): {requests, completed, output_tokens, verify_ct,
-    # accept_length, user_tok_s, tpot_ms_median} (metrics.GroupMetrics). None in failed
-    # rows and in rows written before it.
-    categories: dict[str, dict[str, Any]] | None = None
+    # project's ``code``...), one record each: {group, requests, completed, output_tokens,
+    # verify_ct, accept_length, user_tok_s, tpot_ms_median} (metrics.GroupMetrics). A list
+    # of records of one shape, not a mapping, so that a columnar reader takes it as is.
+    # None in failed rows and in rows written before it.
+    categories: list[dict[str, Any]] | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,9 +241,10 @@ def validate_row(row: Mapping[str, Any]) -> str | None:
         return "server_argv must be a list of strings"
     categories = row.get("categories")
     if categories is not None and (
-        not isinstance(categories, dict) or not all(isinstance(v, dict) for v in categories.values())
+        not isinstance(categories, list)
+        or not all(isinstance(c, dict) and isinstance(c.get("group"), str) for c in categories)
     ):
-        return "categories must map each category to its figures"
+        return "categories must be a list of {group, ...} records"
     return None
 
 

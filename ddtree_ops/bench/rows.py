@@ -158,7 +158,7 @@ class RowMaker:
                 verify_ct=metrics.verify_steps or None,
                 client_coalesced_frac=metrics.coalesced_frac,
                 client_bound=metrics.client_bound,
-                categories={name: asdict(g) for name, g in groups.items()} if groups else None,
+                categories=[{"group": name, **asdict(g)} for name, g in groups.items()] if groups else None,
                 **{name: flat[name] for name in ledger.LATENCY_FIELDS},
             )
         return LedgerRow(**fields)

@@ -23,6 +23,9 @@ def report_command(
     ),
     csv: Path | None = typer.Option(None, "--csv", help="Write the tidy per-(host, cell) table here."),
     csv_best: Path | None = typer.Option(None, "--csv-best", help="Write the best configurations here."),
+    csv_categories: Path | None = typer.Option(
+        None, "--csv-categories", help="Write accept length and speedup per (cell, data set / category) here."
+    ),
     plots: Path | None = typer.Option(None, "--plots", help="Write PNG plots into this folder."),
     group_by: str = typer.Option(
         "gpu", "--group-by", help="Machine for best configs and plots: gpu (GPU type) or host."
@@ -51,10 +54,12 @@ def report_command(
         raise ConfigError(f"--group-by must be 'gpu' or 'host', not {group_by!r}")
     check_output_path("--csv", csv)
     check_output_path("--csv-best", csv_best)
+    check_output_path("--csv-categories", csv_categories)
     check_output_path("--plots", plots, directory=True)
     from ddtree_ops.cli.report_view import run_report
 
     run_report(
-        obj, ledgers=ledgers, csv=csv, csv_best=csv_best, plots=plots, group_by=group_by, min_repeats=min_repeats,
+        obj, ledgers=ledgers, csv=csv, csv_best=csv_best, csv_categories=csv_categories, plots=plots,
+        group_by=group_by, min_repeats=min_repeats,
         mix_modes=mix_modes, compare_with=compare_with, show_cells=show_cells, wide=wide, as_json=as_json,
     )

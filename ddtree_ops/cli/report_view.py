@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops import report as rep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable
 from ddtree_ops.cli.main import AppContext
 from ddtree_ops.errors import BenchError, ConfigError
 
@@ -108,6 +108,39 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
         )
         out.append((table, details if details.row_count else None))
     return out
+
+
+def _category_tables(best: pd.DataFrame, cats: pd.DataFrame, *, width: int, wide: bool) -> list[Table]:
+    """Per machine, each best pick broken down by data set / category: accept length and
+    speedup over AR for that kind of traffic (a mixed workload's cell figure hides it)."""
+    picks = best[best["algorithm"].notna()]
+    if cats.empty or picks.empty:
+        return []
+    # The best table names its workload, not its hash.
+    keys = ["machine", "workload_name", *(k for k in rep.CELL_KEYS if k != "workload_hash")]
+    joined = picks[keys].merge(cats, on=keys, how="inner")
+    if joined.empty:
+        return []
+    columns = (
+        TableColumn("temp", "right"),
+        TableColumn("conc", "right"),
+        TableColumn("best"),
+        TableColumn("category", wrap=True),
+        TableColumn("requests", "right", drop=1),
+        TableColumn("accept len", "right"),
+        TableColumn("user vs AR", "right"),
+    )
+    tables = []
+    for machine, rows in joined.groupby("machine", sort=True):
+        cells: list[list[str | Text]] = []
+        for _, row in rows.iterrows():
+            cells.append([
+                _fmt(row["temperature"], 2), _fmt(row["concurrency"]), _cell(row), printable(str(row["category"])),
+                _fmt(row["requests"]), _fmt(row["accept_length_median"], 2), _ratio(row["speedup_vs_ar"]),
+            ])
+        title = f"Best configurations per category — {_machine(machine)}"
+        tables.append(fitted_table(columns, cells, width=width, wide=wide, title=title))
+    return tables
 
 
 _TIDY_COLUMNS = (
@@ -217,6 +250,7 @@ def run_report(
     ledgers: list[Path] | None,
     csv: Path | None,
     csv_best: Path | None,
+    csv_categories: Path | None,
     plots: Path | None,
     group_by: str,
     min_repeats: int | None,
@@ -236,6 +270,11 @@ def run_report(
         _write_csv(result.tidy, csv)
     if csv_best:
         _write_csv(result.best.best, csv_best)
+    from ddtree_ops.report.categories import category_table
+
+    cats = category_table(list(result.loaded.files), by=result.group_by)
+    if csv_categories:
+        _write_csv(cats, csv_categories)
     written: list[Path] = []
     if plots:
         from ddtree_ops.report.plots import write_plots
@@ -252,6 +291,7 @@ def run_report(
             "cells": _records(result.tidy),
             "best": _records(result.best.best),
             "refusals": _records(result.best.refusals),
+            "categories": _records(cats),
             "min_repeats": result.min_repeats,
             "plots": [str(p) for p in written],
         }
@@ -291,7 +331,7 @@ def run_report(
             )
         if len(refusals) > 10:
             console.print(f"  … and {len(refusals) - 10} more (see --json)", highlight=False)
-    for label, path in (("tidy CSV", csv), ("best CSV", csv_best)):
+    for label, path in (("tidy CSV", csv), ("best CSV", csv_best), ("per-category CSV", csv_categories)):
         if path:
             console.print(f"Wrote {label}: {path}", highlight=False)
     if written:
@@ -305,6 +345,8 @@ def run_report(
         print_table(console, table)
         if details is not None:
             console.print(details)
+    for table in _category_tables(result.best.best, cats, width=width, wide=wide):
+        print_table(console, table)
     _raise_if_all_refused(result)
 
 

@@ -49,6 +49,11 @@ TIDY_DTYPES: dict[str, str] = {
     "request_rate": "float64",
     "workload_hash": "object",
     "workload_name": "object",
+    # How the prompts reached the model (ledger workload_prompt_format; None in rows before it).
+    "workload_prompt_format": "object",
+    # ignore_eos on chat prompts: every answer forced to max_new_tokens, past where the
+    # model would stop, which a chat workload never does in production (flagged in best).
+    "ignore_eos_on_chat": "bool",
     "n": "Int64",
     "n_failed_rows": "Int64",
     "failed_requests": "Int64",
@@ -78,7 +83,9 @@ TIDY_DTYPES: dict[str, str] = {
 #: The finest grouping: every coarser machine grouping is a function of these keys.
 _FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", *CELL_KEYS)
 #: Descriptive columns a cell takes from its first row that has a value (file order).
-_FIRST_COLS: tuple[str, ...] = ("gpu_name", "gpu_arch", "workload_name", "fallback_reason")
+_FIRST_COLS: tuple[str, ...] = (
+    "gpu_name", "gpu_arch", "workload_name", "workload_prompt_format", "workload_ignore_eos", "fallback_reason",
+)
 
 
 def _machine_column(frame: pd.DataFrame, by: GroupBy) -> pd.Series:
@@ -211,6 +218,9 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
     for column in MEDIAN_COLS[2:]:  # latency columns keep their names
         cells[column] = medians[column].to_numpy()
     cells["score"] = cells["output_tok_s_median"] - MAD_TO_SIGMA * cells["output_tok_s_mad"]
+    chat = cells["workload_prompt_format"].astype("string").str.contains("chat-template", regex=False)
+    forced = cells["workload_ignore_eos"].fillna(False).astype(bool)
+    cells["ignore_eos_on_chat"] = chat.fillna(False).astype(bool) & forced
 
     cells = _add_speedups(cells.reset_index(drop=True))
     return _typed(cells, TIDY_DTYPES)

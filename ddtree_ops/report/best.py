@@ -230,6 +230,8 @@ def _best_row(
         notes.append("eager and CUDA-graph cells compared (--mix-modes)")
     if bool(pick["modes_mixed"]):
         notes.append("speedup against a baseline in the other graph mode")
+    if bool(pick["ignore_eos_on_chat"]):
+        notes.append("chat prompts measured with ignore_eos: answers forced past their end, unlike production")
     row["note"] = "; ".join(notes)
     return row
 

@@ -35,7 +35,7 @@ from ddtree_ops.errors import ConfigError
 
 _STR_COLS = (
     "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
-    "workload_name", "status",
+    "workload_name", "workload_prompt_format", "status",
 )
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed")
 #: Per-row metrics whose per-cell median the tidy table reports.
@@ -53,7 +53,7 @@ _FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS)
 #: One row per measurement: a second row with these values is a copy, counted once.
 DUPLICATE_KEYS: tuple[str, ...] = ("run_id", *KEY_FIELDS)
 # client_bound: null (rows before it, failed rows) reads as False.
-_BOOL_COLS = ("cuda_graph", "client_bound")
+_BOOL_COLS = ("cuda_graph", "client_bound", "workload_ignore_eos")
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
 #: (each column read costs parse time on every row, so only what aggregation uses).
 LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS

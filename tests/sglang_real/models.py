@@ -259,7 +259,21 @@ def _write_tokenizer(dest: Path) -> None:
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
         additional_special_tokens=["<mask>"],
     )
+    # A chat template, so that chat prompts reach /generate as the server's own rendering
+    # (/v1/tokenize): each turn ``<|role|>content`` and a newline, then ``<|assistant|>``.
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(dest)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def render_chat(messages: list[tuple[str, str]]) -> str:
+    """What CHAT_TEMPLATE renders ``messages`` to, with the generation prompt."""
+    return "".join(f"<|{role}|>{content}\n" for role, content in messages) + "<|assistant|>"
 
 
 def _bytes_to_unicode() -> dict[int, str]:

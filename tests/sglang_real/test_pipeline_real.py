@@ -34,6 +34,7 @@ from ddtree_ops.patching.bundle import load_bundle
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport.local import LocalTransport
 
+from . import models
 from . import prefix as prefixes
 from .server import BASE_ARGS, free_port
 from .serverenv import COVERAGE_VARS, server_env
@@ -127,15 +128,17 @@ def cpu_host(
                 shutil.rmtree(root, ignore_errors=True)
 
 
+TEXT_PROMPTS = ("The quick brown fox jumps over the lazy dog. ",
+                "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
+# A chat prompt: /generate gets it as the ids the server's /v1/tokenize renders it to.
+CHAT_PROMPT = [("system", "Answer briefly."), ("user", "Speculative decoding drafts a tree: why verify it at once?")]
+
+
 def _sweep(path: Path, prompts: Path) -> Path:
-    prompts.write_text("".join(
-        json.dumps({"prompt": text, "id": f"p{i}"}) + "\n"
-        for i, text in enumerate([
-            "The quick brown fox jumps over the lazy dog. ",
-            "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-            "Speculative decoding drafts a tree and verifies it in one pass. ",
-        ])
-    ))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": text, "id": f"p{i}"}) + "\n" for i, text in enumerate(TEXT_PROMPTS))
+        + json.dumps({"messages": [{"role": r, "content": c} for r, c in CHAT_PROMPT], "id": "chat"}) + "\n"
+    )
     path.write_text(yaml.safe_dump({
         "name": "cpu-pipeline",
         "description": "DDTREE on the real SGLang 0.5.23 on CPU",
@@ -205,6 +208,12 @@ def test_deploy_restart_bench_report_on_real_sglang(
         assert row["status"] == "ok" and row["error"] is None, (key, row["error"])
         assert row["completed"] == NUM_PROMPTS and row["failed"] == 0, (key, row)
         assert row["total_output_tokens"] == NUM_PROMPTS * MAX_NEW_TOKENS, (key, row)
+        # The server counted what it was sent: the text prompts byte for byte (the tiny
+        # tokenizer has one id per byte and adds no BOS), the chat prompt as the model's
+        # own chat template renders it, never a transcript of ours.
+        assert row["workload_prompt_format"] == "chat-template+text", row
+        sent = sum(len(t.encode()) for t in TEXT_PROMPTS) + len(models.render_chat(CHAT_PROMPT).encode())
+        assert row["total_input_tokens"] == sent, (key, row["total_input_tokens"], sent)
         assert row["sglang_version"] == "0.5.23" and row["sglang_installed_version"] == "0.5.23", row
         assert row["bundle_name"] == "ddtree_temperature" and row["bundle_hash"], row
     for t in TEMPERATURES:
