@@ -309,6 +309,7 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     assert f"Read {len(rows)} rows from 1 ledger(s)." in report.stdout
     assert "Best configuration" in report.stdout
     assert "Best configurations per category" in report.stdout and "humaneval" in report.stdout
+    assert "T0=AR" in report.stdout
 
     # The tidy CSV: one row per (host, cell); the B300 budget-16 cell stays visibly eager.
     columns, tidy = _csv_rows(tidy_csv)
@@ -324,6 +325,8 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
         assert float(t["speedup_vs_ar"]) > 0, t  # every host has its AR baseline
         if algo == "AR":
             assert float(t["speedup_vs_ar"]) == 1.0, t
+        else:  # T = 0: every DDTree output is the target's own, prompt for prompt
+            assert (t["t0_prompts"], float(t["t0_match_frac"])) == (str(NUM_PROMPTS), 1.0), t
         eager = host == b300.name and budget == "16"
         assert t["cuda_graph"] == ("False" if eager else "True"), t
         assert ("illegal memory access" in t["fallback_reason"]) is eager, t

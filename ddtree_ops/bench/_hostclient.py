@@ -28,6 +28,7 @@ them: both client modes count the same way.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import queue
@@ -82,6 +83,12 @@ class SseFrames:
         return objs
 
 
+def output_hash(value):
+    """16 hex of sha256 over a request's output (token ids, or text where a route gives
+    no ids): equal outputs, equal hashes, so a report can check T = 0 losslessness."""
+    return hashlib.sha256(json.dumps(value, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 def failed_result(start, end, error):
     return {"ok": False, "start": start, "end": end, "error": error}
 
@@ -99,6 +106,7 @@ class GenerateTally:
         self.meta = {}
         self.chunks = 0
         self.coalesced = 0
+        self.output_ids = None
 
     def feed(self, now, obj):
         self.meta = obj.get("meta_info") or {}
@@ -106,6 +114,14 @@ class GenerateTally:
         new = tokens - self.last_tokens
         if new <= 0:
             return
+        ids = obj.get("output_ids")
+        if isinstance(ids, list):
+            # Cumulative by default; deltas under --incremental-streaming-output, where a
+            # chunk holds only its new tokens.
+            if len(ids) == tokens or self.output_ids is None:
+                self.output_ids = ids  # a list of the parsed frame's own: nobody else holds it
+            else:
+                self.output_ids.extend(ids)
         self.chunks += 1
         if self.ttft is None:
             self.ttft = now - self.start
@@ -136,6 +152,7 @@ class GenerateTally:
             "spec_accept_length": float(accept) if accept is not None else None,
             "chunks": self.chunks,
             "coalesced": self.coalesced,
+            "output_hash": output_hash(self.output_ids) if self.output_ids is not None else None,
             "server_e2e": float(server_e2e)
             if isinstance(server_e2e, (int, float)) and not isinstance(server_e2e, bool)
             else None,
@@ -150,13 +167,16 @@ class OpenAITally:
         self.start = start
         self.times = []
         self.usage = {}
+        self.pieces = []
 
     def feed(self, now, obj):
         if obj.get("usage"):
             self.usage = obj["usage"]
         for choice in obj.get("choices") or ():
-            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if piece:
                 self.times.append(now)
+                self.pieces.append(piece)
                 break
 
     def result(self, end, done):
@@ -180,6 +200,7 @@ class OpenAITally:
             "completion_tokens": tokens,
             "chunks": len(times),
             "coalesced": sum(a == b for a, b in zip(times, times[1:])),
+            "output_hash": output_hash("".join(self.pieces)),
         }
 
 

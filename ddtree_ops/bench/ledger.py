@@ -7,8 +7,8 @@ reads), and it outlives both: rows written today are read by next month's report
   flat JSON line into typed columns directly, while nested objects would need
   ``json_normalize`` (per-row Python, far too slow for a million rows);
 * the values that are naturally not scalars stay as they are: ``server_argv`` (a list
-  of strings), ``readiness_s`` (phase name -> seconds) and ``categories`` (one record per data set
-  / category);
+  of strings), ``readiness_s`` (phase name -> seconds), ``categories`` (one record per data set
+  / category) and ``output_hashes`` (one per request);
 * every row carries ``schema_version``; a reader refuses (and reports) rows of a version
   it does not know instead of silently misreading them;
 * appending is one ``write`` of one complete line, flushed and fsynced, so a crash loses
@@ -170,6 +170,10 @@ class LedgerRow:
     # of records of one shape, not a mapping, so that a columnar reader takes it as is.
     # None in failed rows and in rows written before it.
     categories: list[dict[str, Any]] | None = None
+    # Each request's output hash (RequestResult.output_hash), in the workload's prompt
+    # order (None for a failed request): at T = 0 a DDTree cell's must equal the AR cell's
+    # for the same prompts, or the verify is lossy. None where the server sent no outputs.
+    output_hashes: list[str | None] | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:

@@ -34,6 +34,9 @@ class RequestResult:
     # gaps were not observed (the client was busy), so their ITLs are zeros.
     coalesced: int = 0
     error: str | None = None
+    # sha256 (16 hex) of the output: its token ids on /generate, its text on the OpenAI
+    # routes; None where the server sent neither. Equal at T = 0 for a lossless verify.
+    output_hash: str | None = None
     # The server's own e2e (``meta_info.e2e_latency``), kept to check the client's clock.
     server_e2e: float | None = None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -82,6 +82,7 @@ class RowMaker:
         self, *, machine: str, server_host: Host, client: str, prov: Provenance, restart: RestartResult | None,
         cell: Cell, repeat: int, started_at: str, error: str | None, metrics: CellMetrics | None = None,
         live: LiveTree | None = None, groups: Mapping[str, GroupMetrics] | None = None,
+        outputs: Sequence[str | None] = (),
     ) -> LedgerRow:
         """``machine``: the inventory host the row belongs to; ``server_host``: the server
         place that served it (the machine itself, or one of its GPU slots); ``live``: the
@@ -159,6 +160,7 @@ class RowMaker:
                 client_coalesced_frac=metrics.coalesced_frac,
                 client_bound=metrics.client_bound,
                 categories=[{"group": name, **asdict(g)} for name, g in groups.items()] if groups else None,
+                output_hashes=list(outputs) if any(h is not None for h in outputs) else None,
                 **{name: flat[name] for name in ledger.LATENCY_FIELDS},
             )
         return LedgerRow(**fields)

@@ -459,16 +459,17 @@ class SweepRunner:
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
         row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics, live=live,
-                        groups=groups)
+                        groups=groups, outputs=[r.output_hash for r in load.results])
         self._append(sr, row, cell)
         return row
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
              started_at: str, *, error: str | None, metrics: CellMetrics | None = None,
-             live: LiveTree | None = None, groups: Mapping[str, GroupMetrics] | None = None) -> LedgerRow:
+             live: LiveTree | None = None, groups: Mapping[str, GroupMetrics] | None = None,
+             outputs: Sequence[str | None] = ()) -> LedgerRow:
         return self.rows.row(machine=sr.hr.host.name, server_host=sr.host, client=sr.hr.plan.client, prov=prov,
                              restart=restart, cell=cell, repeat=rep, started_at=started_at, error=error,
-                             metrics=metrics, live=live, groups=groups)
+                             metrics=metrics, live=live, groups=groups, outputs=outputs)
 
     def _append(self, sr: _SlotRun, row: LedgerRow, cell: Cell) -> None:
         hr = sr.hr

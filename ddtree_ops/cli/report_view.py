@@ -147,15 +147,27 @@ _TIDY_COLUMNS = (
     TableColumn("temp", "right"),
     TableColumn("conc", "right"),
     TableColumn("config"),
-    TableColumn("graph", drop=6),  # the config label says "eager" already
-    TableColumn("n", "right", drop=3),
+    TableColumn("graph", drop=7),  # the config label says "eager" already
+    TableColumn("n", "right", drop=4),
     TableColumn("tok/s ± MAD", "right"),
     TableColumn("accept len", "right", drop=2),
-    TableColumn("TTFT p50 ms", "right", drop=5),
-    TableColumn("ITL p50 ms", "right", drop=4),
+    TableColumn("TTFT p50 ms", "right", drop=6),
+    TableColumn("ITL p50 ms", "right", drop=5),
     TableColumn("vs AR", "right"),
-    TableColumn("vs DFlash", "right", drop=1),
+    TableColumn("vs DFlash", "right", drop=3),
+    # Kept longest: outputs that differ from AR's at T = 0 are a correctness problem.
+    TableColumn("T0=AR", "right", drop=1),
 )
+
+
+def _t0(row: Any) -> str | Text:
+    """T = 0 outputs equal to AR's, as 'equal/compared' (red when any differs)."""
+    compared, frac = row["t0_prompts"], row["t0_match_frac"]
+    if compared is pd.NA or pd.isna(frac) or not compared:
+        return "—"
+    equal = round(float(frac) * int(compared))
+    text = f"{equal}/{int(compared)}"
+    return text if equal == int(compared) else Text(text, style="bold red")
 
 
 def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: bool) -> list[Table]:
@@ -177,6 +189,7 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
             _fmt(row["itl_ms_median"], 2),
             _fmt(row["speedup_vs_ar"], 2) + ("†" if row["modes_mixed"] else ""),
             _fmt(row["speedup_vs_dflash"], 2),
+            _t0(row),
         ])
     machines = list(shown["machine"])
     tables = []

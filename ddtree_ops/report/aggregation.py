@@ -73,6 +73,10 @@ TIDY_DTYPES: dict[str, str] = {
     "tpot_ms_median": "float64",
     "e2e_ms_median": "float64",
     "speedup_vs_ar": "float64",
+    # T = 0 only: prompts whose outputs were compared with the AR cell's, and the share
+    # equal (report/lossless.py; NA for AR, other temperatures, and rows without hashes).
+    "t0_prompts": "Int64",
+    "t0_match_frac": "float64",
     "ar_cuda_graph": "boolean",
     "speedup_vs_dflash": "float64",
     "dflash_cuda_graph": "boolean",
@@ -223,6 +227,8 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
     cells["ignore_eos_on_chat"] = chat.fillna(False).astype(bool) & forced
 
     cells = _add_speedups(cells.reset_index(drop=True))
+    cells["t0_prompts"] = pd.NA  # filled from the rows' output hashes (build_report)
+    cells["t0_match_frac"] = float("nan")
     return _typed(cells, TIDY_DTYPES)
 
 

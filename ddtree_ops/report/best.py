@@ -41,6 +41,7 @@ BEST_COLUMNS: tuple[str, ...] = (
     "accept_length_median",
     "speedup_vs_ar",
     "speedup_vs_dflash",
+    "t0_match_frac",
     "candidates",
     "refused",
     "runner_up",
@@ -70,7 +71,7 @@ _SITUATION_COLUMNS: tuple[str, ...] = (
 #: Copied into a situation's row from the recommended cell.
 _PICK_COLUMNS: tuple[str, ...] = (
     "algorithm", "budget", "topk", "cuda_graph", "output_tok_s_median", "output_tok_s_mad", "score", "n",
-    "accept_length_median", "speedup_vs_ar", "speedup_vs_dflash",
+    "accept_length_median", "speedup_vs_ar", "speedup_vs_dflash", "t0_match_frac",
 )
 #: Deployment cost order of the algorithms (an unknown one is the most expensive).
 _ALGO_COST = {"AR": 0, "DFLASH": 1, "DDTREE": 2}
@@ -230,6 +231,9 @@ def _best_row(
         notes.append("eager and CUDA-graph cells compared (--mix-modes)")
     if bool(pick["modes_mixed"]):
         notes.append("speedup against a baseline in the other graph mode")
+    match = pick["t0_match_frac"]
+    if not pd.isna(match) and match < 1.0:
+        notes.append(f"T=0 outputs differ from AR on {1 - match:.0%} of prompts: the verify is lossy here")
     if bool(pick["ignore_eos_on_chat"]):
         notes.append("chat prompts measured with ignore_eos: answers forced past their end, unlike production")
     row["note"] = "; ".join(notes)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.report import lossless
 from ddtree_ops.report.aggregation import GroupBy, aggregate, aggregate_levels
 from ddtree_ops.report.best import DEFAULT_MIN_REPEATS, BestConfigs, best_configs
 from ddtree_ops.report.loading import LoadedLedgers, load_ledgers
@@ -77,6 +78,10 @@ def build_report(
     # Per-host rows always; grouping by GPU as well shares the one costly row grouping.
     levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
     tidy, grouped = levels["host"], levels[group_by]
+    # T = 0 losslessness from the rows' output hashes (not in the loaded columns: lists).
+    files = list(loaded.files)
+    tidy = lossless.attach(tidy, lossless.output_matches(files, by="host"))
+    grouped = tidy if group_by == "host" else lossless.attach(grouped, lossless.output_matches(files, by=group_by))
     planned = min_repeats is None
     threshold = planned_repeats(loaded.frame) if min_repeats is None else min_repeats
     best = best_configs(grouped, min_repeats=threshold, mix_modes=mix_modes)

@@ -15,7 +15,6 @@ loader's to report (:mod:`.loading`); here they are skipped.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from ddtree_ops.report.aggregation import CELL_KEYS, CONDITION_KEYS, TIDY_DTYPES, GroupBy, as_dtype
+from ddtree_ops.report.loading import ok_rows_with
 
 #: The per-category table's columns and dtypes, in order (``report --csv-categories``).
 CATEGORY_DTYPES: dict[str, str] = {
@@ -39,30 +39,22 @@ _ROW_KEYS = ("host", "gpu_name", "workload_name", *CELL_KEYS)
 _MARKER = b'"categories": [{'
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
+def _records(files: Sequence[Path]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    with open(path, "rb") as f:
-        for line in f:
-            if _MARKER not in line:
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(row, dict) or row.get("status") != "ok" or not isinstance(row.get("categories"), list):
-                continue
-            base = {k: row.get(k) for k in _ROW_KEYS}
-            for group in row["categories"]:
-                if isinstance(group, dict) and isinstance(group.get("group"), str):
-                    out.append(base | {"category": group["group"], "requests": group.get("requests"),
-                                       "accept_length": group.get("accept_length"),
-                                       "user_tok_s": group.get("user_tok_s")})
+    for row in ok_rows_with(files, _MARKER):
+        if not isinstance(row.get("categories"), list):
+            continue
+        base = {k: row.get(k) for k in _ROW_KEYS}
+        for group in row["categories"]:
+            if isinstance(group, dict) and isinstance(group.get("group"), str):
+                out.append(base | {"category": group["group"], "requests": group.get("requests"),
+                                   "accept_length": group.get("accept_length"), "user_tok_s": group.get("user_tok_s")})
     return out
 
 
 def category_table(files: Sequence[Path], *, by: GroupBy = "gpu") -> pd.DataFrame:
     """One row per (machine, cell, category) of the ledgers ``files`` (empty: no breakdowns)."""
-    records = [r for f in files for r in _rows(Path(f))]
+    records = _records([Path(f) for f in files])
     if not records:
         return pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in CATEGORY_DTYPES.items()})
     frame = pd.DataFrame.from_records(records)

@@ -202,3 +202,21 @@ def test_a_model_without_a_chat_template_is_the_servers_reason(server) -> None:
     assert rendered.ids == () and rendered.error == "HTTP 400: this model has no chat template"
     assert client_at(client.mode, "http://127.0.0.1:9").render_chat([(("user", "hi"),)]).error.startswith(
         "connection failed")
+
+
+def test_the_output_hash_is_the_same_for_cumulative_and_incremental_streams() -> None:
+    """SGLang streams output_ids whole by default and as deltas under
+    --incremental-streaming-output (tokenizer_manager.py): one output, one hash."""
+    from ddtree_ops.bench import _hostclient as hc
+
+    def run(chunks: list[list[int]], counts: list[int]) -> str | None:
+        tally = hc.GenerateTally(0.0)
+        for t, (ids, n) in enumerate(zip(chunks, counts, strict=True), 1):
+            tally.feed(float(t), {"output_ids": ids, "meta_info": {"completion_tokens": n}})
+        return tally.result(9.0, True)["output_hash"]
+
+    cumulative = run([[5], [5, 6, 7], [5, 6, 7, 8]], [1, 3, 4])
+    incremental = run([[5], [6, 7], [8]], [1, 3, 4])
+    assert cumulative == incremental == hc.output_hash([5, 6, 7, 8])
+    assert run([[5], [5, 6, 9], [5, 6, 9, 8]], [1, 3, 4]) != cumulative
+    assert hc.GenerateTally(0.0).result(1.0, True)["output_hash"] is None  # no ids sent: nothing to compare

@@ -16,6 +16,7 @@ from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress, SweepRunner
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.report import build_report
 from ddtree_ops.sim.server import chat_template_text
 from ddtree_ops.sim.text import tokenize
 
@@ -95,14 +96,15 @@ def test_a_data_set_mix_is_sent_through_the_served_models_template_and_broken_do
     host = local_host(tmp_path, f"sim-{client}")
     workload = {"datasets": [{"name": "mtbench", "path": str(questions)}, "humaneval"], "num_prompts": 4,
                 "max_new_tokens": 8}
-    spec = sweep(tmp_path, baselines=[], grid=GRID, client=client, workload=workload)
+    spec = sweep(tmp_path, baselines=["autoregressive"], grid=GRID, client=client, workload=workload)
     wl = build_workload(spec.workload)
     out = tmp_path / "ledger.jsonl"
     try:
         outcome = SweepRunner(prepare_sweep(spec, [host]), wl, ledger_path=out, options=SweepOptions(smoke=False)).run()
     finally:
         stop_all([host])
-    (row,) = rows_of(out)
+    ar, row = rows_of(out)
+    assert ar["algorithm"] == "AR" and row["algorithm"] == "DDTREE"
     assert not outcome.failed and row["status"] == "ok", row
     assert row["workload_name"] == "mtbench+humaneval" and row["workload_prompt_format"] == "chat-template+text"
     # The server counted the prompts it was sent: chat prompts as its own template renders
@@ -117,3 +119,9 @@ def test_a_data_set_mix_is_sent_through_the_served_models_template_and_broken_do
     for g in row["categories"]:
         assert g["completed"] == g["requests"] and g["output_tokens"] == 8 * g["requests"]
         assert g["accept_length"] >= 1.0 and g["user_tok_s"] > 0
+    # T = 0: the tree's outputs are the target's own, prompt for prompt, and the report says so.
+    assert len(row["output_hashes"]) == 4 and None not in row["output_hashes"]
+    assert row["output_hashes"] == ar["output_hashes"]
+    tidy = build_report([out]).tidy
+    (cell,) = tidy[tidy["algorithm"] == "DDTREE"].itertuples()
+    assert (cell.t0_prompts, cell.t0_match_frac) == (4, 1.0)

@@ -1,0 +1,82 @@
+"""Lossless in the field: at T = 0 every DDTree and DFlash cell's outputs against AR's.
+
+Greedy speculative decoding must produce exactly the target's own greedy output, so at
+temperature 0 each request's output hash (the ledger's ``output_hashes``, in prompt
+order) must equal the AR cell's for the same prompt on the same machine under the same
+conditions (workload, concurrency, request rate). A verify path that loses the tree mask
+or mis-samples shows up in the first sweep's report, not in production.
+
+Per cell: ``t0_prompts`` (prompts compared: both outputs present) and ``t0_match_frac``
+(the share that are equal), from each cell's first ok repeat and the AR cell in the same
+CUDA-graph mode where there is one. AR cells are the reference: NA. Only the lines that
+carry hashes are parsed (a byte search skips the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ddtree_ops.report.aggregation import CELL_KEYS, CONDITION_KEYS, TIDY_DTYPES, GroupBy, as_dtype
+from ddtree_ops.report.loading import ok_rows_with
+
+MATCH_COLUMNS: tuple[str, ...] = ("t0_prompts", "t0_match_frac")
+_MARKER = b'"output_hashes": ["'
+_KEYS = ("machine", *CELL_KEYS)
+
+
+def _first_repeats(files: Sequence[Path], by: GroupBy) -> dict[tuple[Any, ...], tuple[int, list[Any]]]:
+    """(machine, cell) -> (repeat, hashes) of its lowest ok repeat at T = 0."""
+    found: dict[tuple[Any, ...], tuple[int, list[Any]]] = {}
+    for row in ok_rows_with(files, _MARKER):
+        if row.get("temperature") != 0 or not isinstance(row.get("output_hashes"), list):
+            continue
+        machine = row.get("host") if by == "host" else (row.get("gpu_name") or row.get("host"))
+        key = (machine, *(row.get(k) for k in CELL_KEYS))
+        repeat = row["repeat"] if isinstance(row.get("repeat"), int) else 0
+        if key not in found or repeat < found[key][0]:
+            found[key] = (repeat, row["output_hashes"])
+    return found
+
+
+def _compare(a: list[Any], b: list[Any]) -> tuple[int, int]:
+    pairs = [(x, y) for x, y in zip(a, b, strict=False) if x is not None and y is not None]
+    return len(pairs), sum(x == y for x, y in pairs)
+
+
+def output_matches(files: Sequence[Path], *, by: GroupBy = "gpu") -> pd.DataFrame:
+    """One row per non-AR (machine, cell) at T = 0 that has an AR reference."""
+    cells = _first_repeats(files, by)
+    ar: dict[tuple[Any, ...], dict[bool, list[Any]]] = {}
+    for key, (_, hashes) in cells.items():
+        cell = dict(zip(_KEYS, key, strict=True))
+        if cell["algorithm"] == "AR":
+            ar.setdefault((cell["machine"], *(cell[k] for k in CONDITION_KEYS)), {})[bool(cell["cuda_graph"])] = hashes
+    records = []
+    for key, (_, hashes) in cells.items():
+        cell = dict(zip(_KEYS, key, strict=True))
+        refs = ar.get((cell["machine"], *(cell[k] for k in CONDITION_KEYS)))
+        if cell["algorithm"] == "AR" or not refs:
+            continue
+        ref = refs.get(bool(cell["cuda_graph"]), refs.get(not bool(cell["cuda_graph"])))
+        assert ref is not None
+        compared, equal = _compare(hashes, ref)
+        records.append(cell | {"t0_prompts": compared, "t0_match_frac": equal / compared if compared else None})
+    columns = [*_KEYS, *MATCH_COLUMNS]
+    frame = pd.DataFrame.from_records(records, columns=columns)
+    return pd.DataFrame({name: as_dtype(frame[name], TIDY_DTYPES[name]) for name in columns})
+
+
+def attach(tidy: pd.DataFrame, matches: pd.DataFrame) -> pd.DataFrame:
+    """``tidy`` with its cells' :data:`MATCH_COLUMNS` filled from ``matches``."""
+    if matches.empty or tidy.empty:
+        return tidy
+    keys = list(_KEYS)
+    merged = tidy.drop(columns=list(MATCH_COLUMNS)).merge(matches, on=keys, how="left")
+    return merged[list(tidy.columns)].astype({c: tidy[c].dtype for c in MATCH_COLUMNS})
+
+
+__all__ = ["MATCH_COLUMNS", "attach", "output_matches"]
