@@ -38,6 +38,8 @@ TIDY_DTYPES: dict[str, str] = {
     "hosts": "object",
     "gpu_name": "object",
     "gpu_arch": "object",
+    # GPUs of the server that measured the cell (its slot's, on a host with GPU slots).
+    "gpu_count": "Int64",
     "algorithm": "object",
     "budget": "Int64",
     "topk": "Int64",
@@ -88,7 +90,8 @@ TIDY_DTYPES: dict[str, str] = {
 _FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", *CELL_KEYS)
 #: Descriptive columns a cell takes from its first row that has a value (file order).
 _FIRST_COLS: tuple[str, ...] = (
-    "gpu_name", "gpu_arch", "workload_name", "workload_prompt_format", "workload_ignore_eos", "fallback_reason",
+    "gpu_name", "gpu_arch", "gpu_count", "workload_name", "workload_prompt_format", "workload_ignore_eos",
+    "fallback_reason",
 )
 
 

@@ -38,7 +38,7 @@ _STR_COLS = (
     "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
     "workload_name", "workload_prompt_format", "status",
 )
-_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed")
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count")
 #: Per-row metrics whose per-cell median the tidy table reports.
 MEDIAN_COLS: tuple[str, ...] = (
     "output_tok_s",

@@ -2,9 +2,11 @@
 
 Per machine (GPU type or host), three figures: output throughput vs DDTree budget (one
 line per top-k, a column per temperature, a row per concurrency, AR and DFlash as
-dashed reference lines), acceptance length vs budget, and the speedup over AR as a
-budget x top-k heatmap. Eager-mode cells are drawn hollow with an "eager" note (and
-starred in the heatmap) because their numbers are not comparable with graph mode.
+dashed reference lines), acceptance length vs budget, the speedup over AR as a
+budget x top-k heatmap, and a Pareto plot of throughput per GPU against throughput per
+user over every configuration and concurrency. Eager-mode cells never share a line with
+graph-mode ones (dashed lines, hollow markers, legend entries of their own; starred in
+the heatmap) because their numbers are not comparable.
 """
 
 from __future__ import annotations
@@ -75,14 +77,16 @@ def _line_plot(
         tree_panel = panel[panel["algorithm"] == "DDTREE"]
         for k in topks:
             line = tree_panel[tree_panel["topk"] == k].sort_values("budget")
-            if line.empty:
-                continue
-            ax.plot(line["budget"].astype(float), line[value], "-", color=colors[k], lw=1.8, label=f"top-k {k}")
-            # Graph-mode points filled, eager ones hollow diamonds: not comparable numbers.
-            for graph, marker_face in ((True, colors[k]), (False, "white")):
+            # Graph-mode and eager points never share a line: their numbers are not
+            # comparable (eager: dashed, hollow diamonds, a legend entry of its own).
+            for graph, style, marker_face, label in ((True, "-", colors[k], f"top-k {k}"),
+                                                     (False, "--", "white", f"top-k {k}, eager")):
                 pts = line[line["cuda_graph"] == graph]
-                ax.scatter(pts["budget"].astype(float), pts[value], s=38, zorder=3, facecolors=marker_face,
-                           edgecolors=colors[k], linewidths=1.6, marker="o" if graph else "D")
+                if pts.empty:
+                    continue
+                ax.plot(pts["budget"].astype(float), pts[value], style, color=colors[k], lw=1.8, label=label,
+                        marker="o" if graph else "D", markersize=6, markerfacecolor=marker_face,
+                        markeredgecolor=colors[k], markeredgewidth=1.6)
         if baselines:
             for algo, style, name in (("AR", ":", "autoregressive"), ("DFLASH", "--", "DFlash")):
                 base = panel[panel["algorithm"] == algo]
@@ -101,10 +105,6 @@ def _line_plot(
     for ax in axes.ravel():
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label.split(" (")[0], handle)
-    if (~trees["cuda_graph"]).any():
-        handles["hollow diamond = eager mode (no CUDA graph)"] = plt.Line2D(
-            [], [], ls="", marker="D", markerfacecolor="white", markeredgecolor="0.2"
-        )
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(6, len(handles)), fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -152,8 +152,78 @@ def _heatmap(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
     return path
 
 
+_ALGO_COLORS = {"AR": "0.45", "DFLASH": "tab:orange", "DDTREE": "tab:blue"}
+
+
+def _label(row: pd.Series) -> str:
+    if row["algorithm"] == "DDTREE":
+        return f"b{int(row['budget'])}k{int(row['topk'])} c{int(row['concurrency'])}"
+    return f"{'AR' if row['algorithm'] == 'AR' else 'DFlash'} c{int(row['concurrency'])}"
+
+
+def _frontier(points: pd.DataFrame) -> pd.DataFrame:
+    """The Pareto-optimal points: none other is at least as fast per user and per GPU."""
+    ordered = points.sort_values(["user_tok_s", "gpu_tok_s"], ascending=[False, False])
+    best, keep = -np.inf, []
+    for index, y in zip(ordered.index, ordered["gpu_tok_s"], strict=True):
+        if y > best:
+            keep.append(index)
+            best = y
+    return points.loc[keep].sort_values("user_tok_s")
+
+
+def _pareto(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
+    """vLLM's plot_pareto shape: output tok/s per GPU against tok/s per user (1000 / TPOT),
+    one point per configuration and concurrency, a panel per temperature; the frontier
+    drawn per CUDA-graph mode, since eager and graph points are not comparable."""
+    gpus = pd.to_numeric(data["gpu_count"], errors="coerce")
+    per_gpu = gpus.notna().all() and bool((gpus > 0).all())
+    frame = data.assign(
+        user_tok_s=1000.0 / pd.to_numeric(data["tpot_ms_median"], errors="coerce"),
+        gpu_tok_s=pd.to_numeric(data["output_tok_s_median"], errors="coerce") / (gpus if per_gpu else 1.0),
+    ).replace([np.inf, -np.inf], np.nan).dropna(subset=["user_tok_s", "gpu_tok_s"])
+    if frame.empty or not (frame["algorithm"] == "DDTREE").any():
+        return None
+    temps = sorted(frame["temperature"].unique())
+    fig, axes = _figure(1, len(temps), f"{machine} — throughput per {'GPU' if per_gpu else 'server'} "
+                                       "against throughput per user")
+    for col, temp in enumerate(temps):
+        ax = axes[0][col]
+        ax.set_title(f"temperature {temp:g}", fontsize=10)
+        panel = frame[frame["temperature"] == temp]
+        for graph, face, style in ((True, None, "-"), (False, "white", "--")):
+            points = panel[panel["cuda_graph"] == graph]
+            if points.empty:
+                continue
+            for algo, color in _ALGO_COLORS.items():
+                pts = points[points["algorithm"] == algo]
+                if not pts.empty:
+                    ax.scatter(pts["user_tok_s"], pts["gpu_tok_s"], s=34, zorder=3, marker="o" if graph else "D",
+                               facecolors=face or color, edgecolors=color, linewidths=1.4,
+                               label=f"{algo}{'' if graph else ', eager'}")
+            front = _frontier(points)
+            ax.plot(front["user_tok_s"], front["gpu_tok_s"], style, color="0.2", lw=1.2, zorder=2,
+                    label="Pareto frontier" + ("" if graph else ", eager"))
+            for _, row in front.iterrows():
+                ax.annotate(_label(row), (row["user_tok_s"], row["gpu_tok_s"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("output tokens/s per user (1000 / median TPOT)")
+        ax.set_ylabel(f"output tokens/s per {'GPU' if per_gpu else 'server'} (median)")
+        ax.grid(alpha=0.3)
+    handles: dict[str, Artist] = {}
+    for ax in axes.ravel():
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    # Three entries a row per panel: a one-panel figure is too narrow for more.
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncol=min(3 * len(temps), len(handles)), fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(grouped: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Write the three figures per machine of ``grouped`` into ``out_dir``; return paths."""
+    """Write the four figures per machine of ``grouped`` into ``out_dir``; return paths."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -167,6 +237,7 @@ def write_plots(grouped: pd.DataFrame, out_dir: Path) -> list[Path]:
             _line_plot(data, str(machine), "accept_length_median", "acceptance length (tokens / verify step)",
                        "acceptance length vs DDTree budget", out_dir / f"{slug}-accept-length.png", baselines=False),
             _heatmap(data, str(machine), out_dir / f"{slug}-speedup-heatmap.png"),
+            _pareto(data, str(machine), out_dir / f"{slug}-pareto.png"),
         ):
             if maybe is not None:
                 written.append(maybe)

@@ -181,12 +181,22 @@ def test_plots_written_and_non_empty(tmp_path: Path) -> None:
     paths = write_plots(r.grouped, tmp_path / "plots")
     assert sorted(p.name for p in paths) == [
         "rtx-pro-6000-accept-length.png",
+        "rtx-pro-6000-pareto.png",
         "rtx-pro-6000-speedup-heatmap.png",
         "rtx-pro-6000-throughput.png",
     ]
     for p in paths:
         data = p.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_the_pareto_frontier_keeps_only_points_nothing_beats_on_both_axes() -> None:
+    from ddtree_ops.report.plots import _frontier
+
+    points = pd.DataFrame({"user_tok_s": [100.0, 90.0, 80.0, 60.0, 50.0, 40.0],
+                           "gpu_tok_s": [10.0, 30.0, 20.0, 60.0, 60.0, 100.0]})
+    # 80/20 is beaten by 90/30, 50/60 by 60/60: neither is on the frontier.
+    assert _frontier(points).index.tolist() == [5, 3, 1, 0]
 
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
