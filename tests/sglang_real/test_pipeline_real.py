@@ -234,6 +234,10 @@ def test_deploy_restart_bench_report_on_real_sglang(
     # accepts several drafts per verify step (a lossy or mask-less verify would not).
     greedy = rows[("DDTREE", 0.0)]
     assert greedy["accept_length"] is not None and greedy["accept_length"] > 2.0, greedy["accept_length"]
+    # Lossless in the field: at T = 0 the tree's outputs are the target's own, prompt for
+    # prompt (the hashes of the token ids the real server streamed).
+    assert None not in greedy["output_hashes"] and len(greedy["output_hashes"]) == NUM_PROMPTS
+    assert greedy["output_hashes"] == rows[("AR", 0.0)]["output_hashes"]
     assert greedy["verify_ct"] < NUM_PROMPTS * MAX_NEW_TOKENS / 2, greedy["verify_ct"]
 
     # report: one CSV row per measured cell, each DDTREE cell against the AR one beside it.
@@ -249,3 +253,5 @@ def test_deploy_restart_bench_report_on_real_sglang(
         assert float(cell["accept_length_median"]) == pytest.approx(row["accept_length"]), cell
         expected = row["output_tok_s"] / rows[("AR", t)]["output_tok_s"]
         assert float(cell["speedup_vs_ar"]) == pytest.approx(expected, rel=1e-6), cell
+    assert (by_key[("DDTREE", 0.0)]["t0_prompts"], by_key[("DDTREE", 0.0)]["t0_match_frac"]) == (str(NUM_PROMPTS),
+                                                                                                  "1.0")
