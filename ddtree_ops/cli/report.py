@@ -35,6 +35,10 @@ def report_command(
         help="Refuse cells with fewer ok repeats (default: the repeats each ledger's sweep planned).",
     ),
     mix_modes: bool = typer.Option(False, "--mix-modes", help="Rank eager and CUDA-graph cells together (flagged)."),
+    traffic_mix: str | None = typer.Option(
+        None, "--mix", help="Also pick the best configuration for a traffic mix: data-set weights, "
+        "e.g. humaneval=0.7,mtbench=0.3 (speedup per user over AR, weighted).",
+    ),
     compare_with: list[Path] | None = typer.Option(
         None, "--compare", help="Other ledger(s): per-cell ratio against them."
     ),
@@ -55,11 +59,14 @@ def report_command(
     check_output_path("--csv", csv)
     check_output_path("--csv-best", csv_best)
     check_output_path("--csv-categories", csv_categories)
+    from ddtree_ops.report.mix import parse_mix
+
+    weights = parse_mix(traffic_mix) if traffic_mix is not None else None
     check_output_path("--plots", plots, directory=True)
     from ddtree_ops.cli.report_view import run_report
 
     run_report(
         obj, ledgers=ledgers, csv=csv, csv_best=csv_best, csv_categories=csv_categories, plots=plots,
-        group_by=group_by, min_repeats=min_repeats,
+        group_by=group_by, min_repeats=min_repeats, weights=weights,
         mix_modes=mix_modes, compare_with=compare_with, show_cells=show_cells, wide=wide, as_json=as_json,
     )

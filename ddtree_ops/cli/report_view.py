@@ -143,6 +143,28 @@ def _category_tables(best: pd.DataFrame, cats: pd.DataFrame, *, width: int, wide
     return tables
 
 
+def _mix_tables(mixed: pd.DataFrame, weights: dict[str, float], *, width: int, wide: bool) -> list[Table]:
+    columns = (
+        TableColumn("temp", "right"),
+        TableColumn("conc", "right"),
+        TableColumn("best for the mix"),
+        TableColumn("user vs AR", "right"),
+        TableColumn("per data set", wrap=True),
+        TableColumn("cells", "right", drop=1),
+    )
+    mix = ", ".join(f"{name} {w:.0%}" for name, w in weights.items())
+    tables = []
+    for machine, rows in mixed.groupby("machine", sort=True):
+        cells: list[list[str | Text]] = [
+            [_fmt(r["temperature"], 2), _fmt(r["concurrency"]), _cell(r), _ratio(r["mix_speedup"]),
+             printable(str(r["per_set"])), _fmt(r["candidates"])]
+            for _, r in rows.iterrows()
+        ]
+        title = f"Best for the traffic mix {mix} — {_machine(machine)}"
+        tables.append(fitted_table(columns, cells, width=width, wide=wide, title=title))
+    return tables
+
+
 _TIDY_COLUMNS = (
     TableColumn("temp", "right"),
     TableColumn("conc", "right"),
@@ -267,6 +289,7 @@ def run_report(
     plots: Path | None,
     group_by: str,
     min_repeats: int | None,
+    weights: dict[str, float] | None,
     mix_modes: bool,
     compare_with: list[Path] | None,
     show_cells: int | None,
@@ -288,6 +311,11 @@ def run_report(
     cats = category_table(list(result.loaded.files), by=result.group_by)
     if csv_categories:
         _write_csv(cats, csv_categories)
+    mixed = None
+    if weights is not None:
+        from ddtree_ops.report.mix import best_for_mix
+
+        mixed = best_for_mix(cats, weights)
     written: list[Path] = []
     if plots:
         from ddtree_ops.report.plots import write_plots
@@ -310,6 +338,8 @@ def run_report(
         }
         if cmp is not None:
             payload["compare"] = _records(cmp)
+        if mixed is not None:
+            payload["mix"] = {"weights": weights, "best": _records(mixed)}
         from ddtree_ops.cli.common import set_json_data
 
         set_json_data(obj, payload)
@@ -360,6 +390,9 @@ def run_report(
             console.print(details)
     for table in _category_tables(result.best.best, cats, width=width, wide=wide):
         print_table(console, table)
+    if mixed is not None and weights is not None:
+        for table in _mix_tables(mixed, weights, width=width, wide=wide):
+            print_table(console, table)
     _raise_if_all_refused(result)
 
 

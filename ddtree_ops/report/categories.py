@@ -71,11 +71,11 @@ def category_table(files: Sequence[Path], *, by: GroupBy = "gpu") -> pd.DataFram
         accept_length_median=("accept_length", "median"),
         user_tok_s_median=("user_tok_s", "median"),
     ).reset_index()
-    table["speedup_vs_ar"] = _speedup_vs_ar(table)
+    table["speedup_vs_ar"] = speedup_vs_ar(table)
     return pd.DataFrame({name: as_dtype(table[name], dtype) for name, dtype in CATEGORY_DTYPES.items()})
 
 
-def _speedup_vs_ar(table: pd.DataFrame) -> pd.Series:
+def speedup_vs_ar(table: pd.DataFrame) -> pd.Series:
     """Per-user tok/s over the AR cell's for the same machine, conditions and category:
     the AR cell in the same CUDA-graph mode where there is one, else the other mode's."""
     match = ["machine", *CONDITION_KEYS, "category"]
@@ -88,4 +88,4 @@ def _speedup_vs_ar(table: pd.DataFrame) -> pd.Series:
     return (table["user_tok_s_median"] / base).astype(float).set_axis(table.index)
 
 
-__all__ = ["CATEGORY_DTYPES", "category_table"]
+__all__ = ["CATEGORY_DTYPES", "category_table", "speedup_vs_ar"]

@@ -91,3 +91,44 @@ def test_chat_prompts_measured_with_ignore_eos_are_flagged(tmp_path: Path) -> No
     assert len(notes) == 2  # one situation per workload
     chat_note = [n for n in notes if "ignore_eos" in n]
     assert len(chat_note) == 1 and "answers forced past their end" in chat_note[0]
+
+
+def test_the_best_configuration_for_a_named_traffic_mix(tmp_path: Path) -> None:
+    from ddtree_ops.report.mix import best_for_mix, parse_mix
+
+    cats = category_table([ledger(tmp_path / "l.jsonl")])
+    picks = best_for_mix(cats, parse_mix("humaneval=7,mtbench=3"))
+    by_mode = {bool(r.cuda_graph): r for r in picks.itertuples()}
+    # Graph mode: budget 8 (AR's per-user rate 20 on both sets: 0.7 x 80/20 + 0.3 x 30/20);
+    # eager mode is picked apart (budget 32, against the graph-mode AR cell).
+    assert (by_mode[True].algorithm, by_mode[True].budget) == ("DDTREE", 8)
+    assert by_mode[True].mix_speedup == pytest.approx(0.7 * 4.0 + 0.3 * 1.5)
+    assert by_mode[True].per_set == "humaneval 4.00x, mtbench 1.50x"
+    assert by_mode[False].budget == 32 and by_mode[False].mix_speedup == pytest.approx(0.7 * 5.0 + 0.3 * 1.8)
+
+
+@pytest.mark.parametrize(
+    ("mix", "needle"),
+    [
+        ("gsm8k=1", "--mix: no rows measured 'gsm8k' (the ledgers hold: humaneval, mtbench)"),
+        ("humaneval", "--mix: 'humaneval' is not data_set=weight with a positive weight"),
+        ("humaneval=0.5,humaneval=0.5", "--mix: 'humaneval' is named twice"),
+        ("humaneval=nan", "is not data_set=weight with a positive weight"),
+    ],
+)
+def test_a_bad_mix_is_one_line_exit_2(tmp_path: Path, mix: str, needle: str) -> None:
+    path = ledger(tmp_path / "l.jsonl")
+    done = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(path), "--mix", mix],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_report_prints_the_mix_pick(tmp_path: Path) -> None:
+    path = ledger(tmp_path / "l.jsonl")
+    done = subprocess.run([sys.executable, "-m", "ddtree_ops", "report", str(path), "--mix",
+                           "humaneval=0.7,mtbench=0.3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    assert "Best for the traffic mix humaneval 70%, mtbench 30%" in done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80
