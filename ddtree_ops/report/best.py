@@ -235,7 +235,7 @@ def _best_row(
     if not pd.isna(match) and match < 1.0:
         notes.append(f"T=0 outputs differ from AR on {1 - match:.0%} of prompts: the verify is lossy here")
     if bool(pick["ignore_eos_on_chat"]):
-        notes.append("chat prompts measured with ignore_eos: answers forced past their end, unlike production")
+        notes.append("chat with ignore_eos (lengths forced)")
     row["note"] = "; ".join(notes)
     return row
 

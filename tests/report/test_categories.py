@@ -90,7 +90,7 @@ def test_chat_prompts_measured_with_ignore_eos_are_flagged(tmp_path: Path) -> No
     notes = [str(n) for n in result.best.best["note"]]
     assert len(notes) == 2  # one situation per workload
     chat_note = [n for n in notes if "ignore_eos" in n]
-    assert len(chat_note) == 1 and "answers forced past their end" in chat_note[0]
+    assert chat_note == ["chat with ignore_eos (lengths forced)"]
 
 
 def test_the_best_configuration_for_a_named_traffic_mix(tmp_path: Path) -> None:
