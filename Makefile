@@ -81,7 +81,8 @@ test-sglang: $(STAMP) sglang-cpu
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@$(MAKE) --no-print-directory real-server-lane
 else
-	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q tests/sglang_real $(PYTEST_ARGS)
+	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q \
+	  $(or $(filter tests/%,$(PYTEST_ARGS)),tests/sglang_real) $(filter-out tests/%,$(PYTEST_ARGS))
 endif
 
 # After the lane: rewrite the README's coverage section from the data it left (reasons of
