@@ -266,11 +266,18 @@ def _cached_copy(ds: Dataset) -> Path | None:
                 revisions = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
                 if revisions:
                     return revisions[-1]  # the newest snapshot
-            else:
-                folder = root / hub_id.replace("/", "___")
-                if folder.is_dir():
-                    return folder
+            elif root.is_dir():
+                # datasets names the folder after the Hub id ("/" as "___"); its case and
+                # dashes have varied between releases, so both are matched loosely.
+                wanted = _loose(hub_id.replace("/", "___"))
+                for folder in sorted(root.iterdir()):
+                    if folder.is_dir() and _loose(folder.name) == wanted:
+                        return folder
     return None
+
+
+def _loose(name: str) -> str:
+    return name.lower().replace("-", "_")
 
 
 def _package_copy(ds: Dataset) -> Path | None:
