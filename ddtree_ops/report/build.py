@@ -79,9 +79,9 @@ def build_report(
     levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
     tidy, grouped = levels["host"], levels[group_by]
     # T = 0 losslessness from the rows' output hashes (not in the loaded columns: lists).
-    files = list(loaded.files)
-    tidy = lossless.attach(tidy, lossless.output_matches(files, by="host"))
-    grouped = tidy if group_by == "host" else lossless.attach(grouped, lossless.output_matches(files, by=group_by))
+    matches = lossless.output_matches(list(loaded.files), by=("host", group_by))
+    tidy = lossless.attach(tidy, matches["host"])
+    grouped = tidy if group_by == "host" else lossless.attach(grouped, matches[group_by])
     planned = min_repeats is None
     threshold = planned_repeats(loaded.frame) if min_repeats is None else min_repeats
     best = best_configs(grouped, min_repeats=threshold, mix_modes=mix_modes)

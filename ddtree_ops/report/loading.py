@@ -93,6 +93,14 @@ def ok_rows_with(files: Sequence[Path], marker: bytes) -> Iterator[dict[str, Any
     skips every other line unparsed; bad lines are :func:`load_ledgers`' to report."""
     for path in files:
         with open(path, "rb") as f:
+            # One C-speed search first: a ledger without the field (written before it, or
+            # a million rows of the scale benchmark) costs a scan, not a loop over lines.
+            try:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    if mm.find(marker) < 0:
+                        continue
+            except ValueError:  # an empty file cannot be mapped
+                continue
             for line in f:
                 if marker not in line:
                     continue

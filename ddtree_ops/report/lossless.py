@@ -28,12 +28,17 @@ _MARKER = b'"output_hashes": ["'
 _KEYS = ("machine", *CELL_KEYS)
 
 
-def _first_repeats(files: Sequence[Path], by: GroupBy) -> dict[tuple[Any, ...], tuple[int, list[Any]]]:
+def _hash_rows(files: Sequence[Path]) -> list[dict[str, Any]]:
+    """The T = 0 ok rows that carry output hashes: their keys, repeat and hashes only."""
+    keep = ("host", "gpu_name", "repeat", "output_hashes", *CELL_KEYS)
+    return [{k: row.get(k) for k in keep} for row in ok_rows_with(files, _MARKER)
+            if row.get("temperature") == 0 and isinstance(row.get("output_hashes"), list)]
+
+
+def _first_repeats(rows: Sequence[dict[str, Any]], by: GroupBy) -> dict[tuple[Any, ...], tuple[int, list[Any]]]:
     """(machine, cell) -> (repeat, hashes) of its lowest ok repeat at T = 0."""
     found: dict[tuple[Any, ...], tuple[int, list[Any]]] = {}
-    for row in ok_rows_with(files, _MARKER):
-        if row.get("temperature") != 0 or not isinstance(row.get("output_hashes"), list):
-            continue
+    for row in rows:
         machine = row.get("host") if by == "host" else (row.get("gpu_name") or row.get("host"))
         key = (machine, *(row.get(k) for k in CELL_KEYS))
         repeat = row["repeat"] if isinstance(row.get("repeat"), int) else 0
@@ -47,9 +52,15 @@ def _compare(a: list[Any], b: list[Any]) -> tuple[int, int]:
     return len(pairs), sum(x == y for x, y in pairs)
 
 
-def output_matches(files: Sequence[Path], *, by: GroupBy = "gpu") -> pd.DataFrame:
-    """One row per non-AR (machine, cell) at T = 0 that has an AR reference."""
-    cells = _first_repeats(files, by)
+def output_matches(files: Sequence[Path], *, by: Sequence[GroupBy] = ("gpu",)) -> dict[GroupBy, pd.DataFrame]:
+    """Per machine grouping, one row per non-AR (machine, cell) at T = 0 that has an AR
+    reference (the ledgers are read once for every grouping)."""
+    rows = _hash_rows(files)
+    return {level: _matches(rows, level) for level in by}
+
+
+def _matches(rows: Sequence[dict[str, Any]], by: GroupBy) -> pd.DataFrame:
+    cells = _first_repeats(rows, by)
     ar: dict[tuple[Any, ...], dict[bool, list[Any]]] = {}
     for key, (_, hashes) in cells.items():
         cell = dict(zip(_KEYS, key, strict=True))
