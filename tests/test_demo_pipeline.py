@@ -51,7 +51,7 @@ TOPK = 4
 TEMPERATURE = 0.0  # greedy: the simulated tokens, hence acceptance, are deterministic
 # AR baseline + one DDTree cell per budget, at one temperature and one concurrency.
 ROWS_PER_HOST = 1 + len(BUDGETS)
-PLOT_KINDS = ("throughput", "accept-length", "speedup-heatmap")
+PLOT_KINDS = ("throughput", "accept-length", "speedup-heatmap", "pareto")
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,7 @@ def test_demo_pipeline_on_two_simulated_hosts(demo_fleet: DemoFleet, cli: Callab
     assert b300_machine == "NVIDIA B300 SXM6 AC (simulated)"
     assert {b["modes"] for b in best if b["machine"] == b300_machine} == {"graph", "eager"}, best
 
-    # Three plots per machine (GPU type), each a real, non-empty PNG.
+    # Four plots per machine (GPU type), each a real, non-empty PNG.
     machines = {t["gpu_name"] for t in tidy}
     pngs = sorted(plots.glob("*.png"))
     assert len(pngs) == len(PLOT_KINDS) * len(machines), pngs
