@@ -77,7 +77,7 @@ class WorkloadPrompts:
     max_new_tokens: int
     ignore_eos: bool
     workload_hash: str
-    name: str = ""  # its sources, ``+``-joined: the ledger's workload_name
+    name: str  # its sources, ``+``-joined: the ledger's workload_name
 
     @property
     def prompt_format(self) -> str:

@@ -133,7 +133,7 @@ class RowMaker:
             "smoke": None if restart is None else ("passed" if smoke is not None and smoke.passed else "skipped"),
             "smoke_s": smoke.seconds if smoke is not None else None,
             "readiness_s": {str(k): v for k, v in restart.phase_durations.items()} if restart is not None else {},
-            "workload_name": self.workload.name or wl.prompt_set or "+".join(p.stem for p in wl.prompt_files),
+            "workload_name": self.workload.name,
             "workload_prompt_format": self.workload.prompt_format,
             "workload_num_prompts": len(self.workload.prompts),
             "workload_max_new_tokens": self.workload.max_new_tokens,

@@ -95,7 +95,8 @@ _FIRST_COLS: tuple[str, ...] = (
 )
 
 
-def _machine_column(frame: pd.DataFrame, by: GroupBy) -> pd.Series:
+def machine_column(frame: pd.DataFrame, by: GroupBy) -> pd.Series:
+    """Each row's machine: its host, or (``gpu``) its GPU name, else its host."""
     if by == "host":
         return frame["host"]
     if by == "gpu":
@@ -184,7 +185,7 @@ def _first_position(positions: np.ndarray, group_ids: np.ndarray, n_groups: int,
 
 def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
     keys = ["machine", *CELL_KEYS]
-    fine_keys = fine.keys.assign(machine=_machine_column(fine.keys, by))
+    fine_keys = fine.keys.assign(machine=machine_column(fine.keys, by))
     # Same sorted, NA-keeping grouping as over the rows: the distinct key tuples are the same.
     cell_of_group = fine_keys.groupby(keys, dropna=False, sort=True).ngroup().to_numpy()
     n_cells = int(cell_of_group.max()) + 1

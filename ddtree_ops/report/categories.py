@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from ddtree_ops.report.aggregation import CELL_KEYS, CONDITION_KEYS, TIDY_DTYPES, GroupBy, as_dtype
+from ddtree_ops.report.aggregation import CELL_KEYS, CONDITION_KEYS, TIDY_DTYPES, GroupBy, as_dtype, machine_column
 from ddtree_ops.report.loading import ok_rows_with
 
 #: The per-category table's columns and dtypes, in order (``report --csv-categories``).
@@ -58,8 +58,7 @@ def category_table(files: Sequence[Path], *, by: GroupBy = "gpu") -> pd.DataFram
     if not records:
         return pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in CATEGORY_DTYPES.items()})
     frame = pd.DataFrame.from_records(records)
-    machine = frame["host"] if by == "host" else frame["gpu_name"].where(frame["gpu_name"].notna(), frame["host"])
-    frame = frame.assign(machine=machine.astype(object))
+    frame = frame.assign(machine=machine_column(frame, by).astype(object))
     keys = ["machine", *CELL_KEYS, "category"]
     for col in ("accept_length", "user_tok_s", "requests"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce")

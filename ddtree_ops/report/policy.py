@@ -47,7 +47,7 @@ from typing import Any
 import pandas as pd
 
 from ddtree_ops.errors import BenchError, ConfigError
-from ddtree_ops.report.aggregation import aggregate
+from ddtree_ops.report.aggregation import aggregate, machine_column
 from ddtree_ops.report.best import TIE_TOLERANCE, best_configs, describe_cell
 from ddtree_ops.report.build import planned_repeats
 from ddtree_ops.report.loading import load_ledgers
@@ -198,7 +198,7 @@ def tune_ledgers(
 def host_machines(frame: pd.DataFrame) -> dict[str, str]:
     """Ledger host -> its machine type, as the report groups it (GPU name, else the host).
     A host whose rows name several GPU types keeps the first (file order)."""
-    machine = frame["gpu_name"].where(frame["gpu_name"].notna(), frame["host"])
+    machine = machine_column(frame, "gpu")
     pairs = pd.DataFrame({"host": frame["host"], "machine": machine}).drop_duplicates("host")
     return {str(h): str(m) for h, m in zip(pairs["host"], pairs["machine"], strict=True)}
 
