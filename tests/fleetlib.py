@@ -283,7 +283,7 @@ class Fleet:
     def load(self):  # -> Inventory; imported lazily so this module stays import-light
         from ddtree_ops.inventory import load_inventory
 
-        return load_inventory([self.inventory], ssh_config=self.root / "no-ssh-config")
+        return load_inventory([self.inventory])
 
     def close(self) -> None:
         for host in self.hosts:

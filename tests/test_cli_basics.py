@@ -91,12 +91,8 @@ def write(tmp_path: Path, text: str) -> Path:
             "all:\n  hosts:\n    a:\n      ansible_host: x\n      ddtree: {server: {port: abc}}\n",
             r"inv\.yaml: all\.hosts\.a\.ddtree\.server\.port: expected a port number .*got 'abc'",
         ),
-        (
-            "all:\n  hosts:\n    lonely: {}\n",
-            r"host 'lonely' has no ansible_host and .*ssh/config has no 'Host lonely' entry",
-        ),
     ],
-    ids=["yaml-syntax", "unknown-key", "wrong-type", "no-address"],
+    ids=["yaml-syntax", "unknown-key", "wrong-type"],
 )
 def test_bad_inventory(cli, clean_home: Path, tmp_path: Path, text: str, expected: str) -> None:
     import re
@@ -104,6 +100,19 @@ def test_bad_inventory(cli, clean_home: Path, tmp_path: Path, text: str, expecte
     res = cli("-i", str(write(tmp_path, text)), "doctor", "all")
     assert res.exit_code == 2
     assert re.search(expected, one_error_line(res.stderr))
+
+
+def test_hosts_named_by_dns_load_and_say_how_they_resolve(
+    cli, clean_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    (clean_home / ".ssh" / "config").write_text("Host b300\n  HostName 10.0.0.9\n")
+    inv = write(tmp_path, "all:\n  hosts:\n    gpu1.lab.example.com: {}\n    b300: {}\n")
+    res = cli("--json", "-i", str(inv), "hosts")
+    assert res.exit_code == 0, res.stderr
+    res = cli("-i", str(inv), "hosts")
+    assert res.exit_code == 0, res.stderr
+    assert "gpu1.lab.example.com (DNS)" in res.stdout and "b300 (ssh_config)" in res.stdout
 
 
 def test_missing_inventory_and_unknown_target(cli, clean_home: Path, tmp_path: Path) -> None:

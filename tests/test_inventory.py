@@ -10,6 +10,8 @@ import yaml
 
 from ddtree_ops.errors import InventoryError, TargetError
 from ddtree_ops.inventory import load_inventory
+from ddtree_ops.sshconfig import SshConfig
+from ddtree_ops.transport.ssh import resolve_endpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,11 +23,11 @@ def write(tmp_path: Path, text: str, name: str = "inv.yaml") -> Path:
 
 
 def load(tmp_path: Path, text: str, **kw: object):
-    return load_inventory([write(tmp_path, text)], ssh_config=tmp_path / "no-ssh-config", **kw)
+    return load_inventory([write(tmp_path, text)], **kw)
 
 
 def test_shipped_inventories_load() -> None:
-    inv = load_inventory(sorted((REPO / "inventories").glob("*.yaml")), ssh_config=Path("/nonexistent"))
+    inv = load_inventory(sorted((REPO / "inventories").glob("*.yaml")))
     assert {"ct200-a", "ct200-b", "b300-a", "sim-ct200", "sim-b300"} <= set(inv.hosts)
     assert [h.name for h in inv.resolve("local")] == ["sim-ct200", "sim-b300"]
     sim = inv.hosts["sim-b300"]
@@ -93,17 +95,17 @@ def test_all_is_shared_across_sources_like_ansible(tmp_path: Path) -> None:
     # Ansible has one `all` group: its vars from any source apply to every host.
     a = write(tmp_path, "all:\n  vars: {ddtree: {python: /a/py}}\n  hosts: {ha: {ansible_host: 1.1.1.1}}\n", "a.yaml")
     b = write(tmp_path, "all:\n  hosts: {hb: {ansible_host: 2.2.2.2}}\n", "b.yaml")
-    inv = load_inventory([a, b], ssh_config=tmp_path / "none")
+    inv = load_inventory([a, b])
     assert inv.hosts["ha"].python == "/a/py" == inv.hosts["hb"].python
 
 
 def test_host_in_two_sources_later_source_wins(tmp_path: Path) -> None:
     a = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 1.1.1.1, ansible_user: x}}\n", "a.yaml")
     b = write(tmp_path, "all:\n  hosts: {h: {ansible_host: 2.2.2.2}}\n", "b.yaml")
-    inv = load_inventory([a, b], ssh_config=tmp_path / "none")
+    inv = load_inventory([a, b])
     assert list(inv.hosts) == ["h"]
     assert inv.hosts["h"].address == "2.2.2.2" and inv.hosts["h"].user == "x"
-    inv = load_inventory([b, a], ssh_config=tmp_path / "none")
+    inv = load_inventory([b, a])
     assert inv.hosts["h"].address == "1.1.1.1"
 
 
@@ -186,18 +188,17 @@ def test_top_level_must_be_a_mapping(tmp_path: Path, text: str) -> None:
         load(tmp_path, text)
 
 
-def test_host_without_address_needs_ssh_config_alias(tmp_path: Path) -> None:
-    text = "all:\n  hosts:\n    gpu7: {ddtree: {python: /p}}\n"
-    with pytest.raises(InventoryError, match=r"host 'gpu7' has no ansible_host and .* has no 'Host gpu7' entry"):
-        load(tmp_path, text)
-    cfg = tmp_path / "ssh_config"
-    cfg.write_text("Host *\n  User root\n\nHost gpu7 gpu8\n  HostName 10.1.1.7\n")
-    inv = load_inventory([write(tmp_path, text)], ssh_config=cfg)
-    assert inv.hosts["gpu7"].address is None  # the transport resolves it through ssh_config
-    # `Host *` alone is not an alias: it would make every typo "reachable".
-    cfg.write_text("Host *\n  User root\n")
-    with pytest.raises(InventoryError, match="has no ansible_host"):
-        load_inventory([write(tmp_path, text)], ssh_config=cfg)
+def test_a_host_without_an_address_is_reached_at_its_inventory_name(tmp_path: Path) -> None:
+    # As Ansible: the name is the address (an ssh_config alias, else DNS); nothing refused.
+    for text in (
+        "all:\n  hosts:\n    gpu1.lab.example.com: {ddtree: {python: /p}}\n",
+        "all:\n  hosts:\n    gpu7: {}\n",
+    ):
+        inv = load(tmp_path, text)
+        (host,) = inv.hosts.values()
+        assert host.address is None and host.connection == "ssh"
+        # What the SSH transport connects to without an ssh_config entry: the name itself.
+        assert resolve_endpoint(host.name, SshConfig.from_text("")).hostname == host.name
 
 
 def test_hostile_strings_are_kept_verbatim(tmp_path: Path) -> None:
@@ -256,7 +257,7 @@ def test_host_in_two_groups_with_conflicting_vars_is_an_error(tmp_path: Path) ->
 def test_same_host_in_two_files_that_agree_is_one_host(tmp_path: Path) -> None:
     a = write(tmp_path, "ct200:\n  hosts: {h: {ansible_host: 1.1.1.1}}\n", "a.yaml")
     b = write(tmp_path, "gpus:\n  hosts: {h: {ansible_host: 1.1.1.1}}\n", "b.yaml")
-    inv = load_inventory([a, b], ssh_config=tmp_path / "none")
+    inv = load_inventory([a, b])
     assert [h.name for h in inv.resolve("gpus")] == ["h"] and inv.hosts["h"].groups == ("ct200", "gpus")
 
 

@@ -9,12 +9,14 @@ from rich.table import Table
 from ddtree_ops.cli.common import load_hosts, set_json_data
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
 
 
-def _address(host: Host) -> str:
+def _address(host: Host, aliases: SshConfig) -> str:
     if host.connection == "local":
         return "local"
-    where = host.address or f"{host.name} (ssh_config)"
+    # Without ansible_host the name is the address (Ansible's rule): say how it resolves.
+    where = host.address or f"{host.name} ({'ssh_config' if aliases.has_alias(host.name) else 'DNS'})"
     user = f"{host.user}@" if host.user else ""
     port = f":{host.port}" if host.port else ""
     return f"{user}{where}{port}"
@@ -31,6 +33,7 @@ def hosts_cmd(
     if obj.json:
         set_json_data(obj, [{"name": h.name, **_as_dict(h)} for h in hosts])
         return
+    aliases = load_ssh_config(user_ssh_config_path())
     table = Table(title=escape(f"hosts: {target}"), title_justify="left")
     table.add_column("host", no_wrap=True, style="bold")
     for header in ("groups", "connect", "gpu", "server", "model"):
@@ -38,7 +41,8 @@ def hosts_cmd(
     for h in hosts:
         s = h.ddtree.server
         cells = (
-            h.name, ",".join(h.groups), _address(h), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}", s.model_path or "-"
+            h.name, ",".join(h.groups), _address(h, aliases), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}",
+            s.model_path or "-",
         )
         table.add_row(*(escape(c) for c in cells))  # names and paths are data, never markup
     obj.console.print(table)

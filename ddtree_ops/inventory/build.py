@@ -26,7 +26,6 @@ from ddtree_ops.inventory.sources import RawInventory, load_sources
 from ddtree_ops.inventory.values import Origin
 from ddtree_ops.inventory.vars import Resolved, VarFiles, depths, host_groups, resolve
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings
-from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
 
 SSH_CONNECTIONS = ("ssh", "smart", "ansible.builtin.ssh")
 PARAMIKO_CONNECTIONS = ("paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh")
@@ -105,11 +104,12 @@ class Inventory:
         return f"unknown target {item!r}{hint}; {self._known()}"
 
 
-def load_inventory(paths: Sequence[Path], *, ssh_config: Path | None = None) -> Inventory:
+def load_inventory(paths: Sequence[Path]) -> Inventory:
     """Load and merge inventory sources. Raises :class:`InventoryError` naming file and key.
 
-    ``ssh_config`` (default ``~/.ssh/config``) is consulted for hosts without an address:
-    such a host must be an alias there, otherwise nothing could reach it.
+    A host without an address is reached at its inventory name, as Ansible reaches it: the
+    SSH transport looks the name up in ``~/.ssh/config`` (an alias's HostName, User, Port,
+    ...) and otherwise connects to it as a DNS name.
     """
     if not paths:
         raise InventoryError(
@@ -117,14 +117,13 @@ def load_inventory(paths: Sequence[Path], *, ssh_config: Path | None = None) -> 
         )
     sources = [Path(p) for p in paths]
     raw = load_sources(sources)
-    aliases = _SshAliases(ssh_config if ssh_config is not None else user_ssh_config_path())
     files = VarFiles(sources)
     depth = depths(raw)
     hosts: dict[str, Host] = {}
     for data in raw.hosts.values():
         groups = host_groups(raw, data, depth)
         resolved = resolve(raw, data, groups, files)
-        hosts[data.name] = build_host(data.name, resolved, data.origin, aliases, groups=tuple(groups))
+        hosts[data.name] = build_host(data.name, resolved, data.origin, groups=tuple(groups))
     members = {g: tuple(h for h in raw.hosts if g in hosts[h].groups or g == "all") for g in raw.groups}
     return Inventory(hosts=MappingProxyType(hosts), groups=MappingProxyType(members), sources=tuple(sources))
 
@@ -151,7 +150,7 @@ def connection_vars(values: Mapping[str, Any], connection: str) -> dict[str, str
     return out
 
 
-def build_host(name: str, resolved: Resolved, first: Origin, aliases: _SshAliases, *, groups: tuple[str, ...]) -> Host:
+def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[str, ...]) -> Host:
     values, origins = resolved.values, resolved.origins
 
     def where(var: str) -> str:
@@ -185,11 +184,6 @@ def build_host(name: str, resolved: Resolved, first: Origin, aliases: _SshAliase
         elif not isinstance(value, str) or not value:
             raise InventoryError(f"{where(var)}: expected a string, got {value!r}")
         picked[option] = value
-    if connection == "ssh" and picked["address"] is None and not aliases.has_alias(name):
-        raise InventoryError(
-            f"{first.file}: host {name!r} has no ansible_host and {aliases.path} has no 'Host {name}' entry; "
-            f"set ansible_host or add an ssh_config alias"
-        )
     ddtree_raw = values.get("ddtree") or {}
     # Relative paths in ddtree: are anchored at the file that first defines the host.
     base_dir = Path(first.file).resolve().parent
@@ -336,17 +330,3 @@ def _against(base_dir: Path, value: str) -> str:
     if value.startswith("~") or os.path.isabs(value):
         return value
     return os.path.normpath(base_dir / value)
-
-
-class _SshAliases:
-    """Which host names the user's ssh_config knows (read once, ``Include`` honoured, by
-    :mod:`ddtree_ops.sshconfig` — the same reader the SSH transport uses)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._config: SshConfig | None = None
-
-    def has_alias(self, name: str) -> bool:
-        if self._config is None:
-            self._config = load_ssh_config(self.path)
-        return self._config.has_alias(name)

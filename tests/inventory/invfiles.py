@@ -18,7 +18,7 @@ def write(path: Path, text: str) -> Path:
 
 
 def load(*paths: Path) -> Inventory:
-    return load_inventory(list(paths), ssh_config=Path("/nonexistent/ssh_config"))
+    return load_inventory(list(paths))
 
 
 def error_line(*paths: Path) -> str:

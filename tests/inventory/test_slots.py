@@ -49,14 +49,12 @@ def test_a_slot_is_a_host_with_its_own_port_run_dir_and_gpus() -> None:
 
 
 def test_a_host_without_slots_is_its_own_slot_and_an_alias_stays_reachable(tmp_path: Path) -> None:
-    ssh_config = tmp_path / "ssh_config"
-    ssh_config.write_text("Host box\n")
     path = tmp_path / "inv.yaml"
     path.write_text(yaml.safe_dump({"all": {"hosts": {
         "plain": {"ansible_connection": "local"},
         "box": {"ddtree": {"server": {"slots": {"count": 2, "gpus_per_slot": 1}}}},
     }}}))
-    inv = load_inventory([path], ssh_config=ssh_config)
+    inv = load_inventory([path])
     plain = inv.hosts["plain"]
     assert plain.slot_hosts() == (plain,) and plain.slot is None
     # An ssh_config alias is looked up by name; a slot's name is not one, so the

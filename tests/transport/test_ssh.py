@@ -13,6 +13,7 @@ import pytest
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
 from ddtree_ops.errors import AuthError, ConnectError, HostKeyError, TransportError
+from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.transport.ssh import _PROLOGUE, SSHTransport, _strip_pgid_marker, build_command_line, resolve_endpoint
 
@@ -93,6 +94,26 @@ def test_ssh_config_alias(ssh_fleet: Fleet, home: Path) -> None:
         f"Host gpu-b300\n  HostName 127.0.0.1\n  Port {fh.port}\n  User root\n  IdentityFile {ssh_fleet.client_key}\n"
     )
     host = Host("gpu-b300", ddtree=DdtreeSettings(known_hosts=str(ssh_fleet.known_hosts)))
+    with SSHTransport(host) as t:
+        assert t.run(["sh", "-c", "echo $HOME"]).stdout.strip() == str(fh.server.home)
+
+
+def test_a_host_named_by_dns_without_ansible_host_is_reached_at_its_name(
+    ssh_fleet: Fleet, home: Path, tmp_path: Path
+) -> None:
+    # Ansible's rule: no ansible_host and no ssh_config alias -> connect to the inventory
+    # name. `localhost` is a name the resolver knows on every machine.
+    fh = ssh_fleet.hosts[0]
+    known = tmp_path / "known_hosts"
+    known.write_text(known_hosts_line(fh.port, fh.server.host_key, address="localhost") + "\n")
+    inv = tmp_path / "dns.yml"
+    inv.write_text(
+        f"all:\n  hosts:\n    localhost:\n      ansible_port: {fh.port}\n      ansible_user: root\n"
+        f"      ansible_ssh_private_key_file: {ssh_fleet.client_key}\n"
+        f"      ddtree: {{known_hosts: {known}}}\n"
+    )
+    host = load_inventory([inv]).hosts["localhost"]
+    assert host.address is None
     with SSHTransport(host) as t:
         assert t.run(["sh", "-c", "echo $HOME"]).stdout.strip() == str(fh.server.home)
 
