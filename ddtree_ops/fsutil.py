@@ -1,4 +1,5 @@
-"""Durable local file replacement, shared by the local transport and the local state file.
+"""Local files: durable replacement (the local transport, the state file) and reading a
+config file that must be a regular file.
 
 A reader must see either the old file or the new one, never a torn write, and the rename
 must survive a crash: temp file in the same directory, fsync, rename, fsync the directory.
@@ -7,9 +8,37 @@ Raises ``OSError``; callers translate it into the error of their own layer.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+
+def read_regular_text(path: Path) -> str:
+    """``path``'s UTF-8 text, refusing anything but a regular file.
+
+    A FIFO given as ``-i`` or ``--sweep`` would otherwise block the command forever, and a
+    device would be read without end: the file is opened non-blocking (a FIFO opens at
+    once) and checked on the open descriptor before a byte is read. Raises
+    ``FileNotFoundError``, ``IsADirectoryError``, ``OSError(EINVAL)`` for other non-regular
+    files, and ``UnicodeDecodeError``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
+            data = fh.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return data.decode("utf-8")
 
 
 def write_atomic_local(target: Path, data: bytes, *, mode: int | None = None) -> None:

@@ -64,3 +64,7 @@ def safe_load_unique(
         return yaml.load(text, Loader=loader)  # noqa: S506  # a SafeLoader subclass
     except _DuplicateKey as exc:
         raise error(f"{source}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first_line})") from None
+    except RecursionError:
+        # PyYAML composes and constructs recursively: a hostile or generated file nested a
+        # few thousand levels deep exhausts the stack. No config of ours nests past ten.
+        raise error(f"{source}: nested too deeply to be a config file") from None

@@ -15,6 +15,11 @@ _PORT = re.compile(r"^(?P<host>.*[^:]):(?P<port>\d+)$")
 _IPV6_PORT = re.compile(r"^\[(?P<host>[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)\](?::(?P<port>\d+))?$")
 
 
+# One pattern naming more hosts than this is a typo (``node[1:200000]``), not a fleet:
+# Ansible would build them all, and every command would then fan out to each.
+MAX_HOSTS = 10_000
+
+
 class RangeError(ValueError):
     """A host pattern Ansible would refuse too; the message says why."""
 
@@ -63,6 +68,11 @@ def expand(pattern: str) -> list[str]:
         if width != len(end):
             raise RangeError(f"host range [{body}] in {pattern!r} must have equal-length begin and end")
     seq: list[str]
+    if beg.isdigit() and end.isdigit():
+        if int(beg) > int(end):
+            raise RangeError(f"host range [{body}] in {pattern!r} must have begin <= end")
+        if (int(end) - int(beg)) // step + 1 > MAX_HOSTS:
+            raise RangeError(f"host range [{body}] in {pattern!r} names more than {MAX_HOSTS} hosts")
     if beg in string.ascii_letters and end in string.ascii_letters:
         i_beg, i_end = string.ascii_letters.index(beg), string.ascii_letters.index(end)
         if i_beg > i_end:
@@ -76,6 +86,8 @@ def expand(pattern: str) -> list[str]:
     names: list[str] = []
     for item in seq:
         names.extend(expand(f"{head}{item}{tail}"))
+        if len(names) > MAX_HOSTS:
+            raise RangeError(f"host pattern {pattern!r} names more than {MAX_HOSTS} hosts")
     return names
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from ddtree_ops.errors import InventoryError
+from ddtree_ops.fsutil import read_regular_text
 from ddtree_ops.inventory.ranges import RangeError, expand_pattern
 from ddtree_ops.inventory.schema import check_vars
 from ddtree_ops.inventory.values import Origin, Unsafe, Vaulted, did_you_mean, kind
@@ -81,11 +82,13 @@ AnsibleYamlLoader.add_constructor("!unsafe", _unsafe)
 def read_text(path: Path, what: str = "inventory") -> str:
     """A file's text; a vault-encrypted file is refused (we cannot decrypt it)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path)
     except FileNotFoundError:
         raise InventoryError(f"{what} file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InventoryError(f"cannot read {what} {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InventoryError(f"{path}: not a UTF-8 text file (byte {exc.start}): an {what} is YAML or INI") from None
+    except OSError as exc:
+        raise InventoryError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     if text.lstrip().startswith(VAULT_HEADER):
         raise InventoryError(
             f"{path}: vault-encrypted file ({VAULT_HEADER} header): ddtree-ops does not decrypt vault; "

@@ -111,3 +111,15 @@ def test_refusal_is_one_line_on_the_cli(tmp_path: Path, cli, clean_home: Path) -
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"{inv}:2: ansible_host: '{{{{ ip }}}}' is a Jinja template" in lines[0]
     assert "Traceback" not in res.stderr
+
+
+def test_what_is_not_an_inventory_file_is_one_line(tmp_path: Path) -> None:
+    binary = tmp_path / "bin.yml"
+    binary.write_bytes(bytes(range(128, 256)))
+    assert error_line(binary) == f"{binary}: not a UTF-8 text file (byte 0): an inventory is YAML or INI"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nothing writes to it: reading it would block for ever
+    assert error_line(fifo) == f"cannot read inventory {fifo}: not a regular file"
+    assert error_line(Path("/dev/zero")) == "cannot read inventory /dev/zero: not a regular file"
+    deep = write(tmp_path / "deep.yml", "all: " + "{a: " * 3000 + "x" + "}" * 3000 + "\n")
+    assert error_line(deep) == f"{deep}: nested too deeply to be a config file"

@@ -38,6 +38,11 @@ def test_host_patterns(pattern: str, names: list[str], port: int | None) -> None
         ("n[01:8]", "equal-length"),
         ("n[1:2:3:4]", "begin:end"),
         ("n[c:a]", "begin <= end"),
+        ("node[08:01]", "begin <= end"),  # Ansible refuses it; it used to be zero hosts
+        ("n[9:1]", "begin <= end"),
+        ("node[1:200000]", "names more than 10000 hosts"),
+        ("n[1:10000000000000]", "names more than 10000 hosts"),  # refused before a list is built
+        ("a[1:200]b[1:200]", "names more than 10000 hosts"),
     ],
 )
 def test_bad_ranges(pattern: str, why: str) -> None:
