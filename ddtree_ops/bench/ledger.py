@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -342,8 +343,18 @@ def check_writable(path: Path | str) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ConfigError(f"{path}: cannot create the ledger: {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"{path}: cannot create the ledger: directory {ancestor} is not writable")
+    # Try it rather than ask os.access: root passes every access check, yet cannot create
+    # anything under /proc or on a read-only mount. A probe file where the ledger goes, or a
+    # probe directory where its first missing parent goes, removed at once.
+    try:
+        if ancestor == path.parent:
+            fd, probe = tempfile.mkstemp(dir=ancestor, prefix=f".{path.name}.", suffix=".probe")
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".ledger-dir.", suffix=".probe"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot create the ledger in {ancestor}: {exc.strerror or exc}") from None
 
 
 def check_same_sweep(rows: Iterable[Mapping[str, Any]], *, sweep: str, sweep_hash: str, path: Path | str) -> None:

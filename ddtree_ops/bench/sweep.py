@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from typing import Any
 import yaml
 
 from ddtree_ops.errors import DdtreeOpsError, SweepError
+from ddtree_ops.fsutil import read_regular_text
+from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
 from ddtree_ops.yamlfile import safe_load_unique
 
 ALGORITHMS = ("ddtree", "dflash", "autoregressive")
@@ -69,6 +72,16 @@ _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "
              "relaunch"}
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
+# Upper bounds of the integer axes: the CLI's own (``restart --budget`` refuses more than
+# the plugin serves) and, for the load, what one client can keep open without running out
+# of file descriptors or a server out of context. Anything larger is a typo, refused
+# before a server is touched rather than discovered after a launch.
+AXIS_MAX: Mapping[str, int] = {"budget": MAX_DDTREE_BUDGET, "topk": MAX_DDTREE_TOPK, "concurrency": 4096}
+MAX_NEW_TOKENS = 1 << 20  # the longest context any served model has
+MAX_PROMPTS = 1_000_000
+MAX_REPEATS = 1000
+# The name becomes the ledger's file name (``<name>.jsonl``): a file name's 255 bytes, less room.
+MAX_NAME_BYTES = 200
 APIS = ("generate", "openai")
 # Where the load is generated: this machine, or the GPU host next to its server
 # (``bench.onhost``); None = host when the server binds loopback, else local.
@@ -131,9 +144,9 @@ def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
         if not isinstance(value, str) or value.lower() not in ALGORITHMS:
             raise _fail(path, where, f"unknown algorithm {value!r} (expected one of {', '.join(ALGORITHMS)})")
         return value.lower()
-    if axis in ("budget", "topk", "concurrency"):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise _fail(path, where, f"must be a positive integer, got {value!r}")
+    if axis in AXIS_MAX:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= AXIS_MAX[axis]:
+            raise _fail(path, where, f"must be an integer from 1 to {AXIS_MAX[axis]}, got {value!r}")
         return value
     if axis == "top_k":
         if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
@@ -142,6 +155,8 @@ def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(path, where, f"must be a number, got {value!r}")
     value = float(value)
+    if not math.isfinite(value):
+        raise _fail(path, where, f"must be a finite number, got {value}")
     if axis == "temperature" and value < 0:
         raise _fail(path, where, f"must be >= 0, got {value}")
     if axis == "top_p" and not 0 < value <= 1:
@@ -159,10 +174,30 @@ def _as_list(path: Path, key: str, raw: Any) -> list[Any]:
     return [raw]
 
 
-def _int(path: Path, key: str, raw: Any, *, minimum: int) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum:
-        raise _fail(path, key, f"must be an integer >= {minimum}, got {raw!r}")
+def _int(path: Path, key: str, raw: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum or (maximum is not None and raw > maximum):
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise _fail(path, key, f"must be an integer {bound}, got {raw!r}")
     return raw
+
+
+def _positive_finite(path: Path, key: str, raw: Any, what: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw <= 0:
+        raise _fail(path, key, f"must be a positive finite number{what}, got {raw!r}")
+    return float(raw)
+
+
+def _check_name(path: Path, raw: Any) -> str:
+    """The sweep's name, which names its ledger file: printable, no path separator."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise _fail(path, "name", "must be a non-empty name (it names the ledger file)")
+    name = raw.strip()
+    if "/" in name or not name.isprintable():
+        raise _fail(path, "name", f"must have no '/' and no control characters (it names the ledger file), "
+                                  f"got {name!r}")
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise _fail(path, "name", f"is longer than {MAX_NAME_BYTES} bytes (it names the ledger file)")
+    return name
 
 
 def _parse_grid(path: Path, raw: Any) -> dict[str, tuple[Any, ...]]:
@@ -292,8 +327,9 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
         prompt_files=tuple(files),
         prompt_set=prompt_set,
         datasets=datasets,
-        num_prompts=_int(path, "workload.num_prompts", raw.get("num_prompts", 32), minimum=1),
-        max_new_tokens=_int(path, "workload.max_new_tokens", raw.get("max_new_tokens", 128), minimum=1),
+        num_prompts=_int(path, "workload.num_prompts", raw.get("num_prompts", 32), minimum=1, maximum=MAX_PROMPTS),
+        max_new_tokens=_int(path, "workload.max_new_tokens", raw.get("max_new_tokens", 128), minimum=1,
+                            maximum=MAX_NEW_TOKENS),
         ignore_eos=ignore_eos,
         seed=_int(path, "workload.seed", raw.get("seed", 0), minimum=0),
     )
@@ -306,9 +342,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
     for key in data:
         if key not in _TOP_KEYS:
             raise _fail(path, str(key), f"unknown key (expected one of {', '.join(sorted(_TOP_KEYS))})")
-    name = data.get("name")
-    if not isinstance(name, str) or not name.strip() or "/" in name:
-        raise _fail(path, "name", "must be a non-empty name without '/' (it names the ledger file)")
+    name = _check_name(path, data.get("name"))
     targets_raw = data.get("targets")
     if isinstance(targets_raw, str):
         targets_raw = [targets_raw]
@@ -323,14 +357,12 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         if b not in BASELINES:
             raise _fail(path, "baselines", f"unknown baseline {b!r} (expected any of {', '.join(BASELINES)})")
     rate = data.get("request_rate")
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
-        raise _fail(path, "request_rate", f"must be a positive number of requests/s, got {rate!r}")
+    if rate is not None:
+        rate = _positive_finite(path, "request_rate", rate, " of requests/s (leave it out for a closed loop)")
     api = data.get("api", "generate")
     if api not in APIS:
         raise _fail(path, "api", f"must be one of {', '.join(APIS)}, got {api!r}")
-    timeout = data.get("request_timeout_s", 600.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise _fail(path, "request_timeout_s", f"must be a positive number, got {timeout!r}")
+    timeout = _positive_finite(path, "request_timeout_s", data.get("request_timeout_s", 600.0), " of seconds")
     client = data.get("client")
     if client is not None and client not in CLIENTS:
         raise _fail(path, "client", f"must be one of {', '.join(CLIENTS)}, got {client!r}")
@@ -342,7 +374,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         raise _fail(path, "relaunch", f"must be one of {', '.join(RELAUNCH_MODES)} (never: switch the DDTree tree "
                                       f"live on one launch; always: one launch per budget and top-k), got {relaunch!r}")
     return SweepSpec(
-        name=name.strip(),
+        name=name,
         source=path,
         targets=tuple(targets_raw),
         baselines=tuple(dict.fromkeys(baselines_raw)),
@@ -350,11 +382,11 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         exclude=_parse_rules(path, "exclude", data.get("exclude"), single=False),
         include=_parse_rules(path, "include", data.get("include"), single=True),
         workload=_parse_workload(path, data.get("workload")),
-        repeats=_int(path, "repeats", data.get("repeats", 1), minimum=1),
-        warmup=_int(path, "warmup", data.get("warmup", 1), minimum=0),
-        request_rate=float(rate) if rate is not None else None,
+        repeats=_int(path, "repeats", data.get("repeats", 1), minimum=1, maximum=MAX_REPEATS),
+        warmup=_int(path, "warmup", data.get("warmup", 1), minimum=0, maximum=MAX_REPEATS),
+        request_rate=rate,
         api=api,
-        request_timeout_s=float(timeout),
+        request_timeout_s=timeout,
         description=description,
         client=client,
         relaunch=relaunch,
@@ -370,9 +402,11 @@ def load_sweep(path: Path) -> SweepSpec:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path)
     except FileNotFoundError:
         raise SweepError(f"{path}: sweep file not found") from None
+    except UnicodeDecodeError as exc:
+        raise SweepError(f"{path}: not a UTF-8 text file (byte {exc.start}): a sweep file is YAML") from None
     except OSError as exc:
         raise SweepError(f"{path}: cannot read sweep file: {exc.strerror or exc}") from None
     try:

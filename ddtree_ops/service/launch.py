@@ -30,6 +30,9 @@ CudaGraphMode = Literal["auto", "on", "off"]
 ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
 # The DDTree plugin accepts --speculative-num-draft-tokens 2..257, i.e. budgets 1..256.
 MAX_DDTREE_BUDGET = 256
+# A tree of at most 256 nodes never uses more than 256 candidates at one position: a larger
+# top-k changes nothing but the cost of the candidate head.
+MAX_DDTREE_TOPK = MAX_DDTREE_BUDGET
 
 # (first version it applies to, eager flags). Newest first; the first row whose version
 # is <= the remote version wins. Only 0.5.23 is verified against source; the boundary
@@ -65,6 +68,8 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
         if self.algorithm == "DDTREE" and self.budget is not None and self.budget > MAX_DDTREE_BUDGET:
             raise ConfigError(f"budget must be at most {MAX_DDTREE_BUDGET} for DDTREE, not {self.budget}")
+        if self.topk is not None and self.topk > MAX_DDTREE_TOPK:
+            raise ConfigError(f"topk must be at most {MAX_DDTREE_TOPK}, not {self.topk}")
         if self.algorithm == "AR" and (self.budget is not None or self.topk is not None):
             raise ConfigError("budget/topk only apply to DFLASH or DDTREE")
         if self.algorithm == "DFLASH" and self.topk is not None:

@@ -83,7 +83,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ({"grid": {"budget": [0]}}, "grid.budget: must be a positive integer"),
+        ({"grid": {"budget": [0]}}, "grid.budget: must be an integer from 1 to 256"),
         ({"targets": ["nowhere"]}, "unknown target 'nowhere'"),
         ({"colour": "blue"}, "colour: unknown key"),
         ({"client": "laptop"}, "client: must be one of local, host, got 'laptop'"),
@@ -170,11 +170,12 @@ def test_resume_with_the_other_client_mode_is_refused_before_launch(tmp_path: Pa
     assert not (tmp_path / "run").exists()  # no server was launched
 
 
-def test_unwritable_out_is_refused_before_any_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["afile", "/proc/nope", "/proc"])
+def test_unwritable_out_is_refused_before_any_host(tmp_path: Path, where: str) -> None:
     inv = write_inventory(tmp_path, free_port())
     sweep = write_sweep(tmp_path)
     (tmp_path / "afile").write_text("")
-    out = tmp_path / "afile" / "l.jsonl"
+    out = tmp_path / where / "l.jsonl"  # /proc: root passes os.access there, yet cannot create
     done = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

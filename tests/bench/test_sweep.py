@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,30 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
         (lambda d: d["grid"].update(bugdet=[1]), "grid.bugdet: unknown axis"),
         (lambda d: d.update(grid={}), "grid: is empty"),
         (lambda d: d["grid"].update(budget=[]), "grid.budget: is an empty list"),
-        (lambda d: d["grid"].update(budget=[8, 0]), "grid.budget: must be a positive integer, got 0"),
-        (lambda d: d["grid"].update(budget=[-4]), "grid.budget: must be a positive integer"),
+        (lambda d: d["grid"].update(budget=[8, 0]), "grid.budget: must be an integer from 1 to 256, got 0"),
+        (lambda d: d["grid"].update(budget=[-4]), "grid.budget: must be an integer from 1 to 256"),
+        # The CLI's bounds (restart --budget refuses > 256), and sane loads.
+        (lambda d: d["grid"].update(budget=[1000]), "grid.budget: must be an integer from 1 to 256, got 1000"),
+        (lambda d: d["grid"].update(budget=["1e30"]), "grid.budget: must be an integer from 1 to 256, got '1e30'"),
+        (lambda d: d["grid"].update(budget=[1e30]), "grid.budget: must be an integer from 1 to 256"),
+        (lambda d: d["grid"].update(topk=[100000]), "grid.topk: must be an integer from 1 to 256, got 100000"),
+        (lambda d: d["grid"].update(concurrency=[10**7]), "grid.concurrency: must be an integer from 1 to 4096"),
+        (lambda d: d["workload"].update(max_new_tokens=10**8), "workload.max_new_tokens: must be an integer from 1"),
+        (lambda d: d["workload"].update(num_prompts=10**9), "workload.num_prompts: must be an integer from 1"),
+        (lambda d: d.update(repeats=10**6), "repeats: must be an integer from 1 to 1000"),
+        # NaN and infinities are numbers to YAML, never to a sweep.
+        (lambda d: d["grid"].update(temperature=[float("nan")]), "grid.temperature: must be a finite number, got nan"),
+        (lambda d: d["grid"].update(temperature=[float("inf")]), "grid.temperature: must be a finite number, got inf"),
+        (lambda d: d["grid"].update(top_p=[float("nan")]), "grid.top_p: must be a finite number"),
+        (lambda d: d.update(request_rate=float("nan")), "request_rate: must be a positive finite number"),
+        (lambda d: d.update(request_rate=float("inf")), "request_rate: must be a positive finite number"),
+        (lambda d: d.update(request_timeout_s=float("nan")), "request_timeout_s: must be a positive finite number"),
+        (lambda d: d.update(request_timeout_s=float("inf")), "request_timeout_s: must be a positive finite number"),
+        # The name names the ledger file.
+        (lambda d: d.update(name="a\0b"), "name: must have no '/' and no control characters"),
+        (lambda d: d.update(name="a\x1b[2Jb"), "name: must have no '/' and no control characters"),
+        (lambda d: d.update(name="a/b"), "name: must have no '/'"),
+        (lambda d: d.update(name="n" * 300), "name: is longer than 200 bytes"),
         (lambda d: d["grid"].update(temperature=[-0.1]), "grid.temperature: must be >= 0"),
         (lambda d: d["grid"].update(top_p=[1.5]), "grid.top_p: must be in (0, 1]"),
         (lambda d: d["grid"].update(algorithm=["eagle"]), "unknown algorithm 'eagle'"),
@@ -66,7 +89,7 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
         (lambda d: d["workload"].update(num_promts=3), "workload.num_promts: unknown key"),
         (lambda d: d.update(baselines=["eagle"]), "baselines: unknown baseline 'eagle'"),
         (lambda d: d.update(exclude=[{"budget": 4, "colour": 1}]), "exclude[0].colour: unknown axis"),
-        (lambda d: d.update(repeats=0), "repeats: must be an integer >= 1"),
+        (lambda d: d.update(repeats=0), "repeats: must be an integer from 1 to 1000, got 0"),
         (lambda d: d.update(targets=[]), "targets: must be a non-empty list"),
         (lambda d: d["workload"].update(prompt_set="nosuchset"), "unknown prompt set 'nosuchset'"),
         (lambda d: d.update(client="remote"), "client: must be one of local, host, got 'remote'"),
@@ -94,6 +117,23 @@ def test_invalid_yaml_reports_line(tmp_path: Path) -> None:
 def test_missing_sweep_file(tmp_path: Path) -> None:
     with pytest.raises(SweepError, match="sweep file not found"):
         load_sweep(tmp_path / "nope.yaml")
+
+
+def test_a_sweep_that_is_not_a_text_file_is_one_error(tmp_path: Path) -> None:
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(bytes(range(128, 256)) * 3)
+    with pytest.raises(SweepError, match=r"bin\.yaml: not a UTF-8 text file \(byte 0\)"):
+        load_sweep(binary)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # nothing ever writes to it: reading it would block for ever
+    with pytest.raises(SweepError, match=r"fifo\.yaml: cannot read sweep file: not a regular file"):
+        load_sweep(fifo)
+    with pytest.raises(SweepError, match=r": cannot read sweep file: is a directory"):
+        load_sweep(tmp_path)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(SweepError, match=r"deep\.yaml: nested too deeply to be a config file"):
+        load_sweep(deep)
 
 
 def test_unknown_target(tmp_path: Path) -> None:

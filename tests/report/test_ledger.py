@@ -97,6 +97,12 @@ def test_check_writable_names_the_path(tmp_path: Path) -> None:
         ledger.check_writable(tmp_path / "afile" / "l.jsonl")
     with pytest.raises(ConfigError, match="is a directory"):
         ledger.check_writable(tmp_path)
+    # Root passes os.access everywhere; /proc still takes no file and no directory.
+    for where in ("/proc/l.jsonl", "/proc/nope/l.jsonl"):
+        with pytest.raises(ConfigError, match=rf"^{where}: cannot create the ledger in /proc: "):
+            ledger.check_writable(where)
+    # The probes leave nothing behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "l.jsonl"]
 
 
 def test_check_same_sweep_names_both_sweeps_and_the_ledger() -> None:

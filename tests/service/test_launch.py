@@ -115,6 +115,7 @@ def test_hostile_extra_args_stay_single_argv_entries() -> None:
         ({"algorithm": "AR", "budget": 4}, "budget/topk only apply"),
         ({"algorithm": "DDTREE", "budget": 0, "topk": 4}, "budget must be a positive integer"),
         ({"algorithm": "DDTREE", "budget": 257, "topk": 4}, "budget must be at most 256 for DDTREE"),
+        ({"algorithm": "DDTREE", "budget": 16, "topk": 1000}, "topk must be at most 256"),
         ({"algorithm": "DFLASH", "budget": 8, "topk": 2}, "topk only applies to DDTREE"),
         ({"algorithm": "AR", "cuda_graph": "maybe"}, "cuda_graph must be"),
     ],
