@@ -22,6 +22,7 @@ from rich.markup import escape
 
 from ddtree_ops import __version__
 from ddtree_ops.cli.common import write_envelope
+from ddtree_ops.cli.terminal import SafeConsole
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, Interrupted
 
 app = typer.Typer(
@@ -37,8 +38,8 @@ app = typer.Typer(
     context_settings={"max_content_width": 120},
 )
 
-console = Console()
-err_console = Console(stderr=True)
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
 
 
 @dataclass
