@@ -131,7 +131,8 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
     return {
         "hosts": (["here"], ["nosuchhost"], "target", 2),
         "doctor": (["here"], ["broken"], "fleet", 3),
-        "deploy": (["here", str(BUNDLE), "--dry-run"], ["nosuchhost"], "target", 2),
+        # ``here`` has no SGLang: even its dry run is refused (exit 4, as the deploy would be).
+        "deploy": (None, ["here", str(BUNDLE), "--dry-run"], "fleet", 4),
         "rollback": (["here", "--dry-run"], ["broken"], "fleet", 3),
         "status": (["here", "--bundle", str(BUNDLE)], ["broken", "--bundle", str(BUNDLE)], "fleet", 3),
         "restart": (None, ["broken"], "fleet", 5),
@@ -173,7 +174,8 @@ def test_every_command_writes_one_envelope(
         assert env["errors"][0]["code"] == code, env["errors"]
         assert "Traceback" not in res.stderr
         if code == "fleet":  # the failed host is named, with its own error's code
-            assert [e["host"] for e in env["errors"][1:]] == ["broken"] and env["errors"][1]["code"] != "fleet"
+            failed = "here" if command == "deploy" else "broken"
+            assert [e["host"] for e in env["errors"][1:]] == [failed] and env["errors"][1]["code"] != "fleet"
             assert env["data"] is not None  # the per-host rows, as without the failure
 
 
@@ -228,7 +230,9 @@ def test_global_options_also_work_after_the_command(inventory: Path, cli: Any, c
     inv = str(inventory)
     res = cli("deploy", "here", str(BUNDLE), "--dry-run", "-i", inv, "--json", "--host-key-policy", "accept-new")
     env = read_envelope(res.stdout)
-    assert res.exit_code == 0 and env["command"] == "deploy" and env["data"][0]["host"] == "here", res
+    # ``here`` has no SGLang: the dry run's plan is "missing" (exit 4), read from the JSON envelope.
+    assert res.exit_code == 4 and env["command"] == "deploy" and env["data"][0]["host"] == "here", res
+    assert env["data"][0]["outcome"] == "missing"
     # -i before and after (repeatable: both count), --max-parallel=N, -vv, --debug after the command.
     other = inventory.with_name("other.yaml")
     other.write_text(yaml.safe_dump({"all": {"hosts": {"other": {"ansible_connection": "local"}}}}))

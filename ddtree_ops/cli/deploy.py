@@ -204,7 +204,8 @@ def deploy_cmd(
         for texts in diffs.values():
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
-    raise_if_failed("deploy", results)
+    # A dry run exits as the run would: a plan the run refuses fails that host (exit 4).
+    raise_if_failed("deploy (dry run)" if opts.dry_run else "deploy", results, failure=HostOutcome.refusal)
 
 
 def _restart_hook(budget: int | None, topk: int | None) -> Callable[[Transport, Host], None]:
@@ -262,7 +263,7 @@ def rollback_cmd(
     _render_outcomes(
         obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0
     )
-    raise_if_failed("rollback", results)
+    raise_if_failed("rollback (dry run)" if dry_run else "rollback", results, failure=HostOutcome.refusal)
 
 
 def _service_json(svc: Any) -> dict[str, Any]:

@@ -120,6 +120,17 @@ class HostOutcome:
         parts.extend(self.notes)
         return "; ".join(parts)
 
+    def refusal(self) -> PatchError | RemoteFileError | None:
+        """The error the real run raises on this host, for a dry run whose plan it refuses
+        (so that ``deploy --dry-run`` exits as the deploy would); None otherwise."""
+        if not self.outcome.is_failure:
+            return None
+        try:
+            _raise_for_plan(self.plan, self.host)
+        except (PatchError, RemoteFileError) as exc:
+            return exc
+        return None
+
 
 def _holder(txn: str, command: str) -> dict[str, Any]:
     h = controller_identity()

@@ -143,6 +143,18 @@ def test_diff_shows_remote_original_against_bundle(tmp_path: Path, mini: MiniHos
     assert not (mini.state_dir / "state.json").exists()
 
 
+def test_a_dry_run_on_a_host_without_sglang_exits_as_the_deploy_would(
+    tmp_path: Path, cli: Callable[..., Res]
+) -> None:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"bare": {
+        "ansible_connection": "local", "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run")}}}}}))
+    for args in (("--dry-run",), ()):
+        res = cli(inv, "deploy", "bare", str(BUNDLES / "basic"), *args)
+        assert res.returncode == 4, (args, res.stderr)
+        assert "package 'sglang' is not installed" in res.stdout
+
+
 def test_another_bundle_over_an_applied_one_needs_replace(
     tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]
 ) -> None:
@@ -154,6 +166,10 @@ def test_another_bundle_over_an_applied_one_needs_replace(
 
     dry = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"), "--dry-run")
     assert [r["outcome"] for r in json_data(dry.stdout)] == ["other-bundle"]
+    # The dry run exits as the run would: refused, exit 4, with the run's own error.
+    assert dry.returncode == 4, dry.stderr
+    dry_error = [e for e in read_envelope(dry.stdout)["errors"] if e["host"] == "h1"]
+    assert dry_error[0]["code"] == "patch" and "is applied, not plugin" in dry_error[0]["message"]
     refused = cli(inv, "--json", "deploy", "h1", str(BUNDLES / "plugin"))
     assert refused.returncode == 4, refused.stderr
     env = read_envelope(refused.stdout)
