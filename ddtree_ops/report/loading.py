@@ -190,6 +190,19 @@ def _non_finite(row: dict[str, Any]) -> str | None:
     return f"non-finite metric(s): {', '.join(bad)}" if bad else None
 
 
+def _not_a_number(row: dict[str, Any]) -> str | None:
+    """Why ``row`` is refused for a numeric field that holds something else, or None.
+
+    Coerced to NaN, a ``budget: "x"`` would put every such row in one cell, where they
+    read as copies of each other ("32 duplicate rows") instead of 32 bad lines."""
+    bad = [
+        f"{name}={value!r}"
+        for name in _INT_COLS + _FLOAT_COLS
+        if (value := row.get(name)) is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))
+    ]
+    return f"not a number: {', '.join(bad)}" if bad else None
+
+
 def _careful_block(
     lines: list[bytes], *, name: str, first_lineno: int, at_eof: bool, bad: list[tuple[str, int, str]]
 ) -> pd.DataFrame:
@@ -205,7 +218,7 @@ def _careful_block(
             missing = [column for column in _NEEDED if row.get(column) is None]
             if missing:
                 bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))
-            elif reason := _non_finite(row):
+            elif reason := _not_a_number(row) or _non_finite(row):
                 bad.append((name, lineno, reason))
             else:
                 kept.append({column: row.get(column) for column in LOAD_COLUMNS})

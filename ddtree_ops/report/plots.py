@@ -11,9 +11,11 @@ the heatmap) because their numbers are not comparable.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import textwrap
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -31,8 +33,41 @@ from ddtree_ops.errors import ConfigError
 _PANEL_W, _PANEL_H = 4.6, 3.4
 
 
+# A machine's name (a ledger's gpu_name or host) prefixes four file names: kept well under
+# a file name's 255 bytes, however long the name in the ledger.
+_SLUG_MAX = 60
+
+
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "machine"
+    """A file-name part for ``text``: lower-case letters, digits and dashes. A name cut to
+    fit, or one that only spells alike after cleaning, ends in a hash of the whole name."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "machine"
+    if len(slug) > _SLUG_MAX:
+        slug = f"{slug[:_SLUG_MAX].rstrip('-')}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    return slug
+
+
+def _slugs(names: list[str]) -> dict[str, str]:
+    """One distinct slug per name: names that clean to the same text get their hash too."""
+    plain = {name: _slug(name) for name in names}
+    taken = Counter(plain.values())
+    return {
+        name: slug if taken[slug] == 1 else f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+        for name, slug in plain.items()
+    }
+
+
+def _label_colour(rgba: Sequence[float]) -> str:
+    """Black or white, whichever reads better on ``rgba`` (WCAG relative luminance)."""
+
+    def linear(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgba[:3])
+    luminance = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    # Contrast with white (1.05 / (L + 0.05)) beats contrast with black ((L + 0.05) / 0.05)
+    # below L = 0.179.
+    return "white" if luminance < 0.179 else "black"
 
 
 def _grid(frame: pd.DataFrame) -> tuple[list[float], list[int]]:
@@ -136,7 +171,8 @@ def _heatmap(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
             for j in range(len(budgets)):
                 if not np.isnan(grid[i, j]):
                     text = f"{grid[i, j]:.2f}{'*' if eager[i, j] else ''}"
-                    ax.text(j, i, text, ha="center", va="center", fontsize=8.5)
+                    colour = _label_colour(tuple(image.cmap(image.norm(grid[i, j]))))
+                    ax.text(j, i, text, ha="center", va="center", fontsize=8.5, color=colour)
         ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
         ax.set_yticks(range(len(topks)), [str(k) for k in topks])
         ax.set_xlabel("DDTree budget (nodes)")
@@ -229,8 +265,9 @@ def write_plots(grouped: pd.DataFrame, out_dir: Path) -> list[Path]:
     except OSError as exc:
         raise ConfigError(f"{out_dir}: cannot create the plot folder: {exc.strerror or exc}") from exc
     written: list[Path] = []
+    slugs = _slugs([str(m) for m in grouped["machine"].unique()])
     for machine, data in grouped.groupby("machine", sort=True):
-        slug = _slug(str(machine))
+        slug = slugs[str(machine)]
         for maybe in (
             _line_plot(data, str(machine), "output_tok_s_median", "output throughput (tokens/s, median)",
                        "throughput vs DDTree budget", out_dir / f"{slug}-throughput.png", baselines=True),

@@ -110,6 +110,22 @@ def test_non_finite_metrics_refused_with_file_and_line_on_both_paths(tmp_path: P
     assert len(loaded.frame) == 197 and 150 in set(loaded.frame["repeat"])
 
 
+def test_a_field_that_is_not_a_number_is_a_bad_line_never_a_duplicate(tmp_path: Path, small_blocks: None) -> None:
+    # 32 rows of one cell whose budget is "x": coerced to NaN they read as 31 copies of one row.
+    lines = [good(i) for i in range(100)]
+    for i in range(40, 72):
+        lines[i] = json.dumps({**json.loads(good(i)), "budget": "x"}).encode() + b"\n"
+    lines[80] = json.dumps({**json.loads(good(80)), "concurrency": True}).encode() + b"\n"
+    path = tmp_path / "l.jsonl"
+    path.write_bytes(b"".join(lines))
+    loaded = assert_paths_agree(path)
+    assert [(n, r) for _, n, r in loaded.bad_lines] == [
+        *((i + 1, "not a number: budget='x'") for i in range(40, 72)),
+        (81, "not a number: concurrency=True"),
+    ]
+    assert loaded.duplicates == () and len(loaded.frame) == 100 - 33
+
+
 def test_duplicate_rows_counted_once_and_attributed_to_their_ledger(tmp_path: Path, small_blocks: None) -> None:
     lines = [good(i) for i in range(100)]
     first = tmp_path / "a.jsonl"

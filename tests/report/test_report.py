@@ -190,6 +190,29 @@ def test_plots_written_and_non_empty(tmp_path: Path) -> None:
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
 
 
+def test_machine_names_a_file_system_refuses_still_get_their_plots(tmp_path: Path) -> None:
+    from ddtree_ops.report.plots import write_plots
+
+    long_name = "NVIDIA " + "X" * 300  # a 300-character gpu_name: "File name too long" before
+    rows = [make_row(algorithm=a, host=name, gpu_name=name, output_tok_s=100.0 * (i + 1))
+            for name in (long_name, "A B", "a-b") for i, a in enumerate(("AR", "DDTREE"))]
+    r = rep.build_report([write(tmp_path / "l.jsonl", rows)])
+    paths = write_plots(r.grouped, tmp_path / "plots")
+    names = [p.name for p in paths]
+    assert len(names) == len(set(names)) == 3 * 4
+    assert all(len(n.encode()) < 100 for n in names)
+    # "A B" and "a-b" clean to the same text: each keeps its own files.
+    assert len({n.split("-throughput")[0] for n in names if "throughput" in n}) == 3
+
+
+def test_heatmap_labels_read_on_their_cells() -> None:
+    from ddtree_ops.report.plots import _label_colour
+
+    assert _label_colour((0.65, 0.0, 0.15, 1.0)) == "white"  # RdYlGn's dark red end
+    assert _label_colour((0.0, 0.41, 0.22, 1.0)) == "white"  # its dark green end
+    assert _label_colour((1.0, 1.0, 0.75, 1.0)) == "black"  # its pale yellow middle
+
+
 def test_the_pareto_frontier_keeps_only_points_nothing_beats_on_both_axes() -> None:
     from ddtree_ops.report.plots import _frontier
 
