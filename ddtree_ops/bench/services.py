@@ -9,6 +9,7 @@ and every field the runner reads from the results.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,11 +52,12 @@ class LiveServices:
     """The real thing; ``host_key_policy`` as the CLI's ``--host-key-policy``."""
 
     host_key_policy: str = "strict"
+    on_notice: Callable[[str], None] | None = None
 
     def open_transport(self, host: Host) -> Transport:
         from ddtree_ops.transport import open_transport
 
-        return open_transport(host, host_key_policy=self.host_key_policy)
+        return open_transport(host, host_key_policy=self.host_key_policy, on_notice=self.on_notice)
 
     def probe(self, transport: Transport, host: Host) -> HostFacts:
         from ddtree_ops.probe import probe_host
@@ -97,8 +99,8 @@ class LiveServices:
         manager.release_lease(transport, host, token)
 
 
-def default_services(*, host_key_policy: str = "strict") -> Services:
-    return LiveServices(host_key_policy)
+def default_services(*, host_key_policy: str = "strict", on_notice: Callable[[str], None] | None = None) -> Services:
+    return LiveServices(host_key_policy, on_notice)
 
 
 __all__ = ["LiveServices", "Services", "default_services"]

@@ -26,7 +26,7 @@ from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.bench.schedule import Schedule
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, set_json_data
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, say_notice, set_json_data
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
 from ddtree_ops.inventory_types import Host
@@ -265,7 +265,7 @@ def bench(
         ledger_path=ledger_path,
         options=SweepOptions(resume=resume, fail_fast=fail_fast, keep_server=keep_server,
                              restart_timeout=restart_timeout, smoke=not no_smoke),
-        services=default_services(host_key_policy=obj.host_key_policy),
+        services=default_services(host_key_policy=obj.host_key_policy, on_notice=say_notice),
         on_progress=forward,
         cancel=cancel,
     )

@@ -88,8 +88,15 @@ def load_slot_hosts(ctx_obj: Any, target: str) -> list[Host]:
 
 
 def transport_for(ctx_obj: Any, host: Host, *, counter: RoundTripCounter | None = None) -> Transport:
-    """A transport honouring the global ``--host-key-policy``."""
-    return open_transport(host, host_key_policy=ctx_obj.host_key_policy, counter=counter)
+    """A transport honouring the global ``--host-key-policy``; what it records is said on stderr."""
+    return open_transport(host, host_key_policy=ctx_obj.host_key_policy, counter=counter, on_notice=say_notice)
+
+
+def say_notice(text: str) -> None:
+    """One line on stderr for what is not an error but must be said (where accept-new wrote a key)."""
+    from ddtree_ops.cli.main import err_console  # cli.main imports this module
+
+    err_console.print(text, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def error_text(exc: BaseException) -> str:

@@ -6,6 +6,8 @@ implementation from the inventory host's ``ansible_connection``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import CommandResult, RoundTripCounter, Script, Transport, command_text
 
@@ -20,10 +22,13 @@ def open_transport(
     host_key_policy: str = "strict",
     connect_timeout: float = 10.0,
     counter: RoundTripCounter | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> Transport:
     """A transport for ``host``. SSH connects lazily, on first use, so opening is cheap
     and a connection failure surfaces as ConnectError/AuthError/HostKeyError from the
-    first command (inside the per-host fan-out, where it is reported per host)."""
+    first command (inside the per-host fan-out, where it is reported per host).
+    ``on_notice`` hears what is not an error but must be said (where ``accept-new``
+    recorded a host key)."""
     if host_key_policy not in HOST_KEY_POLICIES:
         raise ValueError(f"host_key_policy must be one of {HOST_KEY_POLICIES}, not {host_key_policy!r}")
     if host.connection == "local":
@@ -32,4 +37,6 @@ def open_transport(
         return LocalTransport(host.name, counter=counter)
     from ddtree_ops.transport.ssh import SSHTransport
 
-    return SSHTransport(host, host_key_policy=host_key_policy, connect_timeout=connect_timeout, counter=counter)
+    return SSHTransport(
+        host, host_key_policy=host_key_policy, connect_timeout=connect_timeout, counter=counter, on_notice=on_notice
+    )

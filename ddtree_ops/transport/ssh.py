@@ -50,10 +50,12 @@ from ddtree_ops.errors import (
     AuthError,
     CommandFailed,
     CommandTimeout,
+    ConfigError,
     ConnectError,
     HostKeyError,
     RemoteFileError,
 )
+from ddtree_ops.fsutil import read_regular_text
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
 from ddtree_ops.transport.base import (
@@ -202,6 +204,17 @@ def _fingerprint(key: paramiko.PKey) -> str:
     return key.fingerprint if hasattr(key, "fingerprint") else key.get_name()
 
 
+def _check_known_hosts(path: Path, host: str) -> None:
+    """A known_hosts file that is not text is the user's input at fault (exit 2, naming it),
+    not an unreachable host: paramiko would fail on it with a decode error mid-connect."""
+    try:
+        read_regular_text(path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a known_hosts file: not UTF-8 text (byte {exc.start})", host=host) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the known_hosts file: {exc.strerror or exc}", host=host) from None
+
+
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     def __init__(self, owner: SSHTransport, hop: str) -> None:
         self.owner = owner
@@ -223,6 +236,12 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             with target.open("a", encoding="utf-8") as fh:
                 fh.write(line)
         client.get_host_keys().add(hostname, key.get_name(), key)
+        # The operator must know which file now vouches for this host (OpenSSH says so too).
+        if owner.on_notice is not None:
+            owner.on_notice(
+                f"{owner.host}: recorded the new host key of {self.hop} {hostname} "
+                f"({key.get_name()} {_fingerprint(key)}) in {target}"
+            )
 
 
 class SSHTransport:
@@ -238,8 +257,11 @@ class SSHTransport:
         ssh_config: Path | None = None,
         user_known_hosts: Path | None = None,
         keepalive_s: int = KEEPALIVE_S,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.host = host.name
+        # Told what the operator must know that is not an error: where accept-new wrote a key.
+        self.on_notice = on_notice
         self.spec = host
         self.host_key_policy = host_key_policy
         self.connect_timeout = connect_timeout
@@ -372,6 +394,7 @@ class SSHTransport:
     def _connect_client(self, client: paramiko.SSHClient, hop: Endpoint, sock: Any, role: str) -> None:
         for path in self.known_hosts_files:
             if path.is_file():
+                _check_known_hosts(path, self.host)
                 with translate_errors(self.host, f"cannot read known_hosts file {path}", error=HostKeyError):
                     client.load_system_host_keys(str(path))
         client.set_missing_host_key_policy(_HostKeyPolicy(self, role))

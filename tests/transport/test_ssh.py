@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fleetlib import Fleet, SshdServer, free_port, keygen, known_hosts_line
 
-from ddtree_ops.errors import AuthError, ConnectError, HostKeyError, TransportError
+from ddtree_ops.errors import AuthError, ConfigError, ConnectError, HostKeyError, TransportError
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.transport.ssh import _PROLOGUE, SSHTransport, _strip_pgid_marker, build_command_line, resolve_endpoint
@@ -272,6 +272,18 @@ def test_encrypted_key_without_passphrase_is_an_auth_error(ssh_fleet: Fleet, hom
         t.run(["true"])
 
 
+def test_a_known_hosts_file_that_is_not_text_is_bad_input_naming_it(
+    ssh_fleet: Fleet, home: Path, tmp_path: Path
+) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_bytes(bytes(range(128, 256)))
+    host = replace(fleet_host(ssh_fleet, 1), ddtree=DdtreeSettings(known_hosts=str(known)))
+    with SSHTransport(host) as t, pytest.raises(ConfigError) as info:
+        t.run(["true"])
+    assert info.value.exit_code == 2
+    assert str(info.value).endswith(f"{known}: not a known_hosts file: not UTF-8 text (byte 0)")
+
+
 def test_host_key_unknown_then_accept_new_then_changed(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
     fh = ssh_fleet.hosts[1]
     known = tmp_path / "inv_known_hosts"
@@ -280,9 +292,13 @@ def test_host_key_unknown_then_accept_new_then_changed(ssh_fleet: Fleet, home: P
         t.run(["true"])
     assert not known.exists()
 
-    with SSHTransport(host, host_key_policy="accept-new") as t:
+    notices: list[str] = []
+    with SSHTransport(host, host_key_policy="accept-new", on_notice=notices.append) as t:
         assert t.run(["true"]).ok
     assert known.read_text() == known_hosts_line(fh.port, fh.server.host_key) + "\n"
+    # Where the key went is said, once.
+    assert len(notices) == 1 and notices[0].startswith(f"{fh.name}: recorded the new host key of host [127.0.0.1]:")
+    assert notices[0].endswith(f" in {known}")
     with SSHTransport(host) as t:  # now known: strict accepts it
         assert t.run(["true"]).ok
 
