@@ -167,7 +167,10 @@ def restart(
         False, "--retry-cuda-graph", help="Try CUDA graphs even where a fallback is recorded."
     ),
     timeout: float | None = typer.Option(
-        None, "--timeout", min=1, help="Readiness deadline per launch (default: load-aware)."
+        None, "--timeout", min=1,
+        help="A fixed readiness deadline per launch, in seconds. Default: load-aware: twice the learned (else the "
+        "inventory's expected) load time, at least 60 s, extended while the server's log shows progress (up to 4x), "
+        "and given up early when the log is silent for max(120 s, half the load time).",
     ),
     extra_arg: list[str] | None = typer.Option(
         None, "--extra-arg", help="Extra server argument (repeatable; one argv entry each)."
@@ -184,6 +187,11 @@ def restart(
     ),
     force: bool = typer.Option(
         False, "--force", help="Restart even while a sweep holds the host (its lease); says so on stderr."
+    ),
+    keep_on_failure: bool = typer.Option(
+        False, "--keep-on-failure",
+        help="Leave a server that did not become ready (deadline passed, or Ctrl-C) running to inspect it; "
+        "by default it is stopped, and the error says which.",
     ),
     wide: bool = typer.Option(
         False, "--wide", help="Every summary column, however wide (default: what fits the terminal)."
@@ -224,7 +232,7 @@ def restart(
                 request = lifecycle.prepare_restart(
                     t, host, run, machine=machines.get(host.machine), lease=_lease_pass(t, host, force=force),
                     timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
-                    tree_policy=tree_policy,
+                    tree_policy=tree_policy, keep_on_failure=keep_on_failure,
                 )
                 result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
                 if no_policy and run.algorithm == "DDTREE":

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ddtree_ops.errors import (
     ConfigError,
@@ -50,6 +50,7 @@ from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTrack
 from ddtree_ops.service.manager import Launched, LeasePass, StopResult
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
+    LoadWindow,
     WaitOutcome,
     WaitReason,
     judge,
@@ -164,7 +165,9 @@ class RestartRequest:
     skips them: ``--no-smoke``); ``lease`` how a sweep's lease on the host is treated (the
     default: refused while another sweep holds the host; a sweep passes its own token,
     ``--force`` overrides); ``tree_policy`` the tuned DDTREE policy ``run`` launches with
-    (its ``adaptive_config``), which the server must report active before it is ready.
+    (its ``adaptive_config``), which the server must report active before it is ready;
+    ``keep_on_failure`` leaves a launch that did not become ready (timed out, or the wait
+    cancelled) running for inspection instead of stopping it.
     """
 
     host: Host
@@ -179,6 +182,7 @@ class RestartRequest:
     smoke: SmokeSpec | None = field(default_factory=SmokeSpec)
     lease: LeasePass = field(default_factory=LeasePass)
     tree_policy: PolicyRecord | None = None
+    keep_on_failure: bool = False
 
 
 # What a restart decodes before it says ready unless told otherwise (``--no-smoke``: None).
@@ -212,6 +216,7 @@ def prepare_restart(
     stop_grace_s: float = 30.0,
     smoke: SmokeSpec | None = DEFAULT_SMOKE,
     tree_policy: PolicyRecord | None = None,
+    keep_on_failure: bool = False,
 ) -> RestartRequest:
     """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
     to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
@@ -236,7 +241,7 @@ def prepare_restart(
     return RestartRequest(
         host, run, launch_facts(transport, host, facts), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
         stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
-        tree_policy=applied,
+        tree_policy=applied, keep_on_failure=keep_on_failure,
     )
 
 
@@ -288,11 +293,24 @@ class _Ended:
     capture_failure: str
     deadline_s: float
     deadline_source: str
+    # For a launch that was still alive: whether it was stopped (see _Failure.stop_server).
+    stopped: bool = True
+
+    @property
+    def server(self) -> str:
+        """What became of the launched server, for a failure that may keep it."""
+        if self.stopped:
+            return f"server stopped (pid {self.pid}; --keep-on-failure keeps it)"
+        return f"server left running (pid {self.pid}, --keep-on-failure) — `ddtree-ops stop {self.host}` stops it"
 
 
 @dataclass(frozen=True)
 class _Failure:
-    stop_server: bool  # stop our process before raising: it must not be left to be benchmarked
+    # "always": our process must not be left to be benchmarked; "unless-kept": a launch
+    # that did not become ready (too slow, or the wait cancelled) is stopped, so that no
+    # half-loaded server holds the GPUs, unless the operator keeps it to look at it
+    # (RestartRequest.keep_on_failure); "never": it is gone, or out of reach.
+    stop_server: Literal["always", "unless-kept", "never"]
     error: Callable[[_Ended], DdtreeOpsError]
 
 
@@ -316,11 +334,7 @@ def _port_in_use(e: _Ended) -> DdtreeOpsError:
 
 
 def _cancelled(e: _Ended) -> DdtreeOpsError:
-    return Interrupted(
-        f"wait cancelled during {e.phase} after {e.outcome.elapsed_s:.1f}s; server left running "
-        f"(pid {e.pid}, not yet ready) — `ddtree-ops stop {e.host}` stops it",
-        host=e.host,
-    )
+    return Interrupted(f"wait cancelled during {e.phase} after {e.outcome.elapsed_s:.1f}s; {e.server}", host=e.host)
 
 
 def _unreachable(e: _Ended) -> DdtreeOpsError:
@@ -330,9 +344,20 @@ def _unreachable(e: _Ended) -> DdtreeOpsError:
 
 
 def _timed_out(e: _Ended) -> DdtreeOpsError:
+    if e.outcome.elapsed_s > e.deadline_s + 1.0:  # waited past the deadline while the load progressed
+        waited = (f"not ready after {e.outcome.elapsed_s:.0f}s (the {e.deadline_source} deadline of "
+                  f"{e.deadline_s:.0f}s, extended while the log showed progress, up to its cap)")
+    else:
+        waited = f"not ready after {e.deadline_s:.0f}s ({e.deadline_source} deadline)"
     return ReadinessTimeout(
-        f"not ready after {e.deadline_s:.0f}s ({e.deadline_source} deadline), stuck in phase {e.phase} "
-        f"({e.outcome.detail}); server left running (pid {e.pid}); log tail: {e.tail}",
+        f"{waited}, stuck in phase {e.phase} ({e.outcome.detail}); {e.server}; log tail: {e.tail}", host=e.host
+    )
+
+
+def _stalled(e: _Ended) -> DdtreeOpsError:
+    return ReadinessTimeout(
+        f"gave up after {e.outcome.elapsed_s:.0f}s in phase {e.phase}: the server's log stopped moving "
+        f"({e.outcome.detail}); {e.server}; log tail: {e.tail}",
         host=e.host,
     )
 
@@ -341,13 +366,14 @@ def _timed_out(e: _Ended) -> DdtreeOpsError:
 # instead where the run allows it (``cuda_graph: auto``), so this entry is only for
 # CUDA graphs forced on.
 _FAILURES: Mapping[WaitReason, _Failure] = MappingProxyType({
-    WaitReason.CAPTURE_FAILED: _Failure(True, _crashed_in_capture),
-    WaitReason.DIED: _Failure(False, _died),
-    WaitReason.MISCONFIGURED: _Failure(True, _misconfigured),
-    WaitReason.PORT_IN_USE: _Failure(True, _port_in_use),
-    WaitReason.CANCELLED: _Failure(False, _cancelled),
-    WaitReason.UNREACHABLE: _Failure(False, _unreachable),
-    WaitReason.TIMEOUT: _Failure(False, _timed_out),
+    WaitReason.CAPTURE_FAILED: _Failure("always", _crashed_in_capture),
+    WaitReason.DIED: _Failure("never", _died),
+    WaitReason.MISCONFIGURED: _Failure("always", _misconfigured),
+    WaitReason.PORT_IN_USE: _Failure("always", _port_in_use),
+    WaitReason.CANCELLED: _Failure("unless-kept", _cancelled),
+    WaitReason.UNREACHABLE: _Failure("never", _unreachable),
+    WaitReason.TIMEOUT: _Failure("unless-kept", _timed_out),
+    WaitReason.STALLED: _Failure("unless-kept", _stalled),
 })
 
 
@@ -384,15 +410,16 @@ def restart(
     model = host.ddtree.server.model_path or ""
     learned = state.learned_load_s(host.name, model)
     if request.timeout is not None:
-        deadline_s, deadline_source = float(request.timeout), "timeout"
+        window = LoadWindow.fixed(float(request.timeout))
     else:
-        deadline_s, deadline_source = request.policy.deadline(host.ddtree.server.expected_load_s, learned)
+        window = request.policy.window(host.ddtree.server.expected_load_s, learned)
+    deadline_s, deadline_source = window.deadline_s, window.source
     # Build the first spec before touching the host: bad config fails with nothing stopped.
     spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
 
     # Long enough for the worst case of this restart. A killed client's lock is taken over
     # by the next restart from the same controller at once; from elsewhere it expires.
-    lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
+    lock_ttl_s = 2 * (window.longest_s + port_wait_s + stop_grace_s) + 120
 
     def took_over(t: manager.LockTakeover) -> None:
         age = f", held {t.age_s:.0f}s" if t.age_s is not None else ""
@@ -423,7 +450,7 @@ def restart(
             note = "CUDA graphs" if spec.cuda_graph else "eager"
             emit(PhaseEvent(host.name, Phase.STARTING, 0.0, attempt=attempt_no, note=note))
             outcome, attempt = wait_ready(
-                transport, host, spec, launched, deadline_s=deadline_s, attempt_no=attempt_no,
+                transport, host, spec, launched, window=window, attempt_no=attempt_no,
                 on_phase=emit, cancel=cancel, poll_interval_s=request.poll_interval_s,
             )
             durations = attempt.tracker.finish(outcome.elapsed_s)
@@ -478,6 +505,10 @@ def restart(
                     stopped=stopped,
                     smoke=smoke,
                 )
+            failure = _FAILURES[outcome.reason]
+            stop = failure.stop_server == "always" or (
+                failure.stop_server == "unless-kept" and not request.keep_on_failure
+            )
             ended = _Ended(
                 host=host.name,
                 pid=launched.pid,
@@ -487,9 +518,9 @@ def restart(
                 capture_failure=capture_failure(attempt.tracker, alive=attempt.alive) or outcome.detail,
                 deadline_s=deadline_s,
                 deadline_source=deadline_source,
+                stopped=stop,
             )
-            failure = _FAILURES[outcome.reason]
-            if failure.stop_server:
+            if stop:
                 manager.stop(transport, host, grace_s=stop_grace_s)
             if outcome.reason is WaitReason.CAPTURE_FAILED and may_fall_back():
                 state.record_fallback(key, ended.capture_failure)
@@ -570,27 +601,44 @@ def wait_ready(
     spec: LaunchSpec,
     launched: Launched,
     *,
-    deadline_s: float,
+    window: LoadWindow,
     attempt_no: int = 1,
     on_phase: PhaseCallback | None = None,
     on_poll: Callable[[dict[str, Any], str], None] | None = None,
     cancel: threading.Event | None = None,
     poll_interval_s: float = 0.5,
 ) -> tuple[WaitOutcome, _Attempt]:
-    """Wait until ``launched`` provably serves, dies, fails capture, or the deadline passes.
+    """Wait until ``launched`` provably serves, dies, fails capture, stalls, or the
+    deadline passes (a load-aware ``window``: past its deadline while the log still moves).
 
+    Progress is new output in the server's log: SGLang writes its loading (weight shards,
+    the KV pool, each captured batch) as it goes, and a hung process writes nothing.
     ``on_poll(poll, detail)`` sees every probe answer with the loop's reading of it.
     """
     attempt = _Attempt(spec=spec, launched=launched, tracker=PhaseTracker(host.name, attempt=attempt_no))
     emit = on_phase or (lambda _e: None)
+    progressed = [0.0]  # the launch is the first progress
+    extended = [False]
 
     def step(elapsed: float) -> tuple[WaitReason | None, str]:
+        before = attempt.offset
         decision, detail = _step(transport, host, attempt, elapsed, emit)
+        if attempt.offset != before:
+            progressed[0] = elapsed
+        if window.stall_s is not None and elapsed >= window.deadline_s and not extended[0] and decision is None:
+            extended[0] = True
+            emit(PhaseEvent(host.name, attempt.tracker.phase, elapsed, attempt=attempt_no,
+                            note=f"past the {window.deadline_s:.0f}s deadline, still loading: waiting while the log "
+                                 f"moves (silent {window.stall_s:.0f}s fails), up to {window.cap_s or 0:.0f}s"))
         if on_poll is not None:
             on_poll(attempt.last_poll, detail)
         return decision, detail
 
-    outcome = wait_loop(step, deadline_s=deadline_s, interval_s=poll_interval_s, cancel=cancel)
+    outcome = wait_loop(
+        step, deadline_s=window.deadline_s, interval_s=poll_interval_s, cancel=cancel,
+        progressed_at=(lambda: progressed[0]) if window.stall_s is not None else None,
+        stall_s=window.stall_s, cap_s=window.cap_s,
+    )
     return outcome, attempt
 
 
@@ -759,18 +807,16 @@ def restore_server(
     state = state if state is not None else StateStore()
     model = host.ddtree.server.model_path or ""
     learned = state.learned_load_s(host.name, model)
-    deadline_s, _ = DeadlinePolicy().deadline(host.ddtree.server.expected_load_s, learned)
+    window = DeadlinePolicy().window(host.ddtree.server.expected_load_s, learned)
     spec = _previous_spec(host, previous) if previous.running else None
-    lock_ttl_s = 2 * (deadline_s + port_wait_s + stop_grace_s) + 120
+    lock_ttl_s = 2 * (window.longest_s + port_wait_s + stop_grace_s) + 120
     with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, command="rollback", lease=lease):
         manager.stop(transport, host, grace_s=stop_grace_s)
         if spec is None:
             return "stopped (no server ran before)"
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=None, emit=lambda _e: None)
         launched = manager.start(transport, host, spec)
-        outcome, attempt = wait_ready(
-            transport, host, spec, launched, deadline_s=deadline_s, poll_interval_s=poll_interval_s
-        )
+        outcome, attempt = wait_ready(transport, host, spec, launched, window=window, poll_interval_s=poll_interval_s)
         if outcome.reason is not WaitReason.READY:
             raise ServiceError(
                 f"relaunching the previous server ({previous.describe()}) ended {outcome.reason}: {outcome.detail}; "

@@ -36,18 +36,59 @@ _STARTUP_SKEW_S = 5.0
 
 @dataclass(frozen=True)
 class DeadlinePolicy:
-    """Deadline = max(floor, base x factor); base = learned load time, else expected_load_s."""
+    """Deadline = max(floor, base x factor); base = learned load time, else expected_load_s.
+
+    The deadline is where a load that still shows progress starts being watched, not where
+    it is given up: a server whose log keeps moving (weight shards, the KV pool, graph
+    capture batch by batch) is waited for past it, up to ``cap_factor`` x the deadline; one
+    whose log has been silent for the stall window (``stall_floor_s``, or ``stall_factor``
+    x base when longer: a big model's silent steps are longer too) is given up at once,
+    before the deadline too. A model that loads in 6 minutes where 2 were expected is then
+    waited for, and a hung one fails in minutes instead of at the deadline.
+    """
 
     factor: float = 2.0
     floor_s: float = 60.0
+    stall_floor_s: float = 120.0
+    stall_factor: float = 0.5
+    cap_factor: float = 4.0
+
+    def _base(self, expected_load_s: float, learned_load_s: float | None) -> tuple[float, str]:
+        if learned_load_s is not None and learned_load_s > 0:
+            return learned_load_s, "learned"
+        return expected_load_s, "inventory"
 
     def deadline(self, expected_load_s: float, learned_load_s: float | None) -> tuple[float, str]:
         """(seconds, source) where source is 'learned' or 'inventory'."""
-        if learned_load_s is not None and learned_load_s > 0:
-            base, source = learned_load_s, "learned"
-        else:
-            base, source = expected_load_s, "inventory"
+        base, source = self._base(expected_load_s, learned_load_s)
         return max(self.floor_s, base * self.factor), source
+
+    def window(self, expected_load_s: float, learned_load_s: float | None) -> LoadWindow:
+        """The whole wait of a launch: deadline, stall window and hard cap."""
+        base, source = self._base(expected_load_s, learned_load_s)
+        deadline_s = max(self.floor_s, base * self.factor)
+        return LoadWindow(deadline_s, source, max(self.stall_floor_s, base * self.stall_factor),
+                          deadline_s * self.cap_factor)
+
+
+@dataclass(frozen=True)
+class LoadWindow:
+    """How long one launch is waited for. ``stall_s`` None: a fixed deadline (the operator's
+    ``--timeout``), never extended and no stall check."""
+
+    deadline_s: float
+    source: str
+    stall_s: float | None = None
+    cap_s: float | None = None
+
+    @classmethod
+    def fixed(cls, seconds: float) -> LoadWindow:
+        return cls(seconds, "timeout")
+
+    @property
+    def longest_s(self) -> float:
+        """The longest this wait can last (a lock held through it must outlive it)."""
+        return self.cap_s if self.stall_s is not None and self.cap_s is not None else self.deadline_s
 
 
 @dataclass(frozen=True)
@@ -197,7 +238,8 @@ class WaitReason(StrEnum):
     reports its port taken), DIED (the process exited), MISCONFIGURED (our process serves
     another configuration), UNREACHABLE (a failed probe; it ends the wait only after
     ``failure_threshold`` in a row). Decided by the loop: CANCELLED (``cancel`` was set),
-    TIMEOUT (the deadline passed).
+    TIMEOUT (the deadline passed, and the load no longer progressed or reached its cap),
+    STALLED (the log was silent for the stall window).
     """
 
     READY = "ready"
@@ -208,6 +250,7 @@ class WaitReason(StrEnum):
     UNREACHABLE = "unreachable"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
+    STALLED = "stalled"
 
     @classmethod
     def failed_reasons(cls) -> frozenset[WaitReason]:
@@ -238,10 +281,17 @@ def wait_loop(
     failure_threshold: int = 5,
     cancel: threading.Event | None = None,
     clock: Callable[[], float] = time.monotonic,
+    progressed_at: Callable[[], float] | None = None,
+    stall_s: float | None = None,
+    cap_s: float | None = None,
 ) -> WaitOutcome:
     """The one loop. ``step(elapsed)`` returns (decision, detail): decision None = keep
     waiting, UNREACHABLE = a failed probe (counted against ``failure_threshold``
-    consecutive failures), any other reason ends the wait with it."""
+    consecutive failures), any other reason ends the wait with it.
+
+    With ``progressed_at`` (the elapsed time of the last sign of progress) and ``stall_s``,
+    the wait follows the work: STALLED once nothing has progressed for ``stall_s``, and
+    past ``deadline_s`` it goes on while progress is recent, until ``cap_s``."""
     start = clock()
     polls = 0
     failures = 0
@@ -262,8 +312,16 @@ def wait_loop(
             return WaitOutcome(WaitReason(decision), clock() - start, detail, polls)
         else:
             failures = 0
-        if clock() - start >= deadline_s:
-            return WaitOutcome(WaitReason.TIMEOUT, clock() - start, detail, polls)
+        now = clock() - start
+        if progressed_at is not None and stall_s is not None:
+            quiet = now - progressed_at()
+            if quiet >= stall_s:
+                return WaitOutcome(WaitReason.STALLED, now, f"no progress for {quiet:.0f}s; {detail}", polls)
+            following = cap_s is None or now < cap_s
+        else:
+            following = False
+        if now >= deadline_s and not following:
+            return WaitOutcome(WaitReason.TIMEOUT, now, detail, polls)
         if _sleep(interval_s, cancel):
             return WaitOutcome(WaitReason.CANCELLED, clock() - start, detail, polls)
 

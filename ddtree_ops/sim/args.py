@@ -362,6 +362,9 @@ class SimSettings:
 
     gpu: str = "h200"
     load_s: float = 5.0
+    # The load's progress lines (one per weight shard), and where a load hangs, silent.
+    load_shards: int = 4
+    stall_at_s: float | None = None
     time_scale: float = 1.0
     shutdown_drain_s: float = 0.0
     seed: int = 0
@@ -426,7 +429,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 
 
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
-    """Read SIM_GPU, SIM_LOAD_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S, SIM_SEED, SIM_WARMUP_S,
+    """Read SIM_GPU, SIM_LOAD_S, SIM_LOAD_SHARDS, SIM_STALL_AT_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S,
+    SIM_SEED, SIM_WARMUP_S,
     SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_NO_RUNTIME_STATES, SGLang's own
     SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
     CUDA_VISIBLE_DEVICES."""
@@ -444,6 +448,8 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     return SimSettings(
         gpu=gpu,
         load_s=_env_float(env, "SIM_LOAD_S", 5.0),
+        load_shards=_env_int_or_none(env, "SIM_LOAD_SHARDS") or 4,
+        stall_at_s=_env_float(env, "SIM_STALL_AT_S", -1.0) if env.get("SIM_STALL_AT_S") else None,
         time_scale=_env_float(env, "SIM_TIME_SCALE", 1.0),
         shutdown_drain_s=_env_float(env, "SIM_SHUTDOWN_DRAIN_S", 0.0),
         seed=seed,

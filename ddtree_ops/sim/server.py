@@ -741,7 +741,17 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     from ddtree_ops.sim.engine import Engine
 
     engine = Engine(args, settings)
-    await asyncio.sleep(max(0.0, load_started + settings.scaled(settings.load_s) - loop.time()))
+    # Shard by shard, as SGLang's loader reports it (its tqdm bar, one line a shard): the
+    # progress a readiness wait follows. SIM_STALL_AT_S: the load hangs there, silent.
+    shards = max(1, settings.load_shards)
+    for shard in range(1, shards + 1):
+        due = load_started + settings.scaled(settings.load_s) * shard / shards
+        if settings.stall_at_s is not None and due - load_started > settings.scaled(settings.stall_at_s):
+            await asyncio.sleep(max(0.0, load_started + settings.scaled(settings.stall_at_s) - loop.time()))
+            await asyncio.Event().wait()  # hung for good: no line, no port
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        log_ranks(tp, logging.INFO,
+                  f"Loading safetensors checkpoint shards: {100 * shard / shards:3.0f}% Completed | {shard}/{shards}")
     weights_gb = avail * 0.55
     avail -= weights_gb
     log_ranks(

@@ -36,6 +36,7 @@ def test_values_are_the_strings_json_the_ledger_and_messages_carry() -> None:
     assert [e.value for e in LogEvent] == ["capture_failed", "crashed", "port_in_use"]
     assert [r.value for r in WaitReason] == [
         "ready", "capture_failed", "port_in_use", "died", "misconfigured", "unreachable", "cancelled", "timeout",
+        "stalled",
     ]
     assert [p.value for p in STARTUP_PHASES] == [
         "starting", "loading_weights", "allocating_kv_cache", "capturing_cuda_graphs", "warmup", "ready",
@@ -66,22 +67,25 @@ def test_failed_reasons_are_all_but_ready_and_cancelled() -> None:
 
 
 EXPECTED_ERRORS = {
-    WaitReason.CAPTURE_FAILED: (ServerCrashed, True, (
+    WaitReason.CAPTURE_FAILED: (ServerCrashed, "always", (
         "CUDA-graph capture failed: boom (CUDA graphs forced on); log tail: a | b"
     )),
-    WaitReason.DIED: (ServerCrashed, False, "server exited during loading_weights after 3.2s; log tail: a | b"),
-    WaitReason.MISCONFIGURED: (ServiceError, True, "the server resolved another tree; stopped it"),
-    WaitReason.PORT_IN_USE: (PortBusy, True, "server reports its port is already in use; log tail: a | b"),
-    WaitReason.CANCELLED: (Interrupted, False, (
-        "wait cancelled during loading_weights after 3.2s; server left running "
-        "(pid 42, not yet ready) — `ddtree-ops stop h` stops it"
+    WaitReason.DIED: (ServerCrashed, "never", "server exited during loading_weights after 3.2s; log tail: a | b"),
+    WaitReason.MISCONFIGURED: (ServiceError, "always", "the server resolved another tree; stopped it"),
+    WaitReason.PORT_IN_USE: (PortBusy, "always", "server reports its port is already in use; log tail: a | b"),
+    WaitReason.CANCELLED: (Interrupted, "unless-kept", (
+        "wait cancelled during loading_weights after 3.2s; server stopped (pid 42; --keep-on-failure keeps it)"
     )),
-    WaitReason.UNREACHABLE: (ServiceError, False, (
+    WaitReason.UNREACHABLE: (ServiceError, "never", (
         "lost contact while waiting for readiness (the server resolved another tree); server pid 42 state unknown"
     )),
-    WaitReason.TIMEOUT: (ReadinessTimeout, False, (
+    WaitReason.TIMEOUT: (ReadinessTimeout, "unless-kept", (
         "not ready after 60s (learned deadline), stuck in phase loading_weights "
-        "(the server resolved another tree); server left running (pid 42); log tail: a | b"
+        "(the server resolved another tree); server stopped (pid 42; --keep-on-failure keeps it); log tail: a | b"
+    )),
+    WaitReason.STALLED: (ReadinessTimeout, "unless-kept", (
+        "gave up after 3s in phase loading_weights: the server's log stopped moving "
+        "(the server resolved another tree); server stopped (pid 42; --keep-on-failure keeps it); log tail: a | b"
     )),
 }
 
@@ -101,7 +105,15 @@ def test_restart_handles_every_way_a_wait_ends() -> None:
         error = failure.error(ended)
         assert type(error) is kind and error.host == "h", reason
         assert error.message == message, reason
-        assert failure.stop_server is stops, reason
+        assert failure.stop_server == stops, reason
+    # Kept on request, the message says so and how to stop it.
+    kept = lifecycle._Ended(
+        host="h", pid=42, phase=Phase.LOADING_WEIGHTS, outcome=WaitOutcome(WaitReason.TIMEOUT, 3.25, "slow", 7),
+        tail="a", capture_failure="", deadline_s=60.0, deadline_source="learned", stopped=False,
+    )
+    assert "server left running (pid 42, --keep-on-failure) — `ddtree-ops stop h` stops it" in (
+        lifecycle._FAILURES[WaitReason.TIMEOUT].error(kept).message
+    )
 
 
 def test_launch_facts_from_the_probe_and_the_fallback_key(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.launch import build_launch_spec
 from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.service.logphases import Phase, PhaseEvent
-from ddtree_ops.service.readiness import DeadlinePolicy
+from ddtree_ops.service.readiness import DeadlinePolicy, LoadWindow
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
 
@@ -148,13 +148,43 @@ def test_crash_during_load_fails_fast_with_log_tail(sim_target) -> None:
     assert "Load weight begin." in message  # the log tail
 
 
-def test_never_ready_times_out_naming_the_phase(make_sim_host) -> None:
+def test_never_ready_times_out_naming_the_phase_and_stops_the_server(make_sim_host) -> None:
     host = make_sim_host(load_s=600.0)
-    with LocalTransport(host.name) as t, pytest.raises(ReadinessTimeout) as info:
-        lifecycle.restart(t, req(host, RunConfig("AR"), timeout=12.0), state=StateStore())
-    message = str(info.value)
-    assert "stuck in phase loading_weights" in message and "Load weight begin." in message
-    assert "server left running" in message
+    with LocalTransport(host.name) as t:
+        with pytest.raises(ReadinessTimeout) as info:
+            lifecycle.restart(t, req(host, RunConfig("AR"), timeout=12.0), state=StateStore())
+        message = str(info.value)
+        assert "stuck in phase loading_weights" in message and "Load weight begin." in message
+        assert "server stopped (pid " in message and "--keep-on-failure keeps it" in message
+        assert lifecycle.service_status(t, host).running is False  # no half-loaded server left on the GPUs
+
+
+def test_a_load_three_times_the_expected_that_keeps_progressing_ends_ready(make_sim_host) -> None:
+    # Expected 4 s (the deadline here: factor 1), loads 12 s writing a shard line a second.
+    host = make_sim_host(load_s=12.0, time_scale=1.0, expected_load_s=4.0, extra_env={"SIM_LOAD_SHARDS": "12"})
+    policy = DeadlinePolicy(factor=1.0, floor_s=4.0, stall_floor_s=10.0, stall_factor=0.0, cap_factor=10.0)
+    events: list[PhaseEvent] = []
+    with LocalTransport(host.name) as t:
+        result = lifecycle.restart(t, req(host, RunConfig("AR"), policy=policy, smoke=None), state=StateStore(),
+                                   on_phase=events.append)
+    assert result.ready_s > 3 * 4.0 and result.deadline_s == 4.0
+    notes = [e.note for e in events if e.note and "past the 4s deadline" in e.note]
+    assert len(notes) == 1 and "still loading" in notes[0]  # said once, live
+
+
+def test_a_load_whose_log_stops_moving_fails_within_the_stall_window(make_sim_host) -> None:
+    host = make_sim_host(load_s=600.0, time_scale=1.0, expected_load_s=300.0, extra_env={"SIM_STALL_AT_S": "1"})
+    policy = DeadlinePolicy(stall_floor_s=4.0, stall_factor=0.0)  # deadline 600 s: only the silence ends it
+    started = time.monotonic()
+    with LocalTransport(host.name) as t:
+        with pytest.raises(ReadinessTimeout) as info:
+            lifecycle.restart(t, req(host, RunConfig("AR"), policy=policy), state=StateStore())
+        waited = time.monotonic() - started
+        message = str(info.value)
+        assert "the server's log stopped moving (no progress for 4s" in message
+        assert "in phase loading_weights" in message and "server stopped (pid" in message
+        assert lifecycle.service_status(t, host).running is False
+    assert waited < 60, waited  # the silence, not the 600 s deadline
 
 
 def test_port_held_by_someone_else_is_waited_for(sim_target) -> None:
@@ -213,7 +243,8 @@ def test_drain_race_is_never_reported_ready(sim_target) -> None:
     launched = manager.start(t, host, spec, check_port=False)
     seen: list[tuple[dict, str]] = []
     outcome, _attempt = lifecycle.wait_ready(
-        t, host, spec, launched, deadline_s=60, poll_interval_s=0.2, on_poll=lambda p, d: seen.append((p, d))
+        t, host, spec, launched, window=LoadWindow.fixed(60), poll_interval_s=0.2,
+        on_poll=lambda p, d: seen.append((p, d)),
     )
     assert outcome.reason == "ready"
     stale = [d for p, d in seen if p.get("health") == 200 and d != "ready"]
@@ -248,9 +279,10 @@ def test_cancel_stops_waiting_and_describes_the_host(make_sim_host) -> None:
             cancel.set()
 
     with LocalTransport(host.name) as t:
+        # Kept on request (--keep-on-failure): left running, and the message says how to stop it.
         with pytest.raises(Interrupted, match="cancelled during loading_weights.*left running.*ddtree-ops stop sim"):
-            lifecycle.restart(t, req(host, RunConfig("AR"), timeout=100), state=StateStore(), cancel=cancel,
-                              on_phase=cancel_when_loading)
+            lifecycle.restart(t, req(host, RunConfig("AR"), timeout=100, keep_on_failure=True), state=StateStore(),
+                              cancel=cancel, on_phase=cancel_when_loading)
         status = lifecycle.service_status(t, host)
         assert status.running and status.port_open is False
         stopped = lifecycle.stop(t, host, grace_s=2.0)

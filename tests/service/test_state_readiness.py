@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from ddtree_ops.errors import ConfigError
 from ddtree_ops.service.launch import LaunchSpec, RunConfig
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
+    LoadWindow,
     judge,
     served_cuda_graph,
     served_tree,
@@ -89,6 +91,54 @@ def test_deadline_policy() -> None:
     assert policy.deadline(600.0, None) == (1200.0, "inventory")
     assert policy.deadline(600.0, 100.0) == (200.0, "learned")
     assert policy.deadline(5.0, None) == (60.0, "inventory")
+
+
+def test_load_window_watches_from_the_deadline_and_gives_up_on_silence() -> None:
+    policy = DeadlinePolicy()
+    # Kimi K2.6 expected at 360 s: watched from 720 s, up to 2880 s; silent for 180 s fails.
+    assert policy.window(360.0, None) == LoadWindow(720.0, "inventory", 180.0, 2880.0)
+    # A small model: the floors (60 s deadline, 120 s of silence).
+    assert policy.window(5.0, None) == LoadWindow(60.0, "inventory", 120.0, 240.0)
+    assert policy.window(5.0, 30.0).source == "learned"
+    # --timeout: a fixed deadline, never extended.
+    fixed = LoadWindow.fixed(12.0)
+    assert (fixed.deadline_s, fixed.source, fixed.stall_s, fixed.longest_s) == (12.0, "timeout", None, 12.0)
+    assert policy.window(360.0, None).longest_s == 2880.0
+
+
+def test_wait_loop_follows_progress_past_the_deadline_and_stops_at_silence_or_the_cap() -> None:
+    clock = FakeClock()
+    progress = [0.0]
+
+    def loading(every: float | None) -> Callable[[float], tuple[str | None, str]]:
+        def step(elapsed: float) -> tuple[str | None, str]:
+            clock.t += 1.0
+            if every is not None and clock.t % every == 0:
+                progress[0] = clock.t  # a new log line
+            return None, "loading"
+        return step
+
+    # A line every 2 s: past the 5 s deadline, up to the 20 s cap.
+    out = wait_loop(loading(2), deadline_s=5.0, interval_s=0.0, clock=clock,
+                    progressed_at=lambda: progress[0], stall_s=4.0, cap_s=20.0)
+    assert (out.reason, out.elapsed_s) == ("timeout", 20.0)
+    # Silent from the start: given up at the stall window, before the deadline.
+    clock.t, progress[0] = 0.0, 0.0
+    out = wait_loop(loading(None), deadline_s=50.0, interval_s=0.0, clock=clock,
+                    progressed_at=lambda: progress[0], stall_s=4.0, cap_s=200.0)
+    assert (out.reason, out.elapsed_s) == ("stalled", 4.0) and out.detail == "no progress for 4s; loading"
+    # Lines every 3 s, then none after 9 s: stalls at 13 s, past the deadline but before the cap.
+    clock.t, progress[0] = 0.0, 0.0
+
+    def then_silent(elapsed: float) -> tuple[str | None, str]:
+        clock.t += 1.0
+        if clock.t % 3 == 0 and clock.t <= 9:
+            progress[0] = clock.t
+        return None, "capturing"
+
+    out = wait_loop(then_silent, deadline_s=5.0, interval_s=0.0, clock=clock,
+                    progressed_at=lambda: progress[0], stall_s=4.0, cap_s=200.0)
+    assert (out.reason, out.elapsed_s) == ("stalled", 13.0)
 
 
 SPEC = LaunchSpec(
