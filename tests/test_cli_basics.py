@@ -105,7 +105,9 @@ def test_bad_inventory(cli, clean_home: Path, tmp_path: Path, text: str, expecte
 def test_hosts_named_by_dns_load_and_say_how_they_resolve(
     cli, clean_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "200")
+    from ddtree_ops.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main.console, "width", 200)  # one line per host, unwrapped
     (clean_home / ".ssh" / "config").write_text("Host b300\n  HostName 10.0.0.9\n")
     inv = write(tmp_path, "all:\n  hosts:\n    gpu1.lab.example.com: {}\n    b300: {}\n")
     res = cli("--json", "-i", str(inv), "hosts")
