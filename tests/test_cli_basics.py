@@ -270,3 +270,19 @@ def test_help_shows_flags_without_a_type_placeholder(cli) -> None:
     assert re.search(r"^\s*-v, --verbose\s+More detail", top, re.M), top
     assert re.search(r"^\s*--max-parallel <int", top, re.M), top
     assert re.search(r"^\s*--dry-run\s+Show the plan", cli("deploy", "--help").stdout, re.M)
+
+
+def test_every_option_and_argument_of_every_command_has_help() -> None:
+    import typer
+
+    from ddtree_ops.cli import main as cli_main
+
+    cli_main._register()
+    group = typer.main.get_command(cli_main.app)
+    missing = [
+        f"{name} {param.name}"
+        for name, command in group.commands.items()  # type: ignore[attr-defined]
+        for param in command.params
+        if not getattr(param, "help", None) and param.name != "help"
+    ]
+    assert missing == []

@@ -140,7 +140,7 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
         "service-status": (["here"], ["broken"], "fleet", 5),
         "logs": (["here"], ["here", "--follow"], "config", 2),
         "bench": (
-            ["--sweep", sweep, "--target", "here", "--dry-run"],
+            ["here", "--sweep", sweep, "--dry-run"],  # the target is positional, as everywhere
             ["--sweep", sweep, "--target", "nosuchhost"],
             "target",
             2,

@@ -38,9 +38,9 @@ from typing import Any
 
 import yaml
 
-from ddtree_ops.errors import DdtreeOpsError, SweepError
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, SweepError
 from ddtree_ops.fsutil import read_regular_text
-from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
+from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK, parse_algorithm
 from ddtree_ops.yamlfile import safe_load_unique
 
 ALGORITHMS = ("ddtree", "dflash", "autoregressive")
@@ -141,9 +141,7 @@ def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
     """Validate one grid value; returns it normalised (ints as int, floats as float)."""
     where = f"{key}"
     if axis == "algorithm":
-        if not isinstance(value, str) or value.lower() not in ALGORITHMS:
-            raise _fail(path, where, f"unknown algorithm {value!r} (expected one of {', '.join(ALGORITHMS)})")
-        return value.lower()
+        return _algorithm(path, where, value)
     if axis in AXIS_MAX:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= AXIS_MAX[axis]:
             raise _fail(path, where, f"must be an integer from 1 to {AXIS_MAX[axis]}, got {value!r}")
@@ -162,6 +160,18 @@ def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
     if axis == "top_p" and not 0 < value <= 1:
         raise _fail(path, where, f"must be in (0, 1], got {value}")
     return value
+
+
+# The sweep's names of the server's (and ledger's) AR, DFLASH and DDTREE.
+_SWEEP_NAME = {"AR": "autoregressive", "DFLASH": "dflash", "DDTREE": "ddtree"}
+
+
+def _algorithm(path: Path, key: str, value: Any) -> str:
+    """The sweep's name of an algorithm given in either spelling (``AR`` is ``autoregressive``)."""
+    try:
+        return _SWEEP_NAME[parse_algorithm(value)]
+    except ConfigError as exc:
+        raise _fail(path, key, exc.message) from None
 
 
 def _as_list(path: Path, key: str, raw: Any) -> list[Any]:
@@ -353,6 +363,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         baselines_raw = [baselines_raw]
     if not isinstance(baselines_raw, list):
         raise _fail(path, "baselines", "must be a list")
+    baselines_raw = [_algorithm(path, "baselines", b) for b in baselines_raw]
     for b in baselines_raw:
         if b not in BASELINES:
             raise _fail(path, "baselines", f"unknown baseline {b!r} (expected any of {', '.join(BASELINES)})")

@@ -219,9 +219,13 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = Fals
 @app.command("bench")
 def bench(
     ctx: typer.Context,
+    target_arg: str | None = typer.Argument(
+        None, metavar="TARGET",
+        help="Host, group, comma list, or 'all' to run on instead of the sweep's targets (default: its targets).",
+    ),
     sweep: Path = typer.Option(..., "--sweep", "-s", help="Sweep file (YAML), e.g. bench_configs/demo.yaml."),
-    target: str | None = typer.Option(
-        None, "--target", "-t", help="Hosts/groups to run on instead of the sweep's targets."
+    target_opt: str | None = typer.Option(
+        None, "--target", "-t", hidden=True, help="The TARGET argument as an option (kept for old scripts)."
     ),
     out: Path | None = typer.Option(None, "--out", "-o", help="Ledger file. Default: results/<sweep name>.jsonl."),
     resume: bool = typer.Option(False, "--resume", help="Skip runs that already have an ok row in the ledger."),
@@ -240,6 +244,9 @@ def bench(
 ) -> None:
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
     obj: AppContext = ctx.obj
+    if target_arg is not None and target_opt is not None and target_arg != target_opt:
+        raise ConfigError(f"two targets: {target_arg!r} and --target {target_opt!r}; give one")
+    target = target_arg if target_arg is not None else target_opt
     spec = load_sweep(sweep)
     prepared = prepare_sweep(spec, _hosts(obj, spec, target))
     # Read before any host is touched, and in a dry run too: a bad data file is one line

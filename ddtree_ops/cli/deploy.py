@@ -247,8 +247,10 @@ def rollback_cmd(
     ),
     break_lock: bool = typer.Option(False, "--break-lock", help="Take over a lock held by another controller."),
     lock_wait: float = typer.Option(0.0, "--lock-wait", min=0.0, help="Seconds to wait for a busy host lock."),
-    max_parallel: int | None = typer.Option(None, "--max-parallel", min=1),
-    serial: bool = typer.Option(False, "--serial"),
+    max_parallel: int | None = typer.Option(
+        None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
+    ),
+    serial: bool = typer.Option(False, "--serial", help="One host at a time."),
 ) -> None:
     """Restore the original files on each host and clear the applied-bundle record."""
     obj: AppContext = ctx.obj
@@ -300,7 +302,9 @@ def status_cmd(
     bundle_dir: Path | None = typer.Option(
         None, "--bundle", help=f"Also classify this bundle's files (default {DEFAULT_BUNDLE} when it exists)."
     ),
-    max_parallel: int | None = typer.Option(None, "--max-parallel", min=1),
+    max_parallel: int | None = typer.Option(
+        None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
+    ),
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
     obj: AppContext = ctx.obj

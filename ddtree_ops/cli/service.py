@@ -39,7 +39,7 @@ from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupt
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import lifecycle, manager
-from ddtree_ops.service.launch import RunConfig
+from ddtree_ops.service.launch import RunConfig, parse_algorithm
 from ddtree_ops.service.logphases import Phase, PhaseEvent
 from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
 from ddtree_ops.state import StateStore
@@ -148,7 +148,9 @@ class _Live:
 def restart(
     ctx: typer.Context,
     target: str = typer.Argument(..., help=_TARGET_HELP),
-    algorithm: str = typer.Option("AR", "--algorithm", help="AR, DFLASH or DDTREE."),
+    algorithm: str = typer.Option(
+        "AR", "--algorithm", help="AR, DFLASH or DDTREE (the sweep's autoregressive, dflash, ddtree work too)."
+    ),
     budget: int | None = typer.Option(
         None,
         "--budget",
@@ -207,7 +209,7 @@ def restart(
         raise ConfigError("--smoke-temperature and --no-smoke contradict each other")
     smoke = None if no_smoke else SmokeSpec.for_samplings(SmokeSampling.of(t) for t in smoke_temperature or ())
     run = RunConfig(
-        algorithm=algorithm.upper(),  # type: ignore[arg-type]
+        algorithm=parse_algorithm(algorithm),
         budget=budget,
         topk=topk,
         cuda_graph="off" if eager else "auto",

@@ -28,6 +28,19 @@ from ddtree_ops.inventory_types import Host
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
 CudaGraphMode = Literal["auto", "on", "off"]
 ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
+# One algorithm, two spellings: the server's and the ledger's (AR, DFLASH, DDTREE) and the
+# sweep file's (autoregressive, dflash, ddtree). Both are accepted anywhere, any case.
+_ALGORITHM_NAMES = {"ar": "AR", "autoregressive": "AR", "dflash": "DFLASH", "ddtree": "DDTREE"}
+
+
+def parse_algorithm(text: str) -> Algorithm:
+    """``AR``/``autoregressive``, ``DFLASH``/``dflash``, ``DDTREE``/``ddtree`` -> the one name
+    the server, the ledger and every table print. ConfigError for anything else."""
+    name = _ALGORITHM_NAMES.get(text.strip().lower()) if isinstance(text, str) else None
+    if name is None:
+        raise ConfigError(f"unknown algorithm {text!r} (expected AR, DFLASH or DDTREE; autoregressive, dflash and "
+                          f"ddtree mean the same)")
+    return name  # type: ignore[return-value]  # one of Algorithm's literals
 # The DDTree plugin accepts --speculative-num-draft-tokens 2..257, i.e. budgets 1..256.
 MAX_DDTREE_BUDGET = 256
 # A tree of at most 256 nodes never uses more than 256 candidates at one position: a larger

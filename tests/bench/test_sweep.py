@@ -85,9 +85,10 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
         (lambda d: d["grid"].update(temperature=[-0.1]), "grid.temperature: must be >= 0"),
         (lambda d: d["grid"].update(top_p=[1.5]), "grid.top_p: must be in (0, 1]"),
         (lambda d: d["grid"].update(algorithm=["eagle"]), "unknown algorithm 'eagle'"),
+        (lambda d: d.update(baselines=["ddtree"]), "baselines: unknown baseline 'ddtree'"),
         (lambda d: d["workload"].update(prompt_files=["missing.jsonl"]), "prompt file not found"),
         (lambda d: d["workload"].update(num_promts=3), "workload.num_promts: unknown key"),
-        (lambda d: d.update(baselines=["eagle"]), "baselines: unknown baseline 'eagle'"),
+        (lambda d: d.update(baselines=["eagle"]), "baselines: unknown algorithm 'eagle'"),
         (lambda d: d.update(exclude=[{"budget": 4, "colour": 1}]), "exclude[0].colour: unknown axis"),
         (lambda d: d.update(repeats=0), "repeats: must be an integer from 1 to 1000, got 0"),
         (lambda d: d.update(targets=[]), "targets: must be a non-empty list"),
@@ -105,6 +106,13 @@ def test_bad_sweeps_name_file_and_key(tmp_path: Path, mutate, needle: str) -> No
         load_sweep(path)
     assert str(path) in str(info.value)
     assert needle in str(info.value)
+
+
+def test_algorithms_take_either_spelling(tmp_path: Path) -> None:
+    doc = base() | {"baselines": ["AR", "DFLASH"]}
+    doc["grid"]["algorithm"] = ["DDTree"]
+    spec = load_sweep(write(tmp_path, doc))
+    assert spec.baselines == ("autoregressive", "dflash") and spec.grid["algorithm"] == ("ddtree",)
 
 
 def test_invalid_yaml_reports_line(tmp_path: Path) -> None:

@@ -152,3 +152,13 @@ def test_adaptive_config_is_one_argv_element_after_the_launch_state() -> None:
         RunConfig("DFLASH", budget=16, adaptive_config=path)
     with pytest.raises(ConfigError, match="must be a path on the host"):
         RunConfig("DDTREE", budget=4, topk=2, adaptive_config=" ")
+
+
+def test_an_algorithm_is_named_either_way_and_printed_one_way() -> None:
+    from ddtree_ops.service.launch import parse_algorithm
+
+    for text, name in (("AR", "AR"), ("autoregressive", "AR"), ("Ar", "AR"), ("dflash", "DFLASH"),
+                       (" DDTree ", "DDTREE")):
+        assert parse_algorithm(text) == name
+    with pytest.raises(ConfigError, match="unknown algorithm 'eagle' .*expected AR, DFLASH or DDTREE"):
+        parse_algorithm("eagle")
