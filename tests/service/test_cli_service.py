@@ -90,7 +90,7 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
 def test_bad_input_is_one_line_and_exit_2(inventory: Path, tmp_path: Path) -> None:
     out = cli(inventory, "restart", "all", "--algorithm", "EAGLE", env_state=tmp_path / "s.json")
     assert out.returncode == 2
-    assert "algorithm must be one of AR, DFLASH, DDTREE" in out.stderr and "Traceback" not in out.stderr
+    assert "unknown algorithm 'EAGLE' (expected AR, DFLASH or DDTREE" in out.stderr and "Traceback" not in out.stderr
     out = cli(inventory, "restart", "nosuchhost", env_state=tmp_path / "s.json")
     assert out.returncode == 2 and "nosuchhost" in out.stderr and "Traceback" not in out.stderr
 
