@@ -35,6 +35,13 @@ def _ratio(value: Any) -> str:
     return text if text == "—" else f"{text}x"
 
 
+def _spread(median: Any, mad: Any, n: Any) -> str:
+    """'median ± MAD' over repeats; a single repeat has no spread to show, only its value."""
+    if _fmt(n) == "—" or int(n) < 2:
+        return _fmt(median)
+    return f"{_fmt(median)} ± {_fmt(mad)}"
+
+
 def _cell(row: Any) -> str:
     return rep.describe_cell(row) if row.get("algorithm") is not None else "—"
 
@@ -89,13 +96,15 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
                 _fmt(row["concurrency"]),
                 str(row["modes"]),
                 Text(label, style="bold green") if picked else Text("none", style="red"),
-                f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}" if picked else "—",
+                _spread(row["output_tok_s_median"], row["output_tok_s_mad"], row["n"]) if picked else "—",
                 _fmt(row["n"]),
                 _fmt(row["accept_length_median"], 2),
                 _ratio(row["speedup_vs_ar"]) if picked else "—",
                 _ratio(row["speedup_vs_dflash"]) if picked else "—",
             ])
             extra = [f"runner-up {row['runner_up']}"] if _fmt(row["runner_up"]) != "—" else []
+            if row["algorithm"] == "AR":  # a pick of plain AR is news: say it
+                extra.insert(0, "no DDTree or DFlash configuration beat AR here")
             if row["note"]:
                 extra.append(str(row["note"]))
             if extra:
@@ -205,12 +214,12 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
             _cell(row),
             "yes" if row["cuda_graph"] else Text("eager", style="yellow"),
             _fmt(row["n"]),
-            f"{_fmt(row['output_tok_s_median'])} ± {_fmt(row['output_tok_s_mad'])}",
+            _spread(row["output_tok_s_median"], row["output_tok_s_mad"], row["n"]),
             _fmt(row["accept_length_median"], 2),
             _fmt(row["ttft_ms_median"]),
             _fmt(row["itl_ms_median"], 2),
-            _fmt(row["speedup_vs_ar"], 2) + ("†" if row["modes_mixed"] else ""),
-            _fmt(row["speedup_vs_dflash"], 2),
+            _ratio(row["speedup_vs_ar"]) + ("†" if row["modes_mixed"] else ""),
+            _ratio(row["speedup_vs_dflash"]),
             _t0(row),
         ])
     machines = list(shown["machine"])

@@ -175,7 +175,8 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
     for policy in tuning.policies:
         rows: list[list[str | Text]] = [[
             str(e.concurrency), Text(f"b={e.budget} k={e.topk}", style="bold green"),
-            f"{_num(e.output_tok_s)} ± {_num(e.output_tok_s_mad)}", str(e.n), _num(e.accept_length, 2),
+            f"{_num(e.output_tok_s)} ± {_num(e.output_tok_s_mad)}" if e.n > 1 else _num(e.output_tok_s), str(e.n),
+            _num(e.accept_length, 2),
             _num(e.speedup_vs_ar, 2, "x"), e.runner_up or "—",
         ] for e in policy.entries]
         mode = "CUDA graphs" if policy.cuda_graph else "eager"

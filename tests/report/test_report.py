@@ -330,3 +330,21 @@ def test_every_cell_refused_exits_non_zero_with_one_line(cli, tmp_path: Path) ->
     assert "n=1 < min repeats 3" in lines[0]
     as_json = cli("report", str(ledger), "--min-repeats", "3", "--json")
     assert as_json.exit_code == 6 and len(json.loads(as_json.stdout)["data"]["refusals"]) == 2
+
+
+def test_one_repeat_shows_no_spread_and_speedups_read_one_way() -> None:
+    from ddtree_ops.cli.report_view import _ratio, _spread
+
+    assert _spread(412.0, 0.0, 1) == "412.0" and _spread(412.0, 3.5, 3) == "412.0 ± 3.5"
+    assert _spread(float("nan"), float("nan"), pd.NA) == "—"
+    assert _ratio(1.0) == "1.00x" and _ratio(float("nan")) == "—"
+
+
+def test_a_best_pick_of_plain_ar_says_nothing_beat_it(tmp_path: Path, cli) -> None:
+    # DDTREE and DFlash both slower than AR at this cell: AR is the pick, and the report says why.
+    rows = [make_row(algorithm=a, repeat=r, output_tok_s=v + r)
+            for r in range(3) for a, v in (("AR", 300.0), ("DFLASH", 200.0), ("DDTREE", 250.0))]
+    ledger = write(tmp_path / "l.jsonl", rows)
+    res = cli("report", str(ledger), "--show-cells", "0")
+    assert res.exit_code == 0, res.stderr
+    assert "no DDTree or DFlash configuration beat AR here" in " ".join(res.stdout.split())
