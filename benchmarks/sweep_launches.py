@@ -15,10 +15,14 @@ b300 host a budget > 8 does not capture: relaunching, the lifecycle falls back t
 
 The grid is the file's: its budgets x top-k x baselines, so the launches per host are the
 real ones (32 relaunching). The workload is scaled down for time (flags below: by default
-T = 0 only, concurrency 1, 2 prompts x 16 tokens after 1 warmup request, one repeat) and
-the load is generated in this process (``client: local``) to keep a cell short; the
-cell's tok/s therefore weighs a load that lasts well under a second against launches of
-over ten. Both modes
+T = 0 only, concurrency 1, 2 prompts x 16 tokens after 1 warmup request, one repeat); a
+cell's load lasts well under a second against launches of over ten. The load is generated
+on each host beside its server (``client: host``, what ``bench`` picks for a server bound
+to loopback), so each host's client runs on that host's CPU; ``--client local`` generates
+both hosts' load in this one process instead, where one host's runner thread (a readiness
+poll, a launch) holds the interpreter while the other's client timestamps its stream: in
+two such runs 59 and 58 of 60 cells agreed within 2 % and one cell was off by 4 % and
+12.5 %. Both modes
 run the same cells through ``SweepRunner`` (the code ``bench`` runs), one after the other,
 each from no server, each with its own ledger.
 
@@ -29,12 +33,14 @@ per host at most 3, wall time at most 0.2x, per-cell tok/s within 2%.
 
     .venv/bin/python benchmarks/sweep_launches.py [--load-s 6] [--max-new-tokens 48] [--json]
 
-About 10 minutes on a 2-core machine with the defaults. The simulated hosts share this
-machine's CPUs (on a real fleet they are separate machines): one host's launch (importing
-torch) or measurement slows the steps of the other's server, and the machine's other load
-moves the figures too, so a single cell's tok/s can differ between the two runs by more
-than the model does (the model: the same tokens in the same verify rounds, which is
-checked and printed). The CPU count is printed with the figures.
+About 10 minutes on a 2-core machine with the defaults. On a real fleet the hosts are
+separate machines; here they share this one, so by default each host's processes run on a
+CPU of their own (``taskset``, when there are as many CPUs as hosts; ``--no-pin`` turns it
+off): otherwise one host's launch (importing torch) slows the steps of the other's server
+while it measures. The machine's other load still moves the figures, so a single cell's
+tok/s can differ between the two runs by more than the model does (the model: the same
+tokens in the same verify rounds, which is checked and printed). The CPU count, the
+pinning and the client mode are printed with the figures.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -74,7 +81,31 @@ MODES = ("never", "always")
 CELL_KEYS = ("host", "algorithm", "budget", "topk", "temperature", "top_p", "top_k", "concurrency", "repeat")
 
 
-def fleet(tmp: Path, args: argparse.Namespace) -> list[Host]:
+def pinned_cpus(args: argparse.Namespace) -> dict[str, int]:
+    """One CPU of this machine per simulated host, when there are enough and --pin allows.
+
+    On a real fleet each host is its own machine: one host's launch (an interpreter
+    importing torch) never slows the other's measurement. Sharing two cores, it did: in
+    relaunch mode one host's launches overlap the other's cells. Each host's processes
+    (agent, server, probes, the on-host client) run on a CPU of their own.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(cpus) < len(FLEET):
+        return {}
+    return dict(zip(FLEET, cpus, strict=False))
+
+
+def host_python(tmp: Path, name: str, python: Path, cpu: int | None) -> Path:
+    """The host's interpreter, or a wrapper that runs it on ``cpu`` alone."""
+    if cpu is None:
+        return python
+    wrapper = tmp / f"{name}-python"
+    wrapper.write_text(f"#!/bin/sh\nexec taskset -c {cpu} {shlex.quote(str(python))} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def fleet(tmp: Path, args: argparse.Namespace, cpus: dict[str, int]) -> list[Host]:
     """The simulated fleet as an inventory file (loaded like any other)."""
     hosts: dict[str, Any] = {}
     for (name, gpu), port in zip(FLEET.items(), free_ports(len(FLEET)), strict=True):
@@ -83,6 +114,7 @@ def fleet(tmp: Path, args: argparse.Namespace) -> list[Host]:
         python = REPO / ".cache" / "demo-hosts" / name / "bin" / "python"
         if not python.exists():
             raise SystemExit(f"{python} is missing: run `make demo-hosts` first")
+        python = host_python(tmp, name, python, cpus.get(name))
         hosts[name] = {"ansible_connection": "local", "ddtree": {
             "python": str(python), "run_dir": str(tmp / name), "gpu": gpu,
             "server": {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/kimi-k2.6",
@@ -103,7 +135,7 @@ def scaled(spec: SweepSpec, args: argparse.Namespace) -> SweepSpec:
     workload = Workload(prompt_set=spec.workload.prompt_set, num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=spec.workload.seed)
     return dataclasses.replace(spec, targets=("fleet",), grid=grid, workload=workload, repeats=args.repeats,
-                               warmup=args.warmup, client="local", request_timeout_s=120.0)
+                               warmup=args.warmup, client=args.client, request_timeout_s=120.0)
 
 
 def run_mode(spec: SweepSpec, hosts: list[Host], mode: str, out: Path) -> dict[str, Any]:
@@ -174,12 +206,18 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="warmup requests per cell, not measured")
     ap.add_argument("--json", action="store_true", help="print one JSON object (per-cell figures included)")
     ap.add_argument("--keep", type=Path, default=None, help="copy both ledgers into this directory")
+    ap.add_argument("--client", choices=("local", "host"), default="host",
+                    help="where each host's load is generated: on the host beside its server (bench's own choice "
+                         "for a loopback-bound server), or in this process")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let both hosts' processes share every CPU (default: one CPU per host when there are enough)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         # A private state file: no learned load time or eager fallback from earlier runs.
         os.environ[STATE_ENV] = str(tmp / "state.json")
-        hosts = fleet(tmp, args)
+        cpus = pinned_cpus(args)
+        hosts = fleet(tmp, args, cpus)
         spec = scaled(load_sweep(SWEEP), args)
         full = load_sweep(SWEEP)
         # The launches must be the file's: scaling touched no server axis.
@@ -199,9 +237,9 @@ def main() -> int:
         "no_failed_rows": live["failed_rows"] == fresh["failed_rows"] == 0,
     }
     report = {
-        "sweep": str(SWEEP.relative_to(REPO)), "cpus": os.cpu_count(), "hosts": FLEET,
+        "sweep": str(SWEEP.relative_to(REPO)), "cpus": os.cpu_count(), "hosts": FLEET, "pinned_cpus": cpus,
         "parameters": {k: getattr(args, k) for k in ("load_s", "warmup_s", "max_bs", "num_prompts", "max_new_tokens",
-                                                      "temperatures", "concurrency", "repeats", "warmup")},
+                                                      "temperatures", "concurrency", "repeats", "warmup", "client")},
         "cells_per_host": len(plan_sweep(spec).cells), "modes": {"live": live, "relaunch": fresh},
         "wall_ratio": round(ratio, 3), "tok_s": comparison, "goals": goals,
     }
@@ -209,8 +247,9 @@ def main() -> int:
         print(json.dumps(report))
         return 0 if all(goals.values()) else 1
     p = report["parameters"]
+    pins = ", ".join(f"{h} on CPU {c}" for h, c in cpus.items()) or "not pinned"
     print(f"{report['sweep']} on {len(FLEET)} simulated hosts ({', '.join(f'{h}: {g}' for h, g in FLEET.items())}), "
-          f"{os.cpu_count()} CPUs, real time")
+          f"{os.cpu_count()} CPUs ({pins}), client {args.client}, real time")
     print(f"load {p['load_s']:g} s + capture {2 + 0.01 * p['max_bs']:.2f} s per graph + warmup {p['warmup_s']:g} s per "
           f"launch; {report['cells_per_host']} cells per host: T {p['temperatures']}, concurrency {p['concurrency']}, "
           f"{p['num_prompts']} prompts x {p['max_new_tokens']} tokens after {p['warmup']} warmup request(s), "
