@@ -18,9 +18,10 @@ from pathlib import Path
 from types import ModuleType
 
 from ddtree_ops.errors import BundleError
+from ddtree_ops.shipped import DEFAULT_BUNDLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLE_SPECULATIVE_DIR = REPO_ROOT / "patches" / "ddtree_temperature" / "files" / "srt" / "speculative"
+BUNDLE_SPECULATIVE_DIR = DEFAULT_BUNDLE / "files" / "srt" / "speculative"
 DDTREE_REFERENCE_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_reference.py"
 DDTREE_UTILS_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py"
 DDTREE_RUNTIME_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_runtime.py"

@@ -24,13 +24,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ddtree_ops.ddtree_core import REPO_ROOT
 from ddtree_ops.errors import BundleError, CommandFailed, PatchError
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.shipped import DEFAULT_BUNDLE
 from ddtree_ops.transport.base import Transport
 from ddtree_ops.transport.hostprogram import last_message, run_program
 
-DEFAULT_BUNDLE = REPO_ROOT / "patches" / "ddtree_temperature"
 SELFTEST_NAME = "selftest.py"
 # Generous: the script takes a few seconds on a CPU host; a cold CUDA context plus the
 # kernel's JIT build on first use can take a minute.

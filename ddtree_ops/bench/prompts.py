@@ -33,8 +33,8 @@ from typing import Any
 
 from ddtree_ops.bench.sweep import Workload
 from ddtree_ops.errors import SweepError
+from ddtree_ops.shipped import PROJECT_PROMPTS
 
-PROJECT_PROMPTS = Path(__file__).resolve().parents[2] / "bench_configs" / "prompts"
 _KEYS = {"prompt", "messages", "id", "category"}
 _ROLES = {"system", "user", "assistant"}
 

@@ -30,9 +30,9 @@ from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
 from ddtree_ops.service.lifecycle import service_status
+from ddtree_ops.shipped import DEFAULT_BUNDLE
 from ddtree_ops.transport.base import Transport
 
-DEFAULT_BUNDLE = Path("patches/ddtree_temperature")
 # The tree `deploy --restart` launches when neither the flags nor a tuned policy give one.
 RESTART_BUDGET = 16
 RESTART_TOPK = 4
@@ -40,6 +40,10 @@ RESTART_TOPK = 4
 
 # Imported by other command modules; the real helpers live in cli/common.py and fleet.py.
 _hosts = load_hosts
+
+
+_BUNDLE_DEFAULT = "default: the ddtree_temperature bundle shipped with ddtree-ops"
+_BUNDLE_HELP = f"Bundle directory ({_BUNDLE_DEFAULT})."
 
 
 def _parallel(obj: AppContext, max_parallel: int | None, serial: bool) -> int:
@@ -131,7 +135,10 @@ def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: H
 def deploy_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
-    bundle_dir: Path | None = typer.Argument(None, help=f"Bundle directory (default {DEFAULT_BUNDLE})."),
+    bundle_dir: Path | None = typer.Argument(None, help=_BUNDLE_HELP),
+    bundle_opt: Path | None = typer.Option(
+        None, "--bundle", help="The bundle directory as an option, as status and selftest take it."
+    ),
     from_dir: Path | None = typer.Option(
         None, "--from", help="Overlay mode: local directory to copy over the package."
     ),
@@ -164,6 +171,9 @@ def deploy_cmd(
 ) -> None:
     """Deploy a patch bundle (or a local overlay) into each host's SGLang site-packages."""
     obj: AppContext = ctx.obj
+    if bundle_dir is not None and bundle_opt is not None and bundle_dir != bundle_opt:
+        raise ConfigError(f"two bundles: {bundle_dir} and --bundle {bundle_opt}; give one")
+    bundle_dir = bundle_dir if bundle_dir is not None else bundle_opt
     if (from_dir is None) != (to_dir is None):
         raise ConfigError("--from and --to go together (overlay mode)")
     if from_dir is not None and bundle_dir is not None:
@@ -300,7 +310,7 @@ def status_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
     bundle_dir: Path | None = typer.Option(
-        None, "--bundle", help=f"Also classify this bundle's files (default {DEFAULT_BUNDLE} when it exists)."
+        None, "--bundle", help=f"Also classify this bundle's files ({_BUNDLE_DEFAULT})."
     ),
     max_parallel: int | None = typer.Option(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."

@@ -149,10 +149,13 @@ def test_a_dry_run_on_a_host_without_sglang_exits_as_the_deploy_would(
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"hosts": {"bare": {
         "ansible_connection": "local", "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run")}}}}}))
-    for args in (("--dry-run",), ()):
-        res = cli(inv, "deploy", "bare", str(BUNDLES / "basic"), *args)
+    basic = str(BUNDLES / "basic")
+    for args in ((basic, "--dry-run"), (basic,), ("--bundle", basic)):
+        res = cli(inv, "deploy", "bare", *args)
         assert res.returncode == 4, (args, res.stderr)
-        assert "package 'sglang' is not installed" in res.stdout
+        assert "package 'sglang' is not installed" in res.stdout and "basic 1.0" in res.stdout
+    res = cli(inv, "deploy", "bare", str(BUNDLES / "basic"), "--bundle", str(BUNDLES / "plugin"))
+    assert res.returncode == 2 and "two bundles" in res.stderr
 
 
 def test_another_bundle_over_an_applied_one_needs_replace(
