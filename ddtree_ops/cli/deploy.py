@@ -17,8 +17,19 @@ from typing import Any
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from ddtree_ops.cli.common import error_text, failure_row, load_hosts, raise_if_failed, set_json_data, transport_for
+from ddtree_ops.cli.common import (
+    TableColumn,
+    error_text,
+    failure_row,
+    fitted_table,
+    load_hosts,
+    print_table,
+    raise_if_failed,
+    set_json_data,
+    transport_for,
+)
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError, DdtreeOpsError
 from ddtree_ops.fleet import FleetResult, run_on_hosts
@@ -315,6 +326,9 @@ def status_cmd(
     max_parallel: int | None = typer.Option(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
+    wide: bool = typer.Option(
+        False, "--wide", help="Every column, however wide (default: what fits the terminal)."
+    ),
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""
     obj: AppContext = ctx.obj
@@ -349,12 +363,17 @@ def status_cmd(
             ],
         )
     else:
-        table = Table(title="patch and service status")
-        for col in ("host", "sglang", "bundle", "applied", "files", "leftovers", "server"):
-            table.add_column(col, overflow="fold")
+        # Words wrap at spaces and never break; what does not fit is dropped, and the caption
+        # says which (--wide shows every column).
+        columns = (
+            TableColumn("host"), TableColumn("sglang", drop=3), TableColumn("bundle", wrap=True),
+            TableColumn("applied", drop=2, wrap=True), TableColumn("files", wrap=True),
+            TableColumn("leftovers", drop=1, wrap=True), TableColumn("server", wrap=True),
+        )
+        rows: list[list[str | Text]] = []
         for n in results:
             if n in failed:
-                table.add_row(escape(n), "", "", "", "[red]failed[/]", escape(error_text(failed[n])), "")
+                rows.append([n, "", "", "", Text("failed", style="red"), error_text(failed[n]), ""])
                 continue
             r = succeeded[n]
             bundle_txt = escape(
@@ -382,9 +401,11 @@ def status_cmd(
             if r.state_error:
                 left.append(f"state unreadable: {r.state_error}")
             version = escape(r.package_version) if r.package_version else "[red]not installed[/]"
-            table.add_row(escape(n), version, bundle_txt, applied, files_txt,
-                          escape("; ".join(left) or "-"), _service_text(services[n]))
-        obj.console.print(table)
+            rows.append([n, Text.from_markup(version), Text.from_markup(bundle_txt), Text.from_markup(applied),
+                         Text.from_markup(files_txt), "; ".join(left) or "-",
+                         Text.from_markup(_service_text(services[n]))])
+        print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide,
+                                              title="patch and service status"))
         if obj.verbose:
             for n, r in results.succeeded.items():
                 for f in r.files:

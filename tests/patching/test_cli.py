@@ -17,6 +17,7 @@ import yaml
 from cli_json import json_data, read_envelope
 from fleetlib import free_port
 
+from ddtree_ops.patching import load_bundle
 from patching.conftest import BUNDLES, MiniHost, make_prefix, upstream_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -303,3 +304,24 @@ def test_status_has_a_service_section(tmp_path: Path, mini: MiniHost, cli: Calla
     table = cli(inv, "status", "h1")
     assert table.returncode == 0, table.stderr
     assert "server" in table.stdout and "stopped" in table.stdout
+
+
+def test_status_fits_a_narrow_terminal_without_breaking_a_word(
+    tmp_path: Path, mini: MiniHost, cli: Callable[..., Res], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddtree_ops.cli import main
+
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    assert cli(inv, "deploy", "h1", str(BUNDLES / "basic")).returncode == 0
+    monkeypatch.setattr(main.console, "width", 60)
+    res = cli(inv, "status", "h1", "--bundle", str(BUNDLES / "basic"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    # Dropped columns are named; every word shown is whole (the bundle's hash, the host).
+    text = " ".join(res.stdout.split())
+    assert "Hidden to fit 60 columns:" in text and "--wide" in text
+    identity = load_bundle(BUNDLES / "basic").short_identity
+    assert any(identity in line for line in lines) and any(" h1 " in line for line in lines)
+    wide = cli(inv, "status", "h1", "--bundle", str(BUNDLES / "basic"), "--wide")
+    assert "Hidden to fit" not in wide.stdout and "applied" in wide.stdout
