@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ddtree_ops.cli.terminal import escape_text
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
@@ -305,8 +306,11 @@ def fitted_table(
     its full width, however wide that is (print it with :func:`print_table`).
     ``sized_by``: the rows that set the widths and the columns kept (default ``rows``), so
     that tables shown one after another (one per host) have the same columns."""
-    texts = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
-    sizing = texts if sized_by is None else [[c if isinstance(c, Text) else Text(str(c)) for c in r] for r in sized_by]
+    # Measured as shown: a control character in data is printed as its escape (cli.terminal).
+    texts = [[escape_text(c if isinstance(c, Text) else Text(str(c))) for c in row] for row in rows]
+    sizing = texts if sized_by is None else [
+        [escape_text(c if isinstance(c, Text) else Text(str(c))) for c in r] for r in sized_by
+    ]
 
     def longest(i: int) -> int:
         return max((_text_width(row[i]) for row in sizing), default=0)

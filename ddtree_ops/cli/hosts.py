@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
 
-from ddtree_ops.cli.common import load_hosts, set_json_data
+from ddtree_ops.cli.common import TableColumn, fitted_table, load_hosts, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
@@ -26,6 +26,7 @@ def _address(host: Host, aliases: SshConfig) -> str:
 def hosts_cmd(
     ctx: typer.Context,
     target: str = typer.Argument("all", help="Group, host, 'all', or a comma list."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
 ) -> None:
     """List the resolved hosts and their settings (no connection is made; -v for every setting)."""
     obj: AppContext = ctx.obj
@@ -34,18 +35,21 @@ def hosts_cmd(
         set_json_data(obj, [{"name": h.name, **_as_dict(h)} for h in hosts])
         return
     aliases = load_ssh_config(user_ssh_config_path())
-    table = Table(title=escape(f"hosts: {target}"), title_justify="left")
-    table.add_column("host", no_wrap=True, style="bold")
-    for header in ("groups", "connect", "gpu", "server", "model"):
-        table.add_column(header, overflow="fold")
+    # Words wrap at spaces and never break; the model, then the groups go first when the
+    # terminal is too narrow, and the caption says so.
+    columns = (
+        TableColumn("host"), TableColumn("groups", drop=2, wrap=True), TableColumn("connect", wrap=True),
+        TableColumn("gpu"), TableColumn("server"), TableColumn("model", drop=3, wrap=True),
+    )
+    rows: list[list[str | Text]] = []
     for h in hosts:
         s = h.ddtree.server
-        cells = (
-            h.name, ",".join(h.groups), _address(h, aliases), h.ddtree.gpu or "-", f"{s.bind_host}:{s.port}",
-            s.model_path or "-",
-        )
-        table.add_row(*(escape(c) for c in cells))  # names and paths are data, never markup
-    obj.console.print(table)
+        rows.append([  # Text cells: names and paths are data, never markup
+            Text(h.name, style="bold"), ", ".join(h.groups), _address(h, aliases), h.ddtree.gpu or "-",
+            f"{s.bind_host}:{s.port}", s.model_path or "-",
+        ])
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide,
+                                          title=f"hosts: {target}"))
     if obj.verbose:
         for h in hosts:
             s = h.ddtree.server
