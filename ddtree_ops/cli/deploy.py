@@ -16,7 +16,6 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops.cli.common import (
@@ -89,41 +88,39 @@ def _outcome_json(o: HostOutcome) -> dict[str, Any]:
             "txn": o.txn, "plan": _plan_json(o.plan)}
 
 
-def _render_outcomes(obj: AppContext, title: str, results: FleetResult[HostOutcome], *, show_files: bool) -> None:
+def _render_outcomes(
+    obj: AppContext, title: str, results: FleetResult[HostOutcome], *, show_files: bool, wide: bool = False
+) -> None:
     """Render per-host results (a table, or the --json data: one row per host)."""
     failed, succeeded = results.failed, results.succeeded
     if obj.json:
         set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(succeeded[n]) for n in results])
         return
-    table = Table(title=escape(title), show_lines=False)
-    table.add_column("host", style="bold")
-    table.add_column("result")
-    table.add_column("bundle")
-    table.add_column("detail", overflow="fold")
+    # Fitted tables: words wrap at spaces, a path is never cut (two dist-info files would
+    # read alike), what does not fit is dropped and the caption says so.
+    rows: list[list[str | Text]] = []
     for name in results:
         if name in failed:
-            table.add_row(escape(name), "[red]failed[/]", "", escape(error_text(failed[name])))
+            rows.append([Text(name, style="bold"), Text("failed", style="red"), "", error_text(failed[name])])
             continue
         r = succeeded[name]
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
-        table.add_row(escape(name), f"[{r.outcome.style}]{r.outcome.label}[/]", escape(bundle), escape(r.message))
-    obj.console.print(table)
+        rows.append([Text(name, style="bold"), Text(r.outcome.label, style=r.outcome.style), bundle, r.message])
+    columns = (TableColumn("host"), TableColumn("result"), TableColumn("bundle", wrap=True),
+               TableColumn("detail", wrap=True))
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
     if show_files:
+        file_columns = (TableColumn("path"), TableColumn("action"), TableColumn("now", drop=2),
+                        TableColumn("after", drop=3), TableColumn("why", drop=1, wrap=True))
         for name, r in results.succeeded.items():
             if not r.plan.actions:
                 continue
-            ft = Table(title=f"{escape(name)}: files", title_justify="left")
-            ft.add_column("path")
-            ft.add_column("action")
-            ft.add_column("now")
-            ft.add_column("after")
-            ft.add_column("why", overflow="fold")
-            for a in r.plan.actions:
-                ft.add_row(
-                    escape(a.path), a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12],
-                    escape(a.reason),
-                )
-            obj.console.print(ft)
+            files: list[list[str | Text]] = [
+                [a.path, a.kind, (a.current_sha256 or "absent")[:12], (a.new_sha256 or "absent")[:12], a.reason]
+                for a in r.plan.actions
+            ]
+            print_table(obj.console, fitted_table(file_columns, files, width=obj.console.width, wide=wide,
+                                                  title=f"{name}: files"))
 
 
 def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
@@ -171,6 +168,7 @@ def deploy_cmd(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
     restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
     budget: int | None = typer.Option(
         None, "--budget", min=1,
@@ -220,7 +218,7 @@ def deploy_cmd(
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
-    _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0)
+    _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0, wide=wide)
     if diff and not obj.json:
         for texts in diffs.values():
             for text in texts:
@@ -272,6 +270,7 @@ def rollback_cmd(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
 ) -> None:
     """Restore the original files on each host and clear the applied-bundle record."""
     obj: AppContext = ctx.obj
@@ -284,7 +283,7 @@ def rollback_cmd(
 
     results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
     _render_outcomes(
-        obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0
+        obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0, wide=wide
     )
     raise_if_failed("rollback (dry run)" if dry_run else "rollback", results, failure=HostOutcome.refusal)
 

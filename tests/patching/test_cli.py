@@ -325,3 +325,18 @@ def test_status_fits_a_narrow_terminal_without_breaking_a_word(
     assert any(identity in line for line in lines) and any(" h1 " in line for line in lines)
     wide = cli(inv, "status", "h1", "--bundle", str(BUNDLES / "basic"), "--wide")
     assert "Hidden to fit" not in wide.stdout and "applied" in wide.stdout
+
+
+def test_the_dry_run_plan_never_cuts_a_path_at_80_columns(
+    tmp_path: Path, mini: MiniHost, cli: Callable[..., Res], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddtree_ops.cli import main
+
+    inv = _inventory(tmp_path, {"h1": mini.prefix})
+    monkeypatch.setattr(main.console, "width", 80)
+    res = cli(inv, "deploy", "h1", str(BUNDLES / "plugin"), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    # Each planned path whole, so that two files of one folder never read alike.
+    for action in load_bundle(BUNDLES / "plugin").files:
+        assert any(action.path in line for line in res.stdout.splitlines()), action.path
