@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 from ddtree_ops.bench.client import chat_messages
@@ -216,6 +218,34 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = Fals
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
 
 
+
+def progress_bar(console: Console, *, disable: bool) -> Progress:
+    """One line per host: host, bar, rows done, time left, what it is doing. At 80 columns
+    the description (phase, cell, slot) keeps most of the line: a short bar, and the time
+    left says what it is."""
+    return Progress(
+        TextColumn("{task.fields[host]}"),
+        BarColumn(bar_width=12),
+        TextColumn("{task.completed}/{task.total}"),
+        _TimeLeftColumn(),
+        TextColumn("{task.description}", markup=False),  # cell keys, slots, errors: plain text
+        console=console,
+        disable=disable,
+        transient=False,
+    )
+
+
+class _TimeLeftColumn(ProgressColumn):
+    """rich's time-remaining estimate, labelled ("0:01:23 left"): a bare clock read as elapsed."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+        self._remaining = TimeRemainingColumn()
+
+    def render(self, task: Task) -> Text:
+        shown = self._remaining.render(task)
+        return Text(f"{shown.plain} left", style=shown.style)
+
 @app.command("bench")
 def bench(
     ctx: typer.Context,
@@ -281,16 +311,7 @@ def bench(
     if runner.healed:
         err_console.print(runner.healed, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
-    with Progress(
-        TextColumn("{task.fields[host]:<12}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeRemainingColumn(),
-        TextColumn("{task.description}", markup=False),  # cell keys, slots, errors: plain text
-        console=obj.console,
-        disable=obj.json,
-        transient=False,
-    ) as bar:
+    with progress_bar(obj.console, disable=obj.json) as bar:
         tasks: dict[str, TaskID] = {
             hp.host.name: bar.add_task("waiting", total=prepared.plan.runs, host=hp.host.name) for hp in prepared.hosts
         }

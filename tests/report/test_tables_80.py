@@ -151,3 +151,19 @@ def test_bench_outcome_wraps_a_long_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "word59" in out and "sim-ct200" in out and "sim-b300" in out
     assert len([line for line in out.splitlines() if "word" in line]) > 3
+
+
+def test_bench_progress_line_keeps_its_description_and_labels_the_time_left() -> None:
+    import io
+
+    from ddtree_ops.cli.bench import progress_bar
+    from ddtree_ops.cli.terminal import SafeConsole
+
+    buf = io.StringIO()
+    console = SafeConsole(file=buf, width=80, force_terminal=False)
+    description = "measure DDTREE b16 k4 T0.6 c8 [sim-ct200/1]"
+    with progress_bar(console, disable=False) as bar:
+        task = bar.add_task(description, total=32, host="sim-ct200")
+        bar.update(task, completed=4)
+    (line,) = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    assert line.startswith("sim-ct200 ") and " left " in line and description in line and len(line) <= 80
