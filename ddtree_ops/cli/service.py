@@ -252,8 +252,8 @@ def restart(
 
 # The restart summary's times, each named by what it spans (RestartResult).
 _TIMES_CAPTION = (
-    "load: launch → the server answers · capture: CUDA-graph capture · smoke: speculative smoke · "
-    "total: launch → ready (the last launch)"
+    "load: launch → the server answers (capture included) · capture: the CUDA-graph capture within "
+    "load · smoke: after load · total: launch → ready (the last launch): load, then smoke"
 )
 
 

@@ -213,7 +213,8 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
     assert "15.1s (2 launches)" in b and "—" in b  # eager: no capture
     assert "gpu-c" in text and "not ready after 720s" in text
     # The caption says what each time spans.
-    assert "load: launch → the server answers" in text and "total: launch → ready" in text
+    assert "load: launch → the server answers (capture included)" in text and "total: launch → ready" in text
+    assert "capture: the CUDA-graph capture within load" in text  # not a term added to load
 
 
 def test_restart_summary_fits_80_columns_without_splitting_a_word(monkeypatch: pytest.MonkeyPatch) -> None:
