@@ -115,6 +115,7 @@ def test_hosts_named_by_dns_load_and_say_how_they_resolve(
     res = cli("-i", str(inv), "hosts")
     assert res.exit_code == 0, res.stderr
     assert "gpu1.lab.example.com (DNS)" in res.stdout and "b300 (ssh_config)" in res.stdout
+    assert f"inventory: {inv}" in res.stdout  # which files these hosts come from
 
 
 def test_missing_inventory_and_unknown_target(cli, clean_home: Path, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import typer
 from rich.markup import escape
 from rich.text import Text
 
-from ddtree_ops.cli.common import TableColumn, fitted_table, load_hosts, print_table, set_json_data
+from ddtree_ops.cli.common import TableColumn, fitted_table, load_inventory_for, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
@@ -30,7 +30,8 @@ def hosts_cmd(
 ) -> None:
     """List the resolved hosts and their settings (no connection is made; -v for every setting)."""
     obj: AppContext = ctx.obj
-    hosts = load_hosts(obj, target)
+    inventory = load_inventory_for(obj)
+    hosts = inventory.resolve(target)
     if obj.json:
         set_json_data(obj, [{"name": h.name, **_as_dict(h)} for h in hosts])
         return
@@ -48,8 +49,10 @@ def hosts_cmd(
             Text(h.name, style="bold"), ", ".join(h.groups), _address(h, aliases), h.ddtree.gpu or "-",
             f"{s.bind_host}:{s.port}", s.model_path or "-",
         ])
+    # Which files this is: -i, else $DDTREE_OPS_INVENTORY, else ./inventories (README "Inventories").
+    sources = ", ".join(str(s) for s in inventory.sources)
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide,
-                                          title=f"hosts: {target}"))
+                                          title=f"hosts: {target}", caption=f"inventory: {sources}"))
     if obj.verbose:
         for h in hosts:
             s = h.ddtree.server
