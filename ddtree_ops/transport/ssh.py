@@ -659,14 +659,27 @@ class SSHTransport:
     def _file_op(self, doing: str, *, cleanup: Callable[[], None] | None = None) -> AbstractContextManager[None]:
         """Translation for SFTP requests. An OSError is the server's answer (no such file,
         permission denied) and leaves the session usable, so ``cleanup`` (remove a temp
-        file) can still run; a session that broke is dropped, so that the next call
-        reconnects, and its message says the connection was lost."""
+        file) can still run -- unless the SFTP channel is closed: paramiko then raises
+        OSError("Socket is closed") for a connection that died under the request. A
+        session that broke is dropped, so that the next call reconnects, and its message
+        says the connection was lost."""
+        sftp = self._sftp
+
+        def gone(exc: BaseException) -> bool:
+            channel = getattr(sftp, "sock", None)
+            return not isinstance(exc, OSError) or (channel is not None and bool(channel.closed))
 
         def lost(exc: BaseException) -> str:
-            return f"{doing}: connection lost ({text_or_type(exc)})"
+            return f"connection lost ({text_or_type(exc)})"
+
+        def lost_doing(exc: BaseException) -> str:
+            return f"{doing}: {lost(exc)}"
+
+        def reason(exc: BaseException) -> str:
+            return lost(exc) if gone(exc) else os_error_reason(exc)
 
         def on_error(exc: BaseException) -> None:
-            if not isinstance(exc, OSError):
+            if gone(exc):
                 self._drop(exc)
             elif cleanup is not None:
                 cleanup()
@@ -675,8 +688,8 @@ class SSHTransport:
             self.host,
             doing,
             error=RemoteFileError,
-            reason=os_error_reason,
-            messages={paramiko.SSHException: lost, EOFError: lost},
+            reason=reason,
+            messages={paramiko.SSHException: lost_doing, EOFError: lost_doing},
             on_error=on_error,
         )
 
