@@ -43,7 +43,6 @@ from ddtree_ops.fsutil import read_regular_text
 from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK, parse_algorithm
 from ddtree_ops.yamlfile import safe_load_unique
 
-ALGORITHMS = ("ddtree", "dflash", "autoregressive")
 BASELINES = ("autoregressive", "dflash")
 
 # Every grid axis with its default (a one-element list) and the validator of one value.

@@ -60,8 +60,8 @@ class DeadlinePolicy:
 
     def deadline(self, expected_load_s: float, learned_load_s: float | None) -> tuple[float, str]:
         """(seconds, source) where source is 'learned' or 'inventory'."""
-        base, source = self._base(expected_load_s, learned_load_s)
-        return max(self.floor_s, base * self.factor), source
+        window = self.window(expected_load_s, learned_load_s)
+        return window.deadline_s, window.source
 
     def window(self, expected_load_s: float, learned_load_s: float | None) -> LoadWindow:
         """The whole wait of a launch: deadline, stall window and hard cap."""
