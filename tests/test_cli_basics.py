@@ -269,8 +269,45 @@ def test_help_shows_flags_without_a_type_placeholder(cli) -> None:
         assert "<bool>" not in res.stdout and "BOOLEAN" not in res.stdout, (args, res.stdout)
     top = cli("--help").stdout
     assert re.search(r"^\s*-v, --verbose\s+More detail", top, re.M), top
-    assert re.search(r"^\s*--max-parallel <int", top, re.M), top
+    assert re.search(r"^\s*--max-parallel N\s+Hosts", top, re.M), top
     assert re.search(r"^\s*--dry-run\s+Show the plan", cli("deploy", "--help").stdout, re.M)
+
+
+def test_help_shows_readable_placeholders_not_python_types(cli) -> None:
+    """Typer 0.29 labels values with annotations (``<int range>``, ``<list[Path]>``,
+    ``<str>``); every command's help shows click-style placeholders instead, and every
+    option that takes a value shows one."""
+    import typer
+
+    from ddtree_ops.cli import main as cli_main
+
+    cli_main._register()
+    group = typer.main.get_command(cli_main.app)
+    typer_label = re.compile(r"<(?:str|int|float|path|bool|int range|float range|list\[[^\]]*\])>")
+    for args in ([], *([c] for c in sorted(group.commands))):  # type: ignore[attr-defined]
+        out = cli(*args, "--help").stdout
+        assert not typer_label.search(out), (args, typer_label.search(out), out)
+    restart = cli("restart", "--help").stdout
+    assert "Usage: ddtree-ops restart [OPTIONS] {TARGET}" in restart
+    assert re.search(r"^\s*--timeout SECONDS\s", restart, re.M), restart
+    assert re.search(r"^\s*--budget N\s", restart, re.M), restart
+    assert re.search(r"^\s*--algorithm TEXT\s", restart, re.M), restart
+    assert re.search(r"^\s*TARGET\s+Host", restart, re.M), restart
+    report = cli("report", "--help").stdout
+    assert "[LEDGERS]..." in report and re.search(r"^\s*--csv PATH\s", report, re.M), report
+    # Every value-taking option of every command got a placeholder (the walk ran on all).
+    from ddtree_ops.cli import metavars
+
+    command = typer.main.get_command(cli_main.app)
+    metavars.apply(command)
+    bare = [
+        f"{name} {p.name}"
+        for name, sub in command.commands.items()  # type: ignore[attr-defined]
+        for p in sub.params
+        if p.param_type_name == "option" and not p.is_flag and not p.count and p.metavar is None
+        and not getattr(p.type, "choices", None)
+    ]
+    assert bare == []
 
 
 def test_every_option_and_argument_of_every_command_has_help() -> None:

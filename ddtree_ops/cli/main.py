@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ddtree_ops import __version__
+from ddtree_ops.cli import metavars
 from ddtree_ops.cli.common import write_envelope
 from ddtree_ops.cli.terminal import SafeConsole
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, Interrupted
@@ -209,8 +210,10 @@ def run() -> None:
     debug = "--debug" in sys.argv
     obj = AppContext()
     try:
-        args = hoist_global_options(typer.main.get_command(app), sys.argv[1:])
-        app(args=args, standalone_mode=False, obj=obj)
+        command = typer.main.get_command(app)
+        metavars.apply(command)
+        args = hoist_global_options(command, sys.argv[1:])
+        command.main(args=args, prog_name="ddtree-ops", standalone_mode=False, obj=obj)
     except DdtreeOpsError as exc:
         if debug:
             err_console.print_exception()
