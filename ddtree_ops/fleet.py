@@ -10,6 +10,7 @@ caller's job — the CLI renders a per-host summary and raises
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
@@ -110,6 +111,33 @@ def run_on_hosts(
                 future.cancel()
             raise
     return FleetResult(results)
+
+
+def run_interruptible(
+    hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int, cancel: threading.Event
+) -> FleetResult[T]:
+    """:func:`run_on_hosts` in a worker thread, so that Ctrl-C reaches the caller's thread:
+    there it sets ``cancel`` (which ``fn`` looks at between its steps) and waits for every
+    host to report how it was left. A pool's running workers cannot be stopped from
+    outside; without this they would carry on to their last step after Ctrl-C."""
+    box: dict[str, FleetResult[T]] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            box["r"] = run_on_hosts(hosts, fn, max_parallel=max_parallel)
+        finally:
+            done.set()
+
+    # An Event rather than Thread.join: a join interrupted by Ctrl-C can leave the thread
+    # looking finished while it still runs (CPython issue 90882).
+    threading.Thread(target=work, daemon=True).start()
+    while not done.is_set():
+        try:
+            done.wait(0.2)
+        except KeyboardInterrupt:
+            cancel.set()
+    return box["r"]
 
 
 def failed_hosts(results: Mapping[str, object]) -> list[str]:

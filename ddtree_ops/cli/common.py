@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -262,8 +263,13 @@ def _cell(value: object) -> Text | str:
     return escape(str(value))  # a host's data (a path, a log line) is never markup
 
 
-def raise_if_failed(what: str, results: FleetResult[Any], *, failure: Judge | None = None) -> None:
-    """After rendering: exit non-zero (FleetError, carrying the result) when some host failed."""
+def raise_if_failed(
+    what: str, results: FleetResult[Any], *, failure: Judge | None = None, cancel: threading.Event | None = None
+) -> None:
+    """After rendering: exit non-zero (FleetError, carrying the result) when some host failed;
+    exit 130 (Interrupted) when Ctrl-C or SIGTERM cut the run short."""
+    if cancel is not None and cancel.is_set():
+        raise Interrupted("interrupted; each host's state is shown above", failures=results.failed)
     failures = results.failures(failure)
     if failures:
         raise FleetError(

@@ -9,6 +9,7 @@ selects hosts, renders, and picks the exit code.
 from __future__ import annotations
 
 import difflib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from ddtree_ops.cli.common import (
 )
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError, DdtreeOpsError
-from ddtree_ops.fleet import FleetResult, run_on_hosts
+from ddtree_ops.fleet import FleetResult, run_interruptible, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
@@ -187,7 +188,8 @@ def deploy_cmd(
         raise ConfigError("--from and --to go together (overlay mode)")
     if from_dir is not None and bundle_dir is not None:
         raise ConfigError("give either a bundle directory or --from/--to, not both")
-    restart_fn = _restart_hook(budget, topk) if restart and not dry_run else None
+    cancel = threading.Event()
+    restart_fn = _restart_hook(budget, topk, cancel) if restart and not dry_run else None
     hosts = load_hosts(obj, target)
     opts = RunOptions(force=force, force_version=force_version, replace=replace, dry_run=dry_run or diff,
                       break_lock=break_lock, lock_wait_s=lock_wait)
@@ -198,14 +200,14 @@ def deploy_cmd(
     def one(h: Host) -> HostOutcome:
         with transport_for(obj, h) as t:
             if overlay is not None:
-                out = deploy(t, h, overlay.factory, opts, paths=overlay.paths)
+                out = deploy(t, h, overlay.factory, opts, paths=overlay.paths, cancel=cancel)
             else:
                 assert bundle is not None
-                out = deploy(t, h, bundle, opts)
+                out = deploy(t, h, bundle, opts, cancel=cancel)
             if diff and out.state is not None:
                 b = bundle if bundle is not None else overlay.bundle_for(out.state)  # type: ignore[union-attr]
                 diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
-            if restart_fn is not None and out.outcome == "applied":
+            if restart_fn is not None and out.outcome == "applied" and not cancel.is_set():
                 try:
                     restart_fn(t, h)
                 except DdtreeOpsError as exc:
@@ -214,7 +216,7 @@ def deploy_cmd(
                     raise
             return out
 
-    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    results = run_interruptible(hosts, one, max_parallel=_parallel(obj, max_parallel, serial), cancel=cancel)
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
@@ -224,10 +226,14 @@ def deploy_cmd(
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
     # A dry run exits as the run would: a plan the run refuses fails that host (exit 4).
-    raise_if_failed("deploy (dry run)" if opts.dry_run else "deploy", results, failure=HostOutcome.refusal)
+    raise_if_failed(
+        "deploy (dry run)" if opts.dry_run else "deploy", results, failure=HostOutcome.refusal, cancel=cancel
+    )
 
 
-def _restart_hook(budget: int | None, topk: int | None) -> Callable[[Transport, Host], None]:
+def _restart_hook(
+    budget: int | None, topk: int | None, cancel: threading.Event
+) -> Callable[[Transport, Host], None]:
     """The lifecycle restart of ``deploy --restart``; its run config is checked before any host is touched."""
     from dataclasses import replace
 
@@ -250,7 +256,7 @@ def _restart_hook(budget: int | None, topk: int | None) -> Callable[[Transport, 
         for server in host.slot_hosts():
             service_restart(
                 transport, prepare_restart(transport, server, launch, machine=host, tree_policy=tree_policy),
-                state=state,
+                state=state, cancel=cancel,
             )
 
     return hook
@@ -276,16 +282,19 @@ def rollback_cmd(
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     opts = RunOptions(force=force, dry_run=dry_run, break_lock=break_lock, lock_wait_s=lock_wait)
+    cancel = threading.Event()
 
     def one(h: Host) -> HostOutcome:
         with transport_for(obj, h) as t:
-            return rollback(t, h, opts)
+            return rollback(t, h, opts, cancel=cancel)
 
-    results = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, serial))
+    results = run_interruptible(hosts, one, max_parallel=_parallel(obj, max_parallel, serial), cancel=cancel)
     _render_outcomes(
         obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0, wide=wide
     )
-    raise_if_failed("rollback (dry run)" if dry_run else "rollback", results, failure=HostOutcome.refusal)
+    raise_if_failed(
+        "rollback (dry run)" if dry_run else "rollback", results, failure=HostOutcome.refusal, cancel=cancel
+    )
 
 
 def _service_json(svc: Any) -> dict[str, Any]:

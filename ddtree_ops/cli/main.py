@@ -10,8 +10,11 @@ follow the command: :func:`hoist_global_options` moves them before it.
 
 from __future__ import annotations
 
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,8 +207,32 @@ def _short_globals(token: str, global_opts: dict[str, int], own: dict[str, int])
     return global_opts[first] > 0 or all(f"-{c}" == first for c in token[1:])
 
 
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (kill, systemd, timeout(1)) ends a command the way Ctrl-C does: every host
+    stops between two steps and reports how it was left, exit 130. Python's default would
+    end the process at once, in the middle of a fan-out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run() -> None:
     """Console-script entry point."""
+    with _sigterm_as_ctrl_c():
+        _run()
+
+
+def _run() -> None:
     _register()
     debug = "--debug" in sys.argv
     obj = AppContext()

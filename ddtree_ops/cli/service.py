@@ -36,7 +36,7 @@ from ddtree_ops.cli.common import (
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
-from ddtree_ops.fleet import FleetResult, run_on_hosts
+from ddtree_ops.fleet import FleetResult, run_interruptible, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig, parse_algorithm
@@ -49,40 +49,15 @@ T = TypeVar("T")
 _TARGET_HELP = "Host (every GPU slot of it), one slot HOST/I, group, comma list, or 'all'."
 
 
-def _run_interruptible(
-    hosts: Sequence[Host], fn: Callable[[Host], T], *, max_parallel: int, cancel: threading.Event
-) -> FleetResult[T]:
-    """Fan out in a worker thread so Ctrl-C reaches us; on Ctrl-C set ``cancel`` and
-    wait for every host to report how it was left."""
-    box: dict[str, FleetResult[T]] = {}
-    done = threading.Event()
-
-    def work() -> None:
-        try:
-            box["r"] = run_on_hosts(hosts, fn, max_parallel=max_parallel)
-        finally:
-            done.set()
-
-    # An Event rather than Thread.join: a join interrupted by Ctrl-C can leave the thread
-    # looking finished while it still runs (CPython issue 90882).
-    threading.Thread(target=work, daemon=True).start()
-    while not done.is_set():
-        try:
-            done.wait(0.2)
-        except KeyboardInterrupt:
-            cancel.set()
-    return box["r"]
-
-
 def run_with_board(
     obj: AppContext, board: _Live, hosts: Sequence[Host], fn: Callable[[Host], T], *, cancel: threading.Event
 ) -> FleetResult[T]:
-    """:func:`_run_interruptible` with the live phase board on a terminal (none under --json:
+    """:func:`ddtree_ops.fleet.run_interruptible` with the live phase board on a terminal (none under --json:
     stdout holds the one document)."""
     if obj.json:
-        return _run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
+        return run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
     with Live(board, console=obj.console, refresh_per_second=4, transient=True):
-        return _run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
+        return run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
 
 
 def _lease_pass(transport: Any, host: Host, *, force: bool) -> manager.LeasePass:
@@ -307,9 +282,7 @@ def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResul
 
 
 def _finish(what: str, results: FleetResult[Any], cancel: threading.Event | None = None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise Interrupted("interrupted; each host's state is shown above", failures=results.failed)
-    raise_if_failed(what, results)
+    raise_if_failed(what, results, cancel=cancel)
 
 
 @app.command()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -29,7 +30,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ddtree_ops.errors import DriftError, LockError, PatchError, RemoteFileError, UnsupportedVersion, VerifyError
+from ddtree_ops.errors import (
+    DdtreeOpsError,
+    DriftError,
+    Interrupted,
+    LockError,
+    PatchError,
+    RemoteFileError,
+    UnsupportedVersion,
+    VerifyError,
+)
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.lockholder import controller_identity, holder_is_dead, run_ended, run_started
 from ddtree_ops.patching.bundle import Bundle, backup_relpath
@@ -155,14 +165,35 @@ def describe_lock(lock: Mapping[str, Any]) -> str:
 
 
 class _Run:
-    """One operation on one host. Registers its run id so this process knows it is alive."""
+    """One operation on one host. Registers its run id so this process knows it is alive.
 
-    def __init__(self, transport: Transport, host: Host, opts: RunOptions, command: str) -> None:
+    ``cancel`` (set by the CLI on Ctrl-C or SIGTERM) is looked at between round trips: a
+    step already running on the host finishes (each is all-or-nothing), no later step
+    starts, and files prepared but not committed are removed again before the run ends.
+    """
+
+    def __init__(self, transport: Transport, host: Host, opts: RunOptions, command: str,
+                 cancel: threading.Event | None = None) -> None:
         self.t = transport
         self.host = host
         self.opts = opts
         self.txn = uuid.uuid4().hex
         self.holder = _holder(self.txn, command)
+        self.cancel = cancel
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def stop_if_cancelled(self, when: str) -> None:
+        if self.cancelled:
+            raise Interrupted(f"interrupted {when}; nothing was changed", host=self.t.host)
+
+    def _wait(self, delay: float) -> None:
+        if self.cancel is not None:
+            self.cancel.wait(delay)
+        else:
+            time.sleep(delay)
 
     def __enter__(self) -> _Run:
         run_started(self.txn)
@@ -188,8 +219,9 @@ class _Run:
                 return rs, recovered
             lock = rs.lock
             if lock is not None and not (self.opts.break_lock or lock_is_stale(lock)):
+                self.stop_if_cancelled("while waiting for the host lock")
                 if time.monotonic() < deadline:
-                    time.sleep(delay)
+                    self._wait(delay)
                     delay = min(delay * 2, 2.0)
                     continue
                 hint = "" if lock.get("controller") == socket.gethostname() else (
@@ -199,8 +231,8 @@ class _Run:
                 ans = self.step("recover", {"package": package, "holder": self.holder,
                                             "break_txn": lock.get("txn") if lock else None})
             except RemoteRefusal as exc:
-                if exc.kind == "busy" and time.monotonic() < deadline:
-                    time.sleep(delay)
+                if exc.kind == "busy" and time.monotonic() < deadline and not self.cancelled:
+                    self._wait(delay)
                     delay = min(delay * 2, 2.0)
                     continue
                 if exc.kind == "busy":
@@ -213,6 +245,7 @@ class _Run:
     def execute(self, plan: HostPlan, rs: RemoteState, payload_files: list[dict[str, Any]],
                 new_state: dict[str, Any] | None, verify: list[list[str]], keep_backups: list[str],
                 drop_backups: list[str]) -> dict[str, Any]:
+        self.stop_if_cancelled("before the host was changed")
         try:
             self.step("prepare", {
                 "package": rs.package, "txn": self.txn, "holder": self.holder, "files": payload_files,
@@ -222,11 +255,26 @@ class _Run:
             if exc.kind == "locked":
                 raise LockError(f"locked by {describe_lock(exc.extra.get('holder') or {})}", host=self.t.host) from exc
             raise PatchError(exc.message, host=self.t.host) from exc
+        if self.cancelled:
+            self._undo_prepared(rs.package)
         try:
             return self.step("commit", {"package": rs.package, "txn": self.txn, "verify": verify,
                                         "verify_timeout": self.opts.verify_timeout_s})
         except RemoteRefusal as exc:
             raise PatchError(exc.message, host=self.t.host) from exc
+
+
+    def _undo_prepared(self, package: str) -> None:
+        """Interrupted between prepare and commit: roll our own journal back (the temps and
+        backups go, the lock is freed), so the host is left as it was, not locked."""
+        try:
+            self.step("recover", {"package": package, "holder": self.holder, "break_txn": self.txn})
+        except DdtreeOpsError as exc:
+            raise Interrupted(f"interrupted before commit; removing the prepared files failed ({exc.message}); "
+                              "the package files are unchanged and the next run recovers the rest",
+                              host=self.t.host) from exc
+        raise Interrupted("interrupted before commit; the prepared files were removed, nothing was changed",
+                          host=self.t.host)
 
 
 def _backup_path(rs: RemoteState, txn: str, path: str) -> str:
@@ -247,7 +295,8 @@ def _raise_for_plan(plan: HostPlan, host: str) -> None:
 
 
 def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteState], Bundle],
-           opts: RunOptions = RunOptions(), *, paths: list[str] | None = None) -> HostOutcome:
+           opts: RunOptions = RunOptions(), *, paths: list[str] | None = None,
+           cancel: threading.Event | None = None) -> HostOutcome:
     """Deploy ``bundle`` to one host (or, for overlays, a bundle derived from the host's state).
 
     ``bundle`` may be a function of the gathered state: overlay mode decides add vs
@@ -255,7 +304,7 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
     """
     package = bundle.package if isinstance(bundle, Bundle) else "sglang"
     want = [f.path for f in bundle.files] if isinstance(bundle, Bundle) else list(paths or [])
-    with _Run(transport, host, opts, "deploy") as run:
+    with _Run(transport, host, opts, "deploy", cancel) as run:
         rs, recovered = run.settle(package, want) if not opts.dry_run else (run.gather(package, want), None)
         b = bundle if isinstance(bundle, Bundle) else bundle(rs)
         plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version, replace=opts.replace)
@@ -324,10 +373,11 @@ def _deploy_payload(bundle: Bundle, plan: HostPlan, rs: RemoteState, txn: str, h
 
 
 def rollback(
-    transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang"
+    transport: Transport, host: Host, opts: RunOptions = RunOptions(), *, package: str = "sglang",
+    cancel: threading.Event | None = None,
 ) -> HostOutcome:
     """Put every recorded file back to its original and clear the state record."""
-    with _Run(transport, host, opts, "rollback") as run:
+    with _Run(transport, host, opts, "rollback", cancel) as run:
         rs, recovered = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
         plan = plan_rollback(rs, force=opts.force)
         if opts.dry_run:

@@ -6,8 +6,13 @@ runs a real subprocess to prove the one-line error without traceback.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +137,53 @@ def test_bad_bundle_is_one_line_error(tmp_path: Path, mini: MiniHost) -> None:
     assert res.returncode == 2
     assert "escapes the package directory" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupting_a_deploy_stops_it_on_every_host(tmp_path: Path, mini: MiniHost, sig: signal.Signals) -> None:
+    """Ctrl-C or SIGTERM while a deploy runs: the host stops between steps and the run
+    ends (exit 130, one line per host) instead of carrying on after the user left. Here
+    the deploy waits for another controller's lock; the lock goes away right after the
+    signal, so a deploy that kept running would now patch the host."""
+    marker = tmp_path / "host-program-started"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\ntouch {marker}\nexec {mini.prefix / "bin" / "python"} "$@"\n')
+    wrapper.chmod(0o755)
+    hosts = {"h1": {"ddtree": {"python": str(wrapper)}}}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump(
+        {"all": {"children": {"test": {"vars": {"ansible_connection": "local"}, "hosts": hosts}}}}
+    ))
+    lock = mini.state_dir / "lock"
+    lock.mkdir(parents=True)
+    (lock / "info.json").write_text(json.dumps({"txn": "other", "controller": "elsewhere", "pid": 1, "user": "x"}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "deploy", "h1", str(BUNDLES / "basic"),
+         "--lock-wait", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "250"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the deploy has reached the host and is waiting for the lock
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        shutil.rmtree(lock)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted while waiting for the host lock; nothing was changed" in out, out
+    assert err.strip().splitlines() == ["error: interrupted; each host's state is shown above"], err
+    assert "Traceback" not in err
+    assert not (mini.state_dir / "state.json").exists()
+    assert mini.file("srt/speculative/dflash_worker_v2.py").read_bytes() == upstream_bytes(
+        "srt/speculative/dflash_worker_v2.py"
+    )
 
 
 def test_diff_shows_remote_original_against_bundle(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:

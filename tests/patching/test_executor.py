@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops.errors import ConnectError, DriftError, LockError, RemoteFileError, UnsupportedVersion, VerifyError
+from ddtree_ops.errors import (
+    ConnectError,
+    DriftError,
+    Interrupted,
+    LockError,
+    RemoteFileError,
+    UnsupportedVersion,
+    VerifyError,
+)
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
 from ddtree_ops.patching.executor import RunOptions, deploy, rollback
@@ -335,6 +343,67 @@ def test_concurrent_deploys_never_interleave(mini: MiniHost, basic: Bundle) -> N
     assert results["first"].outcome == "applied"  # type: ignore[attr-defined]
     assert results["second"].outcome == "noop"  # type: ignore[attr-defined]
     assert _assert_not_mixed(mini, basic) == "patched"
+
+
+@pytest.mark.parametrize("what", ["deploy", "rollback"])
+def test_cancel_during_prepare_stops_before_commit_and_removes_what_was_prepared(
+    mini: MiniHost, basic: Bundle, what: str
+) -> None:
+    """Ctrl-C while the prepare step runs on the host: that step finishes (it is all or
+    nothing), the commit never starts, and the run rolls its own journal back, so the host
+    is left exactly as it was and unlocked (not waiting for the next run to recover it)."""
+    if what == "rollback":
+        deploy(_t(mini), mini.host, basic)
+    before = _assert_not_mixed(mini, basic)
+    state_before = (mini.state_dir / "state.json").read_bytes() if what == "rollback" else None
+    backups_before = sorted((mini.state_dir / "backups").glob("*")) if what == "rollback" else []
+    cancel = threading.Event()
+    paused = PausingTransport(_t(mini), pause_at=1)  # gather (0), prepare (1), commit (2)
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            if what == "deploy":
+                deploy(paused, mini.host, basic, cancel=cancel)
+            else:
+                rollback(paused, mini.host, cancel=cancel)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it below
+            box["exc"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert paused.reached.wait(60)
+    cancel.set()  # as the CLI does on Ctrl-C, while prepare is on its way to the host
+    paused.release.set()
+    worker.join(60)
+    exc = box.get("exc")
+    assert isinstance(exc, Interrupted), exc
+    assert "before commit" in str(exc) and "nothing was changed" in str(exc)
+    assert paused.calls == 3  # gather, prepare, then recover; never commit
+    assert _assert_not_mixed(mini, basic) == before
+    _assert_clean(mini)
+    assert sorted((mini.state_dir / "backups").glob("*")) == backups_before  # this run's are gone
+    if state_before is not None:
+        assert (mini.state_dir / "state.json").read_bytes() == state_before
+
+
+def test_cancel_ends_a_lock_wait_at_once(mini: MiniHost, basic: Bundle) -> None:
+    """A deploy waiting for another controller's lock stops when cancelled instead of
+    waiting out --lock-wait and then deploying after all."""
+    (mini.state_dir / "lock").mkdir(parents=True)
+    (mini.state_dir / "lock" / "info.json").write_text(
+        json.dumps({"txn": "other", "controller": "elsewhere", "pid": 1, "user": "x"})
+    )
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(Interrupted, match="while waiting for the host lock; nothing was changed"):
+        deploy(_t(mini), mini.host, basic, RunOptions(lock_wait_s=60), cancel=cancel)
+    assert time.monotonic() - t0 < 20
+    assert _assert_not_mixed(mini, basic) == "original"
+    assert (mini.state_dir / "lock" / "info.json").exists()  # not ours: left alone
 
 
 def test_next_bundle_version_supersedes_and_restores(mini: MiniHost, basic: Bundle) -> None:
