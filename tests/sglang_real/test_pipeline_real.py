@@ -255,3 +255,38 @@ def test_deploy_restart_bench_report_on_real_sglang(
         assert float(cell["speedup_vs_ar"]) == pytest.approx(expected, rel=1e-6), cell
     assert (by_key[("DDTREE", 0.0)]["t0_prompts"], by_key[("DDTREE", 0.0)]["t0_match_frac"]) == (str(NUM_PROMPTS),
                                                                                                   "1.0")
+
+    _restart_past_its_deadline_while_the_log_moves(cpu_host, tmp_path)
+
+
+def _restart_past_its_deadline_while_the_log_moves(cpu_host: dict[str, Any], tmp_path: Path) -> None:
+    """The readiness wait follows the real server's load: with a deadline of 6 s (a tenth
+    of the inventory's expected_load_s, no learned load), the wait goes on past it while the
+    process lives and its log has not been silent for the stall window, and SGLang's own
+    phases (weights, KV pool, warm-up) show up in the log after the deadline until the
+    server is ready, where a fixed deadline would have given up at 6 s. (Measured: ready at
+    58 s, its first phase line at 55 s on a loaded 2-CPU machine.) A silent load failing in
+    its stall window is the simulator's case (tests/service/test_restart_local.py): on CPU
+    the silent stretch (imports) is most of the load, too close to it to set a window
+    between them reliably."""
+    from dataclasses import replace
+
+    from ddtree_ops.service.launch import RunConfig
+    from ddtree_ops.service.logphases import PhaseEvent
+    from ddtree_ops.service.readiness import DeadlinePolicy
+    from ddtree_ops.state import StateStore
+
+    host = cpu_host["host"]
+    events: list[PhaseEvent] = []
+    policy = DeadlinePolicy(factor=0.1, floor_s=1.0, stall_floor_s=180.0, stall_factor=0.0, cap_factor=60.0)
+    with LocalTransport(host.name) as t:
+        request = replace(lifecycle.prepare_restart(t, host, RunConfig(algorithm="AR"), smoke=None), policy=policy)
+        result = lifecycle.restart(t, request, state=StateStore(tmp_path / "fresh-state.json"), on_phase=events.append)
+    assert (result.deadline_s, result.deadline_source) == (6.0, "inventory"), result
+    assert result.load_s > 3 * result.deadline_s, (result.load_s, "the load must outlast the deadline 3x")
+    seen = [(e.phase.value, round(e.elapsed_s, 1), e.note) for e in events]
+    print(f"readiness past the deadline: load {result.load_s:.1f}s, deadline {result.deadline_s}s, phases {seen}")
+    assert any("past the 6s deadline, still loading" in e.note for e in events), seen
+    # What kept the wait going: phases SGLang's log showed after the deadline had passed.
+    assert any(e.elapsed_s > result.deadline_s and not e.note for e in events), seen
+    assert httpx.get(cpu_host["url"] + "/server_info", timeout=10).json().get("speculative_algorithm") is None
