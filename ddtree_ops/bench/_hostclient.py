@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import queue
 import random
 import socket
 import threading
@@ -226,54 +225,182 @@ def _error_text(exc, phase):
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-class _Connection:
-    """One worker's keep-alive connection to the server (the controller's client pools
-    connections too, so neither mode pays a TCP connect per request)."""
+class _Chunked:
+    """HTTP/1.1 chunked transfer decoding over raw reads, by hand: http.client's chunked
+    reader costs several Python calls per chunk, and a streamed response is one chunk per
+    SSE frame, so it was a large part of the client's CPU per token."""
 
-    def __init__(self, address, port, timeout):
-        self.address, self.port, self.timeout = address, port, timeout
-        self.conn = None
+    def __init__(self):
+        self.buf = b""
+        self.left = 0  # bytes of the current chunk still to come
+        self.crlf = False  # the CRLF after a chunk's data is still to come
+        self.finished = False
+
+    def feed(self, raw):
+        buf = self.buf + raw if self.buf else raw
+        out = []
+        pos = 0
+        n = len(buf)
+        while pos < n and not self.finished:
+            if self.left:
+                take = min(self.left, n - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self.left -= take
+                if not self.left:
+                    self.crlf = True
+                continue
+            if self.crlf:
+                if n - pos < 2:
+                    break
+                pos += 2
+                self.crlf = False
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                # The last chunk; no trailers are sent by SGLang's server (uvicorn).
+                if buf.find(b"\r\n", eol + 2) < 0:
+                    break
+                self.finished = True
+                pos = n
+                break
+            pos = eol + 2
+            self.left = size
+        self.buf = buf[pos:] if pos < n else b""
+        return b"".join(out)
+
+
+class Connection:
+    """One worker's keep-alive connection to the server, on asyncio streams (the
+    controller's client pools connections too, so neither mode pays a TCP connect per
+    request). One event loop serves every in-flight stream: threads, one per stream,
+    cost a GIL hand-over per frame."""
+
+    def __init__(self, address, port, timeout, tls=None):
+        self.address, self.port, self.timeout, self.tls = address, port, timeout, tls
+        self.reader = self.writer = None
+        self.busy_since = None  # monotonic time of the last byte while a request is open
+        self.timed_out = False
 
     def close(self):
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        if self.writer is not None:
+            self.writer.transport.abort()
+            self.reader = self.writer = None
 
-    def send(self, api, route, body):
+    def watch(self, now):
+        """Called by the run's watchdog: cut a request whose stream has been silent for
+        the timeout (httpx's read timeout: time since the last byte, not since the start)."""
+        if self.busy_since is not None and now - self.busy_since > self.timeout and self.writer is not None:
+            self.timed_out = True
+            self.writer.transport.abort()
+
+    async def _open(self):
+        import asyncio
+
+        try:
+            self.reader, self.writer = await asyncio.wait_for(
+                asyncio.open_connection(self.address, self.port, ssl=self.tls, limit=1 << 20), self.timeout)
+        except asyncio.TimeoutError:
+            raise socket.timeout("connect") from None
+
+    async def send(self, api, route, body):
         """One streamed request as a RequestResult dict; never raises for HTTP failures."""
-        start = time.perf_counter()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = (f"POST {route} HTTP/1.1\r\nHost: {self.address}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        reused = self.writer is not None
+        for attempt in (0, 1):
+            start = time.perf_counter()
+            result, retry = await self._send_once(api, head + data, start, reused and not attempt)
+            if not retry:
+                return result
+            reused = False
+        return result
+
+    async def _send_once(self, api, request, start, may_retry):
+        """(result, retry): retry when a kept-alive connection turned out closed before the
+        server answered a byte (it had closed it while idle); the request is sent again on
+        a new connection, as HTTP clients do."""
         tally = new_tally(api, start)
         frames = SseFrames()
         phase = "connect"
+        self.timed_out = False
         try:
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.address, self.port, timeout=self.timeout)
-                self.conn.connect()
+            if self.writer is None:
+                await self._open()
+            reader, writer = self.reader, self.writer
+            assert reader is not None and writer is not None
             phase = "request"
-            self.conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
-            resp = self.conn.getresponse()
-            if resp.status != 200:
-                text = resp.read(1 << 16)
+            self.busy_since = time.monotonic()
+            writer.write(request)
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except Exception:
+                if may_retry and not self.timed_out:
+                    self.close()
+                    return None, True
+                raise
+            lines = head.split(b"\r\n")
+            status = int(lines[0].split(None, 2)[1])
+            headers = {}
+            for line in lines[1:]:
+                if b":" in line:
+                    k, v = line.split(b":", 1)
+                    headers[k.strip().lower()] = v.strip()
+            chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+            length = headers.get(b"content-length")
+            keep = headers.get(b"connection", b"").lower() != b"close"
+            if status != 200:
+                text = await reader.readexactly(int(length)) if length is not None else await reader.read(1 << 16)
                 self.close()
-                raise Failed(http_status_error(resp.status, text))
+                raise Failed(http_status_error(status, text))
+            decoder = _Chunked() if chunked else None
+            remaining = int(length) if (length is not None and not chunked) else None
             while not frames.done:
-                raw = resp.read1(65536)
+                raw = await reader.read(65536)
                 if not raw:
                     break
                 now = time.perf_counter()
+                self.busy_since = time.monotonic()
+                if decoder is not None:
+                    raw = decoder.feed(raw)
+                elif remaining is not None:
+                    remaining -= len(raw)
                 for obj in frames.feed(raw):
                     tally.feed(now, obj)
-            if frames.done:
-                resp.read()  # the end of the chunked body, so the connection can be reused
-            else:
+                if (decoder is not None and decoder.finished) or (remaining is not None and remaining <= 0):
+                    break
+            if self.timed_out:
+                raise socket.timeout("read")
+            if frames.done and decoder is not None and not decoder.finished:
+                # The end of the chunked body, so the connection can be reused.
+                while not decoder.finished:
+                    raw = await reader.read(65536)
+                    if not raw:
+                        keep = False
+                        break
+                    decoder.feed(raw)
+            if decoder is not None and not decoder.finished and not frames.done:
+                raise http.client.IncompleteRead(b"")
+            if not (frames.done and keep and (decoder is None or decoder.finished)):
                 self.close()
         except Failed as exc:
             self.close()
-            return failed_result(start, time.perf_counter(), str(exc))
-        except (OSError, ValueError, http.client.HTTPException) as exc:
+            return failed_result(start, time.perf_counter(), str(exc)), False
+        except Exception as exc:  # noqa: BLE001 - every failure of one request is data
             self.close()
-            return failed_result(start, time.perf_counter(), _error_text(exc, phase))
-        return tally.result(time.perf_counter(), frames.done)
+            err = exc
+            if self.timed_out:
+                err = socket.timeout("read")
+            elif type(exc).__name__ == "IncompleteReadError":  # asyncio's EOF inside a head
+                err = http.client.RemoteDisconnected("Remote end closed connection without response")
+            return failed_result(start, time.perf_counter(), _error_text(err, phase)), False
+        finally:
+            self.busy_since = None
+        return tally.result(time.perf_counter(), frames.done), False
 
 
 class _Writer:
@@ -289,60 +416,70 @@ class _Writer:
 
 
 # How far ahead of the first arrival a rate-driven batch is scheduled: time for every
-# worker thread to hold its request and sleep on its own timer, so that no arrival waits
-# for a thread to wake.
+# worker to hold its request and sleep on its own timer, so that no arrival waits for a
+# worker to wake.
 _SCHEDULE_LEAD_S = 0.02
 
 
-def _run_batch(requests, load, address, port, rng, on_result):
+async def _run_batch(requests, load, address, port, rng, on_result, tls=None):
     """Send ``requests`` with at most ``concurrency`` in flight; returns the time the
     batch began (its first request was due).
 
     With ``rng``, Poisson arrivals at ``request_rate`` as the controller's client has them
     (the same seeded gaps): request i is due at its arrival time and waits for a free
     slot, as a task waits for the semaphore there. The schedule is fixed up front, and
-    each worker sleeps until its request is due, so threads waking late do not shift the
+    each worker sleeps until its request is due, so workers waking late do not shift the
     arrivals that follow.
     """
-    work: queue.Queue = queue.Queue()
+    import asyncio
+
     concurrency = max(1, int(load["concurrency"]))
-
-    def worker():
-        conn = _Connection(address, port, float(load["timeout_s"]))
-        try:
-            while True:
-                item = work.get()
-                if item is None:
-                    return
-                index, route, body, due = item
-                if due is not None:
-                    delay = due - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
-                on_result(index, conn.send(load["api"], route, body))
-        finally:
-            conn.close()
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
+    timeout = float(load["timeout_s"])
+    conns = [Connection(address, port, timeout, tls) for _ in range(min(concurrency, max(1, len(requests))))]
     began = time.perf_counter()
     offset = None
     if rng is not None:
         began += _SCHEDULE_LEAD_S
         offset = 0.0
+    work = []
     for index, (route, body) in enumerate(requests):
         if offset is not None and index:
             offset += rng.expovariate(load.get("request_rate") or 1.0)
-        work.put((index, route, body, None if offset is None else began + offset))
-    for _ in threads:
-        work.put(None)
-    for t in threads:
-        t.join()
+        work.append((index, route, json.dumps(body).encode(), None if offset is None else began + offset))
+    work.reverse()  # popped from the end: in order
+
+    async def worker(conn):
+        try:
+            while work:
+                index, route, body, due = work.pop()
+                if due is not None:
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                on_result(index, await conn.send(load["api"], route, body))
+        finally:
+            conn.close()
+
+    async def watchdog():
+        tick = min(1.0, max(0.05, timeout / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for conn in conns:
+                conn.watch(now)
+
+    dog = asyncio.ensure_future(watchdog())
+    try:
+        await asyncio.gather(*(worker(c) for c in conns))
+    finally:
+        dog.cancel()
     return began
 
 
-def run_load(load, address, port, writer):
+def run_load(load, address, port, writer, tls=None):
+    """The load run: warmup, then the measured requests, each reported as it ends."""
+    import asyncio
+
     warm_failed = [0]
 
     def warm_done(_index, result):
@@ -352,17 +489,20 @@ def run_load(load, address, port, writer):
     def done(index, result):
         writer.emit({"kind": "request", "index": index, "result": result})
 
-    if load.get("warmup"):
-        _run_batch(load["warmup"], load, address, port, None, warm_done)
-    rng = random.Random(load.get("seed", 0)) if load.get("request_rate") else None
-    cpu0 = time.process_time()
-    began = _run_batch(load["requests"], load, address, port, rng, done)
-    writer.emit({
-        "kind": SUMMARY,
-        "duration_s": time.perf_counter() - began,
-        "warmup_failures": warm_failed[0],
-        "cpu_s": time.process_time() - cpu0,
-    })
+    async def both():
+        if load.get("warmup"):
+            await _run_batch(load["warmup"], load, address, port, None, warm_done, tls)
+        rng = random.Random(load.get("seed", 0)) if load.get("request_rate") else None
+        cpu0 = time.process_time()
+        began = await _run_batch(load["requests"], load, address, port, rng, done, tls)
+        writer.emit({
+            "kind": SUMMARY,
+            "duration_s": time.perf_counter() - began,
+            "warmup_failures": warm_failed[0],
+            "cpu_s": time.process_time() - cpu0,
+        })
+
+    asyncio.run(both())
 
 
 def _simple(address, port, method, path, timeout, body=None):

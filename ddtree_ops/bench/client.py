@@ -25,12 +25,9 @@ directly (loopback, or the host's address on the fleet network).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
-import random
 import ssl
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,7 +37,7 @@ from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.bench.prompts import Prompt
 
 if TYPE_CHECKING:
-    import httpx
+    pass
 
 # httpx is imported where a request is made, not here: every CLI command imports this
 # module through the bench package, and most (hosts, restart, a refused sweep) never send
@@ -137,36 +134,6 @@ def as_request_result(fields: Mapping[str, Any]) -> RequestResult:
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestResult))
 
 
-async def _stream(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
-    import httpx
-
-    start = time.perf_counter()
-    route, body = request_for(prompt, spec)
-    tally = hc.new_tally(spec.api, start)
-    frames = hc.SseFrames()
-    try:
-        async with client.stream("POST", route, json=body) as resp:
-            if resp.status_code != 200:
-                raise hc.Failed(hc.http_status_error(resp.status_code, await resp.aread()))
-            async for raw in resp.aiter_bytes():
-                now = time.perf_counter()
-                for obj in frames.feed(raw):
-                    tally.feed(now, obj)
-                if frames.done:
-                    break
-    except hc.Failed as exc:
-        return as_request_result(hc.failed_result(start, time.perf_counter(), str(exc)))
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        return as_request_result(hc.failed_result(start, time.perf_counter(), _error_text(exc)))
-    return as_request_result(tally.result(time.perf_counter(), frames.done))
-
-
-async def send_request(client: httpx.AsyncClient, prompt: Prompt, spec: LoadSpec) -> RequestResult:
-    """One streamed request; never raises for HTTP or server failures (they are data).
-    Framing and token counting are :mod:`._hostclient`'s, shared with on-host runs."""
-    return await _stream(client, prompt, spec)
-
-
 @functools.lru_cache(maxsize=1)
 def _tls_context() -> ssl.SSLContext:
     # Loading the CA bundle costs ~70 ms of CPU; httpx would do it for every client (every
@@ -174,64 +141,83 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def make_client(base_url: str, *, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
-    import httpx
-
-    return httpx.AsyncClient(
-        base_url=base_url,
-        verify=_tls_context(),
-        timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-        limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
-        trust_env=False,
-    )
-
-
-async def _run(
-    client: httpx.AsyncClient,
-    prompts: Sequence[Prompt],
-    spec: LoadSpec,
-    rng: random.Random | None,
-    on_done: Callable[[RequestResult], None] | None,
-) -> list[RequestResult]:
-    sem = asyncio.Semaphore(spec.concurrency)
-    results: list[RequestResult | None] = [None] * len(prompts)
-
-    async def one(i: int, prompt: Prompt) -> None:
-        async with sem:
-            r = await send_request(client, prompt, spec)
-        results[i] = r
-        if on_done is not None:
-            on_done(r)
-
-    tasks: list[asyncio.Task[None]] = []
-    for i, prompt in enumerate(prompts):
-        if rng is not None and i:
-            await asyncio.sleep(rng.expovariate(spec.request_rate or 1.0))
-        tasks.append(asyncio.create_task(one(i, prompt)))
-    await asyncio.gather(*tasks)
-    return [r for r in results if r is not None]
+def load_payload(spec: LoadSpec) -> dict[str, Any]:
+    """What :func:`._hostclient.run_load` runs: requests already built, so that both client
+    modes send the same bytes (one builder, :func:`request_for`)."""
+    warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]
+    return {
+        "api": spec.api,
+        "requests": [request_for(p, spec) for p in spec.prompts],
+        "warmup": [request_for(p, spec) for p in warm],
+        "concurrency": spec.concurrency,
+        "request_rate": spec.request_rate,
+        "seed": spec.seed,
+        "timeout_s": spec.timeout_s,
+    }
 
 
-async def run_load_async(
-    base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None
-) -> LoadResult:
-    """Warm up, then send every prompt under the spec's load shape; failures are recorded."""
-    async with make_client(base_url, concurrency=spec.concurrency, timeout_s=spec.timeout_s) as client:
-        warm_failed = 0
-        if spec.warmup:
-            warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]
-            warm_results = await _run(client, warm, spec, None, None)
-            warm_failed = sum(not r.ok for r in warm_results)
-        rng = random.Random(spec.seed) if spec.request_rate else None
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        results = await _run(client, spec.prompts, spec, rng, on_done)
-        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return LoadResult(results=tuple(results), duration_s=duration, warmup_failures=warm_failed, cpu_s=cpu)
+@dataclass
+class LoadReport:
+    """A load run's messages as they come (``request`` per finished request, ``summary``
+    at the end), in either mode; :meth:`result` makes the LoadResult."""
+
+    on_done: Callable[[RequestResult], None] | None = None
+    # Request index -> its record; records arrive as requests finish, not in order.
+    results: dict[int, RequestResult] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def message(self, obj: Mapping[str, Any]) -> None:
+        if obj.get("kind") == "request" and isinstance(obj.get("result"), dict):
+            result = as_request_result(obj["result"])
+            self.results[int(obj.get("index", len(self.results)))] = result
+            if self.on_done is not None:
+                self.on_done(result)
+        elif isinstance(obj.get("kind"), str):
+            self.answers[str(obj["kind"])] = dict(obj)
+
+    def result(self, spec: LoadSpec, problem: str | None) -> LoadResult:
+        """Failures are data: a request nobody reported is a failed request carrying the
+        reason (``problem``), so the row says why instead of the sweep crashing."""
+        summary = self.answers.get(hc.SUMMARY)
+        got = self.results
+        results: list[RequestResult] = []
+        why = (problem or "the load client ended without reporting this request")[:300]
+        for i in range(len(spec.prompts)):
+            if i not in got:
+                got[i] = RequestResult(ok=False, start=0.0, end=0.0, error=why)
+                if self.on_done is not None:
+                    self.on_done(got[i])
+            results.append(got[i])
+        if summary is None:
+            timed = [r for r in results if r.end]
+            duration = (max(r.end for r in timed) - min(r.start for r in timed)) if timed else 0.0
+            return LoadResult(results=tuple(results), duration_s=duration)
+        return LoadResult(
+            results=tuple(results),
+            duration_s=float(summary.get("duration_s", 0.0)),
+            warmup_failures=int(summary.get("warmup_failures", 0)),
+            cpu_s=float(summary.get("cpu_s", 0.0)),
+        )
 
 
 def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
-    """Synchronous entry for threads (each host's worker runs its own event loop)."""
-    return asyncio.run(run_load_async(base_url, spec, on_done=on_done))
+    """Warm up, then send every prompt under the spec's load shape, from this process;
+    failures are recorded. The engine is the on-host client's (:mod:`._hostclient`: one
+    event loop, raw HTTP/1.1 on asyncio streams), so both modes measure alike and cost
+    alike; httpx's per-frame cost made this mode the more expensive one (issue: client CPU
+    per token above SGLang's bench_serving)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    tls = _tls_context() if parts.scheme == "https" else None
+    port = parts.port or (443 if tls is not None else 80)
+    report = LoadReport(on_done=on_done)
+    problem = None
+    try:
+        hc.run_load(load_payload(spec), parts.hostname or "127.0.0.1", port, hc._Writer(report.message), tls=tls)
+    except Exception as exc:  # noqa: BLE001 - a crashed client is a failed cell, never a crashed sweep
+        problem = f"load client failed: {type(exc).__name__}: {exc}"
+    return report.result(spec, problem)
 
 
 def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:

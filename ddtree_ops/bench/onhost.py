@@ -17,20 +17,19 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ddtree_ops.bench import client as local_client
-from ddtree_ops.bench._hostclient import SUMMARY
-from ddtree_ops.bench.client import LoadResult, LoadSpec, as_request_result, chat_messages, request_for
+from ddtree_ops.bench.client import LoadReport, LoadResult, LoadSpec, chat_messages, load_payload
 from ddtree_ops.bench.livetree import SwitchAnswer, refusal_detail, switch_request
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.errors import DdtreeOpsError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import probe_address
 from ddtree_ops.transport.base import Transport
-from ddtree_ops.transport.hostprogram import Message, run_program
+from ddtree_ops.transport.hostprogram import run_program
 
 ClientMode = Literal["local", "host"]
 HOSTCLIENT_SOURCE = Path(__file__).with_name("_hostclient.py").read_text()
@@ -116,25 +115,6 @@ class LocalClient:
         return local_client.run_load(self.url, spec, on_done=on_done)
 
 
-@dataclass
-class _Stream:
-    """What came back from one host client run, line by line."""
-
-    on_done: Callable[[RequestResult], None] | None = None
-    # Request index -> its record; records arrive as requests finish, not in order.
-    results: dict[int, RequestResult] = field(default_factory=dict)
-    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def message(self, obj: Message) -> None:
-        if obj.get("kind") == "request" and isinstance(obj.get("result"), dict):
-            result = as_request_result(obj["result"])
-            self.results[int(obj.get("index", len(self.results)))] = result
-            if self.on_done is not None:
-                self.on_done(result)
-        elif isinstance(obj.get("kind"), str):
-            self.answers[obj["kind"]] = obj
-
-
 @dataclass(frozen=True)
 class HostClient:
     """Runs :mod:`._hostclient` on the host, against the server's loopback address."""
@@ -143,7 +123,7 @@ class HostClient:
     host: Host
     mode: ClientMode = "host"
 
-    def _run(self, payload: dict[str, Any], stream: _Stream, timeout: float) -> str | None:
+    def _run(self, payload: dict[str, Any], stream: LoadReport, timeout: float) -> str | None:
         """One host client run; None, or why it did not answer completely."""
         server = self.host.ddtree.server
         body = {"address": probe_address(server.bind_host), "port": server.port, **payload}
@@ -160,7 +140,7 @@ class HostClient:
         return None
 
     def flush_cache(self) -> tuple[bool, str]:
-        stream = _Stream()
+        stream = LoadReport()
         problem = self._run({"flush": True}, stream, timeout=30.0 + _COMMAND_SLACK_S)
         answer = stream.answers.get("flush")
         if answer is None:
@@ -168,14 +148,14 @@ class HostClient:
         return bool(answer.get("ok")), str(answer.get("detail", ""))
 
     def server_info(self) -> dict[str, Any] | None:
-        stream = _Stream()
+        stream = LoadReport()
         self._run({"server_info": True}, stream, timeout=10.0 + _COMMAND_SLACK_S)
         info = stream.answers.get("server_info", {}).get("info")
         return info if isinstance(info, dict) else None
 
     def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
         # One host-program run: the switch, then /server_info (the program keeps that order).
-        stream = _Stream()
+        stream = LoadReport()
         problem = self._run({"set_state": switch_request(budget, topk), "server_info": True}, stream,
                             timeout=40.0 + _COMMAND_SLACK_S)
         answer = stream.answers.get("set_state")
@@ -189,7 +169,7 @@ class HostClient:
         return SwitchAnswer(status, detail, info if isinstance(info, dict) and status == 200 else None)
 
     def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
-        stream = _Stream()
+        stream = LoadReport()
         render = [chat_messages(m) for m in conversations]
         problem = self._run({"render": render}, stream, timeout=30.0 * max(1, len(render)) + _COMMAND_SLACK_S)
         answer = stream.answers.get("rendered")
@@ -201,40 +181,9 @@ class HostClient:
         return Rendered(tuple(tuple(int(t) for t in one) for one in ids))
 
     def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
-        warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]
-        load = {
-            "api": spec.api,
-            "requests": [request_for(p, spec) for p in spec.prompts],
-            "warmup": [request_for(p, spec) for p in warm],
-            "concurrency": spec.concurrency,
-            "request_rate": spec.request_rate,
-            "seed": spec.seed,
-            "timeout_s": spec.timeout_s,
-        }
-        stream = _Stream(on_done=on_done)
-        problem = self._run({"load": load}, stream, timeout=_load_timeout(spec, len(warm)))
-        summary = stream.answers.get(SUMMARY)
-        got = stream.results
-        results: list[RequestResult] = []
-        # Failures are data: a request the host never reported is a failed request carrying
-        # the reason, so the row says why instead of the sweep crashing.
-        why = (problem or "host client ended without reporting this request")[:300]
-        for i in range(len(spec.prompts)):
-            if i not in got:
-                got[i] = RequestResult(ok=False, start=0.0, end=0.0, error=why)
-                if on_done is not None:
-                    on_done(got[i])
-            results.append(got[i])
-        if summary is None:
-            timed = [r for r in results if r.end]
-            duration = (max(r.end for r in timed) - min(r.start for r in timed)) if timed else 0.0
-            return LoadResult(results=tuple(results), duration_s=duration)
-        return LoadResult(
-            results=tuple(results),
-            duration_s=float(summary.get("duration_s", 0.0)),
-            warmup_failures=int(summary.get("warmup_failures", 0)),
-            cpu_s=float(summary.get("cpu_s", 0.0)),
-        )
+        stream = LoadReport(on_done=on_done)
+        problem = self._run({"load": load_payload(spec)}, stream, timeout=_load_timeout(spec, spec.warmup))
+        return stream.result(spec, problem or "host client ended without reporting this request")
 
 
 def _load_timeout(spec: LoadSpec, warmup: int) -> float:

@@ -138,7 +138,12 @@ def make_app(state: FakeState) -> Starlette:
 
 @contextmanager
 def serve(state: FakeState) -> Iterator[str]:
-    sock = socket.socket()
+    # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say TCP (its
+    # _set_nodelay checks sock.proto), and accepted sockets inherit this one's. With
+    # proto 0 the server held each frame until the client's delayed ACK (~40 ms) on a
+    # kept-alive connection, so frames of every request after the first arrived together.
+    # A server started on host/port (uvicorn, SGLang, the simulator) has proto 6 already.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(make_app(state), log_level="critical", lifespan="off")

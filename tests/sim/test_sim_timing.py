@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
-from ddtree_ops.bench.client import LoadSpec, make_client, send_request
+from ddtree_ops.bench._hostclient import Connection
+from ddtree_ops.bench.client import LoadSpec, as_request_result, request_for
 from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.sim.profiles import PROFILES
 
@@ -22,14 +24,21 @@ def test_ttft_at_an_idle_server_never_beats_the_modelled_prefill(sim_factory) ->
     spec = LoadSpec(prompts=(), max_new_tokens=2, timeout_s=30)
     prompt = Prompt(text="def add(a, b): return a + b")
 
+    url = urlsplit(sim.url)
+    route, body = request_for(prompt, spec)
+
     async def serve() -> list:
-        async with make_client(sim.url, concurrency=1, timeout_s=30) as client:
-            await send_request(client, prompt, spec)  # the first request after warmup
+        # One keep-alive connection of the load client's own engine, as a closed loop has.
+        conn = Connection(url.hostname, url.port, 30.0)
+        try:
+            await conn.send(spec.api, route, body)  # the first request after warmup
             results = []
             for gap in GAPS_S:
                 await asyncio.sleep(gap)
-                results.append(await send_request(client, prompt, spec))
+                results.append(as_request_result(await conn.send(spec.api, route, body)))
             return results
+        finally:
+            conn.close()
 
     results = asyncio.run(serve())
     assert all(r.ok for r in results), [r.error for r in results]
