@@ -26,33 +26,45 @@ a sweep starts it on a GPU host. At each level the modes take turns wave by wave
 (``--repeats`` waves each, medians kept), and the ``host vs local`` line gives their
 disagreement in tok/s, median and mean ITL; the goal is within 2% at concurrency 1/8/32.
 
-Optionally (``--bench-serving-python``) SGLang's own ``python -m sglang.bench_serving``
-runs the same shape of workload (`random-ids` dataset: random token ids, no download; same input/output lengths, same
-concurrency) against the same server, from an interpreter that has sglang and its client
-deps installed (see design.md §5), with a model directory holding a real
-``tokenizer.json`` for the simulator's vocabulary. Printed side by side: throughput, median
-ITL and client CPU time per output token (ours: the process CPU time of the measured
-requests, ``LoadResult.cpu_s``; theirs: the CPU time around ``cli_main()`` — the function
-``python -m sglang.bench_serving`` runs — measured inside its process: import start-up
-excluded, but its warmup (c requests of at most 32 tokens), tokenizer load and result
-writing included, so its figure is a slight over-estimate).
+Other clients against the same server (``--tools``): SGLang's own ``python -m
+sglang.bench_serving`` (``--bench-serving-python``: an interpreter with sglang and its client
+deps, see design.md §5) and NVIDIA AIPerf (``--aiperf``: its ``aiperf`` command), each sending
+the same shape of wave (random ids or synthetic text of the same input length, the same
+output length with ignore_eos, the same concurrency, a warmup wave of c first), with a
+model directory holding a real ``tokenizer.json`` for the simulator's vocabulary.
+
+Every tool is held against the server's own clock: the simulator records when each request
+arrived and when each decode step committed its tokens (``GET /sim/request_times``), so the
+wave's true output tok/s, median per-token ITL and median TTFT are known for whichever
+client sent it. Printed per tool: its own tok/s, median ITL and median TTFT, each against
+the server's, and its CPU time per output token: ours, the client process's CPU time over
+the measured wave (``LoadResult.cpu_s``); bench_serving's, the CPU time around its
+``cli_main()`` inside its process (imports excluded, its warmup and tokenizer load
+included: a slight over-estimate); AIPerf's (about ten processes), the CPU of its whole
+process tree sampled from /proc every 20 ms, over the measured wave's span on the server's
+clock (start-up and warmup excluded).
 
     .venv/bin/python benchmarks/client_accuracy.py
     .venv/bin/python benchmarks/client_accuracy.py --concurrency 1,8,32 --repeats 3 --json
-    .venv/bin/python benchmarks/client_accuracy.py --bench-serving-python /path/venv/bin/python
+    .venv/bin/python benchmarks/client_accuracy.py --tools ours,bench_serving,aiperf \
+        --bench-serving-python /path/venv/bin/python --aiperf /path/venv/bin/aiperf \
+        --concurrency 1,8,32,128,256 --json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -139,28 +151,86 @@ def make_clients(url: str, port: int) -> dict[str, LoadClient]:
     return {"local": LocalClient(url), "host": HostClient(LocalTransport(host.name), host)}
 
 
-def ours(client: LoadClient, c: int, n: int, input_len: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Wave:
+    """One tool's measured wave, in its own words (median ITL and TTFT per token and per
+    request, as the tool reports them) and CPU; ``server`` is the same wave on the
+    server's clock."""
+
+    tok_s: float
+    itl_median_s: float
+    ttft_median_s: float
+    tokens: int
+    cpu_s: float
+    server: ServerClock | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "tok_s": self.tok_s, "itl_median_s": self.itl_median_s, "ttft_median_s": self.ttft_median_s,
+            "tokens": self.tokens, "cpu_s": self.cpu_s,
+            "cpu_us_per_token": self.cpu_s / self.tokens * 1e6 if self.tokens else None, **self.extra,
+        }
+        if self.server is not None:
+            out["server"] = dataclasses.asdict(self.server)
+            out["vs_server_pct"] = {
+                "tok_s": _pct(self.tok_s, self.server.tok_s),
+                "itl_median": _pct(self.itl_median_s, self.server.itl_median_s),
+            }
+            out["ttft_minus_server_ms"] = (self.ttft_median_s - self.server.ttft_median_s) * 1e3
+        return out
+
+
+@dataclass(frozen=True)
+class ServerClock:
+    """A wave as the simulator timed it: arrival to each step's commit."""
+
+    tok_s: float
+    itl_median_s: float
+    ttft_median_s: float
+    tokens: int
+    requests: int
+    # The wave on CLOCK_MONOTONIC (shared by every process of this machine): its first
+    # arrival and its last token.
+    start: float = 0.0
+    end: float = 0.0
+
+
+def server_clock(url: str, requests: int) -> ServerClock | None:
+    """The last ``requests`` requests the simulator finished (the measured wave: every
+    tool sends its warmup wave first and waits for it), on its own clock; clears its log."""
+    got = httpx.get(url + "/sim/request_times", timeout=30, trust_env=False).json()["requests"]
+    wave = sorted(got, key=lambda r: r["created"])[-requests:] if requests > 0 else []
+    if not wave or len(wave) < requests or any(not r["emits"] for r in wave):
+        return None
+    itls: list[float] = []
+    for r in wave:
+        emits = r["emits"]
+        for (t0, _), (t1, n) in zip(emits, emits[1:], strict=False):
+            itls.extend([(t1 - t0) / n] * n)
+    tokens = sum(n for r in wave for _, n in r["emits"])
+    span = max(r["emits"][-1][0] for r in wave) - min(r["created"] for r in wave)
+    return ServerClock(
+        tok_s=tokens / span, itl_median_s=statistics.median(itls) if itls else float("nan"),
+        ttft_median_s=statistics.median(r["emits"][0][0] - r["created"] for r in wave),
+        tokens=tokens, requests=len(wave),
+        start=min(r["created"] for r in wave), end=max(r["emits"][-1][0] for r in wave),
+    )
+
+
+def ours(client: LoadClient, c: int, n: int, input_len: int) -> Wave:
     words = WORDS[1:]
     prompts = tuple(Prompt(text=" ".join(words[(i * 7 + j) % len(words)] for j in range(input_len))) for i in range(c))
     spec = LoadSpec(prompts=prompts, max_new_tokens=n, concurrency=c, warmup=c, sampling={"temperature": 0.0})
     load = client.run_load(spec)
-    cpu = load.cpu_s
     m = calculate_metrics(load.results, duration_s=load.duration_s)
     if m.failed:
         raise SystemExit(f"c={c}: {m.failed} requests failed: {m.errors}")
-    server_e2e = [r.server_e2e for r in load.results if r.server_e2e is not None]
-    client_e2e = [r.e2e for r in load.results if r.server_e2e is not None]
-    return {
-        "tok_s": m.output_tok_s,
-        "itl_median_s": (m.itl_ms.median or 0) / 1000,
-        "itl_mean_s": (m.itl_ms.mean or 0) / 1000,
-        "tokens": m.output_tokens,
-        "prompt_tokens": m.input_tokens,
-        "cpu_s": cpu,
-        # The server's view of the same wave: its slowest request's e2e bounds the wave.
-        "server_tok_s": m.output_tokens / max(server_e2e) if server_e2e else float("nan"),
-        "e2e_gap_ms": (sum(client_e2e) - sum(server_e2e)) / len(server_e2e) * 1e3 if server_e2e else float("nan"),
-    }
+    return Wave(
+        tok_s=m.output_tok_s, itl_median_s=(m.itl_ms.median or 0) / 1000, ttft_median_s=(m.ttft_ms.median or 0) / 1000,
+        tokens=m.output_tokens, cpu_s=load.cpu_s,
+        extra={"itl_mean_s": (m.itl_ms.mean or 0) / 1000, "coalesced_frac": m.coalesced_frac or 0.0},
+    )
 
 
 # Runs exactly what ``python -m sglang.bench_serving`` runs (its ``cli_main``), but
@@ -177,9 +247,7 @@ print("BENCH_CPU_S", cpu)
 """
 
 
-def bench_serving(
-    python: str, url: str, model_dir: Path, c: int, n: int, input_len: int, out: Path
-) -> dict[str, float]:
+def bench_serving(python: str, url: str, model_dir: Path, c: int, n: int, input_len: int, out: Path) -> Wave:
     argv = ["--backend", "sglang", "--base-url", url, "--tokenizer", str(model_dir), "--model", str(model_dir),
             "--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len", str(n),
             "--random-range-ratio", "1.0", "--num-prompts", str(c), "--max-concurrency", str(c),
@@ -190,20 +258,77 @@ def bench_serving(
         raise RuntimeError(done.stderr[-3000:])
     cpu = float(next(ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("BENCH_CPU_S")))
     row = json.loads(out.read_text().splitlines()[-1])
-    return {"tok_s": row["output_throughput"], "itl_median_s": row["median_itl_ms"] / 1000,
-            "tokens": row["total_output_tokens"], "cpu_s": cpu}
+    return Wave(tok_s=row["output_throughput"], itl_median_s=row["median_itl_ms"] / 1000,
+                ttft_median_s=row["median_ttft_ms"] / 1000, tokens=row["total_output_tokens"], cpu_s=cpu)
 
 
-def _median_runs(
-    clients: dict[str, LoadClient], modes: list[str], c: int, n: int, input_len: int, repeats: int
-) -> dict[str, dict[str, float]]:
-    """Per mode, the median of ``repeats`` waves; the modes alternate wave by wave, so that
-    a change in the machine's background load falls on both alike."""
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-    for _ in range(repeats):
-        for m in modes:
-            runs[m].append(ours(clients[m], c, n, input_len))
-    return {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU seconds (user + system) of ``root`` and every live descendant, from /proc."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) * _TICK_S
+    total, todo = 0.0, [root]
+    seen = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += cpu.get(pid, 0.0)
+        todo.extend(p for p, pp in parent.items() if pp == pid)
+    return total
+
+
+def _cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU spent between two monotonic times, interpolated from (time, cumulative CPU) samples."""
+
+    def at(t: float) -> float:
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:], strict=False):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+        return samples[-1][1] if t > samples[-1][0] else samples[0][1]
+
+    return at(end) - at(start)
+
+
+def aiperf(aiperf_cmd: str, url: str, model_dir: Path, c: int, n: int, input_len: int, out: Path) -> Wave:
+    """AIPerf's wave. It runs ~10 processes started for the run, so its CPU is that of its
+    whole process tree sampled every 20 ms from /proc and taken over the measured wave's
+    span on the server's clock (start-up and warmup excluded)."""
+    argv = [aiperf_cmd, "profile", "--model", str(model_dir), "--tokenizer", str(model_dir), "--url", url,
+            "--endpoint-type", "completions", "--streaming", "--concurrency", str(c), "--request-count", str(c),
+            "--warmup-request-count", str(c), "--prompt-input-tokens-mean", str(input_len),
+            "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(n),
+            "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--ui-type", "none",
+            "--output-artifact-dir", str(out / "run")]
+    samples: list[tuple[float, float]] = []
+    with open(out / "aiperf.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+        while proc.poll() is None:
+            samples.append((time.monotonic(), _tree_cpu(proc.pid)))
+            time.sleep(0.02)
+    summary = out / "run" / "profile_export_aiperf.json"
+    if proc.returncode != 0 or not summary.exists():
+        raise RuntimeError((out / "aiperf.log").read_text()[-3000:])
+    d = json.loads(summary.read_text())
+    clock = server_clock(url, c)
+    cpu = _cpu_between(samples, clock.start, clock.end) if clock is not None and samples else float("nan")
+    return Wave(tok_s=d["output_token_throughput"]["avg"], itl_median_s=d["inter_token_latency"]["p50"] / 1000,
+                ttft_median_s=d["time_to_first_token"]["p50"] / 1000, tokens=int(d["total_osl"]["avg"]),
+                cpu_s=cpu, server=clock)
 
 
 def _pct(a: float, b: float) -> float:
@@ -216,82 +341,102 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--gpu", default="h200", choices=sorted(PROFILES))
-    ap.add_argument("--clients", default="local,host", help="Client modes to measure, in turn: local, host.")
-    ap.add_argument("--repeats", type=int, default=1, help="Waves per mode and level; medians are reported.")
+    ap.add_argument("--tools", default="ours", help="Clients to measure, in turn: ours, bench_serving, aiperf.")
+    ap.add_argument("--clients", default="local,host", help="Our client modes (tool 'ours'): local, host.")
+    ap.add_argument("--repeats", type=int, default=1, help="Waves per tool and level; medians are reported.")
     ap.add_argument("--json", action="store_true", help="One JSON object per level on stdout instead of the table.")
     ap.add_argument("--bench-serving-python", default=None, help="Interpreter with sglang + its client deps.")
+    ap.add_argument("--aiperf", default="aiperf", help="The aiperf command (tool 'aiperf').")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
-    modes = [m.strip() for m in args.clients.split(",") if m.strip()]
-    if not modes or any(m not in ("local", "host") for m in modes):
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    if not tools or any(t not in ("ours", "bench_serving", "aiperf") for t in tools):
+        raise SystemExit("--tools: give ours, bench_serving, aiperf (comma-separated)")
+    modes = [m.strip() for m in args.clients.split(",") if m.strip()] if "ours" in tools else []
+    if any(m not in ("local", "host") for m in modes) or ("ours" in tools and not modes):
         raise SystemExit("--clients: give local, host or both")
+    if "bench_serving" in tools and not args.bench_serving_python:
+        raise SystemExit("--tools bench_serving needs --bench-serving-python")
+    if "aiperf" in tools and shutil.which(args.aiperf) is None:
+        raise SystemExit(f"--tools aiperf: no command {args.aiperf!r} (give --aiperf)")
+    names = [f"ours-{m}" for m in modes] + [t for t in tools if t != "ours"]
     n = args.output_len
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "sim-model"
         if args.bench_serving_python:
             write_model_dir(args.bench_serving_python, model_dir)
+        elif "aiperf" in tools:
+            write_model_dir(str(Path(shutil.which(args.aiperf) or "").parent / "python"), model_dir)
         port = free_port()
         sim = start_sim(model_dir, port, args.gpu)
         url = f"http://127.0.0.1:{port}"
         clients = make_clients(url, port)
+        counter = iter(range(1_000_000))
+
+        def one(name: str, c: int) -> Wave:
+            out = Path(tmp) / f"{name}-{c}-{next(counter)}"
+            out.mkdir()
+            server_clock(url, 0)  # reads and drops what came before: each wave's clock is its own
+            if name == "bench_serving":
+                wave = bench_serving(args.bench_serving_python, url, model_dir, c, n, args.input_len, out / "bs.jsonl")
+            elif name == "aiperf":
+                return aiperf(args.aiperf, url, model_dir, c, n, args.input_len, out)
+            else:
+                wave = ours(clients[name.removeprefix("ours-")], c, n, args.input_len)
+            return dataclasses.replace(wave, server=server_clock(url, c))
+
         try:
-            with_bs = bool(args.bench_serving_python)
-            both = "local" in modes and "host" in modes
             if not args.json:
-                print(
-                    f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} "
-                    f"tokens, one wave of c requests per level, {args.repeats} per mode (median); "
-                    f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
-                )
-                head = f"{'c':>3} {'mode':>5} {'model ITL ms':>12} {'ITL ms':>8} {'err':>6} {'model tok/s':>11} "
-                head += f"{'tok/s':>9} {'err':>6} {'server tok/s':>12} {'err':>6} {'e2e gap ms':>10} {'CPU us/tok':>10}"
-                if with_bs:
-                    head += "  | bench_serving tok/s  ITL ms  CPU us/tok"
-                print(head)
+                print(f"# simulator profile {args.gpu}, SIM_TIME_SCALE=1, input {args.input_len} tokens, output {n} "
+                      f"tokens, one wave of c requests (after a warmup wave of c) per tool and level, "
+                      f"{args.repeats} per tool (median); {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+                print(f"{'c':>4} {'tool':<14} {'tok/s':>9} {'server':>9} {'err':>7} {'ITL ms':>8} {'server':>8} "
+                      f"{'err':>7} {'TTFT ms':>8} {'server':>8} {'CPU us/tok':>10}")
             for c in levels:
-                got = _median_runs(clients, modes, c, n, args.input_len, args.repeats)
-                first = got[modes[0]]
-                itl_true, tok_true = truth(args.gpu, c, n, int(first["prompt_tokens"]))
-                record: dict[str, object] = {"concurrency": c, "model_itl_s": itl_true, "model_tok_s": tok_true}
-                for m in modes:
-                    record[m] = got[m]
-                if both:
-                    record["host_vs_local_pct"] = {
-                        "tok_s": _pct(got["host"]["tok_s"], got["local"]["tok_s"]),
-                        "itl_median": _pct(got["host"]["itl_median_s"], got["local"]["itl_median_s"]),
-                        "itl_mean": _pct(got["host"]["itl_mean_s"], got["local"]["itl_mean_s"]),
-                    }
-                bs = None
-                if with_bs:
-                    bs = bench_serving(
-                        args.bench_serving_python, url, model_dir, c, n, args.input_len, Path(tmp) / f"bs{c}.jsonl"
-                    )
-                    record["bench_serving"] = bs
+                runs: dict[str, list[Wave]] = {t: [] for t in names}
+                for _ in range(args.repeats):  # tools take turns: background load falls on all alike
+                    for name in names:
+                        runs[name].append(one(name, c))
+                record: dict[str, object] = {"concurrency": c}
+                itl_model, tok_model = truth(args.gpu, c, n, args.input_len)
+                record["model"] = {"itl_s": itl_model, "tok_s": tok_model}
+                for name, waves in runs.items():
+                    record[name] = _median_wave(waves)
                 if args.json:
                     print(json.dumps(record), flush=True)
                     continue
-                for m in modes:
-                    g = got[m]
-                    line = (f"{c:>3} {m:>5} {itl_true * 1e3:>12.3f} {g['itl_median_s'] * 1e3:>8.3f} "
-                            f"{_pct(g['itl_median_s'], itl_true):>+5.1f}% {tok_true:>11.1f} {g['tok_s']:>9.1f} "
-                            f"{_pct(g['tok_s'], tok_true):>+5.1f}% {g['server_tok_s']:>12.1f} "
-                            f"{_pct(g['tok_s'], g['server_tok_s']):>+5.1f}% {g['e2e_gap_ms']:>10.2f} "
-                            f"{g['cpu_s'] / g['tokens'] * 1e6:>10.1f}")
-                    if bs is not None and m == modes[-1]:
-                        line += (f"  | {bs['tok_s']:>19.1f} {bs['itl_median_s'] * 1e3:>7.3f} "
-                                 f"{bs['cpu_s'] / bs['tokens'] * 1e6:>11.1f}")
-                    print(line, flush=True)
-                if both:
-                    d = record["host_vs_local_pct"]
-                    assert isinstance(d, dict)
-                    print(f"{c:>3} host vs local: tok/s {d['tok_s']:+.2f}%  median ITL {d['itl_median']:+.2f}%  "
-                          f"mean ITL {d['itl_mean']:+.2f}%", flush=True)
+                for name in names:
+                    w = record[name]
+                    assert isinstance(w, dict)
+                    srv = w.get("server") or {}
+                    print(f"{c:>4} {name:<14} {w['tok_s']:>9.1f} {srv.get('tok_s', float('nan')):>9.1f} "
+                          f"{_pct(w['tok_s'], srv.get('tok_s', 0)):>+6.1f}% {w['itl_median_s'] * 1e3:>8.3f} "
+                          f"{srv.get('itl_median_s', float('nan')) * 1e3:>8.3f} "
+                          f"{_pct(w['itl_median_s'], srv.get('itl_median_s', 0)):>+6.1f}% "
+                          f"{w['ttft_median_s'] * 1e3:>8.2f} {srv.get('ttft_median_s', float('nan')) * 1e3:>8.2f} "
+                          f"{w['cpu_us_per_token']:>10.1f}", flush=True)
         finally:
             sim.terminate()
             try:
                 sim.wait(15)
             except subprocess.TimeoutExpired:
                 sim.kill()
+
+
+def _median_wave(waves: list[Wave]) -> dict[str, object]:
+    """Per field, the median over the repeats (a single wave as it is)."""
+    dicts = [w.as_dict() for w in waves]
+    if len(dicts) == 1:
+        return dicts[0]
+
+    def med(values: list[object]) -> object:
+        dicts_only = [v for v in values if isinstance(v, dict)]
+        if dicts_only and len(dicts_only) == len(values):
+            return {k: med([v[k] for v in dicts_only]) for k in dicts_only[0]}
+        nums = [v for v in values if isinstance(v, (int, float))]
+        return statistics.median(nums) if nums else None
+
+    return {k: med([d[k] for d in dicts]) for k in dicts[0]}
 
 
 if __name__ == "__main__":

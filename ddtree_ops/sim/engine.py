@@ -13,6 +13,7 @@ the simulator only distorts timing once that work exceeds the modelled step time
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
 import time
@@ -59,6 +60,9 @@ class GenRequest:
     finish_reason: dict[str, Any] | None = None
     queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     aborted: bool = False
+    # (monotonic time the step committed, tokens it emitted): the server's own clock, which
+    # benchmarks/client_accuracy.py holds every benchmark client's timing against.
+    emits: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def last_token(self) -> int:
@@ -125,6 +129,8 @@ class Engine:
         self.total_verify_ct = 0
         self.total_completion_tokens = 0
         self.last_step_ms = 0.0
+        # Finished requests' timing on the server's clock (/sim/request_times); bounded.
+        self.request_times: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
         # DDTREE's runtime states: one fixed state from the flags until the server's
         # startup replaces it with the captured set of --speculative-adaptive-config.
         self.states: RuntimeStates | None = fixed_states(args) if args.ddtree is not None else None
@@ -267,8 +273,12 @@ class Engine:
                 break
         req.output_ids.extend(emitted)
         self.total_completion_tokens += len(emitted)
+        if emitted:
+            req.emits.append((time.monotonic(), len(emitted)))
         if req.finish_reason is None and len(req.output_ids) >= req.params.max_new_tokens:
             req.finish_reason = {"type": "length", "length": req.params.max_new_tokens}
+        if req.finish_reason is not None:
+            self.request_times.append({"rid": req.rid, "created": req.created, "emits": req.emits})
         req.queue.put_nowait(StepOutput(tuple(emitted), req.finish_reason is not None))
 
     # ---------------------------------------------------------------- model

@@ -322,6 +322,16 @@ async def v1_models(request: Request) -> Response:
     )
 
 
+async def request_times(request: Request) -> Response:
+    """Simulator only: every request finished since the last call, on the server's clock
+    (submit time, and per step the time it committed and the tokens it emitted), then
+    forgotten. What a benchmark client measured is held against this."""
+    engine = _engine(request)
+    out = list(engine.request_times)
+    engine.request_times.clear()
+    return _json({"clock": "monotonic", "now": time.monotonic(), "requests": out})
+
+
 async def flush_cache(request: Request) -> Response:
     if _engine(request).flush_cache():
         return Response(
@@ -586,6 +596,7 @@ def build_app(state: State) -> Starlette:
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/v1/models", v1_models, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/sim/request_times", request_times, methods=["GET"]),
         Route("/set_internal_state", set_internal_state, methods=["POST"]),
         Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -211,3 +211,26 @@ def test_top_k_and_top_p_reshape_the_verified_distribution(ddtree_server, filter
     greedy = run({"temperature": 0})
     assert run({"temperature": 1.0, "sampling_seed": 4, **filters}) == greedy
     assert run({"temperature": 1.0, "sampling_seed": 4}) != greedy  # without the filter, T=1 wanders
+
+
+def test_request_times_give_each_finished_request_on_the_servers_clock(ddtree_server) -> None:
+    """``/sim/request_times`` (benchmarks/client_accuracy.py's reference): per finished
+    request its arrival and each step's commit time and tokens, on CLOCK_MONOTONIC, then
+    forgotten; the tokens add up to what the request streamed."""
+    import time
+
+    httpx.get(ddtree_server.url + "/sim/request_times")  # start from an empty log
+    before = time.monotonic()
+    body = {"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+    outs = [httpx.post(ddtree_server.url + "/generate", json=body, timeout=30).json() for _ in range(2)]
+    after = time.monotonic()
+    got = httpx.get(ddtree_server.url + "/sim/request_times").json()
+    assert got["clock"] == "monotonic" and before <= got["now"]
+    assert [r["rid"] for r in got["requests"]] == [o["meta_info"]["id"] for o in outs]
+    for r, out in zip(got["requests"], outs, strict=True):
+        times = [t for t, _ in r["emits"]]
+        assert before <= r["created"] < times[0] and times == sorted(times) and times[-1] <= after
+        assert sum(n for _, n in r["emits"]) == out["meta_info"]["completion_tokens"] == 12
+        # The prefill's token, then one commit per verify step of several tokens each.
+        assert r["emits"][0][1] == 1 and len(r["emits"]) == out["meta_info"]["spec_verify_ct"] + 1 < 12
+    assert httpx.get(ddtree_server.url + "/sim/request_times").json()["requests"] == []
