@@ -421,7 +421,7 @@ class _Writer:
 _SCHEDULE_LEAD_S = 0.02
 
 
-async def _run_batch(requests, load, address, port, rng, on_result, tls=None):
+async def _run_batch(requests, load, conns, rng, on_result):
     """Send ``requests`` with at most ``concurrency`` in flight; returns the time the
     batch began (its first request was due).
 
@@ -433,9 +433,8 @@ async def _run_batch(requests, load, address, port, rng, on_result, tls=None):
     """
     import asyncio
 
-    concurrency = max(1, int(load["concurrency"]))
     timeout = float(load["timeout_s"])
-    conns = [Connection(address, port, timeout, tls) for _ in range(min(concurrency, max(1, len(requests))))]
+    conns = conns[:max(1, len(requests))]
     began = time.perf_counter()
     offset = None
     if rng is not None:
@@ -457,8 +456,9 @@ async def _run_batch(requests, load, address, port, rng, on_result, tls=None):
                     if delay > 0:
                         await asyncio.sleep(delay)
                 on_result(index, await conn.send(load["api"], route, body))
-        finally:
+        except BaseException:
             conn.close()
+            raise
 
     async def watchdog():
         tick = min(1.0, max(0.05, timeout / 4))
@@ -490,11 +490,19 @@ def run_load(load, address, port, writer, tls=None):
         writer.emit({"kind": "request", "index": index, "result": result})
 
     async def both():
-        if load.get("warmup"):
-            await _run_batch(load["warmup"], load, address, port, None, warm_done, tls)
-        rng = random.Random(load.get("seed", 0)) if load.get("request_rate") else None
-        cpu0 = time.process_time()
-        began = await _run_batch(load["requests"], load, address, port, rng, done, tls)
+        # One pool for both batches: the warmup opens the connections the measured requests
+        # use, so no TCP connect is timed (a closed loop keeps its connections alive).
+        conns = [Connection(address, port, float(load["timeout_s"]), tls)
+                 for _ in range(max(1, int(load["concurrency"])))]
+        try:
+            if load.get("warmup"):
+                await _run_batch(load["warmup"], load, conns, None, warm_done)
+            rng = random.Random(load.get("seed", 0)) if load.get("request_rate") else None
+            cpu0 = time.process_time()
+            began = await _run_batch(load["requests"], load, conns, rng, done)
+        finally:
+            for conn in conns:
+                conn.close()
         writer.emit({
             "kind": SUMMARY,
             "duration_s": time.perf_counter() - began,

@@ -172,8 +172,11 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def submit(
-        self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None
+        self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None,
+        arrived: float | None = None,
     ) -> GenRequest:
+        """Queue a request; ``arrived`` (monotonic) is when its HTTP handler got it, the start
+        of its time on the server's clock (``created``), else now."""
         n = next(self._counter)
         rid = rid or f"sim-{n:08x}"
         prompt = [int(t) % VOCAB for t in prompt_ids] or [1]
@@ -188,7 +191,7 @@ class Engine:
             params=params,
             key=key,
             generator=torch.Generator().manual_seed(gen_seed),
-            created=time.monotonic(),
+            created=time.monotonic() if arrived is None else arrived,
         )
         if params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}

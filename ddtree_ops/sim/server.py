@@ -376,6 +376,7 @@ async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
 
 
 async def generate(request: Request) -> Response:
+    arrived = time.monotonic()
     state: State = request.app.state.sim
     try:
         obj = await _read_json(request)
@@ -392,7 +393,8 @@ async def generate(request: Request) -> Response:
         return _error(str(exc))
     engine = _engine(request)
     start = time.monotonic()
-    req = engine.submit(prompt, category, params, rid=obj.get("rid") if isinstance(obj.get("rid"), str) else None)
+    req = engine.submit(prompt, category, params, rid=obj.get("rid") if isinstance(obj.get("rid"), str) else None,
+                        arrived=arrived)
 
     def chunk() -> dict[str, Any]:
         return {
@@ -455,6 +457,7 @@ def chat_template_text(messages: object) -> str:
 
 
 async def _openai(request: Request, *, chat: bool) -> Response:
+    arrived = time.monotonic()
     state: State = request.app.state.sim
     try:
         obj = await _read_json(request)
@@ -478,7 +481,7 @@ async def _openai(request: Request, *, chat: bool) -> Response:
     except RequestError as exc:
         return _openai_error(str(exc))
     engine = _engine(request)
-    req = engine.submit(tokenize(text), classify_prompt(text), params)
+    req = engine.submit(tokenize(text), classify_prompt(text), params, arrived=arrived)
     model = obj.get("model") or state.args.served_model_name
     created = int(time.time())
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
