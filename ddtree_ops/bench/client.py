@@ -204,8 +204,8 @@ def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult]
     """Warm up, then send every prompt under the spec's load shape, from this process;
     failures are recorded. The engine is the on-host client's (:mod:`._hostclient`: one
     event loop, raw HTTP/1.1 on asyncio streams), so both modes measure alike and cost
-    alike; httpx's per-frame cost made this mode the more expensive one (issue: client CPU
-    per token above SGLang's bench_serving)."""
+    alike. Streamed through httpx, this mode cost 1.7-4.5x SGLang's bench_serving in CPU per
+    output token; on this engine it costs less (benchmarks/client_accuracy.py)."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(base_url)
