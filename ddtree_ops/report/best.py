@@ -111,8 +111,7 @@ def best_configs(
     Highest ``score`` (median − 1.4826·MAD of output tok/s); among candidates within
     ``tie_tolerance`` of it the cheapest wins (AR < DFLASH < DDTREE, then smaller budget,
     then smaller top-k): a bigger tree that is not measurably faster is not worth it.
-    Cells with failed rows/requests, client-bound repeats (their timing was the client's)
-    or fewer than ``min_repeats`` repeats are refused.
+    Cells with failed rows/requests or fewer than ``min_repeats`` repeats are refused.
     Graph and eager cells are ranked separately unless ``mix_modes``.
     """
     situation_keys = list(_SITUATION_KEYS)
@@ -164,11 +163,6 @@ def _refusal_reasons(grouped: pd.DataFrame, min_repeats: int) -> pd.Series:
     reasons = pd.Series("", index=grouped.index)
     reasons = _append_reason(reasons, failed_rows > 0, failed_rows.astype(str) + " failed repeat(s)")
     reasons = _append_reason(reasons, failed_requests > 0, failed_requests.astype(str) + " failed request(s)")
-    # A repeat whose stream the client read in bursts measured the client, not the server
-    # (its gaps read as zero): such a cell is flagged in the tables and never recommended.
-    bound = grouped["n_client_bound"].astype("float64").fillna(0) if "n_client_bound" in grouped else None
-    if bound is not None:
-        reasons = _append_reason(reasons, bound > 0, bound.astype(int).astype(str) + " client-bound repeat(s)")
     too_few = "n=" + repeats.astype(str) + f" < min repeats {min_repeats}"
     return _append_reason(reasons, repeats < min_repeats, too_few)
 
