@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +16,13 @@ from fleetlib import Fleet, build_fleet, fast_root
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 
 FLEET_SIZE = int(os.environ.get("DDTREE_OPS_FLEET_SIZE", "3"))
+
+# A shell without job control starts a background command (`make test &`, a CI runner that
+# backgrounds its job) with SIGINT ignored, every child inherits that, and Python then
+# installs no KeyboardInterrupt handler: the tests that press Ctrl-C on the CLI or on this
+# process would see nothing happen. Restoring Python's handler here makes exec'd children
+# start with SIGINT at its default again (a handler, unlike SIG_IGN, does not survive exec).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
