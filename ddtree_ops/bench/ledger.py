@@ -82,7 +82,9 @@ class LedgerRow:
     # server configuration
     server_argv: list[str]
     algorithm: str  # one of ALGORITHMS
-    budget: int | None  # DDTREE node budget; None for AR and DFLASH
+    # DDTREE node budget; DFLASH: its draft tokens (the verify window), None for the drafter's
+    # own block; None for AR.
+    budget: int | None
     topk: int | None  # DDTREE per-position top-k; None for AR and DFLASH
     cuda_graph: bool
     fallback_reason: str | None

@@ -14,7 +14,8 @@ model and the server flags are the host's, the same for every cell of a sweep th
 Groups are ordered to launch as rarely as possible (the launch already running on a
 host goes first); within a live launch, cells go by tree, so a switch happens only where
 the tree changes. Baselines run on every host with the same sampling grid and workload
-as the DDTree cells, so every DDTree row has a comparable baseline row.
+as the DDTree cells, so every DDTree row has a comparable baseline row; DFlash runs one
+chain per verify width the DDTree cells use (:func:`dflash_width`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ SWITCH_S = 0.5
 
 @dataclass(frozen=True, order=True)
 class ServerConfig:
-    """What the server is launched with. ``budget``/``topk`` are None unless DDTree."""
+    """What the server is launched with.
+
+    ``budget``: DDTree's node budget (its verify window is the root plus ``budget``); for
+    DFlash, its draft tokens (``--speculative-num-draft-tokens``, the verify window
+    itself), None for the drafter's own block; None for autoregressive. ``topk``: DDTree only.
+    """
 
     algorithm: str
     budget: int | None = None
@@ -47,6 +53,8 @@ class ServerConfig:
     def key(self) -> str:
         if self.algorithm == "ddtree":
             return f"ddtree-b{self.budget}-k{self.topk}"
+        if self.algorithm == "dflash" and self.budget is not None:
+            return f"dflash-n{self.budget}"
         return self.algorithm
 
     def sort_key(self) -> tuple[int, int, int]:
@@ -223,14 +231,37 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
         cells.setdefault(cell.key, cell)
     sampling_axes = ("temperature", "top_p", "top_k", "concurrency")
     for base in spec.baselines:
-        for combo in itertools.product(*(spec.grid[a] for a in sampling_axes)):
-            values = dict(zip(sampling_axes, combo, strict=True)) | {"algorithm": base, "budget": None, "topk": None}
-            if _excluded(values, spec.exclude):
-                continue
-            cell = _cell_of(values, baseline=True)
-            # A grid cell with the same key is replaced, so it is marked as the baseline it is.
-            cells[cell.key] = cell
+        for width in _baseline_widths(base, cells.values(), spec.dflash_block):
+            for combo in itertools.product(*(spec.grid[a] for a in sampling_axes)):
+                values = dict(zip(sampling_axes, combo, strict=True))
+                values |= {"algorithm": base, "budget": None, "topk": None}
+                if _excluded(values, spec.exclude):
+                    continue
+                cell = dataclasses.replace(_cell_of(values, baseline=True), server=ServerConfig(base, width))
+                # A grid cell with the same key is replaced, so it is marked as the baseline it is.
+                cells[cell.key] = cell
     return list(cells.values())
+
+
+def dflash_width(ddtree_budget: int, block: int) -> int:
+    """The DFlash chain (its ``--speculative-num-draft-tokens``) that verifies as many
+    tokens per round as a DDTree of ``ddtree_budget`` nodes, the root plus the budget, up
+    to the drafter's ``block``: a chain is never longer than what the drafter drafts,
+    while a tree of more nodes is wider instead (the report compares such a tree with
+    the longest chain)."""
+    return min(ddtree_budget + 1, block)
+
+
+def _baseline_widths(base: str, cells: Collection[Cell], block: int) -> tuple[int | None, ...]:
+    """The launches a baseline runs at. DFlash: one chain per verify width the DDTree
+    cells use, so that every DDTree cell is compared with the chain that costs the same
+    verify forward (a tree of 8 nodes against a chain of 8 drafted tokens, not against
+    whatever block the drafter defaults to); the drafter's own block where the sweep has
+    no DDTree cells. Autoregressive: its one launch."""
+    budgets = {c.server.budget for c in cells if c.server.algorithm == "ddtree" and c.server.budget}
+    if base != "dflash" or not budgets:
+        return (None,)
+    return tuple(sorted({dflash_width(b, block) for b in budgets}))
 
 
 def live_launch(cells: Collection[Cell]) -> LaunchConfig | None:

@@ -24,6 +24,7 @@ Example::
     repeats: 1
     warmup: 2
     relaunch: never    # default: one DDTree launch, trees switched live; always: one per tree
+    dflash_block: 16   # default: the DFlash drafter's block, the longest DFlash baseline chain
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK, parse_
 from ddtree_ops.yamlfile import safe_load_unique
 
 BASELINES = ("autoregressive", "dflash")
+# SGLang's DFLASH block when the draft model's config names none (speculative_hook.py
+# _handle_dflash), and the block of the DFlash drafters the papers publish.
+DEFAULT_DFLASH_BLOCK = 16
 
 # Every grid axis with its default (a one-element list) and the validator of one value.
 GRID_DEFAULTS: Mapping[str, tuple[Any, ...]] = {
@@ -68,7 +72,7 @@ RELAUNCH_MODES = ("never", "always")
 
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
              "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
-             "relaunch"}
+             "relaunch", "dflash_block"}
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
 # Upper bounds of the integer axes: the CLI's own (``restart --budget`` refuses more than
@@ -130,6 +134,9 @@ class SweepSpec:
     description: str = ""
     client: str | None = None
     relaunch: str = "never"
+    # The DFlash drafter's trained block: the longest chain a DFlash baseline is run at
+    # (a chain cannot verify more than the drafter drafts; plan.py's per-width baselines).
+    dflash_block: int = DEFAULT_DFLASH_BLOCK
 
 
 def _fail(path: Path, key: str, msg: str) -> SweepError:
@@ -400,6 +407,8 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         description=description,
         client=client,
         relaunch=relaunch,
+        dflash_block=_int(path, "dflash_block", data.get("dflash_block", DEFAULT_DFLASH_BLOCK), minimum=2,
+                          maximum=MAX_DDTREE_BUDGET + 1),
     )
 
 
@@ -470,6 +479,8 @@ def sweep_hash(spec: SweepSpec) -> str:
         "warmup": spec.warmup,
         "request_rate": spec.request_rate,
         "api": spec.api,
+        # Only when set, so that the hashes of sweeps written before it stay.
+        **({"dflash_block": spec.dflash_block} if spec.dflash_block != DEFAULT_DFLASH_BLOCK else {}),
     }
     text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -82,6 +82,10 @@ TIDY_DTYPES: dict[str, str] = {
     "ar_cuda_graph": "boolean",
     "speedup_vs_dflash": "float64",
     "dflash_cuda_graph": "boolean",
+    # Draft tokens of the DFLASH cell that speedup_vs_dflash divides by: for a DDTree cell,
+    # the chain of its verify width (root + budget, capped at the drafter's block); NA
+    # where only the drafter's own block was measured (ledgers before per-width baselines).
+    "dflash_width": "Int64",
     "modes_mixed": "bool",
     "fallback_reason": "object",
 }
@@ -240,20 +244,21 @@ def _add_speedups(cells: pd.DataFrame) -> pd.DataFrame:
     """Speedup vs the machine's AR and DFLASH cells under the same sampling/workload.
 
     A baseline in the same CUDA-graph mode is used when there is one; otherwise the
-    other mode's, and ``modes_mixed`` says so (eager never silently meets graph).
+    other mode's, and ``modes_mixed`` says so (eager never silently meets graph). The
+    DFLASH baseline of a DDTree cell is the chain of its verify width (:func:`_baseline_tok_s`).
     """
     match_keys = ["machine", *CONDITION_KEYS]
     mode_keys = [*match_keys, "cuda_graph"]
+    flipped = cells[match_keys].assign(cuda_graph=~cells["cuda_graph"].astype(bool))
     mixed = pd.Series(False, index=cells.index)
     for algo, prefix in (("AR", "ar"), ("DFLASH", "dflash")):
-        baselines = cells.loc[cells["algorithm"] == algo, [*mode_keys, "output_tok_s_median"]]
-        baselines = baselines.drop_duplicates(mode_keys)
-        same_mode = cells[mode_keys].merge(baselines, on=mode_keys, how="left")["output_tok_s_median"]
-        flipped = cells[match_keys].assign(cuda_graph=~cells["cuda_graph"].astype(bool))
-        other_mode = flipped.merge(baselines, on=mode_keys, how="left")["output_tok_s_median"]
-        same_mode.index = other_mode.index = cells.index
+        baselines = cells.loc[cells["algorithm"] == algo, [*mode_keys, "budget", "output_tok_s_median"]]
+        same_mode, same_width = _baseline_tok_s(cells, cells[mode_keys], baselines, mode_keys)
+        other_mode, other_width = _baseline_tok_s(cells, flipped, baselines, mode_keys)
         use_other = same_mode.isna() & other_mode.notna()
         baseline = same_mode.where(~use_other, other_mode)
+        if algo == "DFLASH":
+            cells["dflash_width"] = same_width.where(~use_other, other_width).where(baseline.notna())
         cells[f"speedup_vs_{prefix}"] = cells["output_tok_s_median"] / baseline
         mode = cells["cuda_graph"].astype("boolean").where(~use_other, ~cells["cuda_graph"].astype(bool))
         # pandas-stubs does not accept pd.NA as where()'s `other`; pandas does (a nullable-boolean NA).
@@ -261,6 +266,34 @@ def _add_speedups(cells: pd.DataFrame) -> pd.DataFrame:
         mixed |= use_other & (cells["algorithm"] != algo)
     cells["modes_mixed"] = mixed
     return cells
+
+
+def _baseline_tok_s(
+    cells: pd.DataFrame, keys: pd.DataFrame, baselines: pd.DataFrame, on: list[str]
+) -> tuple[pd.Series, pd.Series]:
+    """Per cell, the tok/s of the baseline row matching ``keys`` on ``on``, and that row's
+    budget (for DFLASH, its draft tokens; NA for the drafter's own block).
+
+    Among several (DFlash chains of several widths), a DDTree cell of budget B takes the
+    longest chain that verifies no more than it does (root + B tokens; a sweep caps the
+    chain at the drafter's block), else the drafter's own block; a DFlash cell takes
+    itself; any other takes the drafter's own block, else the longest chain.
+    """
+    algorithm, budget = cells["algorithm"], pd.to_numeric(cells["budget"], errors="coerce")
+    wanted = (budget + 1).where(algorithm == "DDTREE", budget.where(algorithm == "DFLASH"))
+    pairs = keys.assign(_cell=np.arange(len(cells)), _wanted=wanted.to_numpy()).merge(
+        baselines.rename(columns={"budget": "_width"}), on=on, how="inner")
+    width, wanted_width = pd.to_numeric(pairs["_width"], errors="coerce"), pairs["_wanted"]
+    fits = width.isna() | wanted_width.isna() | (width <= wanted_width)
+    # The drafter's own block ranks above every chain for a cell that wants no width, below
+    # every fitting chain for one that does.
+    rank = width.where(width.notna(), np.where(wanted_width.isna(), np.inf, -1.0))
+    chosen = pairs.assign(_rank=rank)[fits]
+    chosen = chosen.sort_values("_rank", kind="stable").drop_duplicates("_cell", keep="last").set_index("_cell")
+    picked = chosen.reindex(np.arange(len(cells)))
+    tok_s = pd.Series(pd.to_numeric(picked["output_tok_s_median"], errors="coerce").to_numpy(), index=cells.index)
+    widths = pd.Series(pd.to_numeric(picked["_width"], errors="coerce").round().to_numpy(), index=cells.index)
+    return tok_s.astype("float64"), widths.astype("Int64")
 
 
 def _typed(frame: pd.DataFrame, dtypes: dict[str, str]) -> pd.DataFrame:

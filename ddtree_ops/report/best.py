@@ -86,10 +86,13 @@ class BestConfigs:
 
 
 def describe_cell(row: Any) -> str:
-    """Short human label of a cell: ``DDTREE b=16 k=4``, ``DFLASH``, ``AR`` (+ ``eager``)."""
+    """Short human label of a cell: ``DDTREE b=16 k=4``, ``DFLASH n=9`` (its draft tokens;
+    plain ``DFLASH`` at the drafter's own block), ``AR`` (+ ``eager``)."""
     text = str(row["algorithm"])
     if text == "DDTREE":
         text += f" b={_int_text(row['budget'])} k={_int_text(row['topk'])}"
+    elif text == "DFLASH" and not (row["budget"] is None or pd.isna(row["budget"])):
+        text += f" n={_int_text(row['budget'])}"
     if not bool(row["cuda_graph"]):
         text += " eager"
     return text

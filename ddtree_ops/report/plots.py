@@ -123,8 +123,15 @@ def _line_plot(
                         marker="o" if graph else "D", markersize=6, markerfacecolor=marker_face,
                         markeredgecolor=colors[k], markeredgewidth=1.6)
         if baselines:
+            chains = panel[(panel["algorithm"] == "DFLASH") & panel["budget"].notna() & panel[value].notna()]
+            chains = chains.sort_values("budget")
+            if not chains.empty:
+                # A chain of n draft tokens verifies what a tree of n - 1 nodes does: drawn
+                # at that budget, so each tree point stands above or below its own chain.
+                ax.plot(chains["budget"].astype(float) - 1, chains[value], "--", color="0.35", lw=1.2, marker="s",
+                        markersize=4, label="DFlash chain, same verify width")
             for algo, style, name in (("AR", ":", "autoregressive"), ("DFLASH", "--", "DFlash")):
-                base = panel[panel["algorithm"] == algo]
+                base = panel[(panel["algorithm"] == algo) & panel["budget"].isna()]
                 if not base.empty and base[value].notna().any():
                     level = float(base[value].max())
                     ax.axhline(level, color="0.35", ls=style, lw=1.2, label=f"{name} ({level:,.0f})")

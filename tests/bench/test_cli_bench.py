@@ -56,23 +56,24 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json_data(done.stdout)
-    # Live switching (the default): the two budgets share one DDTree launch.
-    assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 2 and plan["rows_per_host"] == 6
+    # Live switching (the default): the two budgets share one DDTree launch; DFlash runs one
+    # chain per verify width (root + 4, root + 8 drafted tokens), each its own launch.
+    assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 3 and plan["rows_per_host"] == 8
     assert plan["relaunch"] == "never" and plan["switches_per_host"] == 4
-    assert [g["server"] for g in plan["groups"]] == ["dflash", "ddtree-states-b4.8-k4"]
-    assert [(g["live"], g["budgets"]) for g in plan["groups"]] == [(False, []), (True, [4, 8])]
+    assert [g["server"] for g in plan["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-states-b4.8-k4"]
+    assert [(g["live"], g["budgets"]) for g in plan["groups"]] == [(False, []), (False, []), (True, [4, 8])]
     assert plan["estimated_s"]["sim-x"] > 2 * 2  # at least the expected load time per launch
     # Both modes side by side: relaunching per tree costs one launch more here.
     modes = plan["modes"]
-    assert (modes["never"]["launches_per_host"], modes["always"]["launches_per_host"]) == (2, 3)
+    assert (modes["never"]["launches_per_host"], modes["always"]["launches_per_host"]) == (3, 4)
     assert modes["always"]["estimated_s"]["sim-x"] > 0 and modes["never"]["switches_per_host"] == 4
     assert modes["never"]["estimated_s"]["sim-x"] == plan["estimated_s"]["sim-x"]
     old = json_data(cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(
         tmp_path, baselines=["dflash"], relaunch="always",
         grid={"algorithm": ["ddtree"], "budget": [4, 8], "temperature": [0.0, 0.6]})), "--dry-run",
         cwd=tmp_path).stdout)
-    assert [g["server"] for g in old["groups"]] == ["dflash", "ddtree-b4-k4", "ddtree-b8-k4"]
-    assert old["restarts_per_host"] == 3 and old["switches_per_host"] == 0
+    assert [g["server"] for g in old["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-b4-k4", "ddtree-b8-k4"]
+    assert old["restarts_per_host"] == 4 and old["switches_per_host"] == 0
     assert plan["clients"] == {"sim-x": "host"}  # the server binds loopback: load from the host
     assert not (tmp_path / "results").exists()
     text = cli("-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path, client="local")), "--dry-run",

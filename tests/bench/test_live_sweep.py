@@ -128,3 +128,27 @@ def test_a_refused_switch_is_a_failed_row_never_a_measurement(tmp_path: Path) ->
         assert "no runtime states" in r["error"], r
         assert r["output_tok_s"] is None and r["completed"] is None  # nothing was measured
     assert ledger.completed_keys(rows) == {ledger.row_key(r) for r in rows if r["algorithm"] == "AR"}
+
+
+def test_the_dflash_baseline_runs_the_chain_of_each_verify_width(tmp_path: Path) -> None:
+    """A tree of budget B is compared with DFlash verifying as many tokens (root + B),
+    up to the drafter's block: each width its own launch, its row saying which."""
+    from ddtree_ops import report
+
+    grid = {"algorithm": ["ddtree"], "budget": [4, 16], "topk": [2], "temperature": [0.0], "concurrency": [2]}
+    out = tmp_path / "ledger.jsonl"
+    _, outcome = run(tmp_path, host(tmp_path, "sim-d", "rtx-pro-6000"), out, grid=grid, baselines=["dflash"])
+    rows = rows_of(out)
+    assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
+    assert [h.restarts for h in outcome.hosts] == [3]  # chains of 5 and 16, one DDTree launch
+    chains = {r["budget"]: r for r in rows if r["algorithm"] == "DFLASH"}
+    assert set(chains) == {5, 16}  # root + 4; root + 16 capped at the block of 16
+    for width, r in chains.items():
+        argv = r["server_argv"]
+        assert argv[argv.index("--speculative-num-draft-tokens") + 1] == str(width)
+    assert chains[16]["accept_length"] > chains[5]["accept_length"]  # the longer chain was really launched
+    tidy = report.build_report([out], group_by="host").tidy
+    trees = tidy[tidy["algorithm"] == "DDTREE"].set_index("budget")
+    assert trees.loc[4, "dflash_width"] == 5 and trees.loc[16, "dflash_width"] == 16
+    dflash = tidy[tidy["algorithm"] == "DFLASH"].set_index("budget")["output_tok_s_median"]
+    assert trees.loc[4, "speedup_vs_dflash"] == pytest.approx(trees.loc[4, "output_tok_s_median"] / dflash.loc[5])

@@ -9,6 +9,7 @@ import pytest
 
 from ddtree_ops.bench.plan import LaunchConfig, ServerConfig, estimate_seconds, expand_cells, plan_sweep
 from ddtree_ops.bench.sweep import parse_sweep
+from ddtree_ops.errors import SweepError
 
 
 def spec(tmp_path: Path, **extra):
@@ -27,10 +28,26 @@ def test_grid_product_and_baselines(tmp_path: Path) -> None:
     ddtree = [c for c in cells if c.server.algorithm == "ddtree"]
     base = [c for c in cells if c.baseline]
     assert len(ddtree) == 3 * 2 * 2 * 2
-    # every baseline runs the same sampling x concurrency grid as the DDTree cells
-    assert len(base) == 2 * 2 * 2
-    assert {c.server for c in base} == {ServerConfig("autoregressive"), ServerConfig("dflash")}
+    # every baseline runs the same sampling x concurrency grid as the DDTree cells; DFlash
+    # once per verify width of the budgets 4, 8, 16 (root + budget), up to its block of 16
+    assert len(base) == (1 + 3) * 2 * 2
+    assert {c.server for c in base} == {ServerConfig("autoregressive"), ServerConfig("dflash", 5),
+                                        ServerConfig("dflash", 9), ServerConfig("dflash", 16)}
     assert len({c.key for c in cells}) == len(cells)
+    assert {c.server.key for c in base} == {"autoregressive", "dflash-n5", "dflash-n9", "dflash-n16"}
+
+
+def test_dflash_baseline_widths_follow_the_budgets_up_to_the_drafter_block(tmp_path: Path) -> None:
+    def widths(**extra) -> list[int | None]:
+        cells = expand_cells(spec(tmp_path, baselines=["dflash"], **extra))
+        return sorted({c.server.budget for c in cells if c.server.algorithm == "dflash"}, key=lambda w: w or 0)
+
+    assert widths(dflash_block=8) == [5, 8]  # budgets 8 and 16 both meet the longest chain, 8
+    assert widths(grid={"budget": [2, 3], "topk": [2]}) == [3, 4]
+    # No DDTree cell to match: DFlash at the drafter's own block (no --speculative-num-draft-tokens).
+    assert widths(grid={"algorithm": ["autoregressive"]}) == [None]
+    with pytest.raises(SweepError, match=r"s\.yaml: dflash_block: .*2"):
+        spec(tmp_path, baselines=["dflash"], dflash_block=1)
 
 
 def test_exclude_and_include(tmp_path: Path) -> None:
@@ -55,9 +72,10 @@ def test_exclude_and_include(tmp_path: Path) -> None:
 def test_relaunch_always_is_one_launch_per_server_config_in_order(tmp_path: Path) -> None:
     plan = plan_sweep(spec(tmp_path, baselines=["dflash", "autoregressive"], repeats=2, relaunch="always"))
     launches = [g.launch for g in plan.groups]
-    assert len(launches) == len(set(launches)) == plan.restarts == 3 * 2 + 2
-    assert [lc.server for lc in launches[:2]] == [ServerConfig("autoregressive"), ServerConfig("dflash")]
-    assert launches[2:] == sorted(launches[2:], key=lambda s: (s.budget, s.topk))
+    assert len(launches) == len(set(launches)) == plan.restarts == 3 * 2 + 1 + 3
+    assert [lc.server for lc in launches[:4]] == [ServerConfig("autoregressive"), ServerConfig("dflash", 5),
+                                                  ServerConfig("dflash", 9), ServerConfig("dflash", 16)]
+    assert launches[4:] == sorted(launches[4:], key=lambda s: (s.budget, s.topk))
     assert not any(lc.live for lc in launches) and plan.switches == 0
     assert plan.runs == len(plan.cells) * 2
     # within a group, sampling changes are ordered and never interleave server configs
@@ -71,14 +89,16 @@ def test_live_switching_puts_the_whole_ddtree_grid_on_one_launch(tmp_path: Path)
     s = spec(tmp_path, baselines=["dflash", "autoregressive"], repeats=2)
     assert s.relaunch == "never"  # the default
     plan = plan_sweep(s)
-    # AR, DFLASH, and ONE DDTree launch holding every budget, top-k up to the largest asked.
-    assert plan.restarts == 3
-    ar, dflash, tree = (g.launch for g in plan.groups)
-    assert (ar.server, dflash.server) == (ServerConfig("autoregressive"), ServerConfig("dflash"))
-    assert not ar.live and not dflash.live
+    # AR, DFLASH per verify width, and ONE DDTree launch holding every budget, top-k up to
+    # the largest asked.
+    assert plan.restarts == 5
+    ar, *dflash, tree = (g.launch for g in plan.groups)
+    assert ar.server == ServerConfig("autoregressive")
+    assert [d.server for d in dflash] == [ServerConfig("dflash", w) for w in (5, 9, 16)]
+    assert not ar.live and not any(d.live for d in dflash)
     assert tree.live and tree.budgets == (4, 8, 16) and tree.topk_max == 4
     assert (tree.budget, tree.topk) == (4, 2)  # launched at the first tree it measures
-    cells = plan.groups[2].cells
+    cells = plan.groups[-1].cells
     assert len(cells) == 3 * 2 * 2 * 2 and all(c.switched and c.launch == tree for c in cells)
     # Cells go tree by tree (a switch only where the tree changes), sampling ordered within.
     trees = [(c.server.budget, c.server.topk) for c in cells]
@@ -89,15 +109,16 @@ def test_live_switching_puts_the_whole_ddtree_grid_on_one_launch(tmp_path: Path)
     assert {c.key for c in always.cells} == {c.key for c in plan.cells}
 
 
-def test_the_budgets_sweep_is_3_launches_per_host_live_and_32_relaunching() -> None:
+def test_the_budgets_sweep_is_6_launches_per_host_live_and_35_relaunching() -> None:
     from ddtree_ops.bench.sweep import load_sweep
 
     s = load_sweep(Path(__file__).resolve().parents[2] / "bench_configs" / "budgets.yaml")
     live, old = plan_sweep(s), plan_sweep(s, relaunch="always")
-    assert (live.restarts, old.restarts) == (3, 32)
-    assert live.groups[2].launch.budgets == (4, 8, 12, 16, 24, 32, 48, 64)
-    assert live.groups[2].launch.topk_max == 8
-    assert len(live.cells) == len(old.cells) == 32 * 9
+    # AR, DFlash at widths 5, 9, 13 and 16 (budgets 16 and up meet the block), DDTree.
+    assert (live.restarts, old.restarts) == (1 + 4 + 1, 1 + 4 + 30)
+    assert live.groups[-1].launch.budgets == (4, 8, 12, 16, 24, 32, 48, 64)
+    assert live.groups[-1].launch.topk_max == 8
+    assert len(live.cells) == len(old.cells) == (1 + 4 + 30) * 9
 
 
 def test_a_ddtree_only_sweep_and_one_tree_sweeps(tmp_path: Path) -> None:

@@ -25,9 +25,10 @@ def make_row(
     workload_hash: str = "w1",
     **extra: Any,
 ) -> dict[str, Any]:
-    """A valid ledger row as a dict, with metric fields derived from ``output_tok_s``."""
+    """A valid ledger row as a dict, with metric fields derived from ``output_tok_s``.
+    A DFLASH row's budget is ``draft_tokens`` (None: the drafter's own block)."""
     if algorithm != "DDTREE":
-        budget = topk = None
+        budget, topk = extra.pop("draft_tokens", None) if algorithm == "DFLASH" else None, None
     row = LedgerRow(
         run_id="run-1",
         sweep="test",

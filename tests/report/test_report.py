@@ -64,6 +64,29 @@ def test_aggregation_known_answers(tmp_path: Path, use_arrow: bool) -> None:
     assert not eager["cuda_graph"] and eager["modes_mixed"] and bool(eager["ar_cuda_graph"])
     assert eager["speedup_vs_ar"] == pytest.approx(4.0)
     assert not b16["modes_mixed"]
+    assert pd.isna(b16["dflash_width"])  # only the drafter's own block was measured
+
+
+def test_a_ddtree_cell_is_compared_with_the_dflash_chain_of_its_verify_width(tmp_path: Path) -> None:
+    rows = [make_row(algorithm="AR", output_tok_s=100), make_row(algorithm="DFLASH", output_tok_s=180)]
+    rows += [make_row(algorithm="DFLASH", draft_tokens=n, output_tok_s=tok_s) for n, tok_s in ((5, 150), (9, 200),
+                                                                                            (16, 250))]
+    rows += [make_row(budget=b, output_tok_s=300) for b in (4, 8, 12, 32)]
+    tidy = rep.build_report([write(tmp_path / "l.jsonl", rows)], group_by="host").tidy
+
+    def versus(algorithm: str, budget: int | None) -> tuple[float, object]:
+        row = cell(tidy, algorithm, budget)
+        return round(float(row["speedup_vs_dflash"]), 3), None if pd.isna(row["dflash_width"]) else row["dflash_width"]
+
+    # Root + 4 nodes against the chain of 4 drafted tokens (5 verified), root + 8 against 9;
+    # a budget between widths takes the longest chain not wider than the tree; past the
+    # drafter's block (16), the longest chain.
+    assert versus("DDTREE", 4) == (2.0, 5) and versus("DDTREE", 8) == (1.5, 9)
+    assert versus("DDTREE", 12) == (1.5, 9) and versus("DDTREE", 32) == (1.2, 16)
+    assert versus("DFLASH", 9) == (1.0, 9)  # a chain is its own baseline
+    assert versus("AR", None) == (round(100 / 180, 3), None)  # AR: DFlash at the drafter's block
+    labels = {rep.describe_cell(row) for _, row in tidy[tidy["algorithm"] == "DFLASH"].iterrows()}
+    assert labels == {"DFLASH", "DFLASH n=5", "DFLASH n=9", "DFLASH n=16"}
 
 
 def test_best_pick_tie_rule_and_eager_separation(tmp_path: Path) -> None:

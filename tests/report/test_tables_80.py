@@ -128,10 +128,11 @@ def test_bench_plan_fits_and_wraps(tmp_path: Path, columns: int) -> None:
     assert max(len(line) for line in out.splitlines()) <= columns, out
     rows = table_rows(out, "sweep demo")
     numbers = [row.strip("│").split("│")[0].strip() for row in rows]
-    # Live switching (the default): the two baselines and one DDTree launch for all six trees.
-    assert [n for n in numbers if n] == ["1", "2", "3"]
-    assert "live switching: 3 launches" in " ".join(out.split()), out
-    assert "relaunching per tree: 8 launches" in " ".join(out.split()), out
+    # Live switching (the default): AR, DFlash at the verify widths of budgets 4, 8 and 16
+    # (5, 9, and the drafter's block 16), and one DDTree launch for all six trees.
+    assert [n for n in numbers if n] == ["1", "2", "3", "4", "5"]
+    assert "live switching: 5 launches" in " ".join(out.split()), out
+    assert "relaunching per tree: 10 launches" in " ".join(out.split()), out
 
 
 def test_bench_outcome_wraps_a_long_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
