@@ -296,9 +296,14 @@ def test_a_switched_state_serves_like_a_fresh_launch_of_it(sim_factory: Any, tmp
         assert switched["output_ids"] == launched["output_ids"]
         for key in ("spec_verify_ct", "spec_num_proposed_drafts", "spec_accept_length"):
             assert switched["meta_info"][key] == launched["meta_info"][key], key
-        # Best of two: a late wake-up of either process is the machine, not the model.
-        a = min(switched["meta_info"]["e2e_latency"], _generate(live, 32)["meta_info"]["e2e_latency"])
-        b = min(launched["meta_info"]["e2e_latency"], _generate(fresh, 32)["meta_info"]["e2e_latency"])
+        # Best of four: a late wake-up of either process is the machine, not the model, and
+        # the model's time is the least either can take (a slower tree stays slower). Best
+        # of two was not enough under load: a CI run with a CPU hog beside two test workers
+        # measured a fresh launch at 0.45 s against the switched state's 0.29 s.
+        a = min([switched["meta_info"]["e2e_latency"], *(_generate(live, 32)["meta_info"]["e2e_latency"]
+                                                           for _ in range(3))])
+        b = min([launched["meta_info"]["e2e_latency"], *(_generate(fresh, 32)["meta_info"]["e2e_latency"]
+                                                           for _ in range(3))])
         assert abs(a - b) / b < 0.1, (name, a, b)
         latencies[name] = a
     # The eager state really is eager (3.8x per step), not the captured speed.
