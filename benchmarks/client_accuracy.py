@@ -19,12 +19,13 @@ exceeds the step (high concurrency on few cores) the server is slower than the m
 the "error" is the server's, not the client's; the CPU line printed at the end helps to
 tell.
 
-Both client modes are measured side by side (``--clients local,host``): ``local`` is the
-controller's httpx client in this process, ``host`` is the on-host client
-(``ddtree_ops.bench._hostclient``) started over the local transport with this Python, as
-a sweep starts it on a GPU host. At each level the modes take turns wave by wave
-(``--repeats`` waves each, medians kept), and the ``host vs local`` line gives their
-disagreement in tok/s, median and mean ITL; the goal is within 2% at concurrency 1/8/32.
+Both client modes are measured side by side (``--clients local,host``): ``local`` runs
+the load engine (``ddtree_ops.bench._hostclient``) in this process, as a sweep with
+``client: local`` does; ``host`` runs the same engine as the on-host client, started over
+the local transport with this Python, as a sweep starts it on a GPU host. At each level
+the modes take turns wave by wave (``--repeats`` waves each, medians kept), and the
+``host vs local`` line gives their disagreement in tok/s, median and mean ITL; the goal is
+within 2% at concurrency 1/8/32.
 
 Other clients against the same server (``--tools``): SGLang's own ``python -m
 sglang.bench_serving`` (``--bench-serving-python``: an interpreter with sglang and its client
