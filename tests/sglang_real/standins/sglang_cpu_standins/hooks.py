@@ -211,6 +211,32 @@ def no_batch_invariant_mode_on_cpu(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+# --- fork, not spawn, for the server's own processes on CPU ---------------------------------------
+
+
+def fork_subprocesses_on_cpu(original, server_args, *args, **kwargs):
+    """AROUND ``engine._set_envs_and_config``: start the scheduler and detokenizer by fork on
+    device cpu (TEST-ONLY; a start-up cost, not a behaviour).
+
+    Why: ``_set_envs_and_config`` (srt/entrypoints/engine.py:1995) sets the start method to
+    "spawn", which CUDA needs, so that each child re-imports SGLang, torch and transformers
+    from scratch, most of a CPU server's start-up (~30 s of CPU per child on a slow 2-core
+    machine, three processes per launch). A CPU server has no CUDA context to protect: forked
+    children inherit the launcher's imports and run the same entry points
+    (``run_scheduler_process``, ``run_detokenizer_process``) with the same arguments. Plugins
+    are already loaded in the launcher (``launch_server.py`` ``load_plugins()``), so each
+    child inherits them and the hooks applied.
+    """
+    result = original(server_args, *args, **kwargs)
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).device == "cpu":
+        import multiprocessing
+
+        multiprocessing.set_start_method("fork", force=True)
+    return result
+
+
 # Stand-ins that change what a CPU server can serve, not only whether it starts: on only
 # where a test names them in SGLANG_CPU_STANDINS_ENABLE.
 OPT_IN = {"tree_sampling_kernel"}
@@ -229,6 +255,11 @@ def _standins():
             HookType.AROUND,
         ),
         "draft_backend": allow_torch_native_draft_backend,
+        "fork_subprocesses": (
+            "sglang.srt.entrypoints.engine._set_envs_and_config",
+            fork_subprocesses_on_cpu,
+            HookType.AROUND,
+        ),
         "kv_copy_warmup": (
             "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup",
             skip_kv_copy_warmup_on_cpu,
