@@ -32,6 +32,7 @@ import hashlib
 import http.client
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -61,25 +62,36 @@ class SseFrames:
         self._buf = b""
 
     def feed(self, raw):
-        """The JSON objects completed by ``raw``; raises Failed on an error frame."""
+        """The data of each frame completed by ``raw`` (bytes, not parsed: a tally parses
+        what it needs, see :func:`parse_frame`)."""
         self._buf += raw
         frames = self._buf.split(b"\n")
         self._buf = frames.pop()
-        objs: list = []
+        out: list = []
         for frame in frames:
             if not frame.startswith(b"data:"):
                 continue
             data = frame[5:].strip()
             if data == b"[DONE]":
                 self.done = True
-                return objs
-            obj = json.loads(data)
-            if "error" in obj:
-                err = obj["error"]
-                msg = err.get("message", err) if isinstance(err, dict) else err
-                raise Failed(f"server error: {msg}"[:300])
-            objs.append(obj)
-        return objs
+                return out
+            out.append(data)
+        return out
+
+
+def parse_frame(data):
+    """One frame's JSON object; raises Failed on SGLang's in-stream error object."""
+    obj = json.loads(data)
+    if "error" in obj:
+        err = obj["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        raise Failed(f"server error: {msg}"[:300])
+    return obj
+
+
+# The token count of a /generate frame, read without parsing the frame. A JSON string
+# cannot hold this byte sequence (its quotes would be escaped), so a match is the key itself.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 def output_hash(value):
@@ -106,21 +118,43 @@ class GenerateTally:
         self.chunks = 0
         self.coalesced = 0
         self.output_ids = None
+        # Once a frame after the first has shown whole output_ids (SGLang's default), each
+        # frame repeats everything before it: only its token count is read, and the last
+        # frame is parsed at the end. Parsing every frame was the largest part of the
+        # client's CPU per token (a frame's JSON grows with the output).
+        self.cumulative = False
+        self.unparsed = None
 
-    def feed(self, now, obj):
+    def feed(self, now, data):
+        if self.cumulative and b'"error"' not in data:
+            found = _COMPLETION_TOKENS.findall(data)
+            if len(found) == 1:
+                self.unparsed = data
+                tokens = int(found[0])
+                if tokens > self.last_tokens:
+                    self._step(now, tokens)
+                return
+        self._parsed(now, parse_frame(data))
+
+    def _parsed(self, now, obj):
+        self.unparsed = None
         self.meta = obj.get("meta_info") or {}
         tokens = int(self.meta.get("completion_tokens", 0))
-        new = tokens - self.last_tokens
-        if new <= 0:
+        if tokens <= self.last_tokens:
             return
         ids = obj.get("output_ids")
         if isinstance(ids, list):
             # Cumulative by default; deltas under --incremental-streaming-output, where a
             # chunk holds only its new tokens.
             if len(ids) == tokens or self.output_ids is None:
+                self.cumulative = self.output_ids is not None and len(ids) == tokens
                 self.output_ids = ids  # a list of the parsed frame's own: nobody else holds it
             else:
                 self.output_ids.extend(ids)
+        self._step(now, tokens)
+
+    def _step(self, now, tokens):
+        new = tokens - self.last_tokens
         self.chunks += 1
         if self.ttft is None:
             self.ttft = now - self.start
@@ -135,6 +169,17 @@ class GenerateTally:
     def result(self, end, done):
         if not done:
             return failed_result(self.start, end, "stream ended before [DONE]")
+        if self.unparsed is not None:  # the last frame: its meta_info and whole output_ids
+            try:
+                obj = parse_frame(self.unparsed)
+            except Failed as exc:
+                return failed_result(self.start, end, str(exc))
+            except ValueError as exc:  # what a frame that does not parse fails with when read as it comes
+                return failed_result(self.start, end, _error_text(exc, "request"))
+            self.meta = obj.get("meta_info") or {}
+            ids = obj.get("output_ids")
+            if isinstance(ids, list) and len(ids) == self.last_tokens:
+                self.output_ids = ids
         meta = self.meta
         verify = meta.get("spec_verify_ct")
         accept = meta.get("spec_accept_length")
@@ -168,7 +213,8 @@ class OpenAITally:
         self.usage = {}
         self.pieces = []
 
-    def feed(self, now, obj):
+    def feed(self, now, data):
+        obj = parse_frame(data)
         if obj.get("usage"):
             self.usage = obj["usage"]
         for choice in obj.get("choices") or ():
@@ -369,8 +415,8 @@ class Connection:
                     raw = decoder.feed(raw)
                 elif remaining is not None:
                     remaining -= len(raw)
-                for obj in frames.feed(raw):
-                    tally.feed(now, obj)
+                for data in frames.feed(raw):
+                    tally.feed(now, data)
                 if (decoder is not None and decoder.finished) or (remaining is not None and remaining <= 0):
                     break
             if self.timed_out:

@@ -8,6 +8,7 @@ the two modes are held to the same payloads, token counts and error texts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -212,7 +213,7 @@ def test_the_output_hash_is_the_same_for_cumulative_and_incremental_streams() ->
     def run(chunks: list[list[int]], counts: list[int]) -> str | None:
         tally = hc.GenerateTally(0.0)
         for t, (ids, n) in enumerate(zip(chunks, counts, strict=True), 1):
-            tally.feed(float(t), {"output_ids": ids, "meta_info": {"completion_tokens": n}})
+            tally.feed(float(t), json.dumps({"output_ids": ids, "meta_info": {"completion_tokens": n}}).encode())
         return tally.result(9.0, True)["output_hash"]
 
     cumulative = run([[5], [5, 6, 7], [5, 6, 7, 8]], [1, 3, 4])
@@ -220,3 +221,51 @@ def test_the_output_hash_is_the_same_for_cumulative_and_incremental_streams() ->
     assert cumulative == incremental == hc.output_hash([5, 6, 7, 8])
     assert run([[5], [5, 6, 9], [5, 6, 9, 8]], [1, 3, 4]) != cumulative
     assert hc.GenerateTally(0.0).result(1.0, True)["output_hash"] is None  # no ids sent: nothing to compare
+
+
+def _tally_of(frames: list[bytes], *, parse_all: bool) -> tuple[dict, bool]:
+    """(result, whether frames were read by their token count)"""
+    from ddtree_ops.bench import _hostclient as hc
+
+    tally = hc.GenerateTally(0.0)
+    for t, data in enumerate(frames, 1):
+        if parse_all:
+            tally._parsed(float(t), hc.parse_frame(data))
+        else:
+            tally.feed(float(t), data)
+    return tally.result(99.0, True), tally.unparsed is not None
+
+
+def test_reading_only_the_token_count_of_cumulative_frames_measures_what_parsing_each_would() -> None:
+    """A cumulative /generate stream is read by its token counts after the second frame and
+    its last frame is parsed at the end: the result is the one parsing every frame gives,
+    also with spec statistics that only the last frame carries, a text that quotes the key,
+    and a last frame that adds no token."""
+    ids = [7, 8, 9, 10, 11, 12, 13]
+    counts = [1, 3, 4, 7, 7]
+    frames = []
+    for i, n in enumerate(counts):
+        meta = {"id": "r", "prompt_tokens": 5, "completion_tokens": n}
+        if i == len(counts) - 1:
+            meta |= {"spec_verify_ct": 3, "spec_accept_length": 2.33, "e2e_latency": 0.5}
+        text = '"completion_tokens": 99 and \\"error\\"' if i == 2 else f"t{i}"
+        frames.append(json.dumps({"text": text, "output_ids": ids[:n], "meta_info": meta},
+                                 separators=(",", ":") if i % 2 else (", ", ": ")).encode())
+    (fast, skipped), (full, _) = _tally_of(frames, parse_all=False), _tally_of(frames, parse_all=True)
+    assert skipped and fast == full
+    assert (fast["completion_tokens"], fast["chunks"], fast["spec_verify_ct"], fast["spec_accept_length"]) == (
+        7, 4, 3, 2.33)
+    assert fast["output_hash"] is not None and fast["itls"] == [0.5, 0.5, 1.0, 1 / 3, 1 / 3, 1 / 3]
+
+
+def test_a_cumulative_stream_whose_later_frame_is_an_error_fails_with_the_servers_message() -> None:
+    from ddtree_ops.bench import _hostclient as hc
+
+    tally = hc.GenerateTally(0.0)
+    for t, n in enumerate([1, 2, 3], 1):
+        tally.feed(float(t), json.dumps({"output_ids": list(range(n)), "meta_info": {"completion_tokens": n}}).encode())
+    assert tally.cumulative
+    with pytest.raises(hc.Failed, match="server error: out of memory"):
+        tally.feed(4.0, b'{"error": {"message": "out of memory"}}')
+    tally.feed(4.0, b'{"output_ids": [0, 1, 2, 3], "meta_info": {"completion_tokens": 4}')  # cut short
+    assert tally.result(5.0, True)["error"].startswith("JSONDecodeError")
