@@ -42,6 +42,12 @@ def _spread(median: Any, mad: Any, n: Any) -> str:
     return f"{_fmt(median)} ± {_fmt(mad)}"
 
 
+def _tok_s_column(ns: Any) -> TableColumn:
+    """The throughput column: 'tok/s ± MAD' where some row has repeats to spread over."""
+    repeats = any(_fmt(n) != "—" and int(n) >= 2 for n in ns)
+    return TableColumn("tok/s ± MAD" if repeats else "tok/s", "right")
+
+
 def _cell(row: Any) -> str:
     return rep.describe_cell(row) if row.get("algorithm") is not None else "—"
 
@@ -76,7 +82,7 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
         TableColumn("conc", "right"),
         TableColumn("modes"),
         TableColumn("best"),
-        TableColumn("tok/s ± MAD", "right"),
+        _tok_s_column(best["n"]),
         TableColumn("n", "right", drop=2),
         TableColumn("accept len", "right", drop=3),
         TableColumn("vs AR", "right"),
@@ -174,21 +180,22 @@ def _mix_tables(mixed: pd.DataFrame, weights: dict[str, float], *, width: int, w
     return tables
 
 
-_TIDY_COLUMNS = (
-    TableColumn("temp", "right"),
-    TableColumn("conc", "right"),
-    TableColumn("config"),
-    TableColumn("graph", drop=7),  # the config label says "eager" already
-    TableColumn("n", "right", drop=4),
-    TableColumn("tok/s ± MAD", "right"),
-    TableColumn("accept len", "right", drop=2),
-    TableColumn("TTFT p50 ms", "right", drop=6),
-    TableColumn("ITL p50 ms", "right", drop=5),
-    TableColumn("vs AR", "right"),
-    TableColumn("vs DFlash", "right", drop=3),
-    # Kept longest: outputs that differ from AR's at T = 0 are a correctness problem.
-    TableColumn("T0=AR", "right", drop=1),
-)
+def _tidy_columns(tok_s: TableColumn) -> tuple[TableColumn, ...]:
+    return (
+        TableColumn("temp", "right"),
+        TableColumn("conc", "right"),
+        TableColumn("config"),
+        TableColumn("graph", drop=7),  # the config label says "eager" already
+        TableColumn("n", "right", drop=4),
+        tok_s,
+        TableColumn("accept len", "right", drop=2),
+        TableColumn("TTFT p50 ms", "right", drop=6),
+        TableColumn("ITL p50 ms", "right", drop=5),
+        TableColumn("vs AR", "right"),
+        TableColumn("vs DFlash", "right", drop=3),
+        # Kept longest: outputs that differ from AR's at T = 0 are a correctness problem.
+        TableColumn("T0=AR", "right", drop=1),
+    )
 
 
 def _t0(row: Any) -> str | Text:
@@ -223,6 +230,7 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
             _t0(row),
         ])
     machines = list(shown["machine"])
+    columns = _tidy_columns(_tok_s_column(shown["n"]))
     tables = []
     for machine in dict.fromkeys(machines):
         rows = [c for m, c in zip(machines, cells, strict=True) if m == machine]
@@ -230,7 +238,7 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
         count = f"{len(rows)} rows" if len(rows) == total else f"first {len(rows)} of {total} rows"
         title = f"Cells — {_machine(machine)} ({count})"
         # Sized by every host's rows: the tables show the same columns, equally wide.
-        tables.append(fitted_table(_TIDY_COLUMNS, rows, width=width, wide=wide, title=title, sized_by=cells))
+        tables.append(fitted_table(columns, rows, width=width, wide=wide, title=title, sized_by=cells))
     return tables
 
 

@@ -168,7 +168,8 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
     if tuning.bad_lines:
         console.print(f"[yellow]Skipped {tuning.bad_lines} bad line(s)[/] (`report` lists them).", highlight=False)
     columns = (
-        TableColumn("batch ≥", "right"), TableColumn("tree"), TableColumn("tok/s ± MAD", "right"),
+        TableColumn("batch ≥", "right"), TableColumn("tree"),
+        TableColumn("tok/s ± MAD" if any(e.n > 1 for p in tuning.policies for e in p.entries) else "tok/s", "right"),
         TableColumn("n", "right", drop=2), TableColumn("accept len", "right", drop=3),
         TableColumn("vs AR", "right", drop=1), TableColumn("runner-up", wrap=True, drop=4),
     )

@@ -356,11 +356,13 @@ def test_every_cell_refused_exits_non_zero_with_one_line(cli, tmp_path: Path) ->
 
 
 def test_one_repeat_shows_no_spread_and_speedups_read_one_way() -> None:
-    from ddtree_ops.cli.report_view import _ratio, _spread
+    from ddtree_ops.cli.report_view import _ratio, _spread, _tok_s_column
 
     assert _spread(412.0, 0.0, 1) == "412.0" and _spread(412.0, 3.5, 3) == "412.0 ± 3.5"
     assert _spread(float("nan"), float("nan"), pd.NA) == "—"
     assert _ratio(1.0) == "1.00x" and _ratio(float("nan")) == "—"
+    # The column says "± MAD" only where a row has repeats to spread over.
+    assert _tok_s_column([1, 1, pd.NA]).header == "tok/s" and _tok_s_column([1, 3]).header == "tok/s ± MAD"
 
 
 def test_a_best_pick_of_plain_ar_says_nothing_beat_it(tmp_path: Path, cli) -> None:
