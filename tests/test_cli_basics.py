@@ -324,3 +324,22 @@ def test_every_option_and_argument_of_every_command_has_help() -> None:
         if not getattr(param, "help", None) and param.name != "help"
     ]
     assert missing == []
+
+
+def test_an_option_every_command_shares_reads_the_same_everywhere() -> None:
+    """--wide is one flag in one wording, whatever the command: an operator who read it
+    in one command's help knows it in the others."""
+    import typer
+
+    from ddtree_ops.cli import main as cli_main
+    from ddtree_ops.cli.common import WIDE_HELP
+
+    cli_main._register()
+    group = typer.main.get_command(cli_main.app)
+    helps = {
+        (name, param.name): getattr(param, "help", None)
+        for name, command in group.commands.items()  # type: ignore[attr-defined]
+        for param in command.params
+        if param.name == "wide"
+    }
+    assert len(helps) >= 6 and set(helps.values()) == {WIDE_HELP}, helps

@@ -28,7 +28,15 @@ from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.bench.schedule import Schedule
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import SweepSpec, check_targets, load_sweep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, say_notice, set_json_data
+from ddtree_ops.cli.common import (
+    WIDE_HELP,
+    TableColumn,
+    fitted_table,
+    print_table,
+    printable,
+    say_notice,
+    set_json_data,
+)
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
 from ddtree_ops.inventory_types import Host
@@ -269,7 +277,7 @@ def bench(
         False, "--no-smoke", help="Measure as soon as a server answers: skip the restart's speculative smoke."
     ),
     wide: bool = typer.Option(
-        False, "--wide", help="Every table column, however wide (default: what fits the terminal)."
+        False, "--wide", help=WIDE_HELP
     ),
 ) -> None:
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""

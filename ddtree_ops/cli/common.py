@@ -281,6 +281,10 @@ def raise_if_failed(
 
 # --------------------------------------------------------------------------- tables that fit
 
+# Every command's --wide, in one wording.
+WIDE_HELP = "Every table column, however wide (default: what fits the terminal)."
+
+
 @dataclasses.dataclass(frozen=True)
 class TableColumn:
     """One column of a table that must fit the terminal.

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from ddtree_ops.cli.common import (
+    WIDE_HELP,
     TableColumn,
     error_text,
     failure_row,
@@ -169,7 +170,7 @@ def deploy_cmd(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
-    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
     budget: int | None = typer.Option(
         None, "--budget", min=1,
@@ -276,7 +277,7 @@ def rollback_cmd(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
     serial: bool = typer.Option(False, "--serial", help="One host at a time."),
-    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
 ) -> None:
     """Restore the original files on each host and clear the applied-bundle record."""
     obj: AppContext = ctx.obj
@@ -335,7 +336,7 @@ def status_cmd(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
     wide: bool = typer.Option(
-        False, "--wide", help="Every column, however wide (default: what fits the terminal)."
+        False, "--wide", help=WIDE_HELP
     ),
 ) -> None:
     """Per host: SGLang version, applied bundle, per-file state, leftover journal or lock."""

@@ -6,7 +6,7 @@ import typer
 from rich.markup import escape
 from rich.text import Text
 
-from ddtree_ops.cli.common import TableColumn, fitted_table, load_inventory_for, print_table, set_json_data
+from ddtree_ops.cli.common import WIDE_HELP, TableColumn, fitted_table, load_inventory_for, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
@@ -26,7 +26,7 @@ def _address(host: Host, aliases: SshConfig) -> str:
 def hosts_cmd(
     ctx: typer.Context,
     target: str = typer.Argument("all", help="Group, host, 'all', or a comma list."),
-    wide: bool = typer.Option(False, "--wide", help="Every column, however wide (default: what fits the terminal)."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
 ) -> None:
     """List the resolved hosts and their settings (no connection is made; -v for every setting)."""
     obj: AppContext = ctx.obj

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from ddtree_ops.cli.common import check_output_path
+from ddtree_ops.cli.common import WIDE_HELP, check_output_path
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError
 
@@ -47,7 +47,7 @@ def report_command(
         help="Show only the first N rows of the per-cell table (0 = none; default: every row).",
     ),
     wide: bool = typer.Option(
-        False, "--wide", help="Every table column, however wide (default: what fits the terminal)."
+        False, "--wide", help=WIDE_HELP
     ),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
 ) -> None:

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops.cli.common import (
+    WIDE_HELP,
     TableColumn,
     error_text,
     fitted_table,
@@ -171,7 +172,7 @@ def restart(
         "by default it is stopped, and the error says which.",
     ),
     wide: bool = typer.Option(
-        False, "--wide", help="Every summary column, however wide (default: what fits the terminal)."
+        False, "--wide", help=WIDE_HELP
     ),
 ) -> None:
     """Restart SGLang and wait until the NEW process serves: it answers, and a short

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from ddtree_ops.cli.common import (
+    WIDE_HELP,
     TableColumn,
     check_output_path,
     error_text,
@@ -69,7 +70,7 @@ def tune_command(
     force: bool = typer.Option(
         False, "--force", help="--deploy: restart even while a sweep holds the host (its lease); says so on stderr."
     ),
-    wide: bool = typer.Option(False, "--wide", help="Every table column, however wide."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
 ) -> None:
     """Turn a ledger's best DDTree tree per machine type and concurrency into the per-batch-size
