@@ -344,13 +344,18 @@ class Connection:
             self.writer.transport.abort()
 
     async def _open(self):
+        """asyncio.open_connection's own steps, with a reader that stamps arrivals."""
         import asyncio
 
+        loop = asyncio.get_running_loop()
+        reader = _stamped_reader_class()(limit=1 << 20, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         try:
-            self.reader, self.writer = await asyncio.wait_for(
-                asyncio.open_connection(self.address, self.port, ssl=self.tls, limit=1 << 20), self.timeout)
+            transport, _ = await asyncio.wait_for(
+                loop.create_connection(lambda: protocol, self.address, self.port, ssl=self.tls), self.timeout)
         except asyncio.TimeoutError:
             raise socket.timeout("connect") from None
+        self.reader, self.writer = reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
     async def send(self, api, route, body):
         """One streamed request as a RequestResult dict; never raises for HTTP failures."""
@@ -405,11 +410,14 @@ class Connection:
                 raise Failed(http_status_error(status, text))
             decoder = _Chunked() if chunked else None
             remaining = int(length) if (length is not None and not chunked) else None
+            arrived = None
             while not frames.done:
                 raw = await reader.read(65536)
                 if not raw:
                     break
-                now = time.perf_counter()
+                # When these bytes reached the process, not when this coroutine got to
+                # them: with hundreds of streams on one loop it runs late in a burst.
+                now = arrived = reader.arrived
                 self.busy_since = time.monotonic()
                 if decoder is not None:
                     raw = decoder.feed(raw)
@@ -446,7 +454,31 @@ class Connection:
             return failed_result(start, time.perf_counter(), _error_text(err, phase)), False
         finally:
             self.busy_since = None
-        return tally.result(time.perf_counter(), frames.done), False
+        # A whole stream ends when its [DONE] arrived (AIPerf's response end), not after
+        # the reads of other streams the loop did first.
+        return tally.result(arrived if frames.done else time.perf_counter(), frames.done), False
+
+
+_STAMPED_READER: list[type] = []
+
+
+def _stamped_reader_class():
+    """asyncio.StreamReader that notes when its newest bytes arrived (``arrived``,
+    perf_counter): the event loop feeds every readable socket's bytes before it resumes
+    any coroutine, so this is the arrival to within one loop pass. Made on first use, as
+    asyncio is imported only by the commands that run a load."""
+    if not _STAMPED_READER:
+        import asyncio
+
+        class StampedReader(asyncio.StreamReader):
+            arrived = 0.0
+
+            def feed_data(self, data):
+                self.arrived = time.perf_counter()
+                super().feed_data(data)
+
+        _STAMPED_READER.append(StampedReader)
+    return _STAMPED_READER[0]
 
 
 class _Writer:
@@ -492,6 +524,8 @@ async def _run_batch(requests, load, conns, rng, on_result):
             offset += rng.expovariate(load.get("request_rate") or 1.0)
         work.append((index, route, json.dumps(body).encode(), None if offset is None else began + offset))
     work.reverse()  # popped from the end: in order
+    if rng is None:
+        began = time.perf_counter()  # a closed loop begins with its first send, after the bodies are built
 
     async def worker(conn):
         try:
@@ -527,12 +561,15 @@ def run_load(load, address, port, writer, tls=None):
     import asyncio
 
     warm_failed = [0]
+    last_end = [None]
 
     def warm_done(_index, result):
         if not result["ok"]:
             warm_failed[0] += 1
 
     def done(index, result):
+        if last_end[0] is None or result["end"] > last_end[0]:
+            last_end[0] = result["end"]
         writer.emit({"kind": "request", "index": index, "result": result})
 
     async def both():
@@ -549,9 +586,12 @@ def run_load(load, address, port, writer, tls=None):
         finally:
             for conn in conns:
                 conn.close()
+        # The run ends when its last response ended (AIPerf's benchmark duration), not
+        # after the client has reported every result and closed its connections.
+        ended = last_end[0] if last_end[0] is not None else time.perf_counter()
         writer.emit({
             "kind": SUMMARY,
-            "duration_s": time.perf_counter() - began,
+            "duration_s": max(0.0, ended - began),
             "warmup_failures": warm_failed[0],
             "cpu_s": time.process_time() - cpu0,
         })

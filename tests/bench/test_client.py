@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -57,6 +58,7 @@ def prompts(n: int, text: str = "hello world") -> tuple[Prompt, ...]:
 
 def test_generate_counts_tokens_steps_and_itls(server) -> None:
     url, state = server
+    state.step_s = 0.02  # steps the client sees apart on a busy machine too: every ITL > 0
     spec = LoadSpec(prompts=prompts(6), max_new_tokens=10, sampling={"temperature": 0.6, "top_k": 20},
                     concurrency=2, warmup=2)
     load = run_load(url, spec)
@@ -111,6 +113,75 @@ def test_failures_are_recorded_not_raised(server) -> None:
     assert by_text["error here"].error == "server error: out of memory"
     m = calculate_metrics(load.results)
     assert m.completed == 1 and m.failed == 3 and len(m.errors) == 3
+
+
+def test_a_run_ends_at_its_last_response_not_after_reporting_it() -> None:
+    """The run's duration (what tok/s divides by) is first send to the last response's
+    end, as AIPerf times a benchmark: reporting the results on the client's loop (here a
+    slow on_done, in a sweep the ledger and progress) is not the server's time. The run
+    used to end after gather, with every report inside it."""
+    state = FakeState(step_s=0.02)
+    with serve(state) as url:
+        client = LocalClient(url)
+        load = client.run_load(LoadSpec(prompts=prompts(1), max_new_tokens=7),
+                               on_done=lambda r: time.sleep(0.5))
+    (r,) = load.results
+    assert r.ok and r.e2e < 0.45, r
+    assert load.duration_s == pytest.approx(r.e2e, abs=0.05), (load.duration_s, r)
+
+
+def test_responses_that_arrived_together_end_together_however_late_the_client_reads_them() -> None:
+    """A response is timed when its bytes reached the client, not when the client's loop
+    got round to it: two responses that arrive while the loop is busy (here, reporting the
+    first request) are fed in one pass of the loop, before either stream is read, so the
+    second ends when it arrived, not after the first was read and reported. (Before, it
+    ended ~0.3 s later, after the first one's report.)"""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    frame = b'data: {"text": "x", "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+    response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(frame)
+                + frame)
+
+    def serve_three() -> None:
+        conns = []
+        for _ in range(3):
+            conn, _ = listener.accept()
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            while len(body) < length:
+                body += conn.recv(65536)
+            data = body
+            conns.append((b"fast" in data, conn))
+        for fast, conn in conns:
+            if fast:
+                conn.sendall(response)
+        time.sleep(0.1)  # the client is now reporting the fast one (0.3 s): both arrive meanwhile
+        for fast, conn in conns:
+            if not fast:
+                conn.sendall(response)
+        time.sleep(1.0)
+        for _, conn in conns:
+            conn.close()
+
+    server = threading.Thread(target=serve_three, daemon=True)
+    server.start()
+    try:
+        load = LocalClient(f"http://127.0.0.1:{port}").run_load(
+            LoadSpec(prompts=(Prompt("fast"), Prompt("slow a"), Prompt("slow b")), max_new_tokens=1, concurrency=3),
+            on_done=lambda r: time.sleep(0.3))
+    finally:
+        server.join(5)
+        listener.close()
+    fast, a, b = load.results
+    assert fast.ok and a.ok and b.ok, load.results
+    assert a.end - fast.end > 0.25  # read after the first report (0.3 s): the loop was busy
+    assert abs(b.end - a.end) < 0.1, (a.end, b.end)  # arrived together, end together
 
 
 def test_unreachable_server_fails_every_request(mode: str) -> None:
