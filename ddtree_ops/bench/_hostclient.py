@@ -38,6 +38,9 @@ import threading
 import time
 
 SUMMARY = "summary"
+# A result's answer text, kept in the engine for a multi-turn question's next turn and
+# taken out before the result is reported (nobody else needs it).
+ANSWER = "_answer"
 
 
 class Failed(Exception):
@@ -124,6 +127,7 @@ class GenerateTally:
         # client's CPU per token (a frame's JSON grows with the output).
         self.cumulative = False
         self.unparsed = None
+        self.text = ""  # the answer so far: a multi-turn question's next turn carries it
 
     def feed(self, now, data):
         if self.cumulative and b'"error"' not in data:
@@ -140,13 +144,18 @@ class GenerateTally:
         self.unparsed = None
         self.meta = obj.get("meta_info") or {}
         tokens = int(self.meta.get("completion_tokens", 0))
+        ids = obj.get("output_ids")
+        # Cumulative by default; deltas under --incremental-streaming-output, where a chunk
+        # holds only its new tokens. The text also in a frame with no new token: the
+        # detokenizer may have held back part of a character until then.
+        whole = not isinstance(ids, list) or len(ids) == tokens or self.output_ids is None
+        text = obj.get("text")
+        text = text if isinstance(text, str) else ""
+        self.text = text if whole else self.text + text
         if tokens <= self.last_tokens:
             return
-        ids = obj.get("output_ids")
         if isinstance(ids, list):
-            # Cumulative by default; deltas under --incremental-streaming-output, where a
-            # chunk holds only its new tokens.
-            if len(ids) == tokens or self.output_ids is None:
+            if whole or self.output_ids is None:
                 self.cumulative = self.output_ids is not None and len(ids) == tokens
                 self.output_ids = ids  # a list of the parsed frame's own: nobody else holds it
             else:
@@ -180,6 +189,8 @@ class GenerateTally:
             ids = obj.get("output_ids")
             if isinstance(ids, list) and len(ids) == self.last_tokens:
                 self.output_ids = ids
+            if isinstance(obj.get("text"), str):
+                self.text = obj["text"]
         meta = self.meta
         verify = meta.get("spec_verify_ct")
         accept = meta.get("spec_accept_length")
@@ -200,6 +211,7 @@ class GenerateTally:
             "server_e2e": float(server_e2e)
             if isinstance(server_e2e, (int, float)) and not isinstance(server_e2e, bool)
             else None,
+            ANSWER: self.text,
         }
 
 
@@ -246,6 +258,7 @@ class OpenAITally:
             "chunks": len(times),
             "coalesced": sum(a == b for a, b in zip(times, times[1:])),
             "output_hash": output_hash("".join(self.pieces)),
+            ANSWER: "".join(self.pieces),
         }
 
 
@@ -499,9 +512,10 @@ class _Writer:
 _SCHEDULE_LEAD_S = 0.02
 
 
-async def _run_batch(requests, load, conns, rng, on_result):
+async def _run_batch(requests, load, conns, rng, on_result, turns=None):
     """Send ``requests`` with at most ``concurrency`` in flight; returns the time the
-    batch began (its first request was due).
+    batch began (its first request was due). ``turns`` (a :class:`_Turns`) sends the later
+    turns of multi-turn questions, each after the answer to the turn before.
 
     With ``rng``, Poisson arrivals at ``request_rate`` as the controller's client has them
     (the same seeded gaps): request i is due at its arrival time and waits for a free
@@ -535,7 +549,11 @@ async def _run_batch(requests, load, conns, rng, on_result):
                     delay = due - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                on_result(index, await conn.send(load["api"], route, body))
+                result = await conn.send(load["api"], route, body)
+                answer = result.pop(ANSWER, None) if result["ok"] else None
+                on_result(index, result)
+                if turns is not None and index in turns.sessions:
+                    await turns.follow_up(conn, index, route, requests[index][1], answer, on_result)
         except BaseException:
             conn.close()
             raise
@@ -554,6 +572,60 @@ async def _run_batch(requests, load, conns, rng, on_result):
     finally:
         dog.cancel()
     return began
+
+
+class _Turns:
+    """The later turns of multi-turn questions (MT-Bench's second turn): each is sent on the
+    same connection once the turn before it has its answer, as the conversation so far
+    (the question, the model's answer, the next question) through the served model's chat
+    template: as messages on the OpenAI chat route, or for ``/generate`` as the ids
+    ``/v1/tokenize`` renders them to (untimed, in a thread, so that the loop keeps reading
+    the other streams). ``load["sessions"]``: request index -> its messages, its follow-up
+    texts and the result index of the first follow-up. A turn whose answer is missing
+    leaves the turns after it failed, not sent."""
+
+    def __init__(self, load, address, port, tls):
+        self.sessions = {int(k): v for k, v in load["sessions"].items()}
+        self.api = load["api"]
+        self.address, self.port, self.tls = address, port, tls
+        self.timeout = min(30.0, float(load["timeout_s"]))
+
+    async def _render(self, messages):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        try:
+            status, raw = await loop.run_in_executor(
+                None, _simple, self.address, self.port, "POST", "/v1/tokenize", self.timeout,
+                {"messages": messages}, self.tls)
+        except (OSError, ValueError) as exc:
+            return None, _error_text(exc, "connect")
+        return rendered_ids(status, raw)
+
+    async def follow_up(self, conn, index, route, first_body, answer, on_result):
+        session = self.sessions[index]
+        messages = list(session["messages"])
+        for k, question in enumerate(session["followups"]):
+            at = session["first"] + k
+            if answer is None:
+                now = time.perf_counter()
+                on_result(at, failed_result(now, now, "not sent: the turn before it failed"))
+                continue
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+            if self.api == "openai":
+                body = dict(first_body, messages=messages)
+            else:
+                ids, why = await self._render(messages)
+                if why is not None:
+                    now = time.perf_counter()
+                    on_result(at, failed_result(now, now, "not sent: the conversation could not be rendered "
+                                                          f"through the chat template (POST /v1/tokenize): {why}"))
+                    answer = None
+                    continue
+                body = dict(first_body, input_ids=ids)
+            result = await conn.send(self.api, route, body)
+            answer = result.pop(ANSWER, None) if result["ok"] else None
+            on_result(at, result)
 
 
 def run_load(load, address, port, writer, tls=None):
@@ -581,8 +653,9 @@ def run_load(load, address, port, writer, tls=None):
             if load.get("warmup"):
                 await _run_batch(load["warmup"], load, conns, None, warm_done)
             rng = random.Random(load.get("seed", 0)) if load.get("request_rate") else None
+            turns = _Turns(load, address, port, tls) if load.get("sessions") else None
             cpu0 = time.process_time()
-            began = await _run_batch(load["requests"], load, conns, rng, done)
+            began = await _run_batch(load["requests"], load, conns, rng, done, turns)
         finally:
             for conn in conns:
                 conn.close()
@@ -599,8 +672,9 @@ def run_load(load, address, port, writer, tls=None):
     asyncio.run(both())
 
 
-def _simple(address, port, method, path, timeout, body=None):
-    conn = http.client.HTTPConnection(address, port, timeout=timeout)
+def _simple(address, port, method, path, timeout, body=None, tls=None):
+    conn = (http.client.HTTPSConnection(address, port, timeout=timeout, context=tls) if tls is not None
+            else http.client.HTTPConnection(address, port, timeout=timeout))
     try:
         if body is None:
             conn.request(method, path)

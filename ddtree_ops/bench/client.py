@@ -141,13 +141,35 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+def sent_prompts(prompts: Sequence[Prompt]) -> tuple[Prompt, ...]:
+    """The prompt behind each result of a load run, in result order: every prompt's first
+    turn, then the follow-up turns of multi-turn questions, prompt by prompt (each keeps its
+    question's id, data set and category)."""
+    later = tuple(dataclasses.replace(p, text=q, messages=(("user", q),), followups=(), input_ids=())
+                  for p in prompts if p.chat for q in p.followups)
+    return tuple(prompts) + later
+
+
+def _sessions(prompts: Sequence[Prompt]) -> dict[str, dict[str, Any]]:
+    """Request index -> what its later turns need (:class:`._hostclient._Turns`)."""
+    out: dict[str, dict[str, Any]] = {}
+    first = len(prompts)
+    for i, p in enumerate(prompts):
+        if p.chat and p.followups:
+            out[str(i)] = {"messages": chat_messages(p.messages), "followups": list(p.followups), "first": first}
+            first += len(p.followups)
+    return out
+
+
 def load_payload(spec: LoadSpec) -> dict[str, Any]:
     """What :func:`._hostclient.run_load` runs: requests already built, so that both client
-    modes send the same bytes (one builder, :func:`request_for`)."""
+    modes send the same bytes (one builder, :func:`request_for`). The warmup sends first
+    turns only."""
     warm = [spec.prompts[i % len(spec.prompts)] for i in range(spec.warmup)]
     return {
         "api": spec.api,
         "requests": [request_for(p, spec) for p in spec.prompts],
+        "sessions": _sessions(spec.prompts),
         "warmup": [request_for(p, spec) for p in warm],
         "concurrency": spec.concurrency,
         "request_rate": spec.request_rate,
@@ -182,7 +204,7 @@ class LoadReport:
         got = self.results
         results: list[RequestResult] = []
         why = (problem or "the load client ended without reporting this request")[:300]
-        for i in range(len(spec.prompts)):
+        for i in range(len(sent_prompts(spec.prompts))):
             if i not in got:
                 got[i] = RequestResult(ok=False, start=0.0, end=0.0, error=why)
                 if self.on_done is not None:

@@ -24,9 +24,10 @@ function's signature and docstring, sent as plain text). A record that is not in
 published layout is one error naming the file and line (JSONL), index (JSON) or row
 (Parquet, Arrow). Where each set comes from and its licence: ``bench_configs/prompts/README.md``.
 
-MT-Bench and Spec-Bench questions have follow-up turns; a follow-up is only meaningful
-after the model's own answer to the turn before, so the first turn is sent and the
-follow-ups are counted (``Prompt.followups``) but not sent.
+MT-Bench and Spec-Bench questions have follow-up turns (``Prompt.followups``); a follow-up
+is only meaningful after the model's own answer to the turn before, so the load client
+sends it then, as the conversation so far through the chat template
+(``_hostclient._Turns``), one request per turn.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ class Prompt:
     and for display, never sent.
 
     ``dataset`` and ``category`` say where it came from (``gsm8k``; MATH-500's subject);
-    ``followups`` are the later turns of a multi-turn question, counted, not sent."""
+    ``followups`` are the later turns of a multi-turn question (chat only): the load
+    client sends each once the model has answered the turn before it."""
 
     text: str
     id: str = ""
@@ -230,7 +231,10 @@ def build_workload(workload: Workload, *, search: Sequence[Path] = ()) -> Worklo
     digest = hashlib.sha256(
         json.dumps(
             {
-                "prompts": [[p.text, list(map(list, p.messages))] for p in chosen],
+                # Follow-up turns only where there are some: the hashes of single-turn
+                # workloads stay what their ledgers hold.
+                "prompts": [[p.text, list(map(list, p.messages)), *([list(p.followups)] if p.followups else [])]
+                            for p in chosen],
                 "max_new_tokens": workload.max_new_tokens,
                 "ignore_eos": workload.ignore_eos,
             },

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree_ops.bench import ledger
-from ddtree_ops.bench.client import LoadSpec
+from ddtree_ops.bench.client import LoadSpec, sent_prompts
 from ddtree_ops.bench.ledger import LedgerRow
 from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
@@ -431,12 +431,13 @@ class SweepRunner:
         started_at = now_iso()
         client.flush_cache()
         finished = [0]
+        sent = sent_prompts(prompts)  # a multi-turn question is one request per turn
 
         def on_done(_result: RequestResult) -> None:
             # Records stream in as requests finish (from the host too): show them arriving.
             finished[0] += 1
             self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep,
-                       message=f"{finished[0]}/{len(self.workload.prompts)} requests")
+                       message=f"{finished[0]}/{len(sent)} requests")
 
         load = client.run_load(
             LoadSpec(
@@ -454,7 +455,7 @@ class SweepRunner:
             on_done=on_done,
         )
         metrics = calculate_metrics(load.results, duration_s=load.duration_s)
-        groups = group_metrics(load.results, [p.group for p in prompts])
+        groups = group_metrics(load.results, [p.group for p in sent])
         error = None
         if metrics.failed:
             error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)

@@ -69,7 +69,7 @@ def _prompts_json(workload: WorkloadPrompts) -> dict[str, Any]:
             {"id": p.id, "dataset": p.dataset or None, "category": p.category or None,
              "format": "chat" if p.chat else "text",
              "messages": chat_messages(p.messages) if p.chat else None, "text": None if p.chat else p.text,
-             "followups_not_sent": len(p.followups)}
+             "followups": list(p.followups)}
             for p in workload.prompts
         ],
     }
@@ -90,7 +90,7 @@ def _render_prompts(obj: AppContext, workload: WorkloadPrompts, *, wide: bool) -
     rows: list[list[str | Text]] = []
     for i, p in enumerate(workload.prompts[:_SHOWN_PROMPTS], 1):
         shown = p.messages[-1][1] if p.chat else p.text
-        fmt = "chat" + (f" (+{len(p.followups)} turns not sent)" if p.followups else "") if p.chat else "text"
+        fmt = "chat" + (f" (+{len(p.followups)} turns)" if p.followups else "") if p.chat else "text"
         rows.append([str(i), printable(p.id), printable(p.group), fmt, printable(shown, limit=70)])
     more = len(workload.prompts) - len(rows)
     title = (f"workload {workload.name}: {len(workload.prompts)} prompts ({workload.prompt_format}), "

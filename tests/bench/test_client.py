@@ -267,6 +267,57 @@ def test_chat_prompts_reach_generate_as_the_servers_rendering_never_a_transcript
     assert all("text" not in b for b in generated)
 
 
+def test_a_multi_turn_question_sends_each_turn_after_the_answer_to_the_one_before(server) -> None:
+    """MT-Bench's second turn is the conversation so far (the question, the model's own
+    answer, the next question) through the served model's template, sent once the first
+    turn is answered; one result per turn, the follow-ups after every first turn."""
+    client, state = server
+    questions = (Prompt(text="q", messages=(("user", "Write a haiku."),), followups=("Now in French.", "Shorter.")),
+                 Prompt(text="plain prompt"))
+    (ids,) = client.render_chat([questions[0].messages]).ids
+    sent = (dataclasses.replace(questions[0], input_ids=ids), questions[1])
+    load = client.run_load(LoadSpec(prompts=sent, max_new_tokens=4))
+    assert [r.ok for r in load.results] == [True] * 4 and [r.completion_tokens for r in load.results] == [4] * 4
+    generated = [bytes(b["input_ids"]).decode() if "input_ids" in b else b["text"]
+                 for b in state.bodies if "sampling_params" in b]
+    first = "<|user|>Write a haiku."
+    second = first + "<|assistant|>xxxx<|user|>Now in French."
+    assert sorted(generated) == sorted([first + "<|assistant|>", "plain prompt", second + "<|assistant|>",
+                                        second + "<|assistant|>xxxx<|user|>Shorter.<|assistant|>"])
+    # Rendered by the server, one conversation per follow-up; the third turn after the second.
+    rendered = [b["messages"] for b in state.bodies if "messages" in b]
+    assert [m[-1]["content"] for m in rendered] == ["Write a haiku.", "Now in French.", "Shorter."]
+    assert load.results[2].start >= load.results[0].end and load.results[3].start >= load.results[2].end
+
+
+def test_a_turn_not_answered_leaves_the_turns_after_it_failed_not_sent(server) -> None:
+    client, state = server
+    failing = Prompt(text="q", messages=(("user", "fail500 please"),), followups=("next", "last"))
+    (ids,) = client.render_chat([failing.messages]).ids
+    load = client.run_load(LoadSpec(prompts=(dataclasses.replace(failing, input_ids=ids),), max_new_tokens=4))
+    assert [r.ok for r in load.results] == [False] * 3
+    assert [r.error for r in load.results[1:]] == ["not sent: the turn before it failed"] * 2
+    # A conversation the template cannot render is that turn's reason, and no later turn runs.
+    ok = Prompt(text="q", messages=(("user", "hello"),), followups=("next",))
+    (ids,) = client.render_chat([ok.messages]).ids
+    state.chat_template = False
+    load = client.run_load(LoadSpec(prompts=(dataclasses.replace(ok, input_ids=ids),), max_new_tokens=4))
+    assert load.results[0].ok and not load.results[1].ok
+    assert load.results[1].error == ("not sent: the conversation could not be rendered through the chat template "
+                                     "(POST /v1/tokenize): HTTP 400: this model has no chat template")
+
+
+def test_a_multi_turn_question_on_the_openai_route_carries_the_answer_as_messages(server) -> None:
+    client, state = server
+    question = Prompt(text="q", messages=(("user", "hi"),), followups=("and?",))
+    load = client.run_load(LoadSpec(prompts=(question,), max_new_tokens=4, api="openai", model="m"))
+    assert [r.ok for r in load.results] == [True, True]
+    chats = [b["messages"] for b in state.bodies if "messages" in b]
+    assert chats == [[{"role": "user", "content": "hi"}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yyyy"},
+                      {"role": "user", "content": "and?"}]]
+
+
 def test_a_model_without_a_chat_template_is_the_servers_reason(server) -> None:
     client, state = server
     state.chat_template = False

@@ -108,20 +108,29 @@ def test_a_data_set_mix_is_sent_through_the_served_models_template_and_broken_do
     assert not outcome.failed and row["status"] == "ok", row
     assert row["workload_name"] == "mtbench+humaneval" and row["workload_prompt_format"] == "chat-template+text"
     # The server counted the prompts it was sent: chat prompts as its own template renders
-    # them (the simulator's `role: content` lines and `assistant:`), HumanEval as its text.
-    expected = sum(len(tokenize(chat_template_text(chat_messages(p.messages)) if p.chat else p.text))
-                   for p in wl.prompts)
-    assert row["total_input_tokens"] == expected
+    # them (the simulator's `role: content` lines and `assistant:`), HumanEval as its text;
+    # each MT-Bench question's second turn as the conversation with the model's answer in it
+    # (so more than the same conversation with an empty answer).
+    first_turns = sum(len(tokenize(chat_template_text(chat_messages(p.messages)) if p.chat else p.text))
+                      for p in wl.prompts)
+    without_answers = sum(
+        len(tokenize(chat_template_text(chat_messages((*p.messages, ("assistant", ""), ("user", q))))))
+        for p in wl.prompts for q in p.followups)
+    followups = sum(len(p.followups) for p in wl.prompts)
+    assert followups == 2  # both questions drawn, one follow-up each
+    assert (row["completed"], row["failed"]) == (4 + followups, 0)
+    assert row["total_input_tokens"] > first_turns + without_answers
     groups = [g["group"] for g in row["categories"]]
     assert groups == sorted({p.group for p in wl.prompts})
     assert {g.split("/")[0] for g in groups} == {"mtbench", "humaneval"}
-    assert sum(g["requests"] for g in row["categories"]) == 4
+    assert sum(g["requests"] for g in row["categories"]) == 4 + followups
     for g in row["categories"]:
         assert g["completed"] == g["requests"] and g["output_tokens"] == 8 * g["requests"]
         assert g["accept_length"] >= 1.0 and g["user_tok_s"] > 0
-    # T = 0: the tree's outputs are the target's own, prompt for prompt, and the report says so.
-    assert len(row["output_hashes"]) == 4 and None not in row["output_hashes"]
+    # T = 0: the tree's outputs are the target's own, turn for turn (a second turn carries
+    # the first turn's answer, so a lossy first turn changes both), and the report says so.
+    assert len(row["output_hashes"]) == 4 + followups and None not in row["output_hashes"]
     assert row["output_hashes"] == ar["output_hashes"]
     tidy = build_report([out]).tidy
     (cell,) = tidy[tidy["algorithm"] == "DDTREE"].itertuples()
-    assert (cell.t0_prompts, cell.t0_match_frac) == (4, 1.0)
+    assert (cell.t0_prompts, cell.t0_match_frac) == (4 + followups, 1.0)

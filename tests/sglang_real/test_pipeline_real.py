@@ -29,6 +29,10 @@ from cli_json import json_data
 from fleetlib import fast_root
 
 from ddtree_ops.bench import ledger
+from ddtree_ops.bench._hostclient import output_hash
+from ddtree_ops.bench.client import LoadSpec
+from ddtree_ops.bench.onhost import LocalClient
+from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.patching.bundle import load_bundle
 from ddtree_ops.service import lifecycle
@@ -257,6 +261,43 @@ def test_deploy_restart_bench_report_on_real_sglang(
                                                                                                   "1.0")
 
     _restart_past_its_deadline_while_the_log_moves(cpu_host, tmp_path)
+    _a_follow_up_turn_is_the_conversation_with_the_servers_own_answer(cpu_host["url"])
+
+
+TURN_TOKENS = 12
+TURN_QUESTION = (("system", "Answer briefly."), ("user", "Why verify a drafted tree in one pass?"))
+TURN_FOLLOW_UP = "And in one word?"
+
+
+def _a_follow_up_turn_is_the_conversation_with_the_servers_own_answer(url: str) -> None:
+    """A multi-turn question's follow-up (MT-Bench's second question) reaches the server as
+    the conversation so far through the model's own chat template: the question, the
+    answer the server streamed for it, the next question. Checked against the server
+    itself: greedy decoding gives the same first answer again, the server renders the
+    conversation holding it (``/v1/tokenize``), and the client's second request must have
+    had exactly those ids (its prompt token count) and produced what the server produces
+    for them (output hash)."""
+    client = LocalClient(url)
+    rendered = client.render_chat([TURN_QUESTION])
+    assert rendered.error is None, rendered.error
+    (first_ids,) = rendered.ids
+    prompt = Prompt(text="q", messages=TURN_QUESTION, followups=(TURN_FOLLOW_UP,), input_ids=first_ids)
+    load = client.run_load(LoadSpec(prompts=(prompt,), max_new_tokens=TURN_TOKENS, sampling={"temperature": 0.0}))
+    first, second = load.results
+    assert first.ok and second.ok, load.results
+
+    params = {"max_new_tokens": TURN_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:
+        answer = http.post("/generate", json={"input_ids": list(first_ids), "sampling_params": params}).json()
+        conversation = [{"role": r, "content": c} for r, c in TURN_QUESTION]
+        conversation += [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": TURN_FOLLOW_UP}]
+        second_ids = http.post("/v1/tokenize", json={"messages": conversation}).json()["tokens"]
+        again = http.post("/generate", json={"input_ids": second_ids, "sampling_params": params}).json()
+    assert answer["text"], answer  # a non-empty answer: the second turn really carries it
+    assert first.output_hash == output_hash(answer["output_ids"])
+    assert second.prompt_tokens == len(second_ids) > len(first_ids) + 1
+    assert second.output_hash == output_hash(again["output_ids"])
+    assert second.start >= first.end
 
 
 def _restart_past_its_deadline_while_the_log_moves(cpu_host: dict[str, Any], tmp_path: Path) -> None:
