@@ -593,14 +593,9 @@ class _Turns:
     async def _render(self, messages):
         import asyncio
 
-        loop = asyncio.get_running_loop()
-        try:
-            status, raw = await loop.run_in_executor(
-                None, _simple, self.address, self.port, "POST", "/v1/tokenize", self.timeout,
-                {"messages": messages}, self.tls)
-        except (OSError, ValueError) as exc:
-            return None, _error_text(exc, "connect")
-        return rendered_ids(status, raw)
+        got = await asyncio.get_running_loop().run_in_executor(
+            None, render_chat, self.address, self.port, [messages], self.timeout, self.tls)
+        return (got["ids"][0], None) if "ids" in got else (None, got["error"])
 
     async def follow_up(self, conn, index, route, first_body, answer, on_result):
         session = self.sessions[index]
@@ -725,13 +720,13 @@ def rendered_ids(status, body):
     return tokens, None
 
 
-def render_chat(address, port, conversations, timeout):
+def render_chat(address, port, conversations, timeout, tls=None):
     """Each conversation's ids as the served model's chat template renders them."""
     ids = []
     for messages in conversations:
         body = {"messages": messages}
         try:
-            status, raw = _simple(address, port, "POST", "/v1/tokenize", timeout, body=body)
+            status, raw = _simple(address, port, "POST", "/v1/tokenize", timeout, body=body, tls=tls)
         except (OSError, ValueError) as exc:
             return {"kind": "rendered", "error": _error_text(exc, "connect")}
         one, why = rendered_ids(status, raw)
