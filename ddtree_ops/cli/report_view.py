@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops import report as rep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable
+from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, tok_s_column, with_spread
 from ddtree_ops.cli.main import AppContext
 from ddtree_ops.errors import BenchError, ConfigError
 
@@ -35,17 +35,17 @@ def _ratio(value: Any) -> str:
     return text if text == "—" else f"{text}x"
 
 
+def _repeats(n: Any) -> int | None:
+    """A row's repeat count, None where the frame has none (NaN, NA)."""
+    return None if _fmt(n) == "—" else int(n)
+
+
 def _spread(median: Any, mad: Any, n: Any) -> str:
-    """'median ± MAD' over repeats; a single repeat has no spread to show, only its value."""
-    if _fmt(n) == "—" or int(n) < 2:
-        return _fmt(median)
-    return f"{_fmt(median)} ± {_fmt(mad)}"
+    return with_spread(_fmt(median), _fmt(mad), _repeats(n))
 
 
 def _tok_s_column(ns: Any) -> TableColumn:
-    """The throughput column: 'tok/s ± MAD' where some row has repeats to spread over."""
-    repeats = any(_fmt(n) != "—" and int(n) >= 2 for n in ns)
-    return TableColumn("tok/s ± MAD" if repeats else "tok/s", "right")
+    return tok_s_column(_repeats(n) for n in ns)
 
 
 def _cell(row: Any) -> str:

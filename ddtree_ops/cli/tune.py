@@ -27,7 +27,9 @@ from ddtree_ops.cli.common import (
     print_table,
     raise_if_failed,
     set_json_data,
+    tok_s_column,
     transport_for,
+    with_spread,
 )
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.cli.service import _lease_pass, _Live, run_with_board
@@ -170,14 +172,14 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
         console.print(f"[yellow]Skipped {tuning.bad_lines} bad line(s)[/] (`report` lists them).", highlight=False)
     columns = (
         TableColumn("batch ≥", "right"), TableColumn("tree"),
-        TableColumn("tok/s ± MAD" if any(e.n > 1 for p in tuning.policies for e in p.entries) else "tok/s", "right"),
+        tok_s_column(e.n for p in tuning.policies for e in p.entries),
         TableColumn("n", "right", drop=2), TableColumn("accept len", "right", drop=3),
         TableColumn("vs AR", "right", drop=1), TableColumn("runner-up", wrap=True, drop=4),
     )
     for policy in tuning.policies:
         rows: list[list[str | Text]] = [[
             str(e.concurrency), Text(f"b={e.budget} k={e.topk}", style="bold green"),
-            f"{_num(e.output_tok_s)} ± {_num(e.output_tok_s_mad)}" if e.n > 1 else _num(e.output_tok_s), str(e.n),
+            with_spread(_num(e.output_tok_s), _num(e.output_tok_s_mad), e.n), str(e.n),
             _num(e.accept_length, 2),
             _num(e.speedup_vs_ar, 2, "x"), e.runner_up or "—",
         ] for e in policy.entries]
