@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
 from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash, scheduler_logger
@@ -376,7 +377,7 @@ async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
 
 
 async def generate(request: Request) -> Response:
-    arrived = time.monotonic()
+    arrived = _arrived(request)
     state: State = request.app.state.sim
     try:
         obj = await _read_json(request)
@@ -457,7 +458,7 @@ def chat_template_text(messages: object) -> str:
 
 
 async def _openai(request: Request, *, chat: bool) -> Response:
-    arrived = time.monotonic()
+    arrived = _arrived(request)
     state: State = request.app.state.sim
     try:
         obj = await _read_json(request)
@@ -622,6 +623,33 @@ def port_available(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+# Where the HTTP protocol leaves a request's arrival in its ASGI scope's state.
+_ARRIVED = "sim_arrived"
+
+
+class _StampingH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that notes when a request's bytes reached the server: the
+    request's creation time on the server's clock (``/sim/request_times``, TTFT, e2e).
+    Stamped as its handler starts instead, a request of a burst of hundreds waited for the
+    loop to parse every other one first (tens of ms at 256), which made the server's own
+    clock read fast against every client's."""
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        before = getattr(self, "scope", None)
+        super().data_received(data)
+        scope = getattr(self, "scope", None)
+        if scope is not None and scope is not before:
+            scope.setdefault("state", {})[_ARRIVED] = now
+
+
+def _arrived(request: Request) -> float:
+    """When the request reached the server (monotonic): its bytes' arrival where the
+    protocol stamped it (a pipelined request it parsed later is not), else now."""
+    stamped = request.scope.get("state", {}).get(_ARRIVED)
+    return stamped if isinstance(stamped, float) else time.monotonic()
 
 
 class _Server(uvicorn.Server):
@@ -820,6 +848,7 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     engine.start()
     app = build_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            http=_StampingH11Protocol,
                             timeout_graceful_shutdown=1)
     server = _Server(config)
     stop = asyncio.Event()

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
+import time
 from urllib.parse import urlsplit
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from testports import free_port
 
 from ddtree_ops.bench._hostclient import Connection
 from ddtree_ops.bench.client import LoadSpec, as_request_result, request_for
 from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.sim.profiles import PROFILES
+from ddtree_ops.sim.server import _arrived, _StampingH11Protocol
 
 # From "the previous request just finished" to well past the loop's catch-up window.
 GAPS_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.1)
@@ -46,3 +58,51 @@ def test_ttft_at_an_idle_server_never_beats_the_modelled_prefill(sim_factory) ->
     ttfts = [r.ttft for r in results]
     assert all(r.prompt_tokens > 0 for r in results)
     assert all(t is not None and t >= floor for t, floor in zip(ttfts, floors, strict=True)), (ttfts, floors)
+
+
+def test_a_request_is_created_when_its_bytes_arrived_not_when_its_handler_ran() -> None:
+    """The simulator's clock (``/sim/request_times``, TTFT, e2e) starts a request when its
+    bytes reached the server. Here a real uvicorn server with the simulator's protocol has
+    its loop held (a handler that blocks, as a burst of hundreds of requests keeps it
+    busy): b and c arrive meanwhile, are read in the same pass of the loop, and c's handler
+    runs only after b's has held the loop another 0.2 s; c is still created when it
+    arrived, with b. (Stamped as its handler started, c was created 0.2 s late.)"""
+    async def stamp(request: Request) -> JSONResponse:
+        arrived, started = _arrived(request), time.monotonic()
+        time.sleep(float(request.query_params.get("hold", 0)))  # holds the loop, as a busy server's is held
+        return JSONResponse({"arrived": arrived, "started": started})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/stamp", stamp)]), host="127.0.0.1", port=port,
+                                           log_level="warning", http=_StampingH11Protocol))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def send(path: bytes) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n\r\n")
+        return s
+
+    def read(s: socket.socket) -> dict[str, float]:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        return json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.started
+        a = send(b"/stamp?hold=0.3")
+        time.sleep(0.1)  # a's handler holds the loop now
+        b, c = send(b"/stamp?hold=0.2"), send(b"/stamp")
+        read(a)
+        got_b, got_c = read(b), read(c)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert got_c["started"] - got_b["started"] > 0.15, (got_b, got_c)  # c's handler waited for b's
+    assert abs(got_c["arrived"] - got_b["arrived"]) < 0.1, (got_b, got_c)  # yet both arrived together
+    assert got_c["started"] - got_c["arrived"] > 0.15, got_c
