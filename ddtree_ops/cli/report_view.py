@@ -37,7 +37,7 @@ def _ratio(value: Any) -> str:
 
 def _repeats(n: Any) -> int | None:
     """A row's repeat count, None where the frame has none (NaN, NA)."""
-    return None if _fmt(n) == "—" else int(n)
+    return None if n is None or pd.isna(n) else int(n)
 
 
 def _spread(median: Any, mad: Any, n: Any) -> str:
