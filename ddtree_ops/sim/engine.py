@@ -175,8 +175,8 @@ class Engine:
         self, prompt_ids: Sequence[int], category: str, params: SamplingParams, rid: str | None = None,
         arrived: float | None = None,
     ) -> GenRequest:
-        """Queue a request; ``arrived`` (monotonic) is when its HTTP handler got it, the start
-        of its time on the server's clock (``created``), else now."""
+        """Queue a request; ``arrived`` (monotonic) is when its bytes reached the server, the
+        start of its time on the server's clock (``created``), else now."""
         n = next(self._counter)
         rid = rid or f"sim-{n:08x}"
         prompt = [int(t) % VOCAB for t in prompt_ids] or [1]

@@ -347,9 +347,10 @@ def _is_id_batch(ids: object) -> bool:
     return isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
 
 
-async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
+async def _generate_batch(request: Request, obj: dict[str, Any], arrived: float) -> Response:
     """``input_ids`` as a list of token-id lists, as SGLang takes a batch: one answer
-    each, in order (``sampling_params`` one object for all, or one per prompt)."""
+    each, in order (``sampling_params`` one object for all, or one per prompt), every
+    one created when the batch arrived."""
     state: State = request.app.state.sim
     batch = obj["input_ids"]
     raw = obj.get("sampling_params")
@@ -365,7 +366,7 @@ async def _generate_batch(request: Request, obj: dict[str, Any]) -> Response:
         return _error(str(exc))
     engine = _engine(request)
     start = time.monotonic()
-    reqs = [engine.submit(prompt, category, params) for (prompt, category), params in items]
+    reqs = [engine.submit(prompt, category, params, arrived=arrived) for (prompt, category), params in items]
     try:
         await asyncio.gather(*(_run_to_end(r) for r in reqs))
     except asyncio.CancelledError:
@@ -384,7 +385,7 @@ async def generate(request: Request) -> Response:
         if not isinstance(obj, dict):
             raise RequestError("Request body must be a JSON object.")
         if _is_id_batch(obj.get("input_ids")) and obj.get("text") is None:
-            return await _generate_batch(request, obj)
+            return await _generate_batch(request, obj, arrived)
         prompt, category = _prompt_from(obj, state)
         params = SamplingParams.from_json(obj.get("sampling_params"))
         stream = obj.get("stream", False)
