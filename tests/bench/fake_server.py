@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import uvicorn
+from asgiserver import serve_in_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -138,23 +135,5 @@ def make_app(state: FakeState) -> Starlette:
 
 @contextmanager
 def serve(state: FakeState) -> Iterator[str]:
-    # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say TCP (its
-    # _set_nodelay checks sock.proto), and accepted sockets inherit this one's. With
-    # proto 0 the server held each frame until the client's delayed ACK (~40 ms) on a
-    # kept-alive connection, so frames of every request after the first arrived together.
-    # A server started on host/port (uvicorn, SGLang, the simulator) has proto 6 already.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(make_app(state), log_level="critical", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_in_thread(make_app(state)) as url:
+        yield url

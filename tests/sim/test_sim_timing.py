@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from urllib.parse import urlsplit
 
-import uvicorn
+from asgiserver import serve_in_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from testports import free_port
 
 from ddtree_ops.bench._hostclient import Connection
 from ddtree_ops.bench.client import LoadSpec, as_request_result, request_for
@@ -72,13 +70,7 @@ def test_a_request_is_created_when_its_bytes_arrived_not_when_its_handler_ran() 
         time.sleep(float(request.query_params.get("hold", 0)))  # holds the loop, as a busy server's is held
         return JSONResponse({"arrived": arrived, "started": started})
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/stamp", stamp)]), host="127.0.0.1", port=port,
-                                           log_level="warning", http=_StampingH11Protocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def send(path: bytes) -> socket.socket:
+    def send(port: int, path: bytes) -> socket.socket:
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n\r\n")
         return s
@@ -90,19 +82,14 @@ def test_a_request_is_created_when_its_bytes_arrived_not_when_its_handler_ran() 
         s.close()
         return json.loads(data.split(b"\r\n\r\n", 1)[1])
 
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.started
-        a = send(b"/stamp?hold=0.3")
+    with serve_in_thread(Starlette(routes=[Route("/stamp", stamp)]), http=_StampingH11Protocol) as url:
+        port = urlsplit(url).port
+        assert port is not None
+        a = send(port, b"/stamp?hold=0.3")
         time.sleep(0.1)  # a's handler holds the loop now
-        b, c = send(b"/stamp?hold=0.2"), send(b"/stamp")
+        b, c = send(port, b"/stamp?hold=0.2"), send(port, b"/stamp")
         read(a)
         got_b, got_c = read(b), read(c)
-    finally:
-        server.should_exit = True
-        thread.join(10)
     assert got_c["started"] - got_b["started"] > 0.15, (got_b, got_c)  # c's handler waited for b's
     assert abs(got_c["arrived"] - got_b["arrived"]) < 0.1, (got_b, got_c)  # yet both arrived together
     assert got_c["started"] - got_c["arrived"] > 0.15, got_c
