@@ -300,15 +300,19 @@ class TableColumn:
     wrap: bool = False
 
 
+def _has_spread(repeats: int | None) -> bool:
+    """One repeat has no spread to show (a '± 0.0' would claim one)."""
+    return repeats is not None and repeats >= 2
+
+
 def with_spread(value: str, mad: str, repeats: int | None) -> str:
-    """'value ± MAD' over repeats; one repeat has no spread to show (a '± 0.0' would claim one)."""
-    return f"{value} ± {mad}" if repeats is not None and repeats >= 2 else value
+    """'value ± MAD' over repeats, the value alone where there is no spread."""
+    return f"{value} ± {mad}" if _has_spread(repeats) else value
 
 
 def tok_s_column(repeats: Iterable[int | None]) -> TableColumn:
     """The throughput column: 'tok/s ± MAD' where some row has repeats to spread over."""
-    spread = any(n is not None and n >= 2 for n in repeats)
-    return TableColumn("tok/s ± MAD" if spread else "tok/s", "right")
+    return TableColumn("tok/s ± MAD" if any(map(_has_spread, repeats)) else "tok/s", "right")
 
 
 def fitted_table(
