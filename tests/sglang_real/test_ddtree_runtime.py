@@ -163,12 +163,14 @@ def test_after_each_switch_greedy_equals_a_fresh_launch_and_the_target_alone(
 def test_switches_while_requests_are_in_flight_never_corrupt_them(
     runtime_server, fresh_b16, reference_outputs, widths
 ):
-    # Twelve requests of 160 tokens: enough rounds for switches to land while they run on
-    # a busy two-core machine (a switch is taken between two rounds, so at most one lands
-    # per round; with 96 tokens a loaded CI box once saw only two land before the requests
-    # ended). The fresh launch gives the 160-token outputs; their first 40 are the target
-    # alone's own (reference_outputs).
-    prompts, tokens = PROMPTS * 4, 160
+    # Twelve requests of 640 tokens: enough rounds for switches to land while they run on
+    # a busy two-core machine. A switch is taken between two rounds, but from its POST to
+    # its first round took 9 to 21 rounds here, and longer on a busy machine: with 160
+    # tokens (about 115 rounds) 5 to 9 switches landed here, and a fresh-clone CI run once
+    # saw one; 640 tokens give nearly four times the rounds (about 420). The fresh launch
+    # gives the 640-token outputs; their first 40 are the target alone's own
+    # (reference_outputs).
+    prompts, tokens = PROMPTS * 4, 640
     fresh_b16.flush_cache()
     fresh = fresh_b16.generate(prompts, max_new_tokens=tokens)
     for i, (f, w) in enumerate(zip(fresh, reference_outputs * 4, strict=True)):
