@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
-from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle, manager
+from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle
 from ddtree_ops.service.logphases import Phase, PhaseEvent
+from ddtree_ops.service.manager import Launched, ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
 
@@ -97,11 +98,11 @@ def main() -> int:
             print(f"restart {i + 1:2d}: launch->ready {result.ready_s:6.2f}s"
                   f"  ready line->our ready {overhead * 1000:7.1f} ms")
         # What one readiness poll costs on its own (agent round trip + HTTP + /proc scan).
-        launched = manager.Launched(pid=result.pid, pstart=None, started_at=result.ready_at, log_path=str(log))
+        launched = Launched(pid=result.pid, pstart=None, started_at=result.ready_at, log_path=str(log))
         poll_s = []
         for _ in range(20):
             t0 = time.perf_counter()
-            manager.poll(t, host, launched, 0)
+            ProcessManager(t, host).poll(launched, 0)
             poll_s.append(time.perf_counter() - t0)
         lifecycle.stop(t, host, grace_s=5.0)
     if overheads:

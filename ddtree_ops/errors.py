@@ -22,12 +22,15 @@ where they occur: transports, config loaders, HTTP).
     │   ├── UnsupportedVersion
     │   ├── DriftError                  target file is neither original nor patched
     │   ├── LockError                   another deploy holds the host lock
-    │   └── VerifyError                 post-apply verification failed (rolled back)
+    │   ├── VerifyError                 post-apply verification failed (rolled back)
+    │   └── CanaryRejected              the patched canary failed its gate (rolled back)
     ├── ServiceError                    exit 5   start / stop / readiness
     │   ├── ReadinessTimeout
     │   ├── ServerCrashed
     │   ├── PortBusy
-    │   └── LeaseHeld                   a running sweep holds the host (its lease)
+    │   ├── LeaseHeld                   a running sweep holds the host (its lease)
+    │   ├── UnitRefused                 the systemd unit cannot be driven (nothing changed)
+    │   └── CanaryFailed                the restarted canary failed its gate (rolled back)
     ├── BenchError                      exit 6
     └── FleetError                      exit 7   at least one host failed in a fan-out; when
                                                  every failed host's error has the same exit
@@ -165,6 +168,13 @@ class VerifyError(PatchError):
     code = "verify"
 
 
+class CanaryRejected(PatchError):
+    """A rollout's canary, patched and restarted, failed its gate: it was put back, and no
+    other host was touched (``deploy``/``tune --deploy`` with ``--canary``)."""
+
+    code = "canary_rejected"
+
+
 class ServiceError(DdtreeOpsError):
     code = "service"
     exit_code = 5
@@ -187,6 +197,20 @@ class LeaseHeld(ServiceError):
     its server meanwhile would spoil its measurements."""
 
     code = "lease_held"
+
+
+class UnitRefused(ServiceError):
+    """The host's systemd unit cannot be driven (not found, masked, a user unit, not an
+    SGLang launch, no permission); refused before anything on the host changed."""
+
+    code = "unit_refused"
+
+
+class CanaryFailed(ServiceError):
+    """A rollout's canary, restarted, failed its gate: it was put back, and no other host
+    was touched (``restart``/``rollback --restart`` with ``--canary``)."""
+
+    code = "canary_failed"
 
 
 class BenchError(DdtreeOpsError):

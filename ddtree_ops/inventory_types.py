@@ -58,9 +58,26 @@ class ServerSettings:
     env: Mapping[str, str] = field(default_factory=_frozen_env)
     expected_load_s: float = 600.0
     command: str = DEFAULT_SERVER_COMMAND
-    manager: Literal["process"] = "process"
+    # Who runs the server: "process" (ddtree-ops, in a session of its own) or "systemd"
+    # (the operator's ``unit``, driven through a drop-in: service/systemd.py).
+    manager: Literal["process", "systemd"] = "process"
+    # manager systemd: the service unit; with slots a template (``sglang@.service``), whose
+    # instance per slot is ``sglang@<i>.service``.
+    unit: str | None = None
     # Empty: one server that sees every GPU (no CUDA_VISIBLE_DEVICES set), as before slots.
     slots: tuple[SlotSettings, ...] = ()
+
+
+def is_template(unit: str | None) -> bool:
+    """``sglang@.service``: a template, whose instances are ``sglang@<i>.service``."""
+    return unit is not None and unit.split(".service")[0].endswith("@")
+
+
+def slot_unit(unit: str | None, index: int) -> str | None:
+    """The unit of GPU slot ``index``: the template's instance ``index``."""
+    if unit is None or not is_template(unit):
+        return unit
+    return unit.replace("@.service", f"@{index}.service")
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ class Host:
             ddtree = replace(
                 self.ddtree,
                 run_dir=f"{self.ddtree.run_dir.rstrip('/')}/slot-{index}",
-                server=replace(server, port=slot.port, env=env, slots=()),
+                server=replace(server, port=slot.port, env=env, slots=(), unit=slot_unit(server.unit, index)),
             )
             out.append(
                 replace(

@@ -123,8 +123,32 @@ def main(ports, bind_host):
             sock.close()
     out["port_in_use"] = ports[0] in busy
     out["ports_busy"] = busy
+    out["units"] = [unit_facts(u) for u in units]
     return out
 
+def unit_facts(unit):
+    """What the host's systemd says of the unit that runs SGLang there (manager: systemd)."""
+    props = {"Id": unit}
+    if not os.path.isdir("/run/systemd/system"):
+        props["error"] = "systemd is not the service manager of this host"
+        return props
+    try:
+        res = subprocess.run(
+            ["systemctl", "show", unit, "-pLoadState", "-pActiveState", "-pSubState", "-pNRestarts",
+             "-pUnitFileState", "-pDropInPaths", "-pMainPID"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
+    except Exception as exc:
+        props["error"] = "systemctl: %s" % exc
+        return props
+    if res.returncode != 0:
+        props["error"] = (res.stderr or res.stdout).strip()[-300:]
+    for line in res.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            props[key] = value
+    return props
+
+units = PAYLOAD.get("units") or []
 reply(main([int(p) for p in PAYLOAD["ports"]], PAYLOAD["bind_host"]))
 '''
 
@@ -140,6 +164,55 @@ class GpuInfo:
     def sm(self) -> str:
         """``12.0`` -> ``sm_120``: the form CUDA errors and kernels speak."""
         return "sm_" + self.compute_cap.replace(".", "")
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """A systemd unit as the probe found it (``manager: systemd`` hosts)."""
+
+    name: str
+    load: str | None = None
+    active: str | None = None
+    sub: str | None = None
+    restarts: int | None = None
+    enabled: str | None = None
+    dropin_in_effect: bool = False
+    main_pid: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_probe(cls, props: dict[str, str]) -> UnitFacts:
+        def number(key: str) -> int | None:
+            value = props.get(key, "")
+            return int(value) if value.isdigit() else None
+
+        name = props.get("Id", "?")
+        ours = f"/etc/systemd/system/{name}.d/50-ddtree-ops.conf"
+        pid = number("MainPID")
+        return cls(
+            name=name, load=props.get("LoadState"), active=props.get("ActiveState"), sub=props.get("SubState"),
+            restarts=number("NRestarts"), enabled=props.get("UnitFileState"),
+            dropin_in_effect=ours in props.get("DropInPaths", "").split(), main_pid=pid or None,
+            error=props.get("error"),
+        )
+
+    @property
+    def problem(self) -> str | None:
+        """Why ddtree-ops could not drive this unit, where the probe can tell."""
+        if self.error:
+            return f"{self.name}: {self.error}"
+        if self.load == "not-found":
+            return f"unit {self.name} not found"
+        if self.load == "masked" or self.enabled == "masked":
+            return f"unit {self.name} is masked"
+        return None
+
+    def describe(self) -> str:
+        if self.problem:
+            return self.problem
+        restarts = f", NRestarts {self.restarts}" if self.restarts else ""
+        dropin = "our drop-in" if self.dropin_in_effect else "its own ExecStart"
+        return f"{self.name} {self.active} ({self.sub}), {self.enabled}{restarts}, {dropin}"
 
 
 @dataclass(frozen=True)
@@ -162,6 +235,7 @@ class HostFacts:
     port_in_use: bool | None = None
     ports: tuple[int, ...] = ()  # every server port checked: server.port, or each slot's
     ports_busy: tuple[int, ...] = ()
+    units: tuple[UnitFacts, ...] = ()  # manager systemd: the unit (each slot's instance)
     error: str | None = None
     error_type: str | None = None
     duration_s: float = 0.0
@@ -175,7 +249,8 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
     """One remote command; every failure is returned as ``error``, never raised."""
     port = host.ddtree.server.port
     ports = tuple(slot.port for slot in host.ddtree.server.slots) or (port,)
-    payload = {"ports": list(ports), "bind_host": host.ddtree.server.bind_host}
+    units = [slot.ddtree.server.unit for slot in host.slot_hosts()] if host.ddtree.server.manager == "systemd" else []
+    payload = {"ports": list(ports), "bind_host": host.ddtree.server.bind_host, "units": units}
     try:
         run = run_program(transport, host.python, PROBE_SOURCE, payload, timeout=timeout)
     except DdtreeOpsError as exc:
@@ -217,6 +292,7 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
         port_in_use=data.get("port_in_use"),
         ports=ports,
         ports_busy=tuple(data.get("ports_busy") or ()),
+        units=tuple(UnitFacts.from_probe(u) for u in data.get("units") or ()),
         duration_s=result.duration,
     )
 

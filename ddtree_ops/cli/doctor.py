@@ -13,7 +13,7 @@ from rich.text import Text
 
 from ddtree_ops.cli.common import load_hosts, raise_if_failed, render_host_results
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.errors import DdtreeOpsError, InventoryError, recorded_error
+from ddtree_ops.errors import DdtreeOpsError, InventoryError, UnitRefused, recorded_error
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.probe import HostFacts, probe_hosts, slot_gpu_problem
 
@@ -69,9 +69,20 @@ def _slots(host: Host) -> str | None:
     return ", ".join(f"{i}: GPU {s.cuda_visible_devices} port {s.port}" for i, s in enumerate(slots))
 
 
+def _service(host: Host, f: HostFacts) -> Text | str:
+    """Who runs the server, and under systemd the unit's state."""
+    if host.ddtree.server.manager != "systemd":
+        return "process manager (ddtree-ops launches SGLang)"
+    if not f.units:
+        return Text(f"systemd: {host.ddtree.server.unit} not reported", style="yellow")
+    text = "; ".join(u.describe() for u in f.units)
+    return Text(f"systemd: {text}", style="yellow" if any(u.problem for u in f.units) else "")
+
+
 def _columns(hosts: Sequence[Host]) -> list[tuple[str, Callable[[HostFacts], object]]]:
     by_name = {h.name: h for h in hosts}
     columns: list[tuple[str, Callable[[HostFacts], object]]] = [
+        ("service", lambda f: _service(by_name[f.host], f)),
         ("python", lambda f: f.python_version),
         ("sglang", _sglang),
         ("torch", _torch),
@@ -96,7 +107,9 @@ def _judge(hosts: Sequence[Host]) -> Callable[[HostFacts], DdtreeOpsError | None
 
     def judge(f: HostFacts) -> DdtreeOpsError | None:
         problem = slot_gpu_problem(by_name[f.host], f)
-        return _failure(f) or (InventoryError(problem, host=f.host) if problem else None)
+        unit = next((u.problem for u in f.units if u.problem), None)
+        return _failure(f) or (InventoryError(problem, host=f.host) if problem else None) or (
+            UnitRefused(f"{unit}: restart would refuse this host", host=f.host) if unit else None)
 
     return judge
 
@@ -107,8 +120,9 @@ def doctor_cmd(
     target: str = typer.Argument(..., help="Group, host, 'all', or a comma list."),
     connect_timeout: float = typer.Option(10.0, "--connect-timeout", min=0.1, help="Seconds to reach each host."),
 ) -> None:
-    """Check each host in one remote round trip: SSH, Python, SGLang, torch/CUDA, GPUs, disk, port
-    (and that its GPU slots name GPUs it has). A slot HOST/I checks its host."""
+    """Check each host in one remote round trip: who runs the server (ddtree-ops, or a systemd
+    unit and its state), SSH, Python, SGLang, torch/CUDA, GPUs, disk, port (and that its GPU slots
+    name GPUs it has). A slot HOST/I checks its host."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     results = probe_hosts(

@@ -25,7 +25,7 @@ from ddtree_ops.inventory.schema import parse_gpus, refuse_unusable
 from ddtree_ops.inventory.sources import RawInventory, load_sources
 from ddtree_ops.inventory.values import Origin
 from ddtree_ops.inventory.vars import Resolved, VarFiles, depths, host_groups, resolve
-from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings, is_template
 
 SSH_CONNECTIONS = ("ssh", "smart", "ansible.builtin.ssh")
 PARAMIKO_CONNECTIONS = ("paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh")
@@ -195,6 +195,7 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
 
     if settings.server.slots:
         check_slots(settings.server, ddtree_where)
+    check_manager(settings.server, ddtree_where)
     return Host(
         name=name,
         connection=connection,  # type: ignore[arg-type]  # narrowed to the Literal above
@@ -206,6 +207,26 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
         ddtree=settings,
         source=first.file,
     )
+
+
+def check_manager(server: ServerSettings, where: Callable[[str], str]) -> None:
+    """``manager: systemd`` names the unit it drives; with GPU slots that is a template
+    (one instance per slot); a template without slots names no unit. Checked on the merged
+    value: a group may set ``manager`` and a host its ``unit``."""
+    if server.manager != "systemd":
+        if server.unit is not None:
+            raise InventoryError(f"{where('ddtree.server.unit')}: only used with manager: systemd (the manager is "
+                                 f"{server.manager})")
+        return
+    if server.unit is None:
+        raise InventoryError(f"{where('ddtree.server.manager')}: manager systemd needs ddtree.server.unit, the "
+                             f"service unit that runs SGLang (e.g. sglang.service)")
+    if server.slots and not is_template(server.unit):
+        raise InventoryError(f"{where('ddtree.server.unit')}: {server.unit} with GPU slots: give a template such as "
+                             f"sglang@.service (slot i runs sglang@i.service)")
+    if not server.slots and is_template(server.unit):
+        raise InventoryError(f"{where('ddtree.server.unit')}: {server.unit} is a template; name the instance that "
+                             f"runs SGLang (e.g. {server.unit.replace('@.', '@0.')}) or give the host GPU slots")
 
 
 def _port(value: Any, where: str) -> int:
@@ -232,6 +253,7 @@ def build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> Dd
         expected_load_s=float(server_raw.get("expected_load_s", sdef.expected_load_s)),
         command=server_raw.get("command", sdef.command),
         manager=server_raw.get("manager", sdef.manager),
+        unit=server_raw.get("unit", sdef.unit),
     )
     if server_raw.get("slots") is not None:
         server = replace(server, slots=build_slots(server_raw["slots"], server.port))

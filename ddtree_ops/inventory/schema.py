@@ -13,11 +13,16 @@ Ansible too, so they are used as written.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ddtree_ops.errors import InventoryError
 from ddtree_ops.inventory.values import Origin, Unsafe, Vaulted, did_you_mean
+
+MANAGERS = ("process", "systemd")
+# A service unit's name (an instance of a template included); "/" and whitespace never.
+UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]*)?\.service\Z")
 
 _SERVER_SCHEMA: dict[str, str] = {
     "model_path": "str",
@@ -29,6 +34,7 @@ _SERVER_SCHEMA: dict[str, str] = {
     "expected_load_s": "positive_number",
     "command": "str",
     "manager": "manager",
+    "unit": "unit",
     "slots": "slots",
 }
 DDTREE_SCHEMA: dict[str, Any] = {
@@ -161,5 +167,9 @@ def type_problem(kind: str, value: Any) -> str | None:
         )
         return None if ok else "expected a mapping of NAME: value (strings or numbers)"
     if kind == "manager":
-        return None if value == "process" else "expected 'process' (the only manager supported)"
+        ok = value in MANAGERS
+        return None if ok else "expected 'process' (ddtree-ops runs the server) or 'systemd' (a unit does)"
+    if kind == "unit":
+        ok = isinstance(value, str) and UNIT_NAME.match(value) is not None
+        return None if ok else "expected a systemd service unit name such as sglang.service or sglang@.service"
     raise AssertionError(f"unknown schema kind {kind}")

@@ -271,9 +271,17 @@ def action_poll(p):
     cut = chunk.rfind(b"\n") + 1
     out["log"] = chunk[:cut].decode("utf-8", "replace")
     out["offset"] = offset + cut
+    out.update(_server_answers(p, pid))
+    return out
+
+
+def _server_answers(p, sid):
+    """Who listens on the port (a process of session ``sid``?), and what /health_generate
+    and /server_info answer: the part of a poll that does not depend on the manager."""
+    out = {}
     host, port = p["probe_host"], p["port"]
     out["port_open"] = _port_open(host, port)
-    out["listener_ours"] = _listener_ours(port, pid) if out["port_open"] else False
+    out["listener_ours"] = _listener_ours(port, sid) if out["port_open"] else False
     out["health"] = None
     out["server_info"] = None
     if out["port_open"]:
@@ -295,7 +303,7 @@ def action_poll(p):
     return out
 
 
-def _smoke_one(host, port, request, timeout, out):
+def _smoke_one(host, port, request, timeout, out, keep_tokens=False):
     """One /generate request of the smoke; ``out`` (a dict) receives its answer."""
     started = time.time()
     try:
@@ -309,6 +317,13 @@ def _smoke_one(host, port, request, timeout, out):
         if isinstance(meta, dict):
             out["completion_tokens"] = meta.get("completion_tokens")
             out["spec_verify_ct"] = meta.get("spec_verify_ct")
+        if keep_tokens and isinstance(answer, dict):
+            # What a rollout's gate compares before and after a change: the tokens (the
+            # text where a server gives no ids).
+            ids = answer.get("output_ids")
+            out["output_ids"] = ids[:4096] if isinstance(ids, list) else None
+            text = answer.get("text")
+            out["text"] = text[:20000] if isinstance(text, str) else None
         if status != 200:
             out["error"] = body.decode("utf-8", "replace")[:300]
     except socket.timeout:
@@ -331,7 +346,7 @@ def action_smoke(p):
     for round_no, requests in enumerate(p["rounds"]):
         answers = [{"round": round_no} for _ in requests]
         threads = [
-            threading.Thread(target=_smoke_one, args=(host, port, req, timeout, ans))
+            threading.Thread(target=_smoke_one, args=(host, port, req, timeout, ans, bool(p.get("keep_tokens"))))
             for req, ans in zip(requests, answers)
         ]
         for t in threads:
@@ -368,14 +383,9 @@ def _signal_group(pid, sig):
 
 def action_stop(p):
     run_dir = _run_dir(p)
-    if p.get("lease") is not None:
-        guard = _guarded(run_dir)
-        try:
-            leased = _lease_blocks(run_dir, p)
-        finally:
-            os.close(guard)
-        if leased is not None:
-            return {"leased": leased, "now": time.time()}
+    leased = _lease_refusal(run_dir, p)
+    if leased is not None:
+        return leased
     rec = _read_launch(run_dir)
     out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}  # type: dict[str, object]
     if not rec:
@@ -539,6 +549,18 @@ def _lease_blocks(run_dir, p):
     return held
 
 
+def _lease_refusal(run_dir, p):
+    """The answer that refuses a stop while another sweep holds the host, or None."""
+    if p.get("lease") is None:
+        return None
+    guard = _guarded(run_dir)
+    try:
+        leased = _lease_blocks(run_dir, p)
+    finally:
+        os.close(guard)
+    return None if leased is None else {"leased": leased, "now": time.time()}
+
+
 def action_lease(p):
     """Take the host's sweep lease for ``p["token"]``: refused while another token holds
     it, unless that is the token in ``take_over`` (a holder proved dead)."""
@@ -596,8 +618,10 @@ ACTIONS = {
 
 
 def main(payload):
+    # A systemd host's program is the unit agent's text (its UNIT_ACTIONS) followed by this one.
+    actions = dict(ACTIONS, **globals().get("UNIT_ACTIONS", {}))
     try:
-        result = ACTIONS[payload["action"]](payload["args"])
+        result = actions[payload["action"]](payload["args"])
     except Exception as exc:
         result = {"error": "agent", "detail": "%s: %s" % (type(exc).__name__, exc)}
     globals()["reply"](result)  # defined by the bootstrap (ddtree_ops/transport/hostprogram.py)

@@ -47,7 +47,7 @@ from ddtree_ops.service.fallback import (
 )
 from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec, probe_address
 from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
-from ddtree_ops.service.manager import Launched, LeasePass, StopResult
+from ddtree_ops.service.manager import Launched, LeasePass, LogPosition, ProcessManager, ServiceManager, StopResult
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
     LoadWindow,
@@ -59,6 +59,7 @@ from ddtree_ops.service.readiness import (
     wait_loop,
 )
 from ddtree_ops.service.smoke import SmokeFailure, SmokeResult, SmokeSpec, crash_line, judge_smoke
+from ddtree_ops.service.systemd import SystemdManager, exit_detail, launch_markers
 from ddtree_ops.state import PolicyRecord, StateStore
 from ddtree_ops.transport.base import Transport
 
@@ -67,6 +68,14 @@ if TYPE_CHECKING:
 
 PhaseCallback = Callable[[PhaseEvent], None]
 TAIL_LINES = 12
+
+
+def manager_for(transport: Transport, host: Host) -> ServiceManager:
+    """The manager that runs ``host``'s server (``ddtree.server.manager``): ddtree-ops's own
+    process manager, or the host's systemd through the operator's unit."""
+    if host.ddtree.server.manager == "systemd":
+        return SystemdManager(transport, host)
+    return ProcessManager(transport, host)
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,40 @@ class ServiceStatus:
     cuda_graph: bool | None
     run: str | None
     log_tail: tuple[str, ...] = ()
+    manager: str = "process"
+    unit: UnitState | None = None
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """A systemd host's unit as ``service-status`` and ``doctor`` show it: its state,
+    how often systemd restarted it, whether our drop-in is in effect, and whether it
+    comes back after a reboot (``enabled``)."""
+
+    name: str
+    active: str
+    sub: str
+    main_pid: int | None
+    restarts: int | None
+    dropin_in_effect: bool
+    enabled: str
+    result: str
+
+    @classmethod
+    def of(cls, name: str | None, props: Mapping[str, Any], ours: bool) -> UnitState:
+        pid = str(props.get("MainPID") or "0")
+        restarts = str(props.get("NRestarts") or "")
+        return cls(
+            name=name or "?", active=str(props.get("ActiveState") or "?"), sub=str(props.get("SubState") or "?"),
+            main_pid=int(pid) if pid.isdigit() and pid != "0" else None,
+            restarts=int(restarts) if restarts.isdigit() else None, dropin_in_effect=ours,
+            enabled=str(props.get("UnitFileState") or "?"), result=str(props.get("Result") or "?"),
+        )
+
+    def describe(self) -> str:
+        restarts = f", {self.restarts} restart(s) by systemd" if self.restarts else ""
+        dropin = "our drop-in" if self.dropin_in_effect else "its own ExecStart"
+        return f"{self.name} {self.active} ({self.sub}){restarts}, {dropin}, {self.enabled}"
 
 
 @dataclass
@@ -129,7 +172,7 @@ class _Attempt:
     spec: LaunchSpec
     launched: Launched
     tracker: PhaseTracker
-    offset: int = 0
+    offset: LogPosition = 0
     alive: bool = True
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     last_poll: dict[str, Any] = field(default_factory=dict)
@@ -295,6 +338,9 @@ class _Ended:
     deadline_source: str
     # For a launch that was still alive: whether it was stopped (see _Failure.stop_server).
     stopped: bool = True
+    # How a systemd unit's main process ended (``Result=exit-code, status=1``); "" otherwise.
+    exit: str = ""
+    unit: str | None = None
 
     @property
     def server(self) -> str:
@@ -319,6 +365,12 @@ def _crashed_in_capture(e: _Ended) -> DdtreeOpsError:
 
 
 def _died(e: _Ended) -> DdtreeOpsError:
+    if e.unit is not None:
+        # systemd may start it again (Restart=): it was stopped, not left to crash-loop.
+        return ServerCrashed(
+            f"unit {e.unit} exited during {e.phase} after {e.outcome.elapsed_s:.1f}s ({e.exit or 'Result=?'}); "
+            f"unit stopped; journal: {e.tail}", host=e.host,
+        )
     return ServerCrashed(
         f"server exited during {e.phase} after {e.outcome.elapsed_s:.1f}s; log tail: {e.tail}", host=e.host
     )
@@ -405,6 +457,7 @@ def restart(
     began = time.time()
     state = state if state is not None else StateStore()
     emit = on_phase or (lambda _e: None)
+    svc = manager_for(transport, host)
     key = fallback_key(host, run, arch=request.facts.gpu_arch, sglang_version=version)
     cuda_graph, fallback_reason = initial_cuda_graph(run, state, key, retry_cuda_graph=request.retry_cuda_graph)
     model = host.ddtree.server.model_path or ""
@@ -416,6 +469,7 @@ def restart(
     deadline_s, deadline_source = window.deadline_s, window.source
     # Build the first spec before touching the host: bad config fails with nothing stopped.
     spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
+    svc.preflight()  # a unit that cannot be driven: refused with nothing stopped
 
     # Long enough for the worst case of this restart. A killed client's lock is taken over
     # by the next restart from the same controller at once; from elsewhere it expires.
@@ -427,7 +481,7 @@ def restart(
 
     with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, on_takeover=took_over, lease=request.lease):
         emit(PhaseEvent(host.name, Phase.STOPPING, 0.0))
-        stopped = manager.stop(transport, host, grace_s=stop_grace_s)
+        stopped = svc.stop(grace_s=stop_grace_s)
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
 
         attempt_no = 0
@@ -446,7 +500,7 @@ def restart(
 
         while True:
             attempt_no += 1
-            launched = manager.start(transport, host, spec)
+            launched = svc.start(spec)
             note = "CUDA graphs" if spec.cuda_graph else "eager"
             emit(PhaseEvent(host.name, Phase.STARTING, 0.0, attempt=attempt_no, note=note))
             outcome, attempt = wait_ready(
@@ -463,7 +517,7 @@ def restart(
                     durations[Phase.SMOKE] = smoke.seconds
                     if not smoke.passed:
                         reason = _smoke_failure_reason(transport, host, attempt, smoke)
-                        manager.stop(transport, host, grace_s=stop_grace_s)
+                        svc.stop(grace_s=stop_grace_s)
                         if smoke.failure is not None and smoke.failure.decode_broke and may_fall_back():
                             # Remembered once eager serves: a crash that eager repeats is
                             # not the graphs' doing (e.g. a sampled request the build cannot serve).
@@ -508,7 +562,7 @@ def restart(
             failure = _FAILURES[outcome.reason]
             stop = failure.stop_server == "always" or (
                 failure.stop_server == "unless-kept" and not request.keep_on_failure
-            )
+            ) or (outcome.reason is WaitReason.DIED and svc.revives_exited_server)
             ended = _Ended(
                 host=host.name,
                 pid=launched.pid,
@@ -519,9 +573,11 @@ def restart(
                 deadline_s=deadline_s,
                 deadline_source=deadline_source,
                 stopped=stop,
+                exit=exit_detail(attempt.last_poll.get("unit")),
+                unit=svc.unit if isinstance(svc, SystemdManager) else None,
             )
             if stop:
-                manager.stop(transport, host, grace_s=stop_grace_s)
+                svc.stop(grace_s=stop_grace_s)
             if outcome.reason is WaitReason.CAPTURE_FAILED and may_fall_back():
                 state.record_fallback(key, ended.capture_failure)
                 fallback_reason = ended.capture_failure
@@ -544,7 +600,7 @@ def _smoke(
     requests = sum(len(r) for r in rounds)
     emit(PhaseEvent(host.name, Phase.SMOKE, elapsed_s, attempt=attempt.tracker.attempt,
                     note=f"{requests} requests, {len(smoke.samplings)} sampling setting(s)"))
-    answer = manager.smoke(transport, host, attempt.launched, rounds, request_timeout=smoke.request_timeout_s)
+    answer = manager_for(transport, host).smoke(attempt.launched, rounds, request_timeout=smoke.request_timeout_s)
     return judge_smoke(answer, smoke, speculative=run.algorithm != "AR")
 
 
@@ -554,17 +610,18 @@ def _check_tree_policy(
     """After the smoke (its decodes ran under the policy): one more poll, and the server
     must say it follows ``record``'s policy; else it is stopped, never left to serve
     another tree than the one tuned."""
+    svc = manager_for(transport, host)
     try:
-        data = manager.poll(transport, host, attempt.launched, attempt.offset)
+        data = svc.poll(attempt.launched, attempt.offset)
     except DdtreeOpsError as exc:
         problem: str | None = f"could not read /server_info: {exc}"
     else:
-        attempt.offset = int(data.get("offset", attempt.offset))
+        attempt.offset = data.get("offset", attempt.offset)
         attempt.tail.extend(ln for ln in str(data.get("log", "")).splitlines() if ln.strip())
         problem = policy_mismatch(data.get("server_info") or {}, record.policy)
     if problem is None:
         return
-    manager.stop(transport, host, grace_s=stop_grace_s)
+    svc.stop(grace_s=stop_grace_s)
     raise ServiceError(
         f"the tuned DDTREE policy ({record.path}) is not active: {problem}; stopped it; "
         f"log tail: {_tail_text(attempt)}",
@@ -578,7 +635,7 @@ def _smoke_failure_reason(transport: Transport, host: Host, attempt: _Attempt, s
     line = None
     if smoke.failure is SmokeFailure.CRASHED:
         try:
-            data = manager.poll(transport, host, attempt.launched, attempt.offset)
+            data = manager_for(transport, host).poll(attempt.launched, attempt.offset)
         except DdtreeOpsError:
             data = {}
         lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
@@ -648,12 +705,12 @@ def _step(
     """One poll: read new log lines, advance phases, judge. Never raises (a failed poll
     is reported as UNREACHABLE and counted by the wait loop)."""
     try:
-        data = manager.poll(transport, host, attempt.launched, attempt.offset)
+        data = manager_for(transport, host).poll(attempt.launched, attempt.offset)
     except DdtreeOpsError as exc:
         attempt.last_poll = {}
         return WaitReason.UNREACHABLE, str(exc)
     attempt.last_poll = data
-    attempt.offset = int(data.get("offset", attempt.offset))
+    attempt.offset = data.get("offset", attempt.offset)
     lines = [ln for ln in str(data.get("log", "")).splitlines() if ln.strip()]
     attempt.tail.extend(lines)
     for event in attempt.tracker.feed(lines, elapsed):
@@ -689,7 +746,7 @@ def _wait_port_free(
     def step(elapsed: float) -> tuple[WaitReason | None, str]:
         nonlocal reported
         try:
-            busy = manager.port_open(transport, host)
+            busy = manager_for(transport, host).port_open()
         except DdtreeOpsError as exc:
             return WaitReason.UNREACHABLE, str(exc)
         if not busy:
@@ -728,34 +785,43 @@ def stop(transport: Transport, host: Host, *, grace_s: float = 30.0, lease: Leas
     Refused at once (LeaseHeld) while a sweep other than ``lease.token``'s holds the host,
     unless ``lease.force``; ``lease`` None means :class:`LeasePass()`.
     """
-    result = manager.stop(transport, host, grace_s=grace_s, lease=lease if lease is not None else LeasePass())
+    result = manager_for(transport, host).stop(grace_s=grace_s, lease=lease if lease is not None else LeasePass())
     if result.was_running and not result.exited:
         raise ServiceError(f"pid {result.pid} survived SIGKILL", host=host.name)
     return result
 
 
 def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> ServiceStatus:
-    """Is our server running, is it the one on the port, does it answer generation."""
-    data = manager.status(transport, host, lines=log_lines)
+    """Is our server running, is it the one on the port, does it answer generation; under
+    systemd also the unit's state, its restarts and whether our drop-in is in effect."""
+    svc = manager_for(transport, host)
+    data = svc.status(lines=log_lines)
     rec = data.get("record") or {}
+    unit = data.get("unit") if isinstance(data.get("unit"), dict) else None
+    ours = bool(data.get("dropin_in_effect")) if unit is not None else True
     return ServiceStatus(
         host=host.name,
         running=bool(data.get("alive")),
-        pid=rec.get("pid"),
-        argv=tuple(rec.get("argv") or ()),
+        pid=data.get("pid", rec.get("pid")),
+        # Under systemd the record describes the unit's process only while our drop-in runs it.
+        argv=tuple(rec.get("argv") or ()) if ours else (),
         started_at=rec.get("started_at"),
         port_open=bool(data.get("port_open")),
         serving_ours=data.get("listener_ours"),
         health=data.get("health"),
-        cuda_graph=rec.get("cuda_graph"),
-        run=rec.get("run"),
+        cuda_graph=rec.get("cuda_graph") if ours else None,
+        run=rec.get("run") if ours else ("the unit's own ExecStart" if unit is not None else None),
         log_tail=tuple(data.get("log_tail") or ()),
+        manager=svc.kind,
+        unit=UnitState.of(host.ddtree.server.unit, unit, ours) if unit is not None else None,
     )
 
 
 @dataclass(frozen=True)
 class PreviousServer:
-    """What ran on a host before a change (its launch record), to put back on failure."""
+    """What ran on a host before a change (its launch record), to put back on failure.
+
+    ``operator``: a systemd unit on its operator's own ExecStart (no drop-in of ours)."""
 
     host: str
     running: bool
@@ -764,19 +830,27 @@ class PreviousServer:
     launch_command: str | None = None
     cuda_graph: bool = True
     run: str | None = None  # RunConfig.describe() of its launch
+    operator: bool = False
 
     def describe(self) -> str:
-        return (self.run or "a server") if self.running else "no server"
+        if not self.running:
+            return "no server"
+        return "the unit's own ExecStart" if self.operator else (self.run or "a server")
 
 
 def remember_server(transport: Transport, host: Host) -> PreviousServer:
-    """The server we launched on ``host`` last, and whether it still runs."""
-    data = manager.status(transport, host, lines=0)
+    """The server we launched on ``host`` last (under systemd: what the unit runs, our
+    drop-in's launch or its operator's), and whether it still runs."""
+    data = manager_for(transport, host).status(lines=0)
     rec = data.get("record") or {}
+    running = bool(data.get("alive"))
+    if isinstance(data.get("unit"), dict) and not data.get("dropin_in_effect"):
+        return PreviousServer(host=host.name, running=running, pid=data.get("pid"), operator=True)
+    pid = data.get("pid", rec.get("pid"))
     return PreviousServer(
         host=host.name,
-        running=bool(data.get("alive")),
-        pid=rec.get("pid") if isinstance(rec.get("pid"), int) else None,
+        running=running,
+        pid=pid if isinstance(pid, int) else None,
         argv=tuple(str(a) for a in rec.get("argv") or ()),
         launch_command=rec.get("launch_command") if isinstance(rec.get("launch_command"), str) else None,
         cuda_graph=rec.get("cuda_graph") is not False,
@@ -798,24 +872,38 @@ def restore_server(
     """Put ``host`` back to ``previous``: stop what runs now, and relaunch the previous server
     with its recorded argv (its env is the inventory's, as at its launch) until it serves
     again, proven like any launch (identity, startup time, its tree). Not a restart with a
-    fresh argv: the one that ran is the one that comes back, whatever flags built it.
+    fresh argv: the one that ran is the one that comes back, whatever flags built it. Under
+    systemd the previous drop-in is written back (or ours removed, for a unit that ran its
+    operator's ExecStart) and the unit started only if it ran before.
 
     Returns what was done, one phrase; raises ServiceError when it could not be done. No
     cancel event: a rollback is what an interrupted change needs to finish. ``lease``: the
     change's own pass (a sweep's lease it overrode with ``--force`` must not block its undo).
     """
     state = state if state is not None else StateStore()
+    svc = manager_for(transport, host)
     model = host.ddtree.server.model_path or ""
     learned = state.learned_load_s(host.name, model)
     window = DeadlinePolicy().window(host.ddtree.server.expected_load_s, learned)
-    spec = _previous_spec(host, previous) if previous.running else None
+    spec = _previous_spec(host, previous) if not previous.operator and previous.argv else None
+    if spec is None and previous.running and not previous.operator:
+        _previous_spec(host, previous)  # raises: a running server without a usable record
     lock_ttl_s = 2 * (window.longest_s + port_wait_s + stop_grace_s) + 120
     with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, command="rollback", lease=lease):
-        manager.stop(transport, host, grace_s=stop_grace_s)
-        if spec is None:
+        svc.stop(grace_s=stop_grace_s)
+        if not previous.running:
+            if isinstance(svc, SystemdManager):
+                svc.configure(None if previous.operator else spec)
+                return "unit stopped, its previous configuration back (it did not run before)"
             return "stopped (no server ran before)"
         _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=None, emit=lambda _e: None)
-        launched = manager.start(transport, host, spec)
+        if previous.operator:
+            assert isinstance(svc, SystemdManager)  # only a unit has an operator's ExecStart
+            launched = svc.start_operator()
+            spec = operator_spec(host, launched_argv(svc))
+        else:
+            assert spec is not None
+            launched = svc.start(spec)
         outcome, attempt = wait_ready(transport, host, spec, launched, window=window, poll_interval_s=poll_interval_s)
         if outcome.reason is not WaitReason.READY:
             raise ServiceError(
@@ -824,6 +912,43 @@ def restore_server(
                 host=host.name,
             )
     return f"relaunched the previous server ({previous.describe()}, pid {launched.pid})"
+
+
+def launched_argv(svc: ServiceManager) -> tuple[str, ...]:
+    """The argv the server just launched runs with, from its launch record."""
+    rec = svc.status(lines=0).get("record") or {}
+    return tuple(str(a) for a in rec.get("argv") or ())
+
+
+def operator_spec(host: Host, argv: tuple[str, ...]) -> LaunchSpec:
+    """What readiness holds a unit's own ExecStart to: its argv as the process has it, the
+    flags after the launcher (``-m sglang.launch_server``, ``sglang serve``) as its
+    ``launch_command``, the speculative configuration read back from them."""
+    markers = {"sglang.launch_server", *launch_markers(host)}
+    cut = next((i + 1 for i, w in enumerate(argv) if (w in markers and i > 0 and argv[i - 1] == "-m")
+                or (w == "serve" and i > 0 and argv[i - 1].endswith("sglang"))), len(argv))
+    server = host.ddtree.server
+    server_args = argv[cut:]
+    return LaunchSpec(
+        host=host.name, argv=argv, server_args=server_args, env=MappingProxyType(dict(server.env)), port=server.port,
+        probe_host=probe_address(server.bind_host), cuda_graph=True, model=server.model_path or "",
+        run=_run_of(server_args),
+    )
+
+
+def rollback_unit(
+    transport: Transport, host: Host, *, restart: bool, state: StateStore | None = None, lease: LeasePass | None = None,
+    stop_grace_s: float = 30.0, poll_interval_s: float = 0.5,
+) -> str:
+    """``rollback --restart`` of a systemd host: our drop-in removed, and with ``restart``
+    the unit restarted on its operator's own ExecStart and proven to serve. The process
+    manager has no operator's launch to go back to: its server is left as it is."""
+    svc = manager_for(transport, host)
+    if not isinstance(svc, SystemdManager):
+        return "server left as it is (the process manager has no launch of the operator's to go back to)"
+    previous = PreviousServer(host=host.name, running=restart, operator=True)
+    return restore_server(transport, host, previous, state=state, lease=lease, stop_grace_s=stop_grace_s,
+                          poll_interval_s=poll_interval_s)
 
 
 def _previous_spec(host: Host, previous: PreviousServer) -> LaunchSpec:
@@ -869,7 +994,9 @@ def whole_host_server(transport: Transport, machine: Host) -> int | None:
     Such a server was launched before the host's inventory gained slots (or by a command
     that does not know slots): it holds every GPU and maybe a slot's port, so a slot must
     not launch next to it, and stopping the whole host must stop it too."""
-    data = manager.status(transport, machine, lines=0)
+    if machine.ddtree.server.manager == "systemd":
+        return None  # a unit per slot (the template's instances); the machine runs none of its own
+    data = manager_for(transport, machine).status(lines=0)
     pid = (data.get("record") or {}).get("pid")
     return int(pid) if data.get("alive") and pid is not None else None
 
@@ -883,11 +1010,16 @@ __all__ = [
     "RunConfig",
     "ServiceStatus",
     "StopResult",
+    "UnitState",
     "launch_facts",
+    "launched_argv",
+    "manager_for",
+    "operator_spec",
     "prepare_restart",
     "remember_server",
     "restart",
     "restore_server",
+    "rollback_unit",
     "service_status",
     "stop",
     "whole_host_server",

@@ -382,6 +382,11 @@ class SimSettings:
     # Which one the real fleet has is what `selftest --e2e --bisect-budgets` finds out.
     capture_fault: str = "verify"
     eager_draft_head: bool = False
+    # A DDTree plugin that misbehaves (what a rollout's canary gate must catch), DDTREE only:
+    # "accept_collapse" (every round keeps only its first token: acceptance length 1, the
+    # tokens still right), "wrong_greedy" (a greedy round's last token is off by one: wrong
+    # greedy text), "crash_sampled" (a decode holding a sampled request takes the scheduler down).
+    ddtree_fault: str | None = None
     # A DDTree plugin that predates runtime states: --speculative-adaptive-config is not
     # read (0.5.23 ignores it for DDTREE), so the server is mode "fixed" and refuses switches.
     no_runtime_states: bool = False
@@ -431,8 +436,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_LOAD_SHARDS, SIM_STALL_AT_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S,
     SIM_SEED, SIM_WARMUP_S,
-    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_NO_RUNTIME_STATES, SGLang's own
-    SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_NO_RUNTIME_STATES, SIM_DDTREE_FAULT,
+    SGLang's own SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
     CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
     gpu = env.get("SIM_GPU", "h200") or "h200"
@@ -460,11 +465,20 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         capture_fault=_capture_fault(env),
         eager_draft_head=_env_flag(env, "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER"),
         no_runtime_states=_env_flag(env, "SIM_NO_RUNTIME_STATES"),
+        ddtree_fault=_ddtree_fault(env),
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
 CAPTURE_FAULTS = ("verify", "candidate_head")
+DDTREE_FAULTS = ("accept_collapse", "wrong_greedy", "crash_sampled")
+
+
+def _ddtree_fault(env: Mapping[str, str]) -> str | None:
+    raw = env.get("SIM_DDTREE_FAULT", "")
+    if raw and raw not in DDTREE_FAULTS:
+        raise SimSettingsError(f"SIM_DDTREE_FAULT={raw!r} is not one of {', '.join(DDTREE_FAULTS)}")
+    return raw or None
 
 
 def _capture_fault(env: Mapping[str, str]) -> str:

@@ -256,7 +256,9 @@ class Engine:
         limit = settings.replay_crash_budget_over
         if limit is not None and args.speculating and args.decode_cuda_graph and self._tree_budget() > limit:
             scheduler_crash(args.tp_size, _REPLAY_CRASH_TRACE)
-        if settings.crash_sampled and any(r.params.temperature > 0 for r in batch):
+        sampled = any(r.params.temperature > 0 for r in batch)
+        ddtree_crash = settings.ddtree_fault == "crash_sampled" and args.speculative_algorithm == "DDTREE"
+        if sampled and (settings.crash_sampled or ddtree_crash):
             scheduler_crash(args.tp_size, _SAMPLED_CRASH_TRACE)
 
     def _tree_budget(self) -> int:
@@ -386,9 +388,14 @@ class Engine:
                 generator=req.generator, use_kernel=False,
             )[0]
         outputs: list[list[int]] = []
+        fault = self.settings.ddtree_fault if args.speculative_algorithm == "DDTREE" else None
         for req, res in zip(batch, results, strict=True):
             assert res is not None
             accepted, proposed = res
+            if fault == "accept_collapse":
+                accepted, proposed = accepted[:1], proposed[:1]
+            elif fault == "wrong_greedy" and req.params.temperature <= 0:
+                proposed = [*proposed[:-1], (proposed[-1] + 1) % VOCAB]
             req.verify_ct += 1
             req.correct_drafts += len(accepted) - 1
             req.proposed_drafts += budget

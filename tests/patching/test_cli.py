@@ -309,7 +309,7 @@ def test_restart_after_apply_brings_the_service_up(
     import httpx
 
     from ddtree_ops.inventory import load_inventory
-    from ddtree_ops.service import manager
+    from ddtree_ops.service.manager import ProcessManager
     from ddtree_ops.transport.local import LocalTransport
 
     # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
@@ -341,7 +341,7 @@ def test_restart_after_apply_brings_the_service_up(
             assert info["simulated_gpu"]["indices"] == ([i] if slots else list(range(8)))
     finally:
         for server_host in host.slot_hosts():
-            manager.stop(LocalTransport("h1"), server_host, grace_s=5)
+            ProcessManager(LocalTransport("h1"), server_host).stop(grace_s=5)
 
 
 def test_status_has_a_service_section(tmp_path: Path, mini: MiniHost, cli: Callable[..., Res]) -> None:

@@ -19,7 +19,7 @@ from service.simhosts import run_cli
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.inventory import load_inventory
-from ddtree_ops.service import manager
+from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
 from patching.conftest import BUNDLES, MiniHost, sim_inventory
@@ -60,7 +60,7 @@ def test_an_eager_fallback_restart_recorded_is_honoured_by_deploy_restart_and_by
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         # Launched eager at once: no second capture crash, so nothing new to remember.
         assert fallbacks() == [("sm_103", 16)]
-        record = manager.status(LocalTransport("b1"), host, lines=0)["record"]
+        record = ProcessManager(LocalTransport("b1"), host).status(lines=0)["record"]
         assert record["cuda_graph"] is False
 
         swept = run_cli(inv, "bench", "--sweep", str(_sweep(tmp_path)), "--out", str(tmp_path / "l.jsonl"),
@@ -71,4 +71,4 @@ def test_an_eager_fallback_restart_recorded_is_honoured_by_deploy_restart_and_by
         assert "capturing_cuda_graphs" not in row["readiness_s"], row["readiness_s"]
         assert fallbacks() == [("sm_103", 16)]
     finally:
-        manager.stop(LocalTransport("b1"), host, grace_s=5)
+        ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)

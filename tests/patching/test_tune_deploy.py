@@ -23,7 +23,7 @@ from service.simhosts import run_cli
 from ddtree_ops.bench.ledger import append_row
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import Host
-from ddtree_ops.service import manager
+from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport import Script
 from ddtree_ops.transport.local import LocalTransport
@@ -54,7 +54,7 @@ def _live(host: Host) -> dict[str, Any]:
 
 
 def _record(host: Host) -> dict[str, Any]:
-    return dict(manager.status(LocalTransport("b1"), host, lines=0)["record"])
+    return dict(ProcessManager(LocalTransport("b1"), host).status(lines=0)["record"])
 
 
 def _policy_file(mini: MiniHost) -> Path:
@@ -98,7 +98,7 @@ def test_tune_deploys_the_policy_and_later_restarts_keep_it(tmp_path: Path, mini
                           state=state)
         assert outside.returncode == 2, outside.stdout + outside.stderr
         assert "has no state budget=16 topk=4 (budgets [4, 8], top-k up to 4)" in " ".join(outside.stdout.split())
-        assert _record(host)["pid"] == pid and manager.status(LocalTransport("b1"), host, lines=0)["alive"]
+        assert _record(host)["pid"] == pid and ProcessManager(LocalTransport("b1"), host).status(lines=0)["alive"]
 
         # --no-policy launches without it and forgets it.
         dropped = run_cli(inv, "restart", "b1", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4",
@@ -107,7 +107,7 @@ def test_tune_deploys_the_policy_and_later_restarts_keep_it(tmp_path: Path, mini
         assert _live(host)["mode"] == "fixed" and "--speculative-adaptive-config" not in _record(host)["argv"]
         assert StateStore(state).policy_for("b1") is None
     finally:
-        manager.stop(LocalTransport("b1"), host, grace_s=5)
+        ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_a_failed_tune_deploy_leaves_the_host_as_it_was(tmp_path: Path, mini: Mi
         assert _live(host)["policy"] == {"1": {"budget": 8, "topk": 4}}
         assert StateStore(state).policy_for("b1") == before_record
     finally:
-        manager.stop(LocalTransport("b1"), host, grace_s=5)
+        ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)
 
 
 def test_without_an_applied_bundle_nothing_is_touched(tmp_path: Path, mini: MiniHost) -> None:
@@ -171,8 +171,8 @@ def test_a_restart_refused_before_it_stopped_anything_leaves_the_server_alone(tm
         env = read_envelope(refused.stdout)
         assert refused.returncode == 5 and env["errors"][1]["code"] == "service", refused.stdout
         assert env["errors"][1]["message"].endswith("rolled back: policy file removed, b1 untouched")
-        assert _record(host)["pid"] == pid and manager.status(LocalTransport("b1"), host, lines=0)["alive"]
+        assert _record(host)["pid"] == pid and ProcessManager(LocalTransport("b1"), host).status(lines=0)["alive"]
         assert not _policy_file(mini).exists() and StateStore(state).policy_for("b1") is None
     finally:
         (tmp_path / "run" / "restart.lock").unlink(missing_ok=True)
-        manager.stop(LocalTransport("b1"), host, grace_s=5)
+        ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)

@@ -26,6 +26,7 @@ from ddtree_ops.service import RunConfig, lifecycle, manager
 from ddtree_ops.service.launch import build_launch_spec
 from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.service.logphases import Phase, PhaseEvent
+from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.service.readiness import DeadlinePolicy, LoadWindow
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
@@ -240,7 +241,7 @@ def test_drain_race_is_never_reported_ready(sim_target) -> None:
     t.run(["rm", "--", f"{host.ddtree.run_dir}/launch.json"], timeout=30, check=True)
     spec = build_launch_spec(host, RunConfig("AR"), "0.5.23", cuda_graph=True)
     assert spec.launch_command == old.launch_command  # identical flags: only identity tells them apart
-    launched = manager.start(t, host, spec, check_port=False)
+    launched = ProcessManager(t, host).start(spec, check_port=False)
     seen: list[tuple[dict, str]] = []
     outcome, _attempt = lifecycle.wait_ready(
         t, host, spec, launched, window=LoadWindow.fixed(60), poll_interval_s=0.2,

@@ -26,6 +26,7 @@ from ddtree_ops import lockholder
 from ddtree_ops.errors import ServiceError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import lifecycle, manager
+from ddtree_ops.service.agent import base_payload, call_agent
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.state import StateStore
@@ -259,9 +260,9 @@ def test_concurrent_takeovers_of_one_dead_lock_leave_one_winner(make_sim_host) -
     go = threading.Barrier(4)
 
     def take(i: int) -> None:
-        payload = manager.base_payload(host) | {"token": f"t{i}", "holder": {}, "ttl_s": 60, "take_over": "t-dead"}
+        payload = base_payload(host) | {"token": f"t{i}", "holder": {}, "ttl_s": 60, "take_over": "t-dead"}
         go.wait()
-        answers.append(manager.call_agent(LocalTransport(host.name), host, "lock", payload))
+        answers.append(call_agent(LocalTransport(host.name), host, "lock", payload))
 
     threads = [threading.Thread(target=take, args=(i,)) for i in range(4)]
     for th in threads:

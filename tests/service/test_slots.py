@@ -20,8 +20,9 @@ from simhosts import free_port, run_cli
 
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.inventory import load_inventory
-from ddtree_ops.service import lifecycle, manager
+from ddtree_ops.service import lifecycle
 from ddtree_ops.service.launch import LaunchSpec, RunConfig
+from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,7 +166,7 @@ def test_a_server_launched_before_the_host_had_slots_blocks_them_until_stopped(
     argv = (sys.executable, "-c", "import time; time.sleep(60)")
     spec = LaunchSpec(host="sim-a", argv=argv, server_args=argv[1:], env={}, port=machine.ddtree.server.port,
                       probe_host="127.0.0.1", cuda_graph=False, model="sim/qwen3-8b", run=RunConfig())
-    old = manager.start(LocalTransport("sim-a"), machine, spec)
+    old = ProcessManager(LocalTransport("sim-a"), machine).start(spec)
     state = tmp_path / "state.json"
 
     out = cli(inventory, "restart", "sim-a/1", "--no-smoke", state=state)
