@@ -53,6 +53,16 @@ class PolicyTarget:
 
 
 @dataclass(frozen=True)
+class PolicyUndo:
+    """What puts a host back after its policy served (a rollout's canary that failed its
+    gate): the file as placed (with what it replaced) and each server's previous launch."""
+
+    host: str
+    placed: PlacedFile
+    before: Mapping[str, lifecycle.PreviousServer]
+
+
+@dataclass(frozen=True)
 class DeployedPolicy:
     """One host carrying a tuned policy: the file, and every server serving it."""
 
@@ -112,9 +122,11 @@ def deploy_policy(
     stop_grace_s: float = 30.0,
     on_phase: Callable[[PhaseEvent], None] | None = None,
     cancel: threading.Event | None = None,
+    on_placed: Callable[[PolicyUndo], None] | None = None,
 ) -> DeployedPolicy:
     """Steps 1-5 of the module docstring on one machine ``host``; raises with the host as
-    it was (the message says what was rolled back)."""
+    it was (the message says what was rolled back). ``on_placed`` receives, once the file is
+    on the host, what :func:`undo_policy` needs to put the host back later."""
     state = state if state is not None else StateStore()
     facts = probe_host(transport, host)
     if not facts.reachable:
@@ -124,6 +136,8 @@ def deploy_policy(
     servers = host.slot_hosts()
     before = {server.name: lifecycle.remember_server(transport, server) for server in servers}
     placed = place_file(transport, host, policy.render().encode())
+    if on_placed is not None:
+        on_placed(PolicyUndo(host.name, placed, before))
     record = PolicyRecord(
         host=host.machine, path=placed.path, sha256=placed.sha256, config=policy.render(),
         machine_type=policy.machine, temperature=policy.temperature, budget=policy.launch.budget,
@@ -152,6 +166,27 @@ def deploy_policy(
         sha256=placed.sha256, replaced=placed.previous is not None, budget=policy.launch.budget,
         topk=policy.launch.topk, servers=tuple(results),
     )
+
+
+def undo_policy(
+    transport: Transport,
+    host: Host,
+    undo: PolicyUndo,
+    previous: PolicyRecord | None,
+    *,
+    state: StateStore,
+    lease: LeasePass | None = None,
+    stop_grace_s: float = 30.0,
+) -> str:
+    """Put back a host whose policy was deployed and served: the previous file (or none),
+    every server's previous launch, and the local record as it was (``previous``)."""
+    done = _roll_back(transport, host, undo.placed, host.slot_hosts(), undo.before, state=state, lease=lease,
+                      stop_grace_s=stop_grace_s)
+    if previous is not None:
+        state.record_policy(previous)
+    else:
+        state.forget_policy(host.machine)
+    return done
 
 
 def _roll_back(
@@ -191,4 +226,13 @@ def _roll_back(
     return f"rolled back: {', '.join(done)}"
 
 
-__all__ = ["DeployedPolicy", "PolicyTarget", "deploy_policy", "machine_type_of", "planned_target", "policy_of"]
+__all__ = [
+    "DeployedPolicy",
+    "PolicyTarget",
+    "PolicyUndo",
+    "deploy_policy",
+    "machine_type_of",
+    "planned_target",
+    "policy_of",
+    "undo_policy",
+]

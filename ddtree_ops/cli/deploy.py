@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import replace as replace_dc
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,30 @@ from ddtree_ops.cli.common import (
     transport_for,
 )
 from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.cli.rollout import (
+    RolloutArgs,
+    raise_if_rollout_failed,
+    refuse_without_undo,
+    render_rollout,
+    rollout_lines,
+    rollout_options,
+    run_with_rollout,
+)
 from ddtree_ops.errors import ConfigError, DdtreeOpsError
 from ddtree_ops.fleet import FleetResult, run_interruptible, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
-from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
+from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy
 from ddtree_ops.patching.gather import RemoteState
 from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
+from ddtree_ops.rollout.changes import DeployChange, RollbackChange, RolledBack, ServerRestarter
+from ddtree_ops.rollout.executor import RolloutResult
+from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.lifecycle import service_status
 from ddtree_ops.shipped import DEFAULT_BUNDLE
+from ddtree_ops.state import StateStore
 from ddtree_ops.transport.base import Transport
 
 # The tree `deploy --restart` launches when neither the flags nor a tuned policy give one.
@@ -58,9 +71,7 @@ _BUNDLE_DEFAULT = "default: the ddtree_temperature bundle shipped with ddtree-op
 _BUNDLE_HELP = f"Bundle directory ({_BUNDLE_DEFAULT})."
 
 
-def _parallel(obj: AppContext, max_parallel: int | None, serial: bool) -> int:
-    if serial:
-        return 1
+def _parallel(obj: AppContext, max_parallel: int | None) -> int:
     return max_parallel or obj.max_parallel
 
 
@@ -91,30 +102,56 @@ def _outcome_json(o: HostOutcome) -> dict[str, Any]:
 
 
 def _render_outcomes(
-    obj: AppContext, title: str, results: FleetResult[HostOutcome], *, show_files: bool, wide: bool = False
+    obj: AppContext, title: str, results: FleetResult[Any], *, show_files: bool, wide: bool = False,
+    rollout: RolloutResult[Any] | None = None,
 ) -> None:
-    """Render per-host results (a table, or the --json data: one row per host)."""
+    """Render per-host results (a table, or the --json data: one row per host). A rollout
+    adds each host's batch and gate, and a row per host it did not reach. A value is the
+    patch's HostOutcome, or a rollback's RolledBack (its servers said under the table)."""
     failed, succeeded = results.failed, results.succeeded
+    outcomes = {n: v.outcome if isinstance(v, RolledBack) else v for n, v in succeeded.items()}
+    rolling = rollout is not None and rollout.plan.rolling
     if obj.json:
-        set_json_data(obj, [failure_row(n, failed[n]) if n in failed else _outcome_json(succeeded[n]) for n in results])
+        rows_json: list[dict[str, Any]] = []
+        for n in results:
+            row = failure_row(n, failed[n]) if n in failed else _outcome_json(outcomes[n])
+            value = succeeded.get(n)
+            if isinstance(value, RolledBack):
+                row["servers"] = list(value.servers)
+            if rolling and rollout is not None:
+                row["rollout"] = _rollout_row(rollout, n)
+            rows_json.append(row)
+        if rolling and rollout is not None:
+            rows_json += [{"host": n, "ok": False, "outcome": "not-reached", "message": _NOT_REACHED,
+                           "rollout": _rollout_row(rollout, n)} for n in rollout.not_reached]
+        set_json_data(obj, rows_json)
         return
     # Fitted tables: words wrap at spaces, a path is never cut (two dist-info files would
     # read alike), what does not fit is dropped and the caption says so.
     rows: list[list[str | Text]] = []
     for name in results:
+        batch = [str(rollout.plan.batch_of(name))] if rolling and rollout is not None else []
         if name in failed:
-            rows.append([Text(name, style="bold"), Text("failed", style="red"), "", error_text(failed[name])])
+            rows.append([Text(name, style="bold"), *batch, Text("failed", style="red"), "", error_text(failed[name])])
             continue
-        r = succeeded[name]
+        r = outcomes[name]
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
-        rows.append([Text(name, style="bold"), Text(r.outcome.label, style=r.outcome.style), bundle, r.message])
-    columns = (TableColumn("host"), TableColumn("result"), TableColumn("bundle", wrap=True),
-               TableColumn("detail", wrap=True))
+        rows.append([Text(name, style="bold"), *batch, Text(r.outcome.label, style=r.outcome.style), bundle,
+                     r.message])
+    if rolling and rollout is not None:
+        rows += [[Text(n, style="bold"), str(rollout.plan.batch_of(n)), Text("not reached", style="yellow"), "",
+                  _NOT_REACHED] for n in rollout.not_reached]
+    columns = (TableColumn("host"), *([TableColumn("batch", "right")] if rolling else []), TableColumn("result"),
+               TableColumn("bundle", wrap=True), TableColumn("detail", wrap=True))
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
+    for name, value in succeeded.items():
+        if isinstance(value, RolledBack):
+            for line in value.servers:
+                obj.console.print(f"{name}: {line}", markup=False, highlight=False, soft_wrap=True)
     if show_files:
         file_columns = (TableColumn("path"), TableColumn("action"), TableColumn("now", drop=2),
                         TableColumn("after", drop=3), TableColumn("why", drop=1, wrap=True))
-        for name, r in results.succeeded.items():
+        for name, r in outcomes.items():
             if not r.plan.actions:
                 continue
             files: list[list[str | Text]] = [
@@ -123,6 +160,15 @@ def _render_outcomes(
             ]
             print_table(obj.console, fitted_table(file_columns, files, width=obj.console.width, wide=wide,
                                                   title=f"{name}: files"))
+
+
+_NOT_REACHED = "not reached: the rollout stopped before its batch; its patch, configuration and server are as before"
+
+
+def _rollout_row(rollout: RolloutResult[Any], host: str) -> dict[str, Any]:
+    gates = {n: v.as_dict() for n, v in rollout.gates.items() if n == host or n.split("/")[0] == host}
+    return {"batch": rollout.plan.batch_of(host), "canary": host in rollout.plan.canary, "gates": gates,
+            "rolled_back": host in rollout.rolled_back, "stopped": rollout.stopped}
 
 
 def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
@@ -142,6 +188,7 @@ def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: H
 
 
 @app.command("deploy")
+@rollout_options()
 def deploy_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
@@ -169,7 +216,6 @@ def deploy_cmd(
     max_parallel: int | None = typer.Option(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
-    serial: bool = typer.Option(False, "--serial", help="One host at a time."),
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     restart: bool = typer.Option(False, "--restart", help="Restart the SGLang service after a successful apply."),
     budget: int | None = typer.Option(
@@ -179,8 +225,10 @@ def deploy_cmd(
     topk: int | None = typer.Option(
         None, "--topk", min=1, help=f"DDTree top-k for --restart (default {RESTART_TOPK}, or the policy's)."
     ),
+    rollout_args: RolloutArgs = RolloutArgs(),
 ) -> None:
-    """Deploy a patch bundle (or a local overlay) into each host's SGLang site-packages."""
+    """Deploy a patch bundle (or a local overlay) into each host's SGLang site-packages.
+    With --restart, --serial rolls the hosts in batches and --canary gates the rest on the first."""
     obj: AppContext = ctx.obj
     if bundle_dir is not None and bundle_opt is not None and bundle_dir != bundle_opt:
         raise ConfigError(f"two bundles: {bundle_dir} and --bundle {bundle_opt}; give one")
@@ -189,81 +237,122 @@ def deploy_cmd(
         raise ConfigError("--from and --to go together (overlay mode)")
     if from_dir is not None and bundle_dir is not None:
         raise ConfigError("give either a bundle directory or --from/--to, not both")
+    args = rollout_args
+    if (args.canary is not None or args.rollback_on_failure) and not restart:
+        raise ConfigError("--canary and --rollback-on-failure judge restarted servers: add --restart")
     cancel = threading.Event()
-    restart_fn = _restart_hook(budget, topk, cancel) if restart and not dry_run else None
     hosts = load_hosts(obj, target)
+    plan = args.plan([h.name for h in hosts])
     opts = RunOptions(force=force, force_version=force_version, replace=replace, dry_run=dry_run or diff,
                       break_lock=break_lock, lock_wait_s=lock_wait)
     overlay = load_overlay(from_dir, to_dir) if from_dir is not None and to_dir is not None else None
+    if overlay is not None and (args.canary is not None or args.rollback_on_failure):
+        raise ConfigError("--canary and --rollback-on-failure put a bundle back; overlay mode (--from/--to) has none")
     bundle = None if overlay is not None else load_bundle(bundle_dir or DEFAULT_BUNDLE)
+    restarter = _restarter(budget, topk) if restart else None
+    gate = args.gate(plan, hosts, restarter.run) if restarter is not None else None
     diffs: dict[str, list[str]] = {}
 
-    def one(h: Host) -> HostOutcome:
-        with transport_for(obj, h) as t:
-            if overlay is not None:
-                out = deploy(t, h, overlay.factory, opts, paths=overlay.paths, cancel=cancel)
-            else:
-                assert bundle is not None
-                out = deploy(t, h, bundle, opts, cancel=cancel)
-            if diff and out.state is not None:
-                b = bundle if bundle is not None else overlay.bundle_for(out.state)  # type: ignore[union-attr]
-                diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
-            if restart_fn is not None and out.outcome == "applied" and not cancel.is_set():
-                try:
-                    restart_fn(t, h)
-                except DdtreeOpsError as exc:
-                    # The files are in place and recorded; only the restart needs another go.
-                    exc.message = f"patch applied, but the restart failed: {exc.message}"
-                    raise
-            return out
+    def after(t: Transport, h: Host, out: HostOutcome) -> None:
+        if diff and out.state is not None:
+            b = bundle if bundle is not None else overlay.bundle_for(out.state)  # type: ignore[union-attr]
+            diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
 
-    results = run_interruptible(hosts, one, max_parallel=_parallel(obj, max_parallel, serial), cancel=cancel)
+    if overlay is not None:
+        def one(h: Host) -> HostOutcome:
+            with transport_for(obj, h) as t:
+                out = deploy(t, h, overlay.factory, opts, paths=overlay.paths, cancel=cancel)
+                after(t, h, out)
+                if restarter is not None and out.outcome == "applied" and not cancel.is_set():
+                    for server in h.slot_hosts():
+                        restarter.restart(t, server, cancel)
+                return out
+
+        results = run_interruptible(hosts, one, max_parallel=max_parallel or obj.max_parallel, cancel=cancel)
+        rollout = None
+    else:
+        assert bundle is not None
+        change = DeployChange(bundle, opts, None if opts.dry_run else restarter, after=after)
+        rollout = run_with_rollout(obj, hosts, change, plan, gate=gate, rollback_on_failure=args.rollback_on_failure,
+                                   cancel=cancel, max_parallel=max_parallel)
+        results = rollout.results
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
         title += f": {bundle.name} {bundle.version} {bundle.short_identity}"
-    _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0, wide=wide)
+    _render_outcomes(obj, title, results, show_files=opts.dry_run or obj.verbose > 0, wide=wide, rollout=rollout)
+    if opts.dry_run and not obj.json:
+        for line in rollout_lines(plan, gate):
+            obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if gate is not None:
+            _say_baseline_cost(obj, [h for h in hosts if h.name in plan.canary])
     if diff and not obj.json:
         for texts in diffs.values():
             for text in texts:
                 obj.console.print(text, markup=False, highlight=False, end="")
+    if rollout is not None and not opts.dry_run:
+        render_rollout(obj, rollout)
     # A dry run exits as the run would: a plan the run refuses fails that host (exit 4).
-    raise_if_failed(
-        "deploy (dry run)" if opts.dry_run else "deploy", results, failure=HostOutcome.refusal, cancel=cancel
-    )
+    what = "deploy (dry run)" if opts.dry_run else "deploy"
+    if rollout is not None:
+        raise_if_rollout_failed(what, rollout, cancel=cancel, failure=HostOutcome.refusal)
+    raise_if_failed(what, results, failure=HostOutcome.refusal, cancel=cancel)
 
 
-def _restart_hook(
-    budget: int | None, topk: int | None, cancel: threading.Event
-) -> Callable[[Transport, Host], None]:
-    """The lifecycle restart of ``deploy --restart``; its run config is checked before any host is touched."""
-    from dataclasses import replace
-
-    from ddtree_ops.service.launch import RunConfig
-    from ddtree_ops.service.lifecycle import prepare_restart
-    from ddtree_ops.service.lifecycle import restart as service_restart
-    from ddtree_ops.state import StateStore
-
+def _restarter(budget: int | None, topk: int | None) -> ServerRestarter:
+    """The restart of ``deploy --restart``: a tuned policy on the machine is kept, as by
+    `restart` (its launch state then); without one, the defaults. Its run config is
+    checked before any host is touched."""
     run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
     state = StateStore()
+    if budget is None or topk is None:
+        run = replace_dc(run, budget=RESTART_BUDGET if budget is None else budget,
+                         topk=RESTART_TOPK if topk is None else topk)
+    return _PolicyAwareRestarter(run, state=state, explicit=(budget, topk))
 
-    def hook(transport: Any, host: Host) -> None:
-        # A tuned policy on the machine is kept, as by `restart`; without one, the defaults.
-        tree_policy = state.policy_for(host.machine)
-        launch = run if tree_policy is not None else replace(
-            run, budget=RESTART_BUDGET if budget is None else budget, topk=RESTART_TOPK if topk is None else topk
-        )
-        # The patch is installed once per machine; every GPU slot's server runs it. The
-        # policy is restart's own: the probed facts key the eager fallbacks.
+
+class _PolicyAwareRestarter(ServerRestarter):
+    """A machine with a tuned policy launches at the policy's launch state unless the
+    operator named a tree (``--budget``/``--topk``), as ``restart`` does."""
+
+    def __init__(self, run: RunConfig, *, state: StateStore, explicit: tuple[int | None, int | None]) -> None:
+        super().__init__(run, state=state)
+        self.explicit = explicit
+
+    def restart(self, transport: Transport, server: Host, cancel: threading.Event,
+                run: RunConfig | None = None) -> Any:
+        if run is None and self.state.policy_for(server.machine) is not None:
+            budget, topk = self.explicit
+            run = replace_dc(self.run, budget=budget, topk=topk)
+        return super().restart(transport, server, cancel, run)
+
+
+def _say_baseline_cost(obj: AppContext, canary: list[Host]) -> None:
+    """Dry run: where no server runs on the canary, the gate first launches the target
+    alone for its baseline answers: one more model load, said with what it costs."""
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    for host in canary:
         for server in host.slot_hosts():
-            service_restart(
-                transport, prepare_restart(transport, server, launch, machine=host, tree_policy=tree_policy),
-                state=state, cancel=cancel,
-            )
-
-    return hook
+            try:
+                with transport_for(obj, server) as t:
+                    serving = service_status(t, server, log_lines=0)
+            except DdtreeOpsError as exc:
+                obj.console.print(f"{server.name}: cannot tell whether a server runs ({exc.message})",
+                                  markup=False, highlight=False, soft_wrap=True)
+                continue
+            if serving.running and serving.health == 200:
+                continue
+            learned = state.learned_load_s(server.name, server.ddtree.server.model_path or "")
+            load = f"{learned:.0f} s (learned)" if learned else \
+                f"{server.ddtree.server.expected_load_s:.0f} s (expected_load_s)"
+            obj.console.print(
+                f"{server.name}: no server answers there; the gate first launches the target alone (AR) for its "
+                f"baseline answers: one more model load, about {load}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("rollback")
+@rollout_options(gated=False)
 def rollback_cmd(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="Host, group, comma list, or 'all'."),
@@ -276,26 +365,42 @@ def rollback_cmd(
     max_parallel: int | None = typer.Option(
         None, "--max-parallel", min=1, help="Hosts at once (default: global option)."
     ),
-    serial: bool = typer.Option(False, "--serial", help="One host at a time."),
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
+    restart: bool = typer.Option(
+        False, "--restart",
+        help="Then restart each server without DDTree: a systemd unit on its operator's own ExecStart (our drop-in "
+        "is removed either way), a server ddtree-ops runs as the target alone (AR).",
+    ),
+    rollout_args: RolloutArgs = RolloutArgs(),
 ) -> None:
-    """Restore the original files on each host and clear the applied-bundle record."""
+    """Restore the original files on each host and clear the applied-bundle record; on a systemd
+    host also remove ddtree-ops's drop-in (--restart: and restart the unit on its own ExecStart)."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
+    args = rollout_args
+    refuse_without_undo(args, "rollback")
+    plan = args.plan([h.name for h in hosts])
     opts = RunOptions(force=force, dry_run=dry_run, break_lock=break_lock, lock_wait_s=lock_wait)
     cancel = threading.Event()
-
-    def one(h: Host) -> HostOutcome:
-        with transport_for(obj, h) as t:
-            return rollback(t, h, opts, cancel=cancel)
-
-    results = run_interruptible(hosts, one, max_parallel=_parallel(obj, max_parallel, serial), cancel=cancel)
+    restarter = ServerRestarter(RunConfig("AR")) if restart and not dry_run else None
+    change = RollbackChange(opts, restarter)
+    rollout = run_with_rollout(obj, hosts, change, plan, gate=None, rollback_on_failure=False, cancel=cancel,
+                               max_parallel=max_parallel)
     _render_outcomes(
-        obj, "rollback (dry run)" if dry_run else "rollback", results, show_files=dry_run or obj.verbose > 0, wide=wide
+        obj, "rollback (dry run)" if dry_run else "rollback", rollout.results,
+        show_files=dry_run or obj.verbose > 0, wide=wide, rollout=rollout,
     )
-    raise_if_failed(
-        "rollback (dry run)" if dry_run else "rollback", results, failure=HostOutcome.refusal, cancel=cancel
-    )
+    if dry_run and not obj.json:
+        for line in rollout_lines(plan, None):
+            obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
+    else:
+        render_rollout(obj, rollout)
+
+    def refusal(value: RolledBack) -> BaseException | None:
+        return HostOutcome.refusal(value.outcome)
+
+    raise_if_rollout_failed("rollback (dry run)" if dry_run else "rollback", rollout, cancel=cancel,
+                            failure=refusal)
 
 
 def _service_json(svc: Any) -> dict[str, Any]:
@@ -357,7 +462,7 @@ def status_cmd(
                 service = exc
             return patch, service
 
-    both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel, False))
+    both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel))
     results = both.map(lambda r: r[0])
     services = {n: r[1] for n, r in both.succeeded.items()}
     failed, succeeded = results.failed, results.succeeded

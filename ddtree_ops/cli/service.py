@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import typer
-from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -36,9 +35,21 @@ from ddtree_ops.cli.common import (
     transport_for,
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
-from ddtree_ops.fleet import FleetResult, run_interruptible, run_on_hosts
+from ddtree_ops.cli.rollout import (
+    RolloutArgs,
+    gate_cell,
+    raise_if_rollout_failed,
+    render_rollout,
+    rollout_json,
+    rollout_options,
+    run_with_rollout,
+)
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError
+from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.rollout.changes import RestartChange, RestartSettings, ServerRestarter
+from ddtree_ops.rollout.executor import RolloutEvent, RolloutResult
+from ddtree_ops.rollout.plan import RolloutPlan
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig, parse_algorithm
 from ddtree_ops.service.logphases import Phase, PhaseEvent
@@ -48,17 +59,6 @@ from ddtree_ops.state import StateStore
 T = TypeVar("T")
 # These commands act on servers, so a host means each of its GPU slots (one row each).
 _TARGET_HELP = "Host (every GPU slot of it), one slot HOST/I, group, comma list, or 'all'."
-
-
-def run_with_board(
-    obj: AppContext, board: _Live, hosts: Sequence[Host], fn: Callable[[Host], T], *, cancel: threading.Event
-) -> FleetResult[T]:
-    """:func:`ddtree_ops.fleet.run_interruptible` with the live phase board on a terminal (none under --json:
-    stdout holds the one document)."""
-    if obj.json:
-        return run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
-    with Live(board, console=obj.console, refresh_per_second=4, transient=True):
-        return run_interruptible(hosts, fn, max_parallel=obj.max_parallel, cancel=cancel)
 
 
 def _lease_pass(transport: Any, host: Host, *, force: bool) -> manager.LeasePass:
@@ -85,14 +85,17 @@ def _slots_and_machines(obj: AppContext, target: str) -> tuple[list[Host], dict[
 
 @dataclass
 class _Live:
-    """Per-host phase board, fed from worker threads, rendered by rich.Live."""
+    """Per-host phase board, fed from worker threads, rendered by rich.Live. In a rollout
+    each host shows its batch, and the title the batch that runs."""
 
     hosts: Sequence[str]
+    batches: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
         self.start = {h: time.monotonic() for h in self.hosts}
         self.rows: dict[str, dict[str, str]] = {h: {"phase": "queued", "note": "", "attempt": "1"} for h in self.hosts}
+        self.title = "restart"
 
     def on_phase(self, event: PhaseEvent) -> None:
         with self.lock:
@@ -104,23 +107,49 @@ class _Live:
             if event.note:
                 row["note"] = event.note
 
+    def on_batch(self, event: RolloutEvent) -> None:
+        """A batch starts (its hosts' clocks with it) or ends (its failed hosts marked)."""
+        servers = [h for h in self.hosts if (self.batches or {}).get(h) == event.batch]
+        with self.lock:
+            label = " (canary)" if event.canary else ""
+            self.title = f"{self.title.split(':')[0]}: batch {event.batch}/{event.batches}{label}"
+            for h in servers:
+                if not event.done:
+                    self.start[h] = time.monotonic()
+                    self.rows[h]["phase"] = "starting"
+                elif h in event.failed or h.split("/")[0] in event.failed:
+                    self.rows[h]["phase"] = "[red]failed[/]"
+
     def done(self, host: str, text: str) -> None:
         with self.lock:
             self.rows[host]["phase"] = text
 
     def __rich__(self) -> Table:
-        table = Table(title="restart", expand=False)
-        for col in ("host", "phase", "elapsed", "try", "note"):
+        table = Table(title=self.title, expand=False)
+        columns = ("host", "batch", "phase", "elapsed", "try", "note") if self.batches else \
+            ("host", "phase", "elapsed", "try", "note")
+        for col in columns:
             table.add_column(col)
         with self.lock:
             for h in self.hosts:
                 row = self.rows[h]
                 elapsed = time.monotonic() - self.start[h]
-                table.add_row(escape(h), row["phase"], f"{elapsed:5.1f}s", row["attempt"], escape(row["note"][:80]))
+                cells = [escape(h), row["phase"], f"{elapsed:5.1f}s", row["attempt"], escape(row["note"][:80])]
+                if self.batches:
+                    cells.insert(1, str(self.batches.get(h, "")))
+                table.add_row(*cells)
         return table
 
 
+def server_batches(plan: RolloutPlan, hosts: Sequence[Host]) -> dict[str, int] | None:
+    """Each server's batch (a slot's is its machine's), or None when it is no rollout."""
+    if not plan.rolling:
+        return None
+    return {s.name: plan.batch_of(h.name) for h in hosts for s in h.slot_hosts()}
+
+
 @app.command()
+@rollout_options()
 def restart(
     ctx: typer.Context,
     target: str = typer.Argument(..., help=_TARGET_HELP),
@@ -174,12 +203,14 @@ def restart(
     wide: bool = typer.Option(
         False, "--wide", help=WIDE_HELP
     ),
+    rollout_args: RolloutArgs = RolloutArgs(),
 ) -> None:
     """Restart SGLang and wait until the NEW process serves: it answers, and a short
     speculative smoke (greedy and sampled, alone and batched) decodes without crashing.
     Eager fallback when CUDA-graph capture or the first decodes fail with graphs on. A host
     given a tuned DDTREE policy (`tune --deploy`) keeps it: a DDTREE restart launches with
-    it and is ready once the server follows it (--no-policy drops it)."""
+    it and is ready once the server follows it (--no-policy drops it). --serial rolls the
+    servers in batches, --canary gates the rest on the first."""
     obj: AppContext = ctx.obj
     if no_smoke and smoke_temperature:
         raise ConfigError("--smoke-temperature and --no-smoke contradict each other")
@@ -191,10 +222,13 @@ def restart(
         cuda_graph="off" if eager else "auto",
         extra_args=tuple(extra_arg or ()),
     )
+    args = rollout_args
     hosts, machines = _slots_and_machines(obj, target)
+    plan = args.plan([h.name for h in hosts])
+    gate = args.gate(plan, hosts, run)
     state = StateStore()
     cancel = threading.Event()
-    board = _Live([h.name for h in hosts])
+    board = _Live([h.name for h in hosts], server_batches(plan, hosts))
     plain = not obj.console.is_terminal  # no live board to show a wait: say it on stderr
 
     def on_phase(event: PhaseEvent) -> None:
@@ -202,28 +236,16 @@ def restart(
         if plain and event.phase is Phase.WAITING_FOR_PORT:
             err_console.print(f"{event.host}: {event.note}", markup=False, highlight=False, soft_wrap=True)
 
-    def one(host: Host) -> lifecycle.RestartResult:
-        with transport_for(obj, host) as t:
-            try:
-                # Remembered like an eager fallback: the tuned policy stays until dropped.
-                tree_policy = None if no_policy else state.policy_for(host.machine)
-                request = lifecycle.prepare_restart(
-                    t, host, run, machine=machines.get(host.machine), lease=_lease_pass(t, host, force=force),
-                    timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
-                    tree_policy=tree_policy, keep_on_failure=keep_on_failure,
-                )
-                result = lifecycle.restart(t, request, state=state, on_phase=on_phase, cancel=cancel)
-                if no_policy and run.algorithm == "DDTREE":
-                    state.forget_policy(host.machine)
-            except BaseException as exc:
-                board.done(host.name, "interrupted" if isinstance(exc, Interrupted) else "failed")
-                raise exc
-            board.done(host.name, Phase.READY.markup)
-            return result
-
-    results = run_with_board(obj, board, hosts, one, cancel=cancel)
-    _render_restart(obj, results, wide=wide)
-    _finish("restart", results, cancel)
+    restarter = ServerRestarter(
+        run, RestartSettings(timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
+                             keep_on_failure=keep_on_failure, use_policy=not no_policy),
+        state=state, machines=machines, lease=lambda t, h: _lease_pass(t, h, force=force), on_phase=on_phase,
+    )
+    result = run_with_rollout(obj, hosts, RestartChange(restarter), plan, gate=gate,
+                              rollback_on_failure=args.rollback_on_failure, cancel=cancel, board=board)
+    _render_restart(obj, result.results, wide=wide, gates=result)
+    render_rollout(obj, result)
+    raise_if_rollout_failed("restart", result, cancel=cancel)
 
 
 # The restart summary's times, each named by what it spans (RestartResult).
@@ -237,31 +259,46 @@ def _seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}s"
 
 
-def _render_restart(obj: AppContext, results: FleetResult[lifecycle.RestartResult], *, wide: bool = False) -> None:
+def _render_restart(
+    obj: AppContext, results: FleetResult[lifecycle.RestartResult], *, wide: bool = False,
+    gates: RolloutResult[Any] | None = None,
+) -> None:
     """One table, one row per host, its times in named columns (the live board's running
-    clock is gone by then: it was transient)."""
+    clock is gone by then: it was transient); in a rollout its batch, and a canary's gate."""
     if obj.json:
         render_host_results(obj, "restart", results, [])
+        if gates is not None and isinstance(obj.data, dict):
+            obj.data["rollout"] = rollout_json(gates)
         return
-    columns = (
+    columns: tuple[TableColumn, ...] = (
         TableColumn("host", wrap=True), TableColumn("status"), TableColumn("pid", "right", drop=2),
         TableColumn("graphs"), TableColumn("load", "right"), TableColumn("capture", "right"),
         TableColumn("smoke", "right"), TableColumn("total", "right", wrap=True),
         TableColumn("deadline", wrap=True, drop=1),
     )
+    rolling = gates is not None and gates.plan.rolling
+    if rolling:
+        columns = (*columns[:2], TableColumn("batch", "right"), *columns[2:], TableColumn("gate", wrap=True, drop=1))
     rows: list[list[str | Text]] = []
     for name, value in results.items():
         if isinstance(value, BaseException):
-            rows.append([name, Text("FAILED", style="bold red"), *[""] * 7])
-            continue
-        r = value
-        launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
-        rows.append([
-            name, Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
-            _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
-            "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
-            f"{r.deadline_s:.0f}s ({r.deadline_source})",
-        ])
+            rows.append([name, Text("FAILED", style="bold red"), *[""] * (8 - 1)])
+        else:
+            r = value
+            launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
+            rows.append([
+                name, Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
+                _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
+                "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
+                f"{r.deadline_s:.0f}s ({r.deadline_source})",
+            ])
+        if rolling and gates is not None:
+            rows[-1][2:2] = [str(gates.plan.batch_of(name))]
+            rows[-1][len(columns) - 1:] = [gate_cell(gates, name)]
+    if rolling and gates is not None:
+        for name in gates.not_reached:
+            rows.append([name, Text("not reached", style="yellow"), str(gates.plan.batch_of(name)),
+                         *[""] * (len(columns) - 3)])
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title="restart",
                                           caption=_TIMES_CAPTION))
     for name, exc in results.failed.items():
@@ -295,7 +332,8 @@ def stop(
         False, "--force", help="Stop even while a sweep holds the host (its lease); says so on stderr."
     ),
 ) -> None:
-    """Stop the SGLang server ddtree-ops launched (SIGTERM to its process group, SIGKILL after --grace).
+    """Stop the SGLang server (SIGTERM to the process group ddtree-ops launched, or `systemctl stop`
+    of a systemd host's unit; SIGKILL after --grace).
     A host with GPU slots: each slot's server, and a server launched on it as one server
     before it had slots (shown only if there was one)."""
     obj: AppContext = ctx.obj
@@ -328,7 +366,9 @@ def service_status_cmd(
     ctx: typer.Context,
     target: str = typer.Argument("all", help=_TARGET_HELP),
 ) -> None:
-    """Is the server we launched running, does it hold the port, does it answer generation?"""
+    """Is the server running, does it hold the port, does it answer generation? On a systemd
+    host also the unit: its state, how often systemd restarted it, whether our drop-in is in
+    effect and whether it is enabled (comes back after a reboot)."""
     obj: AppContext = ctx.obj
     hosts = load_slot_hosts(obj, target)
 
@@ -345,6 +385,7 @@ def service_status_cmd(
     columns = [
         ("running", lambda r: "yes" if r.running else "no"),
         ("pid", lambda r: r.pid),
+        ("unit", lambda r: r.unit.describe() if r.unit is not None else None),
         ("run", lambda r: r.run),
         ("cuda graphs", lambda r: None if r.cuda_graph is None else ("on" if r.cuda_graph else "off")),
         ("ready", ready),
@@ -361,26 +402,27 @@ def logs(
     lines: int = typer.Option(50, "--lines", "-n", min=0, help="Lines from the end of each log."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
 ) -> None:
-    """Show the server log of each host (the file the process manager writes in run_dir)."""
+    """Show the server log of each host: the file the process manager writes in run_dir, or
+    on a systemd host `journalctl -u UNIT` since the last restart."""
     obj: AppContext = ctx.obj
     if follow and obj.json:
         raise ConfigError("--follow streams text; it cannot be combined with --json")
     hosts = load_slot_hosts(obj, target)
     prefix = len(hosts) > 1
     transports = {h.name: transport_for(obj, h) for h in hosts}
-    offsets: dict[str, int] = {}
+    offsets: dict[str, manager.LogPosition] = {}
     values: dict[str, Any] = {}
     try:
         for h in hosts:
             try:
-                data = manager.read_logs(transports[h.name], h, lines=lines)
+                data = lifecycle.manager_for(transports[h.name], h).read_logs(lines=lines)
             except DdtreeOpsError as exc:
                 values[h.name] = exc
                 if not obj.json:
                     obj.console.print(f"[red]{escape(error_text(exc))}[/]", highlight=False)
                 continue
             values[h.name] = {"exists": bool(data.get("exists")), "lines": list(data.get("lines") or [])}
-            offsets[h.name] = int(data.get("offset", 0))
+            offsets[h.name] = data.get("offset", 0)
             if obj.json:
                 continue
             if not data.get("exists"):
@@ -393,8 +435,8 @@ def logs(
                 for h in hosts:
                     if h.name not in offsets:
                         continue
-                    data = manager.read_logs(transports[h.name], h, offset=offsets[h.name])
-                    offsets[h.name] = int(data.get("offset", offsets[h.name]))
+                    data = lifecycle.manager_for(transports[h.name], h).read_logs(position=offsets[h.name])
+                    offsets[h.name] = data.get("offset", offsets[h.name])
                     _print_lines(obj, h.name, data.get("lines") or [], prefix)
             except KeyboardInterrupt:
                 break

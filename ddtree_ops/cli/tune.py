@@ -25,17 +25,28 @@ from ddtree_ops.cli.common import (
     fleet_json,
     load_hosts,
     print_table,
-    raise_if_failed,
     set_json_data,
     tok_s_column,
-    transport_for,
     with_spread,
 )
 from ddtree_ops.cli.main import AppContext, app
-from ddtree_ops.cli.service import _lease_pass, _Live, run_with_board
+from ddtree_ops.cli.rollout import (
+    RolloutArgs,
+    raise_if_rollout_failed,
+    render_rollout,
+    rollout_json,
+    rollout_lines,
+    rollout_options,
+    run_with_rollout,
+)
+from ddtree_ops.cli.service import _lease_pass, _Live, server_batches
 from ddtree_ops.errors import ConfigError, Interrupted
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.rollout.executor import RolloutResult
+from ddtree_ops.rollout.gate import GateSpec
+from ddtree_ops.rollout.plan import RolloutPlan
+from ddtree_ops.service.launch import RunConfig
 
 if TYPE_CHECKING:
     from ddtree_ops.report.policy import Policy, Tuning
@@ -43,6 +54,7 @@ if TYPE_CHECKING:
 
 
 @app.command("tune")
+@rollout_options()
 def tune_command(
     ctx: typer.Context,
     ledgers: list[Path] | None = typer.Argument(
@@ -74,6 +86,7 @@ def tune_command(
     ),
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable JSON on stdout."),
+    rollout_args: RolloutArgs = RolloutArgs(),
 ) -> None:
     """Turn a ledger's best DDTree tree per machine type and concurrency into the per-batch-size
     policy file (--speculative-adaptive-config), and deploy it: the file beside the bundle,
@@ -88,11 +101,16 @@ def tune_command(
     check_output_path("--out", out, directory=True)
     if (timeout is not None or force) and deploy is None:
         raise ConfigError("--timeout and --force apply to --deploy only")
+    args = rollout_args
+    if deploy is None and (args.serial is not None or args.canary is not None or args.rollback_on_failure):
+        raise ConfigError("--serial, --canary and --rollback-on-failure apply to --deploy only")
     from ddtree_ops.report.policy import tune_ledgers
 
     tuning = tune_ledgers(list(ledgers or []), temperature=temperature, machines=machine or (),
                           min_repeats=min_repeats)
     hosts = load_hosts(obj, deploy) if deploy is not None else []
+    plan = args.plan([h.name for h in hosts])
+    gate = args.gate(plan, hosts, _canary_launch(tuning, hosts, plan.canary))
     written = _write_policies(tuning, out) if out is not None and not dry_run else []
     payload: dict[str, Any] = {
         "files": [str(f) for f in tuning.files], "rows": tuning.rows, "bad_lines": tuning.bad_lines,
@@ -108,22 +126,42 @@ def tune_command(
             set_json_data(obj, payload)
         return
     if dry_run:
-        plan = _deploy_plan(tuning, hosts)
-        payload["deploy"] = plan
+        deploy_plan = _deploy_plan(tuning, hosts)
+        payload["deploy"] = deploy_plan
+        payload["rollout"] = rollout_lines(plan, gate)
         if as_json:
             set_json_data(obj, payload)
         else:
-            _render_plan(obj, plan, wide=wide)
+            _render_plan(obj, deploy_plan, wide=wide)
+            for line in rollout_lines(plan, gate):
+                obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
         return
-    results, cancel = _deploy(obj, tuning, hosts, timeout=timeout, force=force)
-    payload["deploy"] = fleet_json("tune --deploy", results, results.failed)
+    rollout, cancel = _deploy(obj, tuning, hosts, plan, gate, timeout=timeout, force=force,
+                              rollback_on_failure=args.rollback_on_failure)
+    results = rollout.results
+    payload["deploy"] = fleet_json("tune --deploy", results, results.failed) | {"rollout": rollout_json(rollout)}
     if as_json:
         set_json_data(obj, payload)
     else:
         _render_deployed(obj, results, wide=wide)
+        render_rollout(obj, rollout)
     if cancel.is_set():
         raise Interrupted("interrupted; each host was rolled back (see above)", failures=results.failed)
-    raise_if_failed("tune --deploy", results)
+    raise_if_rollout_failed("tune --deploy", rollout, cancel=cancel)
+
+
+def _canary_launch(tuning: Tuning, hosts: list[Host], canary: tuple[str, ...]) -> RunConfig:
+    """The tree the canary will serve (its machine type's launch state, where the ledger
+    says its type): what its gate's acceptance floor is read for."""
+    from ddtree_ops.tuning import planned_target
+
+    for host in hosts:
+        if host.name in canary:
+            target = planned_target(host, tuning.host_machines)
+            policy = tuning.policy_for(target.machine_type) if target.machine_type else None
+            if policy is not None:
+                return RunConfig("DDTREE", budget=policy.launch.budget, topk=policy.launch.topk)
+    return RunConfig("DDTREE")
 
 
 def _write_policies(tuning: Tuning, out: Path) -> list[Path]:
@@ -255,11 +293,12 @@ def _render_plan(obj: AppContext, plan: list[dict[str, Any]], *, wide: bool) -> 
 
 
 def _deploy(
-    obj: AppContext, tuning: Tuning, hosts: list[Host], *, timeout: float | None, force: bool
-) -> tuple[FleetResult[DeployedPolicy], threading.Event]:
+    obj: AppContext, tuning: Tuning, hosts: list[Host], plan: RolloutPlan, gate: GateSpec | None, *,
+    timeout: float | None, force: bool, rollback_on_failure: bool,
+) -> tuple[RolloutResult[DeployedPolicy], threading.Event]:
+    from ddtree_ops.rollout.changes import PolicyChange, RestartSettings, ServerRestarter
     from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
     from ddtree_ops.state import StateStore
-    from ddtree_ops.tuning import deploy_policy
 
     state = StateStore()
     cancel = threading.Event()
@@ -267,24 +306,19 @@ def _deploy(
     # what the policy will serve at it.
     samplings = [SmokeSampling.of(tuning.temperature)] if tuning.temperature > 0 else []
     smoke = SmokeSpec.for_samplings(samplings)
-    board = _Live([s.name for h in hosts for s in h.slot_hosts()])
-
-    def one(host: Host) -> DeployedPolicy:
-        with transport_for(obj, host) as t:
-            try:
-                result = deploy_policy(
-                    t, host, tuning.policies, tuning.host_machines, state=state, timeout=timeout, smoke=smoke,
-                    lease=_lease_pass(t, host, force=force), on_phase=board.on_phase, cancel=cancel,
-                )
-            except BaseException:
-                for server in host.slot_hosts():
-                    board.done(server.name, "failed")
-                raise
-            for server in host.slot_hosts():
-                board.done(server.name, "[green]policy active[/]")
-            return result
-
-    return run_with_board(obj, board, hosts, one, cancel=cancel), cancel
+    board = _Live([s.name for h in hosts for s in h.slot_hosts()], server_batches(plan, hosts))
+    restarter = ServerRestarter(
+        RunConfig("DDTREE"), RestartSettings(timeout=timeout, smoke=smoke), state=state,
+        lease=lambda t, h: _lease_pass(t, h, force=force), on_phase=board.on_phase,
+    )
+    change = PolicyChange(tuning.policies, tuning.host_machines, restarter,
+                          launch=_canary_launch(tuning, hosts, plan.canary))
+    rollout = run_with_rollout(obj, hosts, change, plan, gate=gate, rollback_on_failure=rollback_on_failure,
+                               cancel=cancel, board=board)
+    for name in rollout.results.succeeded:
+        for server in next(h for h in hosts if h.name == name).slot_hosts():
+            board.done(server.name, "[green]policy active[/]")
+    return rollout, cancel
 
 
 def _render_deployed(obj: AppContext, results: FleetResult[DeployedPolicy], *, wide: bool) -> None:
