@@ -195,7 +195,11 @@ class DeployChange(HostChange[HostOutcome, DeployBefore]):
 
 @dataclass(frozen=True)
 class PolicyBefore:
+    """The machine's policy record and each server's launch before the change (before a
+    canary's baseline launch too: what ran before the rollout is what comes back)."""
+
     record: PolicyRecord | None
+    servers: Mapping[str, lifecycle.PreviousServer]
 
 
 class PolicyChange(HostChange[DeployedPolicy, PolicyBefore]):
@@ -212,7 +216,8 @@ class PolicyChange(HostChange[DeployedPolicy, PolicyBefore]):
         return "the tuned DDTREE policy"
 
     def remember(self, transport: Transport, host: Host) -> PolicyBefore:
-        return PolicyBefore(self.restarter.state.policy_for(host.machine))
+        return PolicyBefore(self.restarter.state.policy_for(host.machine),
+                            {s.name: lifecycle.remember_server(transport, s) for s in host.slot_hosts()})
 
     def _placed(self, undo: PolicyUndo) -> None:
         with self._lock:
@@ -231,7 +236,8 @@ class PolicyChange(HostChange[DeployedPolicy, PolicyBefore]):
         if undo is None:
             return "nothing placed"
         try:
-            return undo_policy(transport, host, undo, before.record, state=self.restarter.state,
+            return undo_policy(transport, host, replace(undo, before=before.servers), before.record,
+                               state=self.restarter.state,
                                lease=self.restarter.lease(transport, host),
                                stop_grace_s=self.restarter.settings.stop_grace_s)
         except DdtreeOpsError as exc:

@@ -1,0 +1,312 @@
+"""The systemd manager on a host run by a real systemd 252 (tests/systemdhost.py).
+
+The host's SGLang is the operator's enabled ``sglang.service`` (``Restart=always``; the
+simulator stands in for SGLang, from the host's venv with the real SGLang 0.5.23 files).
+Everything goes through the CLI over SSH, as an operator runs it: the restart writes one
+drop-in and a 0600 env file and proves the unit's new MainPID; systemd's own crash restart
+and a reboot keep the patched launch; rollback gives the unit its own ExecStart back; the
+inventory's env never reaches a command line (every execve on the host traced) nor the
+drop-in; and a unit ddtree-ops cannot drive is refused in one line with nothing changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cli_json import json_data, read_envelope
+from systemdhost import (
+    UNIT,
+    SystemdFleet,
+    SystemdHost,
+    cmdline,
+    main_pid,
+    reset,
+    serving,
+    systemd_inventory,
+    wait_serving,
+)
+
+pytestmark = [pytest.mark.fleet, pytest.mark.slow, pytest.mark.timeout(600)]
+
+DDTREE4 = ("--algorithm", "DDTREE", "--budget", "4", "--topk", "4")
+DROPIN = f"/etc/systemd/system/{UNIT}.d/50-ddtree-ops.conf"
+ENV_FILE = f"/etc/ddtree-ops/{UNIT}.env"
+
+
+def _write_inventory(fleet: SystemdFleet, path: Path, *, host_vars: dict[str, Any] | None = None,
+                     **server: object) -> Path:
+    doc = systemd_inventory(fleet, **server)
+    hosts = doc["all"]["children"]["systemd_hosts"]["hosts"]  # type: ignore[index]
+    for name, extra in (host_vars or {}).items():
+        entry = hosts[name]
+        for key, value in extra.items():
+            if key == "ddtree":
+                entry["ddtree"] = {**entry["ddtree"], **value}
+            else:
+                entry[key] = value
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def host(systemd_host: SystemdFleet, sd_env: Path, cli: Callable[..., Any]) -> Iterator[SystemdHost]:
+    """The host as its operator left it: the unit on its own ExecStart, serving, no patch."""
+    h = systemd_host.hosts[0]
+    if h.proc is None:
+        h.boot()
+    done = cli("-i", str(systemd_host.inventory), "rollback", "all")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    reset(h)
+    yield h
+
+
+def _text(table: str) -> str:
+    """A rendered table's words in order, its box drawing dropped (cells wrap across lines)."""
+    return " ".join(w for w in table.split() if not set(w) <= set("│┃┏┓┗┛┡┩└┘━─╇┳┻┯┷╋┼┠┨"))
+
+
+def _sha(host: SystemdHost, path: str) -> str:
+    return hashlib.sha256(host.run("cat", path).stdout.encode()).hexdigest()
+
+
+def test_restart_goes_through_the_unit_and_proves_the_new_main_pid(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
+) -> None:
+    inv = _write_inventory(systemd_host, sd_env / "inv.yaml", env={"HF_TOKEN": "hf_secret_token"})
+    unit_before = _sha(host, f"/etc/systemd/system/{UNIT}")
+    old = main_pid(host)
+    done = cli("-i", str(inv), "--json", "restart", "sd-0", *DDTREE4)
+    assert done.exit_code == 0, done.stdout + done.stderr
+    result = json_data(done.stdout)["hosts"][0]["result"]
+    new = main_pid(host)
+    # Ready means the unit's NEW main process serves: its pid, not the old one's.
+    assert result["pid"] == new != old
+    argv = cmdline(host, new)
+    assert argv == result["argv"]
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"
+    # One drop-in of ours with that launch; the operator's unit file untouched.
+    dropin = host.run("cat", DROPIN).stdout
+    assert "ExecStart=\n" in dropin and f"EnvironmentFile={ENV_FILE}" in dropin
+    assert _sha(host, f"/etc/systemd/system/{UNIT}") == unit_before
+    props = host.systemctl_show(UNIT, "DropInPaths", "ActiveState", "UnitFileState")
+    assert props["DropInPaths"] == DROPIN and props["ActiveState"] == "active" and props["UnitFileState"] == "enabled"
+    # The env reaches the server through the 0600 file only.
+    assert host.run("stat", "-c", "%a %U", ENV_FILE).stdout.split() == ["600", "root"]
+    assert 'HF_TOKEN="hf_secret_token"' in host.run("cat", ENV_FILE).stdout
+    assert "hf_secret_token" not in dropin
+    environ = host.run("cat", f"/proc/{new}/environ").stdout.split("\0")
+    assert "HF_TOKEN=hf_secret_token" in environ
+    # logs: the journal of the unit since the restart.
+    logs = cli("-i", str(inv), "logs", "sd-0", "-n", "200")
+    assert logs.exit_code == 0 and "The server is fired up and ready to roll!" in logs.stdout
+    assert "DDTREE: budget=4 topk=4" in logs.stdout
+
+
+def test_systemd_restarts_a_killed_server_with_the_patched_flags_and_service_status_says_so(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
+) -> None:
+    inv = str(systemd_host.inventory)
+    assert cli("-i", inv, "restart", "sd-0", *DDTREE4).exit_code == 0
+    killed = main_pid(host)
+    restarts = int(host.systemctl_show(UNIT, "NRestarts")["NRestarts"])
+    host.run("kill", "-9", str(killed))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (main_pid(host) in (0, killed) or not serving(host)):
+        time.sleep(0.2)
+    revived = main_pid(host)
+    assert revived not in (0, killed) and serving(host)
+    assert "DDTREE" in cmdline(host, revived)
+    assert int(host.systemctl_show(UNIT, "NRestarts")["NRestarts"]) == restarts + 1
+    status = cli("-i", inv, "--json", "service-status", "sd-0")
+    assert status.exit_code == 0, status.stdout + status.stderr
+    row = json_data(status.stdout)["hosts"][0]["result"]
+    assert row["manager"] == "systemd" and row["running"] and row["pid"] == revived
+    assert row["unit"]["restarts"] == restarts + 1 and row["unit"]["dropin_in_effect"]
+    assert row["run"] == "DDTREE budget=4 topk=4" and row["health"] == 200
+    table = _text(cli("-i", inv, "service-status", "sd-0").stdout)
+    assert f"sglang.service active (running), {restarts + 1} restart(s) by systemd, our drop-in, enabled" in table
+
+
+def test_after_a_reboot_the_unit_comes_back_serving_the_patched_launch(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    inv = str(systemd_host.inventory)
+    assert cli("-i", inv, "restart", "sd-0", *DDTREE4).exit_code == 0
+    host.shutdown()
+    assert host.proc is None
+    host.boot()
+    wait_serving(host)
+    pid = main_pid(host)
+    assert "DDTREE" in cmdline(host, pid)
+    status = json_data(cli("-i", inv, "--json", "service-status", "sd-0").stdout)["hosts"][0]["result"]
+    assert status["pid"] == pid and status["unit"]["dropin_in_effect"] and status["health"] == 200
+
+
+def test_rollback_removes_the_dropin_and_the_operators_execstart_serves_again(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    inv = str(systemd_host.inventory)
+    operator_argv = cmdline(host, main_pid(host))
+    deployed = cli("-i", inv, "deploy", "sd-0", "--restart", "--budget", "4", "--topk", "4")
+    assert deployed.exit_code == 0, deployed.stdout + deployed.stderr
+    assert "DDTREE" in cmdline(host, main_pid(host))
+    done = cli("-i", inv, "--json", "rollback", "sd-0", "--restart")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    row = json_data(done.stdout)[0]
+    assert row["outcome"] == "rolled-back"
+    assert "relaunched the previous server (the unit's own ExecStart" in row["servers"][0]
+    assert host.run("test", "-e", DROPIN, check=False).returncode == 1
+    assert host.run("test", "-e", ENV_FILE, check=False).returncode == 1
+    assert cmdline(host, main_pid(host)) == operator_argv and serving(host)
+    status = json_data(cli("-i", inv, "--json", "service-status", "sd-0").stdout)["hosts"][0]["result"]
+    assert status["run"] == "the unit's own ExecStart" and not status["unit"]["dropin_in_effect"]
+
+
+def test_an_odd_argument_reaches_the_server_exactly_through_execstart(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    odd = 'x "y" 50% $HOME \\z'
+    done = cli("-i", str(systemd_host.inventory), "restart", "sd-0", "--extra-arg=--served-model-name",
+               f"--extra-arg={odd}")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    argv = cmdline(host, main_pid(host))
+    assert argv[-2:] == ["--served-model-name", odd]
+
+
+def test_a_capture_failure_relaunches_eager_through_the_dropin(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
+) -> None:
+    # The B300 profile's capture crash above budget 8; SIM_GPU from the env file wins over
+    # the operator's Environment= (systemd reads EnvironmentFile= after it).
+    inv = _write_inventory(systemd_host, sd_env / "inv.yaml", env={"SIM_GPU": "b300"})
+    done = cli("-i", str(inv), "--json", "restart", "sd-0", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    result = json_data(done.stdout)["hosts"][0]["result"]
+    assert result["attempts"] == 2 and result["cuda_graph"] is False
+    assert "illegal memory access" in result["fallback_reason"]
+    assert '"--cuda-graph-backend-decode" "disabled"' in host.run("cat", DROPIN).stdout
+    assert "disabled" in cmdline(host, main_pid(host))
+
+
+class ExecveTrace:
+    """Every execve on the host while the block runs: strace follows the host's systemd
+    (the units it starts) and its sshd (every session the CLI opens), children included."""
+
+    def __init__(self, host: SystemdHost, out: Path) -> None:
+        pids = [str(host.init_pid), str(host.outer_pid(main_pid(host, "ddtree-test-sshd.service")))]
+        self.out = out
+        self.argv = ["strace", "-f", "-qq", "-s", "100000", "-e", "trace=execve", "-o", str(out),
+                     *[a for p in pids for a in ("-p", p)]]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ExecveTrace:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # attached
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+    @property
+    def calls(self) -> list[str]:
+        return [line for line in self.out.read_text(errors="replace").splitlines() if "execve(" in line]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+def test_the_inventory_env_never_reaches_a_command_line_nor_the_dropin(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
+) -> None:
+    secret = f"hf_{uuid.uuid4().hex}"
+    inv = _write_inventory(systemd_host, sd_env / "inv.yaml", env={"HF_TOKEN": secret})
+    with ExecveTrace(host, sd_env / "execve.trace") as trace:
+        done = cli("-i", str(inv), "restart", "sd-0", *DDTREE4)
+        cli("-i", str(inv), "service-status", "sd-0")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    calls = trace.calls
+    # Not vacuous: the trace saw the agent, systemctl and the server itself start.
+    assert any("systemctl" in c for c in calls) and any("ddtree_ops.sim" in c for c in calls), calls[:20]
+    assert not [c[:300] for c in calls if secret in c]
+    assert secret not in host.run("cat", DROPIN).stdout
+    assert f"HF_TOKEN={secret}" in host.run("cat", f"/proc/{main_pid(host)}/environ").stdout.split("\0")
+
+
+def _refusal_setup(host: SystemdHost, kind: str) -> dict[str, Any]:
+    """A host whose unit ddtree-ops must refuse, and the inventory settings that point at it."""
+    if kind == "not_found":
+        return {"unit": "nosuch.service"}
+    if kind == "masked":
+        host.run("ln", "-sf", "/dev/null", "/etc/systemd/system/masked-sglang.service")
+        host.run("systemctl", "daemon-reload")
+        return {"unit": "masked-sglang.service"}
+    if kind == "user_unit":
+        host.run("mkdir", "-p", "/etc/systemd/user")
+        host.run("sh", "-c", f"cp /etc/systemd/system/{UNIT} /etc/systemd/user/sglang-user.service")
+        return {"unit": "sglang-user.service"}
+    if kind == "not_sglang":
+        host.run("sh", "-c", "printf '[Service]\\nExecStart=/bin/sleep infinity\\n' > "
+                             "/etc/systemd/system/other.service && systemctl daemon-reload")
+        return {"unit": "other.service"}
+    if kind == "permission":
+        # '*': no password, but not a locked account, which sshd would refuse to log in.
+        host.run("sh", "-c", "id gpuops >/dev/null 2>&1 || useradd -m -p '*' gpuops")
+        return {"user": "gpuops"}
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("not_found", "unit nosuch.service not found"),
+    ("masked", "unit masked-sglang.service is masked (systemctl unmask masked-sglang.service first)"),
+    ("user_unit", "sglang-user.service is a user unit (/etc/systemd/user/sglang-user.service), run by systemd "
+                  "--user"),
+    ("not_sglang", "the ExecStart of other.service is not an SGLang launch (/bin/sleep infinity)"),
+    ("permission", "driving sglang.service needs root on this host"),
+])
+def test_a_unit_that_cannot_be_driven_is_refused_in_one_line_with_nothing_changed(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path, kind: str, message: str
+) -> None:
+    settings = _refusal_setup(host, kind)
+    if "user" in settings:
+        inv = _write_inventory(systemd_host, sd_env / "inv.yaml", host_vars={"sd-0": {
+            "ansible_user": settings["user"], "ddtree": {"run_dir": "~/.ddtree-ops"}}})
+    else:
+        inv = _write_inventory(systemd_host, sd_env / "inv.yaml", unit=settings["unit"])
+    before = (main_pid(host), host.run("sh", "-c", "ls -R /etc/systemd/system | md5sum").stdout)
+    done = cli("-i", str(inv), "--json", "restart", "sd-0", *DDTREE4)
+    assert done.exit_code == 5, done.stdout + done.stderr
+    env = read_envelope(done.stdout)
+    host_error = next(e for e in env["errors"] if e["host"] == "sd-0")
+    assert host_error["code"] == "unit_refused", host_error
+    assert message in host_error["message"] and host_error["message"].endswith("nothing changed")
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert (main_pid(host), host.run("sh", "-c", "ls -R /etc/systemd/system | md5sum").stdout) == before
+    assert host.run("test", "-e", DROPIN, check=False).returncode == 1 and serving(host)
+    # doctor names the unit's state, and fails the host where restart would refuse it.
+    if kind in ("not_found", "masked"):
+        doctor = cli("-i", str(inv), "doctor", "sd-0")
+        assert doctor.exit_code == 5 and message.split(" (")[0] in _text(doctor.stdout)
+
+
+def test_doctor_reports_the_manager_and_the_units_state(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    done = cli("-i", str(systemd_host.inventory), "doctor", "sd-0")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert "systemd: sglang.service active (running), enabled, its own ExecStart" in _text(done.stdout)
+
+
+def test_stop_is_systemctl_stop(systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]) -> None:
+    done = cli("-i", str(systemd_host.inventory), "--json", "stop", "sd-0")
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert json_data(done.stdout)["hosts"][0]["result"]["was_running"]
+    assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] == "inactive"
