@@ -40,6 +40,7 @@ from ddtree_ops.cli.rollout import (
     rollout_lines,
     rollout_options,
     run_with_rollout,
+    say_baseline_cost,
 )
 from ddtree_ops.errors import ConfigError, DdtreeOpsError
 from ddtree_ops.fleet import FleetResult, run_interruptible, run_on_hosts
@@ -284,7 +285,7 @@ def deploy_cmd(
         for line in rollout_lines(plan, gate):
             obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
         if gate is not None:
-            _say_baseline_cost(obj, [h for h in hosts if h.name in plan.canary])
+            say_baseline_cost(obj, [h for h in hosts if h.name in plan.canary])
     if diff and not obj.json:
         for texts in diffs.values():
             for text in texts:
@@ -324,31 +325,6 @@ class _PolicyAwareRestarter(ServerRestarter):
             budget, topk = self.explicit
             run = replace_dc(self.run, budget=budget, topk=topk)
         return super().restart(transport, server, cancel, run)
-
-
-def _say_baseline_cost(obj: AppContext, canary: list[Host]) -> None:
-    """Dry run: where no server runs on the canary, the gate first launches the target
-    alone for its baseline answers: one more model load, said with what it costs."""
-    from ddtree_ops.state import StateStore
-
-    state = StateStore()
-    for host in canary:
-        for server in host.slot_hosts():
-            try:
-                with transport_for(obj, server) as t:
-                    serving = service_status(t, server, log_lines=0)
-            except DdtreeOpsError as exc:
-                obj.console.print(f"{server.name}: cannot tell whether a server runs ({exc.message})",
-                                  markup=False, highlight=False, soft_wrap=True)
-                continue
-            if serving.running and serving.health == 200:
-                continue
-            learned = state.learned_load_s(server.name, server.ddtree.server.model_path or "")
-            load = f"{learned:.0f} s (learned)" if learned else \
-                f"{server.ddtree.server.expected_load_s:.0f} s (expected_load_s)"
-            obj.console.print(
-                f"{server.name}: no server answers there; the gate first launches the target alone (AR) for its "
-                f"baseline answers: one more model load, about {load}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("rollback")

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from ddtree_ops.cli.common import transport_for
 from ddtree_ops.cli.main import AppContext
-from ddtree_ops.errors import ConfigError, FleetError, Interrupted
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.rollout.executor import HostChange, RolloutEvent, RolloutResult, hosts_by_name, run_rollout
@@ -181,6 +181,32 @@ def refuse_without_undo(args: RolloutArgs, command: str) -> None:
         raise ConfigError(f"{command}: --rollback-on-failure has nothing to roll back to after a rollback")
 
 
+def say_baseline_cost(obj: AppContext, canary: Sequence[Host]) -> None:
+    """Dry run: where no server runs on the canary, the gate first launches the target
+    alone for its baseline answers: one more model load, said with what it costs."""
+    from ddtree_ops.service.lifecycle import service_status
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    for host in canary:
+        for server in host.slot_hosts():
+            try:
+                with transport_for(obj, server) as t:
+                    serving = service_status(t, server, log_lines=0)
+            except DdtreeOpsError as exc:
+                obj.console.print(f"{server.name}: cannot tell whether a server runs ({exc.message})",
+                                  markup=False, highlight=False, soft_wrap=True)
+                continue
+            if serving.running and serving.health == 200:
+                continue
+            learned = state.learned_load_s(server.name, server.ddtree.server.model_path or "")
+            load = f"{learned:.0f} s (learned)" if learned else \
+                f"{server.ddtree.server.expected_load_s:.0f} s (expected_load_s)"
+            obj.console.print(
+                f"{server.name}: no server answers there; the gate first launches the target alone (AR) for its "
+                f"baseline answers: one more model load, about {load}", markup=False, highlight=False, soft_wrap=True)
+
+
 def rollout_lines(plan: RolloutPlan, gate: GateSpec | None) -> list[str]:
     """What a dry run says of the rollout: its batches, the stop rule, the gate."""
     if not plan.rolling:
@@ -287,4 +313,5 @@ __all__ = [
     "rollout_lines",
     "rollout_options",
     "run_with_rollout",
+    "say_baseline_cost",
 ]

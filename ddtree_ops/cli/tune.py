@@ -38,6 +38,7 @@ from ddtree_ops.cli.rollout import (
     rollout_lines,
     rollout_options,
     run_with_rollout,
+    say_baseline_cost,
 )
 from ddtree_ops.cli.service import _lease_pass, _Live, server_batches
 from ddtree_ops.errors import ConfigError, Interrupted
@@ -135,6 +136,8 @@ def tune_command(
             _render_plan(obj, deploy_plan, wide=wide)
             for line in rollout_lines(plan, gate):
                 obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            if gate is not None:
+                say_baseline_cost(obj, [h for h in hosts if h.name in plan.canary])
         return
     rollout, cancel = _deploy(obj, tuning, hosts, plan, gate, timeout=timeout, force=force,
                               rollback_on_failure=args.rollback_on_failure)

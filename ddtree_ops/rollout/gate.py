@@ -216,6 +216,8 @@ class GateVerdict:
     requests: int
     before_failed: int
     reasons: tuple[str, ...] = ()
+    # The server before the change, on the same greedy prompts (None: it did not speculate).
+    accept_before: float | None = None
 
     def describe(self) -> str:
         accept = ", ".join(
@@ -224,7 +226,8 @@ class GateVerdict:
             for t, v in self.accept.items()
         )
         head = "passed" if self.passed else "FAILED: " + "; ".join(self.reasons)
-        return (f"gate {head} — greedy agreement {self.agreement:.3f}, acceptance {accept}, "
+        before = f" (before: T=0 {self.accept_before:.2f})" if self.accept_before is not None else ""
+        return (f"gate {head} — greedy agreement {self.agreement:.3f}, acceptance {accept}{before}, "
                 f"{self.failed_requests} of {self.requests} request(s) failed")
 
     def as_dict(self) -> dict[str, Any]:
@@ -237,6 +240,7 @@ class GateVerdict:
             "failed_requests": self.failed_requests,
             "requests": self.requests,
             "baseline_failed_requests": self.before_failed,
+            "baseline_accept_length": self.accept_before,
             "reasons": list(self.reasons),
         }
 
@@ -277,6 +281,7 @@ def judge_gate(
     return GateVerdict(
         passed=not reasons, agreement=agree.share, diverged=agree.diverged, accept=accept, floors=floors,
         failed_requests=len(failed), requests=len(all_after), before_failed=before_failed, reasons=tuple(reasons),
+        accept_before=acceptance(before),
     )
 
 

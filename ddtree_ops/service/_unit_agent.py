@@ -220,6 +220,14 @@ def _remove(path):
         return False
 
 
+def _in_run_dir(text, run_dir):
+    """The drop-in with ``WorkingDirectory=`` the run dir (as this host expands it): our
+    launch runs there under either manager, so a file it names relatively (a sweep's
+    runtime states) is found ("%" is a unit-file specifier, written "%%")."""
+    line = "WorkingDirectory=" + os.path.abspath(run_dir).replace("%", "%%")
+    return text.replace("[Service]\n", "[Service]\n" + line + "\n", 1)
+
+
 def _configure(p):
     """Put our drop-in and environment file in place (``p["dropin"]`` text) or remove them
     (``None``), then daemon-reload. A failed reload puts the previous files back."""
@@ -231,7 +239,7 @@ def _configure(p):
             _remove(env_path)
         else:
             _write_private(env_path, p.get("env_file") or "", 0o600)
-            _write_private(dropin, p["dropin"], 0o644)
+            _write_private(dropin, _in_run_dir(p["dropin"], _run_dir(p)), 0o644)
         code, out, err = _run(["systemctl", "daemon-reload"], timeout=120)
         if code != 0:
             raise RuntimeError("systemctl daemon-reload failed: %s" % (err or out).strip()[-300:])

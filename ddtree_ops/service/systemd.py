@@ -101,7 +101,9 @@ def environment_file(env: Mapping[str, str], *, host: str | None = None) -> str:
 
 
 def dropin_text(argv: Sequence[str], unit: str) -> str:
-    """Our drop-in: the computed launch as the unit's only ``ExecStart``, and the env file."""
+    """Our drop-in: the computed launch as the unit's only ``ExecStart``, and the env file.
+    The agent adds ``WorkingDirectory=`` the host's run dir (only the host can expand it),
+    where the process manager runs the server too."""
     return "\n".join([
         "# Written by ddtree-ops. It replaces the unit's ExecStart with the launch ddtree-ops computed;",
         "# the unit file itself is the operator's and is not changed. `ddtree-ops rollback HOST --restart`",

@@ -208,6 +208,14 @@ def test_a_good_canary_lets_the_rollout_finish(trio: SystemdFleet, cli: Callable
     for host in trio.hosts:
         assert "DDTREE" in cmdline(host, main_pid(host))
         assert host.run("test", "-e", DROPIN, check=False).returncode == 0
+    # ... and rolls back the same way: one host at a time, each on its unit's own ExecStart.
+    back = cli("-i", str(trio.inventory), "--json", "rollback", "all", "--restart", "--serial", "1")
+    assert back.exit_code == 0, back.stdout + back.stderr
+    rows = {r["host"]: r for r in json_data(back.stdout)}
+    assert [rows[h]["rollout"]["batch"] for h in ("sd-0", "sd-1", "sd-2")] == [1, 2, 3]
+    for host in trio.hosts:
+        assert "DDTREE" not in cmdline(host, main_pid(host))
+        assert host.run("test", "-e", DROPIN, check=False).returncode == 1
 
 
 def test_rollback_on_failure_puts_a_host_back_and_the_rollout_goes_on_within_max_fail(

@@ -310,3 +310,52 @@ def test_stop_is_systemctl_stop(systemd_host: SystemdFleet, host: SystemdHost, c
     assert done.exit_code == 0, done.stdout + done.stderr
     assert json_data(done.stdout)["hosts"][0]["result"]["was_running"]
     assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] == "inactive"
+
+
+def test_a_sweep_holds_the_host_and_switches_trees_live_through_the_unit(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
+) -> None:
+    inv = str(systemd_host.inventory)
+    sweep = sd_env / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "sd", "targets": ["sd-0"], "baselines": ["autoregressive"],
+        "grid": {"algorithm": ["ddtree"], "budget": [4, 8], "topk": [4], "temperature": [0.0], "concurrency": [2]},
+        "workload": {"prompt_set": "mixed", "num_prompts": 2, "max_new_tokens": 16, "seed": 0},
+        "repeats": 1, "warmup": 0, "request_timeout_s": 60,
+    }))
+    out = sd_env / "results" / "sd.jsonl"
+    done = cli("-i", inv, "bench", "--sweep", str(sweep), "--out", str(out))
+    assert done.exit_code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from ddtree_ops.bench import ledger
+
+    rows = ledger.read_ledger(out).rows
+    assert [(r["algorithm"], r["budget"], r["status"]) for r in rows] == [
+        ("AR", None, "ok"), ("DDTREE", 4, "ok"), ("DDTREE", 8, "ok")]
+    # One DDTREE launch through the drop-in held both trees as runtime states.
+    ddtree = [r for r in rows if r["algorithm"] == "DDTREE"]
+    assert all(r["tree_switched"] for r in ddtree) and len({r["launch_id"] for r in ddtree}) == 1
+    from ddtree_ops.service.systemd import exec_start_line
+
+    dropin = host.run("cat", DROPIN).stdout
+    assert exec_start_line(ddtree[0]["server_argv"]) in dropin.splitlines()
+    assert '"--speculative-adaptive-config"' in dropin and "WorkingDirectory=/var/lib/ddtree-ops" in dropin
+    # The sweep's lease was the host's while it ran, and is given back at its end.
+    assert host.run("test", "-e", "/var/lib/ddtree-ops/sweep.lease", check=False).returncode == 1
+
+
+def test_logs_follow_reads_the_journal_from_its_cursor(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    from ddtree_ops.inventory import load_inventory
+    from ddtree_ops.service.lifecycle import manager_for
+    from ddtree_ops.transport import open_transport
+
+    target = load_inventory([systemd_host.inventory]).hosts["sd-0"]
+    with open_transport(target) as t:
+        first = manager_for(t, target).read_logs(lines=5)
+        assert first["offset"] and len(first["lines"]) == 5
+        assert cli("-i", str(systemd_host.inventory), "restart", "sd-0", *DDTREE4).exit_code == 0
+        after = manager_for(t, target).read_logs(position=first["offset"])
+    assert any("DDTREE: budget=4 topk=4" in line for line in after["lines"])
+    assert any("fired up and ready to roll" in line for line in after["lines"])
+    assert not set(first["lines"]) & set(after["lines"][-3:])
