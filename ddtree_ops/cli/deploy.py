@@ -145,10 +145,10 @@ def _render_outcomes(
     columns = (TableColumn("host"), *([TableColumn("batch", "right")] if rolling else []), TableColumn("result"),
                TableColumn("bundle", wrap=True), TableColumn("detail", wrap=True))
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
-    for name, value in succeeded.items():
+    for value in succeeded.values():
         if isinstance(value, RolledBack):
-            for line in value.servers:
-                obj.console.print(f"{name}: {line}", markup=False, highlight=False, soft_wrap=True)
+            for line in value.servers:  # each names its server
+                obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
     if show_files:
         file_columns = (TableColumn("path"), TableColumn("action"), TableColumn("now", drop=2),
                         TableColumn("after", drop=3), TableColumn("why", drop=1, wrap=True))

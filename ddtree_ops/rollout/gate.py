@@ -225,10 +225,11 @@ class GateVerdict:
                                                               if t in self.floors else "")
             for t, v in self.accept.items()
         )
-        head = "passed" if self.passed else "FAILED: " + "; ".join(self.reasons)
+        failed = f"{self.failed_requests} of {self.requests} request(s) failed"
+        if not self.passed:
+            return f"gate FAILED: {'; '.join(self.reasons)} (greedy agreement {self.agreement:.3f}, {failed})"
         before = f" (before: T=0 {self.accept_before:.2f})" if self.accept_before is not None else ""
-        return (f"gate {head} — greedy agreement {self.agreement:.3f}, acceptance {accept}{before}, "
-                f"{self.failed_requests} of {self.requests} request(s) failed")
+        return f"gate passed — greedy agreement {self.agreement:.3f}, acceptance {accept}{before}, {failed}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
