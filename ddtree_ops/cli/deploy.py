@@ -301,30 +301,12 @@ def deploy_cmd(
 
 def _restarter(budget: int | None, topk: int | None) -> ServerRestarter:
     """The restart of ``deploy --restart``: a tuned policy on the machine is kept, as by
-    `restart` (its launch state then); without one, the defaults. Its run config is
-    checked before any host is touched."""
-    run = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
-    state = StateStore()
-    if budget is None or topk is None:
-        run = replace_dc(run, budget=RESTART_BUDGET if budget is None else budget,
-                         topk=RESTART_TOPK if topk is None else topk)
-    return _PolicyAwareRestarter(run, state=state, explicit=(budget, topk))
-
-
-class _PolicyAwareRestarter(ServerRestarter):
-    """A machine with a tuned policy launches at the policy's launch state unless the
-    operator named a tree (``--budget``/``--topk``), as ``restart`` does."""
-
-    def __init__(self, run: RunConfig, *, state: StateStore, explicit: tuple[int | None, int | None]) -> None:
-        super().__init__(run, state=state)
-        self.explicit = explicit
-
-    def restart(self, transport: Transport, server: Host, cancel: threading.Event,
-                run: RunConfig | None = None) -> Any:
-        if run is None and self.state.policy_for(server.machine) is not None:
-            budget, topk = self.explicit
-            run = replace_dc(self.run, budget=budget, topk=topk)
-        return super().restart(transport, server, cancel, run)
+    `restart` (its launch state, unless the operator named a tree); without one, the
+    defaults. Its run config is checked before any host is touched."""
+    named = RunConfig(algorithm="DDTREE", budget=budget, topk=topk)
+    run = replace_dc(named, budget=RESTART_BUDGET if budget is None else budget,
+                     topk=RESTART_TOPK if topk is None else topk)
+    return ServerRestarter(run, state=StateStore(), with_policy=named)
 
 
 @app.command("rollback")

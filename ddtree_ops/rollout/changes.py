@@ -72,12 +72,17 @@ class ServerRestarter:
     machines: Mapping[str, Host] = field(default_factory=dict)
     lease: LeaseFor = _no_lease
     on_phase: PhaseCallback = _ignore
+    # What a machine with a tuned policy launches instead of ``run``: the tree the operator
+    # named, None where the policy's launch state decides (``deploy --restart``, whose ``run``
+    # carries its default tree for machines without a policy).
+    with_policy: RunConfig | None = None
 
     def restart(self, transport: Transport, server: Host, cancel: threading.Event,
                 run: RunConfig | None = None) -> lifecycle.RestartResult:
-        run = run if run is not None else self.run
         s = self.settings
         tree_policy = self.state.policy_for(server.machine) if s.use_policy else None
+        if run is None:
+            run = self.with_policy if tree_policy is not None and self.with_policy is not None else self.run
         request = lifecycle.prepare_restart(
             transport, server, run, machine=self.machines.get(server.machine), lease=self.lease(transport, server),
             timeout=s.timeout, retry_cuda_graph=s.retry_cuda_graph, stop_grace_s=s.stop_grace_s, smoke=s.smoke,

@@ -885,9 +885,9 @@ def restore_server(
     model = host.ddtree.server.model_path or ""
     learned = state.learned_load_s(host.name, model)
     window = DeadlinePolicy().window(host.ddtree.server.expected_load_s, learned)
-    spec = _previous_spec(host, previous) if not previous.operator and previous.argv else None
-    if spec is None and previous.running and not previous.operator:
-        _previous_spec(host, previous)  # raises: a running server without a usable record
+    # Our previous launch comes back from its record (a running one must have a usable one);
+    # a unit's own ExecStart, or nothing ever launched, needs none.
+    spec = _previous_spec(host, previous) if not previous.operator and (previous.running or previous.argv) else None
     lock_ttl_s = 2 * (window.longest_s + port_wait_s + stop_grace_s) + 120
     with manager.restart_lock(transport, host, ttl_s=lock_ttl_s, command="rollback", lease=lease):
         svc.stop(grace_s=stop_grace_s)

@@ -151,10 +151,6 @@ class SystemdManager(ServiceManager):
     def preflight(self) -> None:
         self.call("unit_check", self.payload(), timeout=60)
 
-    def check(self) -> dict[str, Any]:
-        """The unit's properties and its operator's ExecStart (UnitRefused when it cannot be driven)."""
-        return self.call("unit_check", self.payload(), timeout=60)
-
     def start(self, spec: LaunchSpec, *, check_port: bool = True) -> Launched:
         payload = self.payload() | {
             "check_port": check_port,
