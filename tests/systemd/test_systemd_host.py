@@ -359,3 +359,19 @@ def test_logs_follow_reads_the_journal_from_its_cursor(
     assert any("DDTREE: budget=4 topk=4" in line for line in after["lines"])
     assert any("fired up and ready to roll" in line for line in after["lines"])
     assert not set(first["lines"]) & set(after["lines"][-3:])
+
+
+def test_a_unit_that_exits_while_loading_is_named_with_its_result_and_stopped(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    # An argument the server refuses: it exits 2 before loading, and Restart=always would
+    # start it again and again with that launch.
+    done = cli("-i", str(systemd_host.inventory), "--json", "restart", "sd-0", "--extra-arg=--no-such-flag")
+    assert done.exit_code == 5, done.stdout + done.stderr
+    error = next(e for e in read_envelope(done.stdout)["errors"] if e["host"] == "sd-0")
+    assert error["code"] == "server_crashed", error
+    assert "unit sglang.service exited during" in error["message"]
+    assert "(Result=exit-code, status=2" in error["message"] and "unit stopped" in error["message"]
+    assert "unrecognized arguments: --no-such-flag" in error["message"]  # the journal's own line
+    time.sleep(3)  # longer than the unit's RestartSec: systemd did not start it again
+    assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed")
