@@ -246,7 +246,7 @@ def test_global_options_also_work_after_the_command(inventory: Path, cli: Any, c
     res = cli("hosts", "-i", inv, "--host-key-policy", "yolo")
     assert res.exit_code == 2 and "strict" in res.stderr
     # "--json" as --extra-arg's value is restart's, not the global flag: a table, exit 5.
-    res = cli("restart", "broken", "--extra-arg", "--json", "-i", inv, "--no-smoke")
+    res = cli("restart", "broken", "--algorithm", "AR", "--extra-arg", "--json", "-i", inv, "--no-smoke")
     assert res.exit_code == 5 and not res.stdout.lstrip().startswith("{") and "broken" in res.stdout, res
     # After "--", "--json" is the target.
     res = cli("hosts", "-i", inv, "--", "--json")

@@ -153,8 +153,10 @@ def server_batches(plan: RolloutPlan, hosts: Sequence[Host]) -> dict[str, int] |
 def restart(
     ctx: typer.Context,
     target: str = typer.Argument(..., help=_TARGET_HELP),
-    algorithm: str = typer.Option(
-        "AR", "--algorithm", help="AR, DFLASH or DDTREE (the sweep's autoregressive, dflash, ddtree work too)."
+    algorithm: str | None = typer.Option(
+        None, "--algorithm",
+        help="AR, DFLASH or DDTREE (the sweep's autoregressive, dflash, ddtree work too). Default: what each server "
+        "launched last through ddtree-ops (refused where there is none).",
     ),
     budget: int | None = typer.Option(
         None,
@@ -215,14 +217,21 @@ def restart(
     if no_smoke and smoke_temperature:
         raise ConfigError("--smoke-temperature and --no-smoke contradict each other")
     smoke = None if no_smoke else SmokeSpec.for_samplings(SmokeSampling.of(t) for t in smoke_temperature or ())
+    args = rollout_args
+    if algorithm is None:
+        named = [flag for flag, given in (("--budget", budget), ("--topk", topk), ("--eager", eager or None),
+                                          ("--extra-arg", extra_arg or None), ("--canary", args.canary))
+                 if given is not None]
+        if named:
+            raise ConfigError(f"{named[0]} changes what is launched: give --algorithm (AR, DFLASH or DDTREE); "
+                              "without it each server launches again what it launched last")
     run = RunConfig(
-        algorithm=parse_algorithm(algorithm),
+        algorithm=parse_algorithm(algorithm or "AR"),
         budget=budget,
         topk=topk,
         cuda_graph="off" if eager else "auto",
         extra_args=tuple(extra_arg or ()),
     )
-    args = rollout_args
     hosts, machines = _slots_and_machines(obj, target)
     plan = args.plan([h.name for h in hosts])
     gate = args.gate(plan, hosts, run)
@@ -240,6 +249,7 @@ def restart(
         run, RestartSettings(timeout=timeout, retry_cuda_graph=retry_cuda_graph, stop_grace_s=grace, smoke=smoke,
                              keep_on_failure=keep_on_failure, use_policy=not no_policy),
         state=state, machines=machines, lease=lambda t, h: _lease_pass(t, h, force=force), on_phase=on_phase,
+        repeat_last=algorithm is None,
     )
     result = run_with_rollout(obj, hosts, RestartChange(restarter), plan, gate=gate,
                               rollback_on_failure=args.rollback_on_failure, cancel=cancel, board=board)
@@ -272,7 +282,8 @@ def _render_restart(
         return
     columns: tuple[TableColumn, ...] = (
         TableColumn("host", wrap=True), TableColumn("status"), TableColumn("pid", "right", drop=2),
-        TableColumn("graphs"), TableColumn("load", "right"), TableColumn("capture", "right"),
+        TableColumn("run", wrap=True), TableColumn("graphs"), TableColumn("load", "right"),
+        TableColumn("capture", "right"),
         TableColumn("smoke", "right"), TableColumn("total", "right", wrap=True),
         TableColumn("deadline", wrap=True, drop=1),
     )
@@ -282,12 +293,13 @@ def _render_restart(
     rows: list[list[str | Text]] = []
     for name, value in results.items():
         if isinstance(value, BaseException):
-            rows.append([name, Text("FAILED", style="bold red"), *[""] * (8 - 1)])
+            rows.append([name, Text("FAILED", style="bold red"), *[""] * 8])
         else:
             r = value
             launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
             rows.append([
-                name, Text("ok", style="green"), str(r.pid), "on" if r.cuda_graph else "eager",
+                name, Text("ok", style="green"), str(r.pid), r.run.replace("budget=", "b=").replace("topk=", "k="),
+                "on" if r.cuda_graph else "eager",
                 _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
                 "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
                 f"{r.deadline_s:.0f}s ({r.deadline_source})",

@@ -603,14 +603,33 @@ def do_commit(p):
         new_state["created_dirs"] = sorted(k for k, d in journal.get("dirs") or []
                                            if d is None or (os.path.isdir(d) and not is_empty_dir(d)))
         write_json_atomic(os.path.join(sd, "state.json"), new_state)
-    else:
+    placed_removed = []
+    if not new_state:
         try:
             os.unlink(os.path.join(sd, "state.json"))
         except FileNotFoundError:
             pass
+        # Files placed beside the bundle (a tuned policy) are read by its plugin only: with
+        # the bundle gone, a launch that named one would come up half-changed.
+        placed_removed = _remove_placed(sd)
     _finish(journal, committed=True)
     return {"txn": txn, "files": {e["path"]: (sha256_file(e["target"]) if os.path.isfile(e["target"]) else None)
-                                  for e in entries}}
+                                  for e in entries}, "placed_removed": placed_removed}
+
+
+def _remove_placed(sd):
+    """Remove ``<state_dir>/placed/`` and say which files it held."""
+    folder = os.path.join(sd, PLACED_DIR)
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) or os.path.islink(path):
+            os.unlink(path)
+            removed.append(path)
+    remove_if_empty(folder)
+    return removed
 
 
 def do_recover(p):

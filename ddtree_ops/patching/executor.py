@@ -115,6 +115,8 @@ class HostOutcome:
     files: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     state: RemoteState | None = None
+    # rollback: files placed beside the bundle (a tuned policy) that went with it
+    placed_removed: tuple[str, ...] = ()
 
     @property
     def message(self) -> str:
@@ -400,6 +402,7 @@ def rollback(
         keep = [_backup_path(rs, run.txn, a.path) for a in plan.actions if a.forced and a.current_sha256]
         result = run.execute(plan, rs, payload, None, [], keep, drop)
         files = dict(result.get("files") or {})
+        placed = tuple(str(p) for p in result.get("placed_removed") or ())
         for a in plan.changes:
             if files.get(a.path) != a.new_sha256:
                 raise VerifyError(f"{a.path} has sha256 {files.get(a.path)} after rollback, expected the original "
@@ -412,8 +415,9 @@ def rollback(
             recovered=recovered,
             txn=run.txn,
             files=files,
-            notes=plan.notes,
+            notes=(*plan.notes, *(f"removed {p} (placed beside the bundle)" for p in placed)),
             state=rs,
+            placed_removed=placed,
         )
 
 

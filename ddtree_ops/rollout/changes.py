@@ -76,11 +76,18 @@ class ServerRestarter:
     # named, None where the policy's launch state decides (``deploy --restart``, whose ``run``
     # carries its default tree for machines without a policy).
     with_policy: RunConfig | None = None
+    # ``restart`` without ``--algorithm``: each server launches again what it launched last
+    # (``lifecycle.last_run``); ``run`` only describes it.
+    repeat_last: bool = False
 
     def restart(self, transport: Transport, server: Host, cancel: threading.Event,
                 run: RunConfig | None = None) -> lifecycle.RestartResult:
         s = self.settings
         tree_policy = self.state.policy_for(server.machine) if s.use_policy else None
+        if run is None and self.repeat_last:
+            run = lifecycle.last_run(transport, server)
+            if tree_policy is not None and run.adaptive_config == tree_policy.path:
+                run = replace(run, adaptive_config=None)  # the policy is launched with again below
         if run is None:
             run = self.with_policy if tree_policy is not None and self.with_policy is not None else self.run
         request = lifecycle.prepare_restart(
@@ -264,8 +271,9 @@ class RolledBack:
 class RollbackChange(HostChange[RolledBack, None]):
     """``rollback [--restart]`` on one machine (module docstring)."""
 
-    def __init__(self, opts: RunOptions, restarter: ServerRestarter | None) -> None:
+    def __init__(self, opts: RunOptions, restarter: ServerRestarter | None, *, state: StateStore | None = None) -> None:
         self.opts, self.restarter = opts, restarter
+        self.state = restarter.state if restarter is not None else (state or StateStore())
         self.run = RunConfig("AR")
 
     def describe(self) -> str:
@@ -276,6 +284,10 @@ class RollbackChange(HostChange[RolledBack, None]):
 
     def apply(self, transport: Transport, host: Host, cancel: threading.Event) -> RolledBack:
         out = rollback(transport, host, self.opts, cancel=cancel)
+        if out.outcome == RunOutcome.ROLLED_BACK:
+            # The tuned policy went with the bundle (its file is removed with it): a later
+            # DDTREE restart must not launch with it.
+            self.state.forget_policy(host.machine)
         if self.opts.dry_run or cancel.is_set():
             return RolledBack(out)
         servers: list[str] = []

@@ -105,6 +105,7 @@ class RestartResult:
     ready_line_ts: float | None
     stopped: StopResult | None = None
     smoke: SmokeResult | None = None  # None: skipped (--no-smoke)
+    run: str = ""  # RunConfig.describe() of what was launched: the table's tree column
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` cannot copy the read-only mapping)."""
@@ -558,6 +559,7 @@ def restart(
                     ready_line_ts=attempt.tracker.ready_line_ts,
                     stopped=stopped,
                     smoke=smoke,
+                    run=run.describe(),
                 )
             failure = _FAILURES[outcome.reason]
             stop = failure.stop_server == "always" or (
@@ -951,6 +953,24 @@ def rollback_unit(
                           poll_interval_s=poll_interval_s)
 
 
+def last_run(transport: Transport, host: Host) -> RunConfig:
+    """What ``host`` launched last through ddtree-ops, as a run configuration to launch again
+    (``restart`` without ``--algorithm``): its algorithm, tree and runtime-state file, read back
+    from the launch record. ConfigError where there is none to repeat: nothing recorded, or a
+    systemd unit on its operator's own ExecStart."""
+    previous = remember_server(transport, host)
+    if previous.operator:
+        raise ConfigError(
+            f"{host.ddtree.server.unit} runs its own ExecStart, not a launch of ddtree-ops: give --algorithm (AR, "
+            f"DFLASH or DDTREE) to launch one, or `systemctl restart {host.ddtree.server.unit}` on the host",
+            host=host.name,
+        )
+    if not previous.argv:
+        raise ConfigError("no launch of ddtree-ops recorded here to repeat: give --algorithm (AR, DFLASH or DDTREE)",
+                          host=host.name)
+    return _previous_spec(host, previous).run
+
+
 def _previous_spec(host: Host, previous: PreviousServer) -> LaunchSpec:
     """The launch spec of a recorded launch: its argv as it was; the flags readiness compares
     with ``launch_command`` are the argv's tail that the record names as such."""
@@ -1012,6 +1032,7 @@ __all__ = [
     "StopResult",
     "UnitState",
     "launch_facts",
+    "last_run",
     "launched_argv",
     "manager_for",
     "operator_spec",

@@ -1,4 +1,5 @@
-"""``tune --deploy --canary`` under the process manager: the gate around a tuned policy.
+"""``tune --deploy --canary`` under the process manager: the gate around a tuned policy,
+and a rollback that takes the policy with the bundle.
 
 Where no server runs on the canary, the gate first launches the target alone (AR) for
 its baseline answers; a policy whose server misbehaves (the simulator's
@@ -71,6 +72,11 @@ def test_a_canary_gates_a_tuned_policy_and_a_failed_one_is_put_back(
             assert gate["passed"] and gate["agreement"] == 1.0
             assert policy_file.exists() and StateStore(state).policy_for("b1") is not None
             assert svc.status(lines=0)["alive"]
+            # A rollback takes the policy with the bundle: its file and the local record.
+            back = run_cli(inv, "--json", "rollback", "b1", state=state)
+            assert back.returncode == 0, back.stdout + back.stderr
+            assert f"removed {policy_file} (placed beside the bundle)" in json_data(back.stdout)[0]["message"]
+            assert not policy_file.exists() and StateStore(state).policy_for("b1") is None
             return
         assert done.returncode == 4, done.stdout + done.stderr
         error = next(e for e in env["errors"] if e["host"] == "b1")

@@ -87,6 +87,30 @@ def test_restart_logs_status_stop(inventory: Path, tmp_path: Path) -> None:
     assert stopped["was_running"] and stopped["exited"]
 
 
+def test_restart_without_an_algorithm_launches_again_what_ran_last_or_refuses(inventory: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    # Nothing launched yet: nothing to repeat, refused before the host is touched.
+    out = cli(inventory, "--json", "restart", "sim-a", env_state=state)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no launch of ddtree-ops recorded here to repeat: give --algorithm" in out.stdout
+    # A tree without an algorithm is refused in one line, whatever ran.
+    out = cli(inventory, "restart", "sim-a", "--budget", "4", env_state=state)
+    assert out.returncode == 2 and out.stderr.startswith("error: --budget changes what is launched")
+    try:
+        first = cli(inventory, "--json", "restart", "sim-a", "--algorithm", "DDTREE", "--budget", "4", "--topk", "2",
+                    "--no-smoke", env_state=state)
+        assert first.returncode == 0, first.stdout + first.stderr
+        again = cli(inventory, "--json", "restart", "sim-a", "--no-smoke", env_state=state)
+        assert again.returncode == 0, again.stdout + again.stderr
+        result = host_result(again, "sim-a")
+        assert result["run"] == "DDTREE budget=4 topk=2" and result["argv"] == host_result(first, "sim-a")["argv"]
+        assert result["pid"] != host_result(first, "sim-a")["pid"]
+        table = cli(inventory, "restart", "sim-a", "--no-smoke", env_state=state).stdout
+        assert "DDTREE b=4 k=2" in table
+    finally:
+        cli(inventory, "stop", "all", "--grace", "5", env_state=state)
+
+
 def test_bad_input_is_one_line_and_exit_2(inventory: Path, tmp_path: Path) -> None:
     out = cli(inventory, "restart", "all", "--algorithm", "EAGLE", env_state=tmp_path / "s.json")
     assert out.returncode == 2
@@ -107,7 +131,7 @@ def test_ctrl_c_during_wait_reports_the_host_and_exits_130(inventory: Path, tmp_
     log = Path(host["run_dir"]) / "server.log"
     env = dict(os.environ, DDTREE_OPS_STATE=str(tmp_path / "state.json"), COLUMNS="200")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), "restart", "sim-a"],
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inventory), "restart", "sim-a", "--algorithm", "AR"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -161,7 +185,7 @@ def test_port_held_by_a_foreign_process_fails_within_timeout_and_says_so(invento
         threading.Thread(target=serve, daemon=True).start()
         started = time.monotonic()
         # stdout is a pipe, not a terminal: the wait is said on stderr in plain text.
-        out = cli(inventory, "restart", "sim-a", "--timeout", "3", env_state=tmp_path / "s.json")
+        out = cli(inventory, "restart", "sim-a", "--algorithm", "AR", "--timeout", "3", env_state=tmp_path / "s.json")
         took = time.monotonic() - started
     assert out.returncode == 5, out.stdout + out.stderr
     assert took < 60, f"the port wait ignored --timeout 3 ({took:.0f}s)"
@@ -193,6 +217,7 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
             deadline_source="learned", attempts=attempts, launch_command="python", log_path="/x/server.log",
             ready_at=0.0, ready_line_ts=None,
             smoke=SmokeResult(True, 2.3, 8, 256, 80, 3.2, detail="8 requests, accept length 3.20"),
+            run="DDTREE budget=16 topk=4",
         )
 
     out = Console(record=True, width=200)
@@ -202,13 +227,13 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
     service._render_restart(main.AppContext(), results)
     text = out.export_text()
     header = next(line for line in text.splitlines() if "host" in line)
-    for name in ("pid", "graphs", "load", "capture", "smoke", "total", "deadline"):
+    for name in ("pid", "run", "graphs", "load", "capture", "smoke", "total", "deadline"):
         assert name in header, header
     assert "elapsed" not in header and "ready after" not in header
     rows = [line for line in text.splitlines() if line.startswith("│")]
     (a,) = [line for line in rows if "gpu-a" in line]
     assert [cell.strip() for cell in a.split("│")[1:-1]] == [
-        "gpu-a", "ok", "4242", "on", "12.6s", "3.1s", "2.3s", "15.1s", "720s (learned)"]
+        "gpu-a", "ok", "4242", "DDTREE b=16 k=4", "on", "12.6s", "3.1s", "2.3s", "15.1s", "720s (learned)"]
     (b,) = [line for line in rows if "gpu-b" in line]
     assert "15.1s (2 launches)" in b and "—" in b  # eager: no capture
     assert "gpu-c" in text and "not ready after 720s" in text

@@ -167,7 +167,7 @@ def test_restart_sigkilled_while_holding_the_lock_is_taken_over_at_once(tmp_path
     inv = write_inventory(slow, tmp_path / "inv.yaml")
     env = dict(os.environ, DDTREE_OPS_STATE=str(tmp_path / "state.json"))
     proc = subprocess.Popen([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "--json", "restart", "sim",
-                             "--timeout", "300", "--grace", "5"],
+                             "--algorithm", "AR", "--timeout", "300", "--grace", "5"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     launch = Path(slow.ddtree.run_dir, "launch.json")
     try:

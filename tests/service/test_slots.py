@@ -76,7 +76,7 @@ def test_a_host_restarts_as_one_server_per_slot_and_one_slot_is_addressable(inve
     state = tmp_path / "state.json"
     p0, p1 = slot_ports(inventory)
     try:
-        out = cli(inventory, "--json", "restart", "sim-a", "--no-smoke", state=state)
+        out = cli(inventory, "--json", "restart", "sim-a", "--algorithm", "AR", "--no-smoke", state=state)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         restarted = rows(out)
         assert list(restarted) == ["sim-a/0", "sim-a/1"]
@@ -169,7 +169,7 @@ def test_a_server_launched_before_the_host_had_slots_blocks_them_until_stopped(
     old = ProcessManager(LocalTransport("sim-a"), machine).start(spec)
     state = tmp_path / "state.json"
 
-    out = cli(inventory, "restart", "sim-a/1", "--no-smoke", state=state)
+    out = cli(inventory, "restart", "sim-a/1", "--algorithm", "AR", "--no-smoke", state=state)
     assert out.returncode == 5, out.stdout + out.stderr
     assert f"a server launched on sim-a as one server, not in a GPU slot, still runs (pid {old.pid}" in out.stdout
     assert not (tmp_path / "run" / "slot-1" / "launch.json").exists()

@@ -375,3 +375,20 @@ def test_a_unit_that_exits_while_loading_is_named_with_its_result_and_stopped(
     assert "unrecognized arguments: --no-such-flag" in error["message"]  # the journal's own line
     time.sleep(3)  # longer than the unit's RestartSec: systemd did not start it again
     assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed")
+
+
+def test_restart_without_an_algorithm_repeats_the_units_last_launch_of_ours(
+    systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
+) -> None:
+    inv = str(systemd_host.inventory)
+    # The unit runs its own ExecStart: there is no launch of ddtree-ops to repeat.
+    refused = cli("-i", inv, "restart", "sd-0")
+    assert refused.exit_code == 2, refused.stdout + refused.stderr
+    assert "sglang.service runs its own ExecStart, not a launch of ddtree-ops: give --algorithm" in \
+        _text(refused.stdout)
+    assert cli("-i", inv, "restart", "sd-0", *DDTREE4).exit_code == 0
+    first = main_pid(host)
+    again = cli("-i", inv, "--json", "restart", "sd-0")
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert json_data(again.stdout)["hosts"][0]["result"]["run"] == "DDTREE budget=4 topk=4"
+    assert main_pid(host) != first and "DDTREE" in cmdline(host, main_pid(host))
