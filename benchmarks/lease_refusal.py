@@ -97,7 +97,7 @@ def main() -> int:
                 second_out = str(tmp / f"second-{i}.jsonl")
                 for name, argv in (
                     ("bench (second sweep)", ["bench", "--sweep", str(second_sweep), "--out", second_out]),
-                    ("restart", ["restart", HOST, "--timeout", "60"]),
+                    ("restart", ["restart", HOST, "--algorithm", "AR", "--timeout", "60"]),
                     ("hosts (start-up only)", ["hosts"]),
                 ):
                     seconds, code = timed([*cli, "--json", "-i", str(inv), *argv], tmp)
