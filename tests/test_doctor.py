@@ -103,3 +103,17 @@ def test_doctor_one_host_down_others_reported(ssh_fleet: Fleet, clean_home: Path
     assert all(rows[n]["ok"] for n in ssh_fleet.names if n != down)
     assert f"doctor failed on 1 of 3 host(s): {down}" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_doctor_says_nothing_of_what_it_could_not_probe(ssh_fleet: Fleet, clean_home: Path, cli) -> None:
+    down = ssh_fleet.hosts[1].name
+    ssh_fleet.stop(down)
+    try:
+        res = cli("-i", str(ssh_fleet.inventory), "doctor", down)
+    finally:
+        ssh_fleet.start(down)
+    assert res.exit_code == 3
+    # An unreachable host has no SGLang, torch or GPU to report: only the error, no made-up facts.
+    for fact in ("not installed", "no torch", "no GPU visible", "process manager"):
+        assert fact not in res.stdout, res.stdout
+    assert "connection refused" in " ".join(res.stdout.split())

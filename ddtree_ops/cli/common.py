@@ -364,7 +364,9 @@ def fitted_table(
                 widths[i] += more
                 spare -= more
     hidden = [columns[i].header for i in range(len(columns)) if i not in keep]
-    notes = [caption] if caption else []
+    # Each note one sentence: a caption that does not end one gets its full stop, so the
+    # next note never runs into it ("... smoke Hidden to fit").
+    notes = [caption if caption.rstrip().endswith((".", ")", ":")) else caption.rstrip() + "."] if caption else []
     if hidden:
         notes.append(f"Hidden to fit {width} columns: {', '.join(hidden)} (--wide shows every column).")
     table = Table(

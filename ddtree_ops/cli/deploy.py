@@ -478,6 +478,9 @@ def status_cmd(
                          Text.from_markup(_service_text(services[n]))])
         print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide,
                                               title="patch and service status"))
+        # The reason of a failed host, whatever columns the terminal dropped.
+        for n, exc in failed.items():
+            obj.console.print(Text(f"{n} ({type(exc).__name__}): {error_text(exc)}", style="red"))
         if obj.verbose:
             for n, r in results.succeeded.items():
                 for f in r.files:

@@ -79,16 +79,25 @@ def _service(host: Host, f: HostFacts) -> Text | str:
     return Text(f"systemd: {text}", style="yellow" if any(u.problem for u in f.units) else "")
 
 
-def _columns(hosts: Sequence[Host]) -> list[tuple[str, Callable[[HostFacts], object]]]:
+Getter = Callable[[HostFacts], object]
+
+
+def _probed(getter: Getter) -> Getter:
+    """A fact only where the probe ran: a host it could not reach (or whose Python did not
+    answer) has no SGLang, torch or GPU to report, so it says nothing of them ("-")."""
+    return lambda f: getter(f) if f.error is None else None
+
+
+def _columns(hosts: Sequence[Host]) -> list[tuple[str, Getter]]:
     by_name = {h.name: h for h in hosts}
-    columns: list[tuple[str, Callable[[HostFacts], object]]] = [
-        ("service", lambda f: _service(by_name[f.host], f)),
-        ("python", lambda f: f.python_version),
-        ("sglang", _sglang),
-        ("torch", _torch),
-        ("gpus", _gpus),
-        ("disk", _disk),
-        ("port", _port),
+    columns: list[tuple[str, Getter]] = [
+        ("service", _probed(lambda f: _service(by_name[f.host], f))),
+        ("python", _probed(lambda f: f.python_version)),
+        ("sglang", _probed(_sglang)),
+        ("torch", _probed(_torch)),
+        ("gpus", _probed(_gpus)),
+        ("disk", _probed(_disk)),
+        ("port", _probed(_port)),
     ]
     if any(h.ddtree.server.slots for h in hosts):
         columns.append(("slots", lambda f: _slots(by_name[f.host])))

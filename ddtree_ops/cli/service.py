@@ -322,13 +322,10 @@ def _render_restart(
         )
     for name, r in results.succeeded.items():
         if r.attempts > 1 and not r.cuda_graph:
-            what = "the first decodes failed" if (r.fallback_reason or "").startswith("first decode") else \
-                "CUDA-graph capture failed"
-            reason = escape(r.fallback_reason or "")
-            obj.console.print(
-                f"[bold yellow]{escape(name)}: {what}; now serving in EAGER mode[/] — {reason}",
-                highlight=False,
-            )
+            # The reason names what failed ("CUDA-graph capture failed: ...", "first decode
+            # crashed: ..."): said once.
+            reason = escape(r.fallback_reason or "CUDA graphs failed")
+            obj.console.print(f"[bold yellow]{escape(name)}: now serving in EAGER mode[/] — {reason}", highlight=False)
 
 
 def _finish(what: str, results: FleetResult[Any], cancel: threading.Event | None = None) -> None:

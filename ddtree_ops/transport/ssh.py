@@ -320,6 +320,13 @@ class SSHTransport:
                 # Jump hosts are ssh_config aliases too (their own HostName/User/IdentityFile).
                 hops.append(resolve_endpoint(jhost, config, port=jport, user=juser))
         hops.append(target)
+        # A key file named but absent is known here, before a connection that may take the
+        # whole connect timeout to fail: say so at once.
+        for i, hop in enumerate(hops):
+            missing = [k for k in hop.key_files if not os.path.exists(k)]
+            if missing and len(missing) == len(hop.key_files):
+                role = "" if i == len(hops) - 1 else f" (jump host {hop.hostname})"
+                raise AuthError(f"private key file not found: {missing[0]}{role}", host=self.host)
         sock: Any = None
         try:
             for i, hop in enumerate(hops):
@@ -398,9 +405,6 @@ class SSHTransport:
                 with translate_errors(self.host, f"cannot read known_hosts file {path}", error=HostKeyError):
                     client.load_system_host_keys(str(path))
         client.set_missing_host_key_policy(_HostKeyPolicy(self, role))
-        missing = [k for k in hop.key_files if not os.path.exists(k)]
-        if missing and len(missing) == len(hop.key_files):
-            raise AuthError(f"private key file not found: {missing[0]}", host=self.host)
         at = f"{role} {hop.hostname}:{hop.port}"
         keys = ", ".join(hop.key_files) or "agent/default keys"
         messages: dict[type[BaseException], Message] = {

@@ -392,3 +392,18 @@ def test_the_dry_run_plan_never_cuts_a_path_at_80_columns(
     # Each planned path whole, so that two files of one folder never read alike.
     for action in load_bundle(BUNDLES / "plugin").files:
         assert any(action.path in line for line in res.stdout.splitlines()), action.path
+
+
+def test_a_failed_hosts_reason_is_shown_at_80_columns(
+    tmp_path: Path, mini: MiniHost, cli: Callable[..., Res], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddtree_ops.cli import main
+
+    inv = _inventory(tmp_path, {"h1": mini.prefix, "h2": tmp_path / "no-such-prefix"})
+    monkeypatch.setattr(main.console, "width", 80)
+    res = cli(inv, "status", "all", "--bundle", str(BUNDLES / "basic"))
+    assert res.returncode != 0
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    # The column that holds the reason is dropped at this width: the reason still shows, in a line.
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("h2 (")]
+    assert "no-such-prefix" in " ".join(res.stdout.split())

@@ -211,8 +211,9 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
         phases = {Phase.STARTING: 0.4, Phase.LOADING_WEIGHTS: 9.0, Phase.SMOKE: 2.3}
         if capture is not None:
             phases[Phase.CAPTURING] = capture
+        reason = None if capture is not None else "CUDA-graph capture failed: CUDA error: an illegal memory access"
         return RestartResult(
-            host=host, pid=4242, argv=("python",), cuda_graph=capture is not None, fallback_reason=None,
+            host=host, pid=4242, argv=("python",), cuda_graph=capture is not None, fallback_reason=reason,
             phase_durations=MappingProxyType(phases), ready_s=15.1, load_s=12.6, deadline_s=720,
             deadline_source="learned", attempts=attempts, launch_command="python", log_path="/x/server.log",
             ready_at=0.0, ready_line_ts=None,
@@ -237,6 +238,9 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
     (b,) = [line for line in rows if "gpu-b" in line]
     assert "15.1s (2 launches)" in b and "—" in b  # eager: no capture
     assert "gpu-c" in text and "not ready after 720s" in text
+    (eager,) = [line for line in text.splitlines() if "EAGER" in line]
+    assert eager.startswith("gpu-b: now serving in EAGER mode — CUDA-graph capture failed: CUDA error")
+    assert eager.count("capture failed") == 1  # said once
     # The caption says what each time spans.
     assert "load: launch → the server answers (capture included)" in text and "total: launch → ready" in text
     assert "capture: the CUDA-graph capture within load" in text  # not a term added to load
@@ -267,7 +271,8 @@ def test_restart_summary_fits_80_columns_without_splitting_a_word(monkeypatch: p
     assert all(len(line) <= 80 for line in text.splitlines()), text
     for word in ("sim-ct200/1", "capture", "12.5s", "4.6s", "13.8s", "(2", "launches)"):
         assert any(word in line.split() or f"│ {word}" in line for line in text.splitlines()), (word, text)
-    assert "Hidden to fit 80 columns: pid, deadline (--wide shows every column)." in " ".join(text.split())
+    hidden = "Hidden to fit 80 columns: pid, deadline (--wide shows every column)."
+    assert f"load, then smoke. {hidden}" in " ".join(text.split())  # two sentences, not run together
     wide = Console(record=True, width=80)
     monkeypatch.setattr(main, "console", wide)
     service._render_restart(main.AppContext(), FleetResult({"sim-ct200/1": r}), wide=True)

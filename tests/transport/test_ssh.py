@@ -255,6 +255,24 @@ def test_wrong_key_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path
         t.run(["true"])
 
 
+def test_a_missing_key_file_is_said_before_any_connection(tmp_path: Path) -> None:
+    # A host that would hang the connect (it accepts and never speaks): the missing key is
+    # said without connecting at all, so an unreachable host does not cost the timeout first.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    host = Host(name="far", address="127.0.0.1", port=listener.getsockname()[1], user="root",
+                key_file=str(tmp_path / "nope"))
+    try:
+        with SSHTransport(host, connect_timeout=30) as t, pytest.raises(AuthError, match="private key file not found"):
+            t.run(["true"])
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
+
+
 def test_encrypted_key_without_passphrase_is_an_auth_error(ssh_fleet: Fleet, home: Path, tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     subprocess.run(
