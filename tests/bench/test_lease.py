@@ -82,7 +82,8 @@ def test_second_sweep_and_a_restart_are_refused_while_the_first_completes_untouc
 
         second = cli("--json", "-i", str(inv), "bench", "--sweep", str(second_sweep), "--out", str(second_out),
                      cwd=tmp_path)
-        restart = cli("--json", "-i", str(inv), "restart", "sim-x", "--algorithm", "AR", "--timeout", "60", cwd=tmp_path)
+        restart = cli("--json", "-i", str(inv), "restart", "sim-x", "--algorithm", "AR", "--timeout", "60",
+                      cwd=tmp_path)
         stop = cli("--json", "-i", str(inv), "stop", "sim-x", cwd=tmp_path)
         # Refused at once: the first sweep is still measuring when all three have answered.
         assert first.poll() is None, "the refusals waited for the first sweep to end"
