@@ -120,6 +120,9 @@ class SshdServer:
     # `ip netns exec <ns>`, which execs sshd in place so that proc.pid stays sshd's.
     listen_address: str = "127.0.0.1"
     launch_prefix: tuple[str, ...] = ()
+    # False: no SFTP subsystem, as some hosts' sshd are configured (a file must then travel
+    # some other way, as Ansible falls back to piping).
+    sftp: bool = True
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -151,7 +154,7 @@ class SshdServer:
                     "MaxSessions 100",
                     "LogLevel ERROR",
                     f"SetEnv PATH={self.path_env}" + (f" HOME={self.home}" if self.home else ""),
-                    "Subsystem sftp internal-sftp" + (f" -d {self.home}" if self.home else ""),
+                    ("Subsystem sftp internal-sftp" + (f" -d {self.home}" if self.home else "")) if self.sftp else "",
                     self.extra_config,
                 ]
             )

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddtree_ops import lockholder
-from ddtree_ops.bench.livetree import states_file, states_path
+from ddtree_ops.bench.livetree import states_file
 from ddtree_ops.bench.plan import LaunchConfig, Sampling
 from ddtree_ops.bench.rows import run_config
 from ddtree_ops.bench.services import Services
-from ddtree_ops.errors import DdtreeOpsError, RemoteFileError
+from ddtree_ops.errors import DdtreeOpsError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.base import Transport
 
@@ -112,16 +112,10 @@ class SweepServer:
         adaptive = None
         if launch.live:
             name, content = states_file(launch)
-            try:
-                self.transport.write_atomic(states_path(self.host.ddtree.run_dir, name), content)
-            except RemoteFileError:
-                # A file operation fails the same way when the connection went away; a
-                # command tells the two apart (ConnectError: the host is lost, not just
-                # this launch), as the lifecycle's own first command would.
-                self.transport.run(["true"], timeout=30)
-                raise
-            # Relative on purpose: the host agent starts the server in the run dir (its
-            # cwd), whatever ``~`` or a relative run dir means on that host.
+            # Through the agent (stdin), not SFTP: a host's sshd may offer no SFTP subsystem.
+            self.services.put_run_file(self.transport, self.host, name, content)
+            # Relative on purpose: the server runs in the run dir (the process manager's cwd,
+            # a systemd unit's WorkingDirectory), whatever ``~`` or a relative run dir means there.
             adaptive = name
         request = prepare_restart(
             self.transport, self.host, run_config(launch, adaptive_config=adaptive), machine=self.machine,

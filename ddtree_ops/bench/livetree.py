@@ -22,8 +22,8 @@ from typing import Any
 
 from ddtree_ops.bench.plan import LaunchConfig
 
-#: Where a live launch's runtime-state file goes: the server place's run dir (the host
-#: agent launches the server with its cwd there, so the command line names it relative).
+#: A live launch's runtime-state file goes into the server's run dir (the agent writes it
+#: there; the server runs there), so the command line names it relative.
 STATES_FILE_PREFIX = "runtime-states-"
 
 
@@ -40,11 +40,6 @@ def states_file(launch: LaunchConfig) -> tuple[str, bytes]:
     body = {"ddtree": {"budgets": list(launch.budgets), "topk_max": launch.topk_max, "on_capture_failure": "eager"}}
     content = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
     return f"{STATES_FILE_PREFIX}{hashlib.sha256(content).hexdigest()[:12]}.json", content
-
-
-def states_path(run_dir: str, name: str) -> str:
-    """Where :func:`states_file` is written on the host (its run dir)."""
-    return f"{run_dir.rstrip('/')}/{name}"
 
 
 def switch_request(budget: int, topk: int) -> dict[str, Any]:
@@ -142,6 +137,5 @@ __all__ = [
     "judge_switch",
     "refusal_detail",
     "states_file",
-    "states_path",
     "switch_request",
 ]

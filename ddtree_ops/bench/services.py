@@ -46,6 +46,8 @@ class Services(Protocol):
 
     def release_lease(self, transport: Transport, host: Host, token: str) -> None: ...
 
+    def put_run_file(self, transport: Transport, host: Host, name: str, content: bytes) -> str: ...
+
 
 @dataclass(frozen=True)
 class LiveServices:
@@ -97,6 +99,11 @@ class LiveServices:
         from ddtree_ops.service import manager
 
         manager.release_lease(transport, host, token)
+
+    def put_run_file(self, transport: Transport, host: Host, name: str, content: bytes) -> str:
+        from ddtree_ops.service import manager
+
+        return manager.put_run_file(transport, host, name, content)
 
 
 def default_services(*, host_key_policy: str = "strict", on_notice: Callable[[str], None] | None = None) -> Services:

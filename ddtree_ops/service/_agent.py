@@ -588,6 +588,25 @@ def action_leaseinfo(p):
     return {"lease": held if held is not None and "unreadable" not in held else None, "now": time.time()}
 
 
+def action_putfile(p):
+    """Write ``p["name"]`` (a plain file name) into the run dir, atomically, from the base64
+    ``content`` of the payload: how a file reaches the host without SFTP, which not every
+    sshd offers (Ansible too falls back to piping when it has none)."""
+    import base64
+
+    name = p["name"]
+    if not name or "/" in name or name in (".", ".."):
+        return {"error": "agent", "detail": "%r is not a plain file name" % (name,)}
+    path = os.path.join(_run_dir(p), name)
+    tmp = path + ".tmp%d" % os.getpid()
+    with open(tmp, "wb") as fh:
+        fh.write(base64.b64decode(p["content"]))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return {"path": path}
+
+
 def action_version(p):
     """SGLang's installed version from package metadata, without importing sglang."""
     try:
@@ -607,6 +626,7 @@ ACTIONS = {
     "release": action_release,
     "leaseinfo": action_leaseinfo,
     "version": action_version,
+    "putfile": action_putfile,
     "start": action_start,
     "poll": action_poll,
     "stop": action_stop,

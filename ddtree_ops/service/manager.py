@@ -15,6 +15,7 @@ sweep lease live there too, for either manager.
 
 from __future__ import annotations
 
+import base64
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -308,6 +309,13 @@ def restart_lock(
                 pass  # the lock expires by itself; the restart's own outcome matters more
 
 
+def put_run_file(transport: Transport, host: Host, name: str, content: bytes) -> str:
+    """``content`` as ``run_dir/name`` on the host (atomic), through the agent's stdin rather
+    than SFTP; returns its absolute path there."""
+    payload = base_payload(host) | {"name": name, "content": base64.b64encode(content).decode()}
+    return str(call_agent(transport, host, "putfile", payload, timeout=60)["path"])
+
+
 def sglang_version(transport: Transport, host: Host) -> str | None:
     """The remote SGLang version from package metadata (no import of sglang)."""
     return call_agent(transport, host, "version", {}, timeout=30).get("sglang_version")
@@ -326,6 +334,7 @@ __all__ = [
     "StopResult",
     "call_agent",
     "describe_lease",
+    "put_run_file",
     "read_lease",
     "release_lease",
     "restart_lock",

@@ -152,3 +152,32 @@ def test_the_dflash_baseline_runs_the_chain_of_each_verify_width(tmp_path: Path)
     assert trees.loc[4, "dflash_width"] == 5 and trees.loc[16, "dflash_width"] == 16
     dflash = tidy[tidy["algorithm"] == "DFLASH"].set_index("budget")["output_tok_s_median"]
     assert trees.loc[4, "speedup_vs_dflash"] == pytest.approx(trees.loc[4, "output_tok_s_median"] / dflash.loc[5])
+
+
+def test_a_live_sweep_needs_no_sftp_on_the_host(tmp_path: Path, ssh_fleet) -> None:
+    """The runtime-states file reaches the host through the agent's stdin: a host whose sshd
+    offers no SFTP subsystem (deploy works there too) measures every switched cell."""
+    from dataclasses import replace
+
+    from fleetlib import SshdServer, known_hosts_line
+    from testports import free_port as free_tcp_port
+
+    base = ssh_fleet.hosts[0]
+    sshd = SshdServer(root=tmp_path / "sshd", port=free_tcp_port(), host_key=base.server.host_key,
+                      authorized_keys=base.server.authorized_keys, path_env=base.server.path_env,
+                      home=tmp_path / "home", sftp=False)
+    sshd.start()
+    try:
+        known = tmp_path / "known_hosts"
+        known.write_text(known_hosts_line(sshd.port, base.server.host_key) + "\n")
+        local = host(tmp_path, "nosftp", "rtx-pro-6000")
+        remote = replace(local, connection="ssh", address="127.0.0.1", port=sshd.port, user="root",
+                         key_file=str(ssh_fleet.client_key),
+                         ddtree=replace(local.ddtree, python=str(base.python), known_hosts=str(known)))
+        out = tmp_path / "ledger.jsonl"
+        run(tmp_path, remote, out, grid={**GRID, "budget": [4, 8]})
+        rows = [r for r in rows_of(out) if r["algorithm"] == "DDTREE"]
+        assert [r["status"] for r in rows] == ["ok"] * 4, [r["error"] for r in rows]
+        assert all(r["tree_switched"] for r in rows)
+    finally:
+        sshd.stop()

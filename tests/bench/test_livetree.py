@@ -14,7 +14,6 @@ from ddtree_ops.bench.livetree import (
     judge_switch,
     refusal_detail,
     states_file,
-    states_path,
     switch_request,
 )
 from ddtree_ops.bench.plan import LaunchConfig
@@ -75,7 +74,6 @@ def test_states_file_is_what_the_server_accepts_and_named_by_its_content() -> No
     assert (config.budgets, config.topk_max, config.on_capture_failure) == ((4, 8, 16), 8, "eager")
     other, _ = states_file(LaunchConfig("ddtree", 4, 2, budgets=(4, 8), topk_max=8))
     assert other != name
-    assert states_path("/run/slot-1/", name) == f"/run/slot-1/{name}"
     assert switch_request(8, 2) == {"server_args": {"ddtree_budget": 8, "ddtree_topk": 2}}
     with pytest.raises(ValueError, match="no runtime states"):
         states_file(LaunchConfig("ddtree", 4, 2))
