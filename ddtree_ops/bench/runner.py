@@ -105,6 +105,8 @@ class HostSummary:
     restarts: int
     error: str | None = None
     interrupted: bool = False
+    # The class of the error that ended the host's work (one class: every slot's), else None.
+    error_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class _HostRun:
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The classes of the errors that ended its slots (ConnectError: unreachable), so the
+    # CLI exits with their code rather than with a benchmark failure's.
+    error_types: set[str] = field(default_factory=set)
 
     @property
     def host(self) -> Host:
@@ -312,8 +317,9 @@ class SweepRunner:
                 self._fail_rest(_SlotRun(hr, host), Provenance(), None, job.runs, error)
         interrupted = self.cancel.is_set() and hr.done < len(hr.pending)
         self._emit(hr, "failed" if error else "finished", message=error or "")
+        error_type = next(iter(hr.error_types)) if error is not None and len(hr.error_types) == 1 else None
         return HostSummary(
-            host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted
+            host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted, error_type
         )
 
     def _run_slot(self, sr: _SlotRun, queue: _JobQueue) -> str | None:
@@ -334,6 +340,8 @@ class SweepRunner:
             # No lease, no connection: the queue's jobs wait for another slot, or fail at
             # the host's end with this reason.
             error = str(exc)
+            with sr.hr.lock:
+                sr.hr.error_types.add(type(exc).__name__)
         if error:
             self._emit(sr.hr, "failed", slot=sr.label, message=error)
         return error
@@ -350,6 +358,8 @@ class SweepRunner:
             return server.restart(job.launch, (c.sampling for c, _ in job.runs), prov.facts)
         except _HOST_LOST as exc:
             self._fail_rest(sr, prov, None, rest, str(exc))
+            with sr.hr.lock:
+                sr.hr.error_types.add(type(exc).__name__)
             return _GaveUp(str(exc))
         except Interrupted:
             return _GaveUp(None)
@@ -396,6 +406,8 @@ class SweepRunner:
                         restart, why = None, "server gone; restarting"
         except DdtreeOpsError as exc:
             self._fail_rest(sr, prov, None, left, str(exc))
+            with sr.hr.lock:
+                sr.hr.error_types.add(type(exc).__name__)
             return str(exc)
         return None
 

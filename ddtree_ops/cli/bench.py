@@ -38,7 +38,7 @@ from ddtree_ops.cli.common import (
     set_json_data,
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
-from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted
+from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted, recorded_error
 from ddtree_ops.inventory_types import Host
 
 
@@ -370,8 +370,11 @@ def bench(
     if outcome.interrupted or cancel.is_set():
         raise Interrupted(f"interrupted; rows so far are in {ledger_path} — rerun with --resume to finish")
     if outcome.failed:
+        # A host that could not be reached (or was refused by a lease) fails with that
+        # error's code, as every other command reports it; failed measurements are 6.
         failures = {
-            h.host: BenchError(h.error or f"{h.failed_rows} failed row(s)", host=h.host)
+            h.host: recorded_error(h.error_type, h.error, host=h.host) if h.error and h.error_type
+            else BenchError(h.error or f"{h.failed_rows} failed row(s)", host=h.host)
             for h in outcome.hosts
             if h.failed_rows or h.error
         }

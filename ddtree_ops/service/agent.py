@@ -106,17 +106,21 @@ def holder_of(held: dict[str, Any]) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def lease_refusal(host: Host, held: dict[str, Any], now: object) -> str:
-    """One line naming the sweep that holds the host, its controller, pid and age."""
+# What a restart or stop refused by a lease can do about it.
+FORCE_HINT = "restart/stop --force overrides it"
+
+
+def lease_refusal(host: Host, held: dict[str, Any], now: object, *, hint: str = FORCE_HINT) -> str:
+    """One line naming the sweep that holds the host, its controller, pid and age, and
+    ``hint``: what the refused command can do about it."""
     holder = holder_of(held)
     taken = held.get("taken_at")
     age = (f" for {lockholder.format_age(now - taken)}"
            if isinstance(taken, (int, float)) and isinstance(now, (int, float)) else "")
     sweep = f"sweep {holder.get('sweep', '?')} (run {holder.get('run_id', '?')})"
     why = lockholder.holder_state(holder) if holder else "recorded without holder details, so it cannot be checked"
-    hint = "" if why == "still running" else f"; delete {host.ddtree.run_dir}/{LEASE_FILE} if no sweep runs there"
-    return (f"the host is held by {sweep}: {lockholder.describe_holder(holder)}{age}, {why}; "
-            f"restart/stop --force overrides it{hint}")
+    stale = "" if why == "still running" else f"; delete {host.ddtree.run_dir}/{LEASE_FILE} if no sweep runs there"
+    return f"the host is held by {sweep}: {lockholder.describe_holder(holder)}{age}, {why}; {hint}{stale}"
 
 
 def dead_lease(held: dict[str, Any]) -> str | None:

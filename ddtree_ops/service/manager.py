@@ -203,7 +203,9 @@ def take_lease(transport: Transport, host: Host, *, token: str, holder: dict[str
             return held
         held = data.get("leased")
     if isinstance(held, dict):
-        raise LeaseHeld(lease_refusal(host, held, data.get("now")), host=host.name)
+        # A sweep cannot override another's lease (no --force): its rows there wait.
+        hint = "this sweep's rows on it fail now; `bench --resume` runs them once that sweep has ended"
+        raise LeaseHeld(lease_refusal(host, held, data.get("now"), hint=hint), host=host.name)
     return None
 
 

@@ -248,3 +248,18 @@ def test_dry_run_names_a_bad_data_file_and_line_and_never_prints_escapes_raw(tmp
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith(f"error: {data}:2: no 'question' text")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_sweep_on_an_unreachable_host_exits_with_the_connection_code(tmp_path: Path) -> None:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"gone": {
+        "ansible_host": "127.0.0.1", "ansible_port": free_port(), "ansible_user": "root",
+        "ddtree": {"server": {"model_path": "sim/m"}}}}}}}}))
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)), "--out",
+               str(tmp_path / "out.jsonl"), cwd=tmp_path)
+    # Its rows are failed in the ledger, and the exit says why: no connection (3), as every other
+    # command says it, not a failed measurement (6).
+    assert done.returncode == 3, done.stdout + done.stderr
+    errors = json.loads(done.stdout)["errors"]
+    assert [e["code"] for e in errors] == ["fleet", "connect"] and errors[1]["host"] == "gone"
+    assert {r["status"] for r in ledger.read_ledger(tmp_path / "out.jsonl").rows} == {"failed"}

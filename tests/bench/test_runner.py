@@ -263,6 +263,8 @@ def test_unreachable_host_fails_its_rows_and_fail_fast_stops_the_others(tmp_path
     assert all(r["status"] == "failed" and r["error"] for r in rows)
     summary = {h.host: h for h in outcome.hosts}
     assert summary["gone"].error and summary["gone"].failed_rows == runs
+    # What ended it is kept by class, so the CLI exits 3 (connection) as other commands do.
+    assert summary["gone"].error_type == "ConnectError"
     # fail-fast: the healthy host stops before its next row, here before the first one
     assert summary["sim-f"].ok_rows == 0 and summary["sim-f"].failed_rows == 0
     with socket.socket() as s:
