@@ -359,19 +359,58 @@ def check_writable(path: Path | str) -> None:
         raise ConfigError(f"{path}: cannot create the ledger in {ancestor}: {exc.strerror or exc}") from None
 
 
-def check_same_sweep(rows: Iterable[Mapping[str, Any]], *, sweep: str, sweep_hash: str, path: Path | str) -> None:
+# What a cell is, as far as a row tells: the fields a sweep edit changes.
+_CELL_FIELDS = ("algorithm", "budget", "topk", "temperature", "top_p", "top_k", "concurrency", "request_rate")
+
+
+# Values that mean "not set" (sampling off, no request rate), left out of a cell's text.
+_UNSET = {"top_p": (1.0,), "top_k": (-1, 0), "request_rate": (float("inf"),)}
+
+
+def _cell_text(cell: tuple[Any, ...]) -> str:
+    return " ".join(f"{k}={v}" for k, v in zip(_CELL_FIELDS, cell, strict=True)
+                    if v is not None and v not in _UNSET.get(k, ()))
+
+
+def sweep_change(rows: Iterable[Mapping[str, Any]], planned: Iterable[Mapping[str, Any]]) -> str:
+    """What differs between the ledger's rows and this run's planned key fields
+    (``RowMaker.key_fields``), as far as the rows can tell: cells only one of them has,
+    and a workload (prompts, tokens) that changed; '' when the rows cannot tell."""
+    have = {tuple(r.get(k) for k in _CELL_FIELDS) for r in rows}
+    want = {tuple(p.get(k) for k in _CELL_FIELDS) for p in planned}
+    parts = []
+    for label, cells in (("cells only in the ledger", have - want), ("cells only in this sweep", want - have)):
+        if cells:
+            shown = sorted(cells, key=str)
+            parts.append(f"{label}: {'; '.join(_cell_text(c) for c in shown[:3])}"
+                         + (f" (+{len(shown) - 3} more)" if len(shown) > 3 else ""))
+    old_work = {r.get("workload_hash") for r in rows} - {None}
+    new_work = {p.get("workload_hash") for p in planned}
+    if old_work and old_work != new_work:
+        parts.append("the workload changed (prompts, their number or max_new_tokens)")
+    return "; ".join(parts)
+
+
+def check_same_sweep(
+    rows: Iterable[Mapping[str, Any]], *, sweep: str, sweep_hash: str, path: Path | str,
+    planned: Iterable[Mapping[str, Any]] = (),
+) -> None:
     """ConfigError unless every row that carries a sweep hash carries ``sweep_hash``.
 
     ``--resume`` continues one sweep; resuming onto another sweep's ledger would mix two
     designs under one ledger and skip cells by keys that mean something else. Rows without
-    a hash (written before the field existed) are not held against it.
+    a hash (written before the field existed) are not held against it. The refusal says
+    what changed, as far as the rows tell (``planned``: this run's key fields).
     """
+    rows = list(rows)
     for row in rows:
         other = row.get("sweep_hash")
         if other and other != sweep_hash:
+            changed = sweep_change([r for r in rows if r.get("sweep_hash") == other], planned)
             raise ConfigError(
                 f"{path}: --resume refused: the ledger holds sweep {row.get('sweep')!r} ({str(other)[:12]}), "
-                f"this is sweep {sweep!r} ({sweep_hash[:12]}); pass another --out"
+                f"this is sweep {sweep!r} ({sweep_hash[:12]})" + (f"; changed: {changed}" if changed else "")
+                + "; pass another --out"
             )
 
 

@@ -66,7 +66,7 @@ from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.schedule import Job
 from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
-from ddtree_ops.errors import AuthError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
+from ddtree_ops.errors import AuthError, ConfigError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
 from ddtree_ops.inventory_types import Host
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ class SweepRunner:
             if ledger.row_key(self.rows.key_fields(host, cell, r)) not in done
         ]
 
-    def prepare(self) -> None:
+    def prepare(self, *, dry_run: bool = False) -> None:
         """Check the ledger before any host is touched (idempotent; :meth:`run` calls it).
 
         The ledger must be writable (ConfigError naming it). With ``resume``, its rows
@@ -255,13 +255,19 @@ class SweepRunner:
         if not self.options.resume:
             self._done = set()
             return
+        if not self.ledger_path.exists():
+            # A mistyped --out must not start the sweep over under a new name.
+            raise ConfigError(f"{self.ledger_path}: --resume: no such ledger to continue (a typo in --out? Without "
+                              f"--resume the sweep starts there)")
         read = ledger.read_ledger(self.ledger_path)
+        planned = [self.rows.key_fields(hp.host.name, cell, 0) for hp in self.prepared.hosts[:1]
+                   for cell in self.prepared.plan.cells]
         ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.rows.sweep_hash,
-                                path=self.ledger_path)
+                                path=self.ledger_path, planned=planned)
         ledger.check_same_client(read.rows, {hp.host.name: hp.client for hp in self.prepared.hosts},
                                  path=self.ledger_path)
         bad = list(read.bad_lines)
-        removed = ledger.heal_truncated_tail(self.ledger_path)
+        removed = 0 if dry_run else ledger.heal_truncated_tail(self.ledger_path)  # a dry run changes nothing
         if removed:
             lineno = bad.pop()[0] if bad and bad[-1][1].startswith("truncated") else None
             where = f"{self.ledger_path}:{lineno}" if lineno is not None else str(self.ledger_path)
@@ -272,6 +278,18 @@ class SweepRunner:
     def done_keys(self) -> set[str]:
         self.prepare()
         return self._done or set()
+
+    def left(self) -> dict[str, tuple[int, int]]:
+        """Per host: (rows the ledger has done, rows left to run), for ``--resume --dry-run``
+        (the ledger checked as the run checks it, and left as it is)."""
+        self.prepare(dry_run=True)
+        done = self.done_keys()
+        planned = self.prepared.plan.runs
+        out = {}
+        for hp in self.prepared.hosts:
+            pending = len(self.pending_runs(hp.host.name, done))
+            out[hp.host.name] = (planned - pending, pending)
+        return out
 
     # -- running ----------------------------------------------------------------------
 

@@ -142,10 +142,17 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
     }
 
 
-def _render_plan(obj: AppContext, prepared: PreparedSweep, workload: WorkloadPrompts, *, wide: bool = False) -> None:
+def _render_plan(
+    obj: AppContext, prepared: PreparedSweep, workload: WorkloadPrompts, *, wide: bool = False,
+    left: dict[str, tuple[int, int]] | None = None, ledger_path: Path | None = None,
+) -> None:
     spec, plan = prepared.spec, prepared.plan
     if obj.json:
-        set_json_data(obj, _plan_json(prepared, workload))
+        data = _plan_json(prepared, workload)
+        if left is not None:
+            data["resume"] = {"ledger": str(ledger_path),
+                              "hosts": {h: {"done": d, "left": n} for h, (d, n) in left.items()}}
+        set_json_data(obj, data)
         return
     _render_prompts(obj, workload, wide=wide)
     columns = (
@@ -196,6 +203,9 @@ def _render_plan(obj: AppContext, prepared: PreparedSweep, workload: WorkloadPro
             )
             gpus = ",".join(map(str, slot.gpus))
             obj.console.print(f"  {slot.name} (GPUs {gpus}): {placed or 'idle'}", markup=False, highlight=False)
+    for host, (done, todo) in (left or {}).items():
+        obj.console.print(f"--resume from {ledger_path}: {host}: {done} of {plan.runs} row(s) done, {todo} left",
+                          markup=False, highlight=False)
 
 
 def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = False) -> None:
@@ -290,10 +300,14 @@ def bench(
     # Read before any host is touched, and in a dry run too: a bad data file is one line
     # naming the file and line, whether or not the sweep runs.
     workload = build_workload(spec.workload, search=(spec.source.parent,))
-    if dry_run:
-        _render_plan(obj, prepared, workload, wide=wide)
-        return
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
+    if dry_run:
+        # --resume --dry-run: what the ledger already has and what is left, per host (the
+        # ledger checked as the run would check it).
+        left = SweepRunner(prepared, workload, ledger_path=ledger_path,
+                           options=SweepOptions(resume=True)).left() if resume else None
+        _render_plan(obj, prepared, workload, wide=wide, left=left, ledger_path=ledger_path)
+        return
     cancel = threading.Event()
     holder: dict[str, Any] = {}
     # The progress display exists only once the ledger has been checked; until then the

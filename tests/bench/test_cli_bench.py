@@ -195,6 +195,20 @@ def test_resume_cuts_a_truncated_last_line_and_stamps_the_sweep_hash(tmp_path: P
     assert len(lines) == 2
     out.write_bytes(lines[0] + lines[1][: len(lines[1]) // 2])  # the second row's write was cut by a crash
 
+    # The dry run says what the ledger has and what is left, before any host is touched.
+    plan = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume",
+               "--dry-run", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert json_data(plan.stdout)["resume"] == {"ledger": str(out), "hosts": {"sim-x": {"done": 1, "left": 1}}}
+    text = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume", "--dry-run",
+               cwd=tmp_path).stdout
+    assert f"--resume from {out}: sim-x: 1 of 2 row(s) done, 1 left" in " ".join(text.split())
+    # A mistyped --out does not start the sweep over under a new name.
+    typo = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(tmp_path / "l2.jsonl"), "--resume",
+               cwd=tmp_path)
+    assert typo.returncode == 2 and "--resume: no such ledger to continue" in typo.stderr
+    assert not (tmp_path / "l2.jsonl").exists()
+
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), "--resume",
                cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -263,3 +277,14 @@ def test_a_sweep_on_an_unreachable_host_exits_with_the_connection_code(tmp_path:
     errors = json.loads(done.stdout)["errors"]
     assert [e["code"] for e in errors] == ["fleet", "connect"] and errors[1]["host"] == "gone"
     assert {r["status"] for r in ledger.read_ledger(tmp_path / "out.jsonl").rows} == {"failed"}
+
+
+def test_resume_after_an_edited_sweep_says_what_changed(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, free_port())
+    out = tmp_path / "l.jsonl"
+    first = write_sweep(tmp_path, grid={"algorithm": ["autoregressive"], "concurrency": [1]})
+    assert cli("-i", str(inv), "bench", "--sweep", str(first), "--out", str(out), cwd=tmp_path).returncode == 0
+    edited = write_sweep(tmp_path, grid={"algorithm": ["autoregressive"], "concurrency": [1, 4]})
+    done = cli("-i", str(inv), "bench", "--sweep", str(edited), "--out", str(out), "--resume", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "changed: cells only in this sweep: algorithm=AR temperature=0.0 concurrency=4" in done.stderr
