@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -343,3 +344,18 @@ def test_an_option_every_command_shares_reads_the_same_everywhere() -> None:
         if param.name == "wide"
     }
     assert len(helps) >= 6 and set(helps.values()) == {WIDE_HELP}, helps
+
+
+def test_a_ctrl_c_that_leaves_any_command_exits_130_and_says_so(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    # typer turns such a KeyboardInterrupt into a RETURNED exit code 130 (standalone_mode
+    # off): read, it is an interrupt; unread, the command exited 0 without a word.
+    from ddtree_ops.cli import hosts
+
+    def interrupted(_obj: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hosts, "load_inventory_for", interrupted)
+    res = cli("--json", "hosts")
+    assert res.exit_code == 130
+    assert "interrupted" in res.stderr
+    assert json.loads(res.stdout)["errors"][0]["code"] == "interrupted"

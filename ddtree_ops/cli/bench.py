@@ -372,7 +372,11 @@ def bench(
                 interrupts += 1
                 cancel.set()
                 if interrupts > 1:
-                    raise
+                    raise Interrupted(
+                        f"aborted: the row in progress is lost and a server this sweep started may still run "
+                        f"(`ddtree-ops stop` stops it; the next sweep from here takes its lease over); rows so far "
+                        f"are in {ledger_path} — rerun with --resume to finish"
+                    ) from None
                 # Under --json, stdout holds only the envelope.
                 (err_console if obj.json else obj.console).print(
                     "[yellow]interrupt: finishing the current rows and stopping servers (Ctrl-C again to abort)[/]"

@@ -240,7 +240,13 @@ def _run() -> None:
         command = typer.main.get_command(app)
         metavars.apply(command)
         args = hoist_global_options(command, sys.argv[1:])
-        command.main(args=args, prog_name="ddtree-ops", standalone_mode=False, obj=obj)
+        code = command.main(args=args, prog_name="ddtree-ops", standalone_mode=False, obj=obj)
+        # typer turns a KeyboardInterrupt that leaves a command into Exit(130), which in
+        # non-standalone mode is RETURNED, not raised: unread, a second Ctrl-C exited 0.
+        if code == Interrupted.exit_code:
+            raise KeyboardInterrupt
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            sys.exit(code)
     except DdtreeOpsError as exc:
         if debug:
             err_console.print_exception()

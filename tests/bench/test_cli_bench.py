@@ -288,3 +288,30 @@ def test_resume_after_an_edited_sweep_says_what_changed(tmp_path: Path) -> None:
     done = cli("-i", str(inv), "bench", "--sweep", str(edited), "--out", str(out), "--resume", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "changed: cells only in this sweep: algorithm=AR temperature=0.0 concurrency=4" in done.stderr
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_130_and_says_so(tmp_path: Path) -> None:
+    port = free_port()
+    inv = write_inventory(tmp_path, port)
+    sweep = write_sweep(tmp_path)
+    out = tmp_path / "ledger.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "stop", "all"], capture_output=True,
+                       cwd=tmp_path, timeout=60)
+    assert proc.returncode == 130, (stdout[-2000:], err[-2000:])
+    assert "Traceback" not in err and "aborted" in err and "--resume" in err
