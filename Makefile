@@ -14,10 +14,23 @@ DEMO_HOSTS := sim-ct200 sim-b300
 
 .PHONY: venv lint test test-sglang real-server-lane bundle-coverage-readme sglang-cpu demo demo-hosts clean
 
+# PyTorch's CPU wheel index, used where it is reachable: from PyPI alone, torch==2.13.0 on
+# Linux x86-64 is the CUDA build with ~17 NVIDIA packages (gigabytes). Where it is not
+# reachable, pip's own indexes decide: a CPU build only where they offer one (a local wheel
+# folder, as on the machines this project is built on), and the make says so.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX_REACHABLE := import sys, urllib.request; urllib.request.urlopen("$(TORCH_CPU_INDEX)/torch/", timeout=5)
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_PIN)
+	@if $(PY) -c '$(TORCH_INDEX_REACHABLE)' 2>/dev/null; then \
+	  echo "torch: the CPU build from $(TORCH_CPU_INDEX)"; \
+	  $(PY) -m pip install -q $(TORCH_PIN) --index-url $(TORCH_CPU_INDEX); \
+	else \
+	  echo "torch: $(TORCH_CPU_INDEX) is not reachable; $(TORCH_PIN) from pip's configured indexes (the CPU build only where they offer one, e.g. a local wheel folder; from PyPI on Linux x86-64 it is the CUDA build, several GB)"; \
+	  $(PY) -m pip install -q $(TORCH_PIN); \
+	fi
 	$(PY) -m pip install -q -e '.[test]'
 	mkdir -p $(WHEELS)
 	ls $(WHEELS)/sglang-0.5.23-*.whl >/dev/null 2>&1 || $(PY) -m pip download -q --no-deps sglang==0.5.23 -d $(WHEELS)
@@ -42,7 +55,8 @@ lint: $(STAMP)
 # splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS.
 MAIN_XDIST ?= -n 2
 REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
-test: $(STAMP) $(if $(strip $(PYTEST_ARGS)),sglang-cpu)
+# A narrowed run builds the real-SGLang environment (~7 GB) only when it names that lane.
+test: $(STAMP) $(if $(findstring sglang_real,$(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p .cache; \
 	nice -n 19 $(PYTHON) tests/sglang_real/setup_env.py > .cache/sglang-cpu-setup.log 2>&1 & setup=$$!; \
