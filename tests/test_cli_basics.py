@@ -359,3 +359,15 @@ def test_a_ctrl_c_that_leaves_any_command_exits_130_and_says_so(cli, monkeypatch
     assert res.exit_code == 130
     assert "interrupted" in res.stderr
     assert json.loads(res.stdout)["errors"][0]["code"] == "interrupted"
+
+
+def test_a_missing_inventory_from_the_environment_names_the_variable(
+    cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DDTREE_OPS_INVENTORY", str(tmp_path / "nope.yaml"))
+    res = cli("hosts")
+    assert res.exit_code == 2
+    assert res.stderr.strip() == (f"error: $DDTREE_OPS_INVENTORY names {tmp_path / 'nope.yaml'}, which does not "
+                                  f"exist (set it to inventory files or directories, :-separated, or pass -i)")
+    # A command that reads no inventory is not held to it.
+    assert "DDTREE_OPS_INVENTORY" not in cli("report", str(tmp_path / "none.jsonl")).stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops.cli.terminal import escape_text
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, error_code
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, InventoryError, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
 from ddtree_ops.inventory_types import Host
@@ -73,8 +74,16 @@ def check_output_path(option: str, path: Path | None, *, directory: bool = False
 
 
 def load_inventory_for(ctx_obj: Any) -> Inventory:
-    """The inventory named by the global ``-i`` options (or their defaults)."""
-    return load_inventory(list(ctx_obj.inventory))
+    """The inventory named by the global ``-i`` options (or their defaults). A path that
+    ``$DDTREE_OPS_INVENTORY`` names and that does not exist is said naming the variable:
+    nobody typed it on this command line."""
+    paths = list(ctx_obj.inventory)
+    if getattr(ctx_obj, "inventory_from_env", False):
+        missing = [p for p in paths if not Path(p).exists()]
+        if missing:
+            raise InventoryError(f"$DDTREE_OPS_INVENTORY names {missing[0]}, which does not exist (set it to "
+                                 f"inventory files or directories, {os.pathsep}-separated, or pass -i)")
+    return load_inventory(paths)
 
 
 def load_hosts(ctx_obj: Any, target: str) -> list[Host]:

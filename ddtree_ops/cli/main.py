@@ -10,6 +10,7 @@ follow the command: :func:`hoist_global_options` moves them before it.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -56,6 +57,8 @@ class AppContext:
     debug: bool = False
     host_key_policy: str = "strict"
     max_parallel: int = 8
+    # The inventory paths came from $DDTREE_OPS_INVENTORY (no -i): errors name the variable.
+    inventory_from_env: bool = False
     # Set while a command runs: its name, and its --json payload (cli/common.set_json_data).
     command: str | None = None
     data: Any = None
@@ -106,6 +109,7 @@ def main(
         raise typer.BadParameter("must be 'strict' or 'accept-new'", param_hint="--host-key-policy")
     obj = ctx.ensure_object(AppContext)  # run() passes its own, to write the envelope at the end
     obj.inventory = list(inventory) if inventory else default_inventory_paths()
+    obj.inventory_from_env = not inventory and bool(os.environ.get("DDTREE_OPS_INVENTORY"))
     obj.json = json_output
     obj.verbose = verbose
     obj.debug = debug
