@@ -29,10 +29,11 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,15 @@ def _fail(path: Path, key: str, msg: str) -> SweepError:
     return SweepError(f"{path}: {key}: {msg}")
 
 
+def _suggest(key: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'repeats'?; expected one of ...)``: the closest valid name, as the
+    inventory's unknown keys say it."""
+    names = list(valid)
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?; " if close else ""
+    return f" ({hint}expected one of {', '.join(names)})"
+
+
 def _check_value(path: Path, key: str, axis: str, value: Any) -> Any:
     """Validate one grid value; returns it normalised (ints as int, floats as float)."""
     where = f"{key}"
@@ -224,7 +234,7 @@ def _parse_grid(path: Path, raw: Any) -> dict[str, tuple[Any, ...]]:
     grid: dict[str, tuple[Any, ...]] = {}
     for axis, values in raw.items():
         if axis not in GRID_DEFAULTS:
-            raise _fail(path, f"grid.{axis}", f"unknown axis (expected one of {', '.join(GRID_DEFAULTS)})")
+            raise _fail(path, f"grid.{axis}", f"unknown axis{_suggest(axis, GRID_DEFAULTS)}")
         items = _as_list(path, f"grid.{axis}", values)
         normalised = [_check_value(path, f"grid.{axis}", axis, v) for v in items]
         if len(set(normalised)) != len(normalised):
@@ -250,7 +260,7 @@ def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[
         parsed: dict[str, Any] = {}
         for axis, value in rule.items():
             if axis not in GRID_DEFAULTS:
-                raise _fail(path, f"{where}.{axis}", f"unknown axis (expected one of {', '.join(GRID_DEFAULTS)})")
+                raise _fail(path, f"{where}.{axis}", f"unknown axis{_suggest(axis, GRID_DEFAULTS)}")
             if single:
                 if isinstance(value, (list, Mapping)):
                     raise _fail(path, f"{where}.{axis}", "an include entry takes one value per axis")
@@ -309,7 +319,7 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
         raise _fail(path, "workload", "must be a mapping")
     for key in raw:
         if key not in _WORKLOAD_KEYS:
-            raise _fail(path, f"workload.{key}", f"unknown key (expected one of {', '.join(sorted(_WORKLOAD_KEYS))})")
+            raise _fail(path, f"workload.{key}", f"unknown key{_suggest(key, sorted(_WORKLOAD_KEYS))}")
     files_raw = raw.get("prompt_files", [])
     if isinstance(files_raw, str):
         files_raw = [files_raw]
@@ -357,7 +367,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         raise SweepError(f"{path}: the sweep file must be a YAML mapping")
     for key in data:
         if key not in _TOP_KEYS:
-            raise _fail(path, str(key), f"unknown key (expected one of {', '.join(sorted(_TOP_KEYS))})")
+            raise _fail(path, str(key), f"unknown key{_suggest(str(key), sorted(_TOP_KEYS))}")
     name = _check_name(path, data.get("name"))
     targets_raw = data.get("targets")
     if isinstance(targets_raw, str):
@@ -496,6 +506,7 @@ def check_targets(spec: SweepSpec, resolve: Callable[[str], Sequence[object]]) -
         try:
             found = resolve(target)
         except DdtreeOpsError as exc:
-            raise _fail(spec.source, "targets", f"unknown target {target!r} ({exc})") from None
+            # The resolver's message names the target itself: said once, not nested in ours.
+            raise _fail(spec.source, "targets", exc.message) from None
         if not found:
             raise _fail(spec.source, "targets", f"unknown target {target!r} (no such group or host)")

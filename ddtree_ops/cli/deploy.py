@@ -173,17 +173,22 @@ def _rollout_row(rollout: RolloutResult[Any], host: str) -> dict[str, Any]:
 
 
 def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
-    """Unified diffs of each replaced file, remote original vs bundle content (one read per file)."""
+    """Unified diffs of each file the plan changes: a replaced file against the remote
+    original (one read per file), an added one against nothing (``/dev/null``, as git
+    shows a new file), so that a bundle of new files does not show an empty diff."""
     out: list[str] = []
     if rs.package_dir is None:
         return out
     contents = {f.path: f.content for f in bundle.files}
     with transport_for(obj, host) as t:
         for a in plan.actions:
-            if a.path not in contents or a.current_sha256 is None or a.kind == "patched":
+            if a.path not in contents or a.kind == "patched":
+                continue
+            new = contents[a.path].decode("utf-8", "replace").splitlines(keepends=True)
+            if a.current_sha256 is None:
+                out.append("".join(difflib.unified_diff([], new, "/dev/null", f"bundle:{a.path}")))
                 continue
             old = t.read_bytes(f"{rs.package_dir}/{a.path}").decode("utf-8", "replace").splitlines(keepends=True)
-            new = contents[a.path].decode("utf-8", "replace").splitlines(keepends=True)
             out.append("".join(difflib.unified_diff(old, new, f"{host.name}:{a.path}", f"bundle:{a.path}")))
     return out
 

@@ -125,6 +125,10 @@ def tune_command(
     if deploy is None:
         if as_json:
             set_json_data(obj, payload)
+        elif out is None:
+            # The policies above are shown, not kept: say so, and how to keep or use them.
+            obj.console.print("Nothing written: --out DIR writes these files, --deploy TARGETS puts each machine "
+                              "type's on its hosts and restarts them with it.", markup=False, highlight=False)
         return
     if dry_run:
         deploy_plan = _deploy_plan(tuning, hosts)

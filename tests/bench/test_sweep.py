@@ -55,7 +55,7 @@ def test_defaults_and_relative_prompt_file(tmp_path: Path) -> None:
     ("mutate", "needle"),
     [
         (lambda d: d.update(budgte=[1]), "budgte: unknown key"),
-        (lambda d: d["grid"].update(bugdet=[1]), "grid.bugdet: unknown axis"),
+        (lambda d: d["grid"].update(bugdet=[1]), "grid.bugdet: unknown axis (did you mean 'budget'?;"),
         (lambda d: d.update(grid={}), "grid: is empty"),
         (lambda d: d["grid"].update(budget=[]), "grid.budget: is an empty list"),
         (lambda d: d["grid"].update(budget=[8, 0]), "grid.budget: must be an integer from 1 to 256, got 0"),
@@ -152,9 +152,10 @@ def test_unknown_target(tmp_path: Path) -> None:
     def resolve(name: str) -> list[str]:
         if name == "local":
             return ["sim-a"]
-        raise TargetError(f"unknown host or group {name!r}")
+        raise TargetError(f"unknown target {name!r}; known groups: local")
 
-    with pytest.raises(SweepError, match=r"targets: unknown target 'ct9000'"):
+    # The resolver's own message, said once (it used to be nested in a second "unknown target").
+    with pytest.raises(SweepError, match=r"targets: unknown target 'ct9000'; known groups: local$"):
         check_targets(spec, resolve)
     check_targets(load_sweep(write(tmp_path, base())), resolve)
 
@@ -177,3 +178,10 @@ def test_sweep_hash_is_the_parsed_content_not_the_file(tmp_path: Path) -> None:
     for change in ({"grid": {"budget": [4, 16], "temperature": [0.0, 0.6]}}, {"repeats": 2},
                    {"workload": {"prompt_files": ["p.jsonl"], "num_prompts": 8}}, {"baselines": ["dflash"]}):
         assert sweep_hash(load_sweep(write(tmp_path, base() | change))) != first, change
+
+
+def test_an_unknown_top_key_is_said_with_the_closest_valid_one(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "grid": {"algorithm": ["autoregressive"]}, "repeates": 2}))
+    with pytest.raises(SweepError, match=r"repeates: unknown key \(did you mean 'repeats'\?; expected one of api"):
+        load_sweep(path)

@@ -160,3 +160,13 @@ def test_an_empty_or_missing_ledger_is_refused(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("not json\n")
     with pytest.raises(ConfigError, match=r"empty.jsonl: no valid ledger rows in 1 file"):
         tune_ledgers([tmp_path / "empty.jsonl"])
+
+
+def test_tune_without_out_or_deploy_says_nothing_was_written(tmp_path: Path, cli) -> None:
+    ledger = write(tmp_path / "l.jsonl", cells({(8, 4, 1): 300.0, (16, 4, 1): 340.0}, host="ct-a", gpu_name=CT200))
+    res = cli("tune", str(ledger))
+    assert res.exit_code == 0, res.stderr
+    tail = " ".join(res.stdout.split()[-24:])
+    assert tail.endswith("Nothing written: --out DIR writes these files, --deploy TARGETS puts each machine type's on "
+                         "its hosts and restarts them with it."), tail
+    assert not list(tmp_path.glob("*.json"))
