@@ -257,7 +257,8 @@ def test_plugin_bundle_diff_status_rollback(tmp_path: Path, mini: MiniHost, cli:
     assert {f["path"]: f["action"] for f in json_data(dry.stdout)[0]["plan"]["files"]}[meta_key] == "add"
     # Added files are shown too, against nothing, as git shows a new file.
     text = cli(inv, "deploy", "h1", str(BUNDLES / "plugin"), "--diff").stdout
-    assert f"--- /dev/null\n+++ bundle:{meta_key}" in text and "+++ bundle:srt/speculative/ddtree_plugin_mini.py" in text
+    assert f"--- /dev/null\n+++ bundle:{meta_key}" in text
+    assert "+++ bundle:srt/speculative/ddtree_plugin_mini.py" in text
     assert cli(inv, "deploy", "h1", str(BUNDLES / "plugin")).returncode == 0
     st = json_data(cli(inv, "--json", "status", "h1", "--bundle", str(BUNDLES / "plugin")).stdout)
     assert {f["path"]: f["state"] for f in st[0]["files"]}[meta_key] == "patched"
