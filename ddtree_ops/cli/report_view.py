@@ -93,6 +93,10 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
         details = Table.grid(padding=(0, 1))
         details.add_column(no_wrap=True)
         details.add_column()
+        # A note that every pick of the machine carries (the workload's "chat with ignore_eos")
+        # is said once, not on every line.
+        per_row = [[n for n in str(note).split("; ") if n] if note else [] for note in rows["note"]]
+        shared = [n for n in per_row[0] if all(n in notes for notes in per_row)] if len(per_row) > 1 else []
         for _, row in rows.iterrows():
             picked = row["algorithm"] is not None
             # The modes column says "eager" already: the label does not repeat it.
@@ -111,13 +115,14 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
             extra = [f"runner-up {row['runner_up']}"] if _fmt(row["runner_up"]) != "—" else []
             if row["algorithm"] == "AR":  # a pick of plain AR is news: say it
                 extra.insert(0, "no DDTree or DFlash configuration beat AR here")
-            if row["note"]:
-                extra.append(str(row["note"]))
+            extra += [n for n in (str(row["note"]).split("; ") if row["note"] else []) if n and n not in shared]
             if extra:
                 details.add_row(
                     Text(f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}:"),
                     Text("; ".join(extra)),
                 )
+        for note in shared:
+            details.add_row(Text("  every pick:"), Text(note))
         table = fitted_table(
             columns, cells, width=width, wide=wide, title=f"Best configuration — {_machine(machine)}"
         )

@@ -20,6 +20,8 @@ from ddtree_ops.report.aggregation import CONDITION_KEYS, as_dtype
 #: Candidates within this fraction of the best score count as ties (cheapest wins).
 TIE_TOLERANCE = 0.01
 DEFAULT_MIN_REPEATS = 3
+#: At one repeat there is no spread to score with: a runner-up this close may be noise.
+ONE_REPEAT_NOISE = 0.05
 
 BEST_COLUMNS: tuple[str, ...] = (
     "machine",
@@ -230,6 +232,16 @@ def _best_row(
     if len(others):
         runner_up = others.iloc[0]
         row["runner_up"] = f"{runner_up['_label']} ({_pct(runner_up['score'], pick['score'])})"
+        repeats: Any = pick["n"]
+        single = bool(pd.isna(repeats)) or float(repeats) < 2
+        gap = abs(runner_up["score"] / pick["score"] - 1) if pick["score"] else float("inf")
+        if single and not pd.isna(gap) and gap < ONE_REPEAT_NOISE:
+            notes.append(f"one repeat: {runner_up['_label']} is within {gap:.1%}, inside what one measurement can "
+                         f"tell apart: more repeats decide it")
+    speedup = pick["speedup_vs_ar"]
+    if pick["algorithm"] != "AR" and not pd.isna(speedup) and speedup < 1.0:
+        # The best of its mode (say eager) is still slower than plain AR: not a recommendation.
+        notes.append(f"slower than the AR baseline ({speedup:.2f}x): not worth deploying, AR serves faster")
     if modes == "graph+eager":
         notes.append("eager and CUDA-graph cells compared (--mix-modes)")
     if bool(pick["modes_mixed"]):

@@ -373,3 +373,25 @@ def test_a_best_pick_of_plain_ar_says_nothing_beat_it(tmp_path: Path, cli) -> No
     res = cli("report", str(ledger), "--show-cells", "0")
     assert res.exit_code == 0, res.stderr
     assert "no DDTree or DFlash configuration beat AR here" in " ".join(res.stdout.split())
+
+
+def test_a_pick_slower_than_ar_or_within_one_repeats_noise_says_so(tmp_path: Path) -> None:
+    # Eager cells only in their mode (the B300's large trees), all slower than the graph AR baseline.
+    rows = [make_row(algorithm="AR", repeat=0, output_tok_s=400.0),
+            make_row(budget=16, repeat=0, output_tok_s=232.0, cuda_graph=False),
+            make_row(budget=32, repeat=0, output_tok_s=225.0, cuda_graph=False)]
+    r = rep.build_report([write(tmp_path / "l.jsonl", rows)], min_repeats=1)
+    eager = r.best.best.set_index("modes").loc["eager"]
+    assert "slower than the AR baseline (0.58x): not worth deploying" in eager["note"]
+    # One repeat each, 3% apart: the pick is not told apart from its runner-up.
+    assert "one repeat: DDTREE b=32 k=4 eager is within 3.0%" in eager["note"]
+
+
+def test_a_note_every_pick_shares_is_said_once(tmp_path: Path, cli) -> None:
+    rows = [make_row(algorithm=a, repeat=r, output_tok_s=v + r, concurrency=c, workload_ignore_eos=True,
+                     workload_prompt_format="chat-template")
+            for r in range(3) for c in (1, 4) for a, v in (("AR", 100.0), ("DDTREE", 250.0))]
+    res = cli("report", str(write(tmp_path / "l.jsonl", rows)), "--show-cells", "0")
+    assert res.exit_code == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert text.count("chat with ignore_eos") == 1 and "every pick: chat with ignore_eos" in text
