@@ -354,6 +354,7 @@ def run_report(
             "cells": _records(result.tidy),
             "best": _records(result.best.best),
             "refusals": _records(result.best.refusals),
+            "unmeasured": _records(result.unmeasured),
             "categories": _records(cats),
             "min_repeats": result.min_repeats,
             "plots": [str(p) for p in written],
@@ -385,6 +386,10 @@ def run_report(
             console.print("† speedup measured against a baseline in the other CUDA-graph mode.", highlight=False)
     if cmp is not None:
         print_table(console, _compare_table(cmp, width=width, wide=wide))
+    for _, gone in result.unmeasured.iterrows():
+        console.print(f"[yellow]not measured:[/] {escape(str(gone['host']))}: {int(gone['rows'])} row(s) failed before "
+                      f"any server served them (not cells): {escape(printable(str(gone['reason'])))}",
+                      highlight=False)
     refusals = result.best.refusals
     if len(refusals):
         console.print(f"[yellow]{len(refusals)} cell(s) not eligible for best config:[/]", highlight=False)

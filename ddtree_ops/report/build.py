@@ -7,7 +7,7 @@ These are the entry points the CLI calls; each step lives in its own module
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -28,11 +28,37 @@ class Report:
     group_by: GroupBy
     min_repeats: int = DEFAULT_MIN_REPEATS  # what cells were held to (given, or planned_repeats)
     min_repeats_planned: bool = False  # True when it came from the ledgers' sweeps
+    # Failed rows no server measured (host unreachable, lease refused, server never started):
+    # per host, how many and the first reason; they are not cells (split_unmeasured).
+    unmeasured: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["host", "rows", "reason"]))
 
     @property
     def all_refused(self) -> bool:
         """Every cell refused: no configuration can be recommended from these ledgers."""
         return len(self.grouped) > 0 and len(self.best.refusals) >= len(self.grouped)
+
+
+def split_unmeasured(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(rows a server measured, per-host summary of failed rows none did).
+
+    A failed row without a ``launch_id`` was never served (the host could not be reached,
+    another sweep's lease refused it, its server did not start): as a cell it would read
+    "AR eager: 1 failed repeat(s)", a configuration that was never run. Ledgers from before
+    ``launch_id`` existed have it null on every row; their runs are left as they are unless
+    nothing in the run was measured at all."""
+    columns = ["host", "rows", "reason"]
+    if frame.empty:
+        return frame, pd.DataFrame(columns=columns)
+    no_launch = frame["launch_id"].isna()
+    failed = frame["status"] != "ok"
+    run_has_launch = (~no_launch).groupby(frame["run_id"], dropna=False).transform("any")
+    run_has_ok = (~failed).groupby(frame["run_id"], dropna=False).transform("any")
+    mask = failed & no_launch & (run_has_launch | ~run_has_ok)
+    if not mask.any():
+        return frame, pd.DataFrame(columns=columns)
+    gone = frame[mask]
+    summary = gone.groupby("host", sort=True).agg(rows=("status", "size"), reason=("error", "first")).reset_index()
+    return frame[~mask].reset_index(drop=True), summary[columns]
 
 
 def planned_repeats(frame: pd.DataFrame) -> int:
@@ -75,19 +101,24 @@ def build_report(
             file, line, reason = loaded.bad_lines[0]
             detail = f" ({len(loaded.bad_lines)} bad line(s), first: {file}:{line}: {reason})"
         raise ConfigError(f"no valid ledger rows in {len(loaded.files)} file(s) under {where}{detail}")
+    measured, unmeasured = split_unmeasured(loaded.frame)
+    if measured.empty:
+        first = unmeasured.iloc[0]
+        raise ConfigError(f"no row of these ledgers was measured: {int(unmeasured['rows'].sum())} failed row(s) that "
+                          f"no server served (first, {first['host']}: {first['reason']})")
     # Per-host rows always; grouping by GPU as well shares the one costly row grouping.
-    levels = aggregate_levels(loaded.frame, ("host",) if group_by == "host" else ("host", group_by))
+    levels = aggregate_levels(measured, ("host",) if group_by == "host" else ("host", group_by))
     tidy, grouped = levels["host"], levels[group_by]
     # T = 0 losslessness from the rows' output hashes (not in the loaded columns: lists).
     matches = lossless.output_matches(list(loaded.files), by=("host", group_by))
     tidy = lossless.attach(tidy, matches["host"])
     grouped = tidy if group_by == "host" else lossless.attach(grouped, matches[group_by])
     planned = min_repeats is None
-    threshold = planned_repeats(loaded.frame) if min_repeats is None else min_repeats
+    threshold = planned_repeats(measured) if min_repeats is None else min_repeats
     best = best_configs(grouped, min_repeats=threshold, mix_modes=mix_modes)
     return Report(
         loaded=loaded, tidy=tidy, grouped=grouped, best=best, group_by=group_by,
-        min_repeats=threshold, min_repeats_planned=planned,
+        min_repeats=threshold, min_repeats_planned=planned, unmeasured=unmeasured,
     )
 
 

@@ -37,6 +37,9 @@ from ddtree_ops.errors import ConfigError
 _STR_COLS = (
     "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
     "workload_name", "workload_prompt_format", "status",
+    # Which launch served a row (null: none did) and why a row failed: rows no server
+    # measured are not cells (report.build.split_unmeasured).
+    "launch_id", "error",
 )
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count")
 #: Per-row metrics whose per-cell median the tidy table reports.

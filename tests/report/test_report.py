@@ -395,3 +395,22 @@ def test_a_note_every_pick_shares_is_said_once(tmp_path: Path, cli) -> None:
     assert res.exit_code == 0, res.stderr
     text = " ".join(res.stdout.split())
     assert text.count("chat with ignore_eos") == 1 and "every pick: chat with ignore_eos" in text
+
+
+def test_rows_no_server_measured_are_not_cells(tmp_path: Path, cli) -> None:
+    # host "gone" was unreachable: its rows failed before any launch (no launch_id). As cells
+    # they would read "AR eager: 1 failed repeat(s)", a configuration that never ran.
+    rows = [make_row(algorithm=a, repeat=r, output_tok_s=v, launch_id=f"{a}.1.0")
+            for r in range(3) for a, v in (("AR", 100.0), ("DDTREE", 250.0))]
+    rows += [make_row(host="gone", algorithm=a, repeat=r, cuda_graph=False, status="failed", output_tok_s=None,
+                      accept_length=None, error="cannot connect to 10.0.0.9:22: connection refused")
+             for r in range(3) for a in ("AR", "DDTREE")]
+    ledger = write(tmp_path / "l.jsonl", rows)
+    r = rep.build_report([ledger], group_by="host")
+    assert set(r.tidy["machine"]) == {"ct200-a"} and r.best.refusals.empty
+    assert r.unmeasured.to_dict("records") == [
+        {"host": "gone", "rows": 6, "reason": "cannot connect to 10.0.0.9:22: connection refused"}]
+    res = cli("report", str(ledger), "--show-cells", "0")
+    assert res.exit_code == 0, res.stderr
+    assert "not measured: gone: 6 row(s) failed before any server served them" in " ".join(res.stdout.split())
+    assert "failed repeat" not in res.stdout
