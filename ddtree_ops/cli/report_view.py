@@ -77,9 +77,13 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
     a grid below it of one line per pick for its runner-up and notes, kept out of the table
     so that it fits an ordinary terminal."""
     out: list[tuple[Table, Table | None]] = []
+    # Ledgers of several workloads give a pick per workload: the table says whose, or two
+    # rows of one temperature and concurrency would read as a contradiction.
+    several = best["workload_name"].nunique(dropna=False) > 1
     columns = (
         TableColumn("temp", "right"),
         TableColumn("conc", "right"),
+        *([TableColumn("workload", wrap=True)] if several else []),
         TableColumn("modes"),
         TableColumn("best"),
         _tok_s_column(best["n"]),
@@ -104,6 +108,7 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
             cells.append([
                 _fmt(row["temperature"], 2),
                 _fmt(row["concurrency"]),
+                *([printable(str(row["workload_name"]))] if several else []),
                 str(row["modes"]),
                 Text(label, style="bold green") if picked else Text("none", style="red"),
                 _spread(row["output_tok_s_median"], row["output_tok_s_mad"], row["n"]) if picked else "—",
@@ -411,6 +416,11 @@ def run_report(
         "output tok/s; within 1% the cheaper config wins):",
         highlight=False,
     )
+    workloads = sorted(str(w) for w in result.best.best["workload_name"].dropna().unique())
+    if len(workloads) > 1:
+        console.print(f"[yellow]These ledgers measured {len(workloads)} workloads[/] ({escape(', '.join(workloads))}): "
+                      "each is picked for on its own (the workload column); pass one sweep's ledger to compare "
+                      "within it only.", highlight=False)
     for table, details in _best_tables(result.best.best, width=width, wide=wide):
         print_table(console, table)
         if details is not None:

@@ -414,3 +414,14 @@ def test_rows_no_server_measured_are_not_cells(tmp_path: Path, cli) -> None:
     assert res.exit_code == 0, res.stderr
     assert "not measured: gone: 6 row(s) failed before any server served them" in " ".join(res.stdout.split())
     assert "failed repeat" not in res.stdout
+
+
+def test_ledgers_of_several_workloads_say_so_and_name_each_picks_workload(tmp_path: Path, cli) -> None:
+    rows = [make_row(algorithm=a, repeat=r, output_tok_s=v * k, workload_hash=w, workload_name=name)
+            for r in range(3) for a, v in (("AR", 100.0), ("DDTREE", 250.0))
+            for w, name, k in (("w1", "chat", 1.0), ("w2", "humaneval", 2.0))]
+    res = cli("report", str(write(tmp_path / "l.jsonl", rows)), "--show-cells", "0")
+    assert res.exit_code == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "These ledgers measured 2 workloads (chat, humaneval): each is picked for on its own" in text
+    assert "workload" in text.split("Best configuration — ")[1] and "humaneval" in text.split("Best configuration — ")[1]
