@@ -424,4 +424,5 @@ def test_ledgers_of_several_workloads_say_so_and_name_each_picks_workload(tmp_pa
     assert res.exit_code == 0, res.stderr
     text = " ".join(res.stdout.split())
     assert "These ledgers measured 2 workloads (chat, humaneval): each is picked for on its own" in text
-    assert "workload" in text.split("Best configuration — ")[1] and "humaneval" in text.split("Best configuration — ")[1]
+    table = text.split("Best configuration — ")[1]
+    assert "workload" in table and "humaneval" in table
