@@ -85,7 +85,7 @@ class Progress:
     host: str
     done: int
     total: int
-    phase: str  # "probing" | "restarting" | "running" | "row" | "finished" | "failed"
+    phase: str  # "probing" | "restarting" | "running" | "row" | "finished" | "interrupted" | "failed"
     cell: str = ""
     repeat: int = 0
     status: str = ""
@@ -334,7 +334,8 @@ class SweepRunner:
             for job in left:
                 self._fail_rest(_SlotRun(hr, host), Provenance(), None, job.runs, error)
         interrupted = self.cancel.is_set() and hr.done < len(hr.pending)
-        self._emit(hr, "failed" if error else "finished", message=error or "")
+        phase = "failed" if error else "interrupted" if interrupted else "finished"
+        self._emit(hr, phase, message=error or ("" if not interrupted else f"{hr.done} of {len(hr.pending)} rows"))
         error_type = next(iter(hr.error_types)) if error is not None and len(hr.error_types) == 1 else None
         return HostSummary(
             host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted, error_type

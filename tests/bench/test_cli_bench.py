@@ -127,12 +127,15 @@ def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
+        stdout, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-2000:]
     assert "--resume" in err and "Traceback" not in err
+    # The host's progress line says it was interrupted (with its rows), not that it finished.
+    last = [line for line in stdout.splitlines() if line.startswith("sim-x ")][-1]
+    assert " interrupted — " in last and "finished" not in last, stdout[-1500:]
     read = ledger.read_ledger(out)
     assert read.bad_lines == [] and 1 <= len(read.rows) < 6  # whole rows only, sweep not finished
     with socket.socket() as s:  # the server it started is stopped
