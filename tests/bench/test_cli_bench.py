@@ -108,29 +108,39 @@ def test_bad_prompt_line_names_file_and_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and f"{tmp_path / 'p.jsonl'}:2: not valid JSON" in done.stderr
 
 
-@pytest.mark.slow
-def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
+def _interrupted_bench(tmp_path: Path, *, ctrl_c: int) -> tuple[subprocess.Popen[str], str, str, int, Path]:
+    """A real `bench` process, Ctrl-C'd ``ctrl_c`` times (half a second apart) once its first
+    row is written: (process, stdout, stderr, the server port, the ledger)."""
     port = free_port()
     inv = write_inventory(tmp_path, port)
-    sweep = write_sweep(tmp_path)
     out = tmp_path / "ledger.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)),
+         "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        proc.send_signal(signal.SIGINT)
+        for i in range(ctrl_c):
+            if i:
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
         stdout, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
+        if ctrl_c > 1:  # an abort may leave the server it started (one Ctrl-C must stop it itself)
+            subprocess.run([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "stop", "all"],
+                           capture_output=True, cwd=tmp_path, timeout=60)
+    return proc, stdout, err, port, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
+    proc, stdout, err, port, out = _interrupted_bench(tmp_path, ctrl_c=1)
     assert proc.returncode == 130, err[-2000:]
     assert "--resume" in err and "Traceback" not in err
     # The host's progress line says it was interrupted (with its rows), not that it finished.
@@ -294,27 +304,6 @@ def test_resume_after_an_edited_sweep_says_what_changed(tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_aborts_at_once_with_130_and_says_so(tmp_path: Path) -> None:
-    port = free_port()
-    inv = write_inventory(tmp_path, port)
-    sweep = write_sweep(tmp_path)
-    out = tmp_path / "ledger.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        stdout, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        subprocess.run([sys.executable, "-m", "ddtree_ops", "-i", str(inv), "stop", "all"], capture_output=True,
-                       cwd=tmp_path, timeout=60)
+    proc, stdout, err, _, _ = _interrupted_bench(tmp_path, ctrl_c=2)
     assert proc.returncode == 130, (stdout[-2000:], err[-2000:])
     assert "Traceback" not in err and "aborted" in err and "--resume" in err

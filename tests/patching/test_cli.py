@@ -410,4 +410,4 @@ def test_a_failed_hosts_reason_is_shown_at_80_columns(
     assert max(len(line) for line in res.stdout.splitlines()) <= 80
     # The column that holds the reason is dropped at this width: the reason still shows, in a line.
     assert [ln for ln in res.stdout.splitlines() if ln.startswith("h2 (")]
-    assert "no-such-prefix" in " ".join(res.stdout.split())
+    assert "bin/python: command not found" in " ".join(res.stdout.split())

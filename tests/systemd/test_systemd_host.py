@@ -175,8 +175,8 @@ def test_an_odd_argument_reaches_the_server_exactly_through_execstart(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
 ) -> None:
     odd = 'x "y" 50% $HOME \\z'
-    done = cli("-i", str(systemd_host.inventory), "restart", "sd-0", "--extra-arg=--served-model-name",
-               f"--extra-arg={odd}")
+    done = cli("-i", str(systemd_host.inventory), "restart", "sd-0", "--algorithm", "AR",
+               "--extra-arg=--served-model-name", f"--extra-arg={odd}")
     assert done.exit_code == 0, done.stdout + done.stderr
     argv = cmdline(host, main_pid(host))
     assert argv[-2:] == ["--served-model-name", odd]
@@ -366,7 +366,8 @@ def test_a_unit_that_exits_while_loading_is_named_with_its_result_and_stopped(
 ) -> None:
     # An argument the server refuses: it exits 2 before loading, and Restart=always would
     # start it again and again with that launch.
-    done = cli("-i", str(systemd_host.inventory), "--json", "restart", "sd-0", "--extra-arg=--no-such-flag")
+    done = cli("-i", str(systemd_host.inventory), "--json", "restart", "sd-0", "--algorithm", "AR",
+               "--extra-arg=--no-such-flag")
     assert done.exit_code == 5, done.stdout + done.stderr
     error = next(e for e in read_envelope(done.stdout)["errors"] if e["host"] == "sd-0")
     assert error["code"] == "server_crashed", error
