@@ -283,7 +283,8 @@ def _render_restart(
     columns: tuple[TableColumn, ...] = (
         TableColumn("host", wrap=True), TableColumn("status"), TableColumn("pid", "right", drop=2),
         TableColumn("run", wrap=True), TableColumn("graphs"), TableColumn("load", "right"),
-        TableColumn("capture", "right"),
+        # Part of load: what goes first when the run column needs the room (80 columns).
+        TableColumn("capture", "right", drop=1),
         TableColumn("smoke", "right"), TableColumn("total", "right", wrap=True),
         TableColumn("deadline", wrap=True, drop=1),
     )

@@ -262,19 +262,20 @@ def test_restart_summary_fits_80_columns_without_splitting_a_word(monkeypatch: p
         host="sim-ct200/1", pid=424242, argv=("python",), cuda_graph=True, fallback_reason=None,
         phase_durations=MappingProxyType({Phase.CAPTURING: 4.6}), ready_s=13.8, load_s=12.5, deadline_s=720,
         deadline_source="inventory", attempts=2, launch_command="python", log_path="/x/server.log",
-        ready_at=0.0, ready_line_ts=None, smoke=None,
+        ready_at=0.0, ready_line_ts=None, smoke=None, run="DDTREE budget=16 topk=4",
     )
     out = Console(record=True, width=80)
     monkeypatch.setattr(main, "console", out)
     service._render_restart(main.AppContext(), FleetResult({"sim-ct200/1": r}))
     text = out.export_text()
     assert all(len(line) <= 80 for line in text.splitlines()), text
-    for word in ("sim-ct200/1", "capture", "12.5s", "4.6s", "13.8s", "(2", "launches)"):
+    for word in ("sim-ct200/1", "DDTREE", "b=16", "12.5s", "13.8s", "(2", "launches)"):
         assert any(word in line.split() or f"│ {word}" in line for line in text.splitlines()), (word, text)
-    hidden = "Hidden to fit 80 columns: pid, deadline (--wide shows every column)."
+    # The run column takes the room of the capture time (part of load), not of a whole word.
+    hidden = "Hidden to fit 80 columns: pid, capture, deadline (--wide shows every column)."
     assert f"load, then smoke. {hidden}" in " ".join(text.split())  # two sentences, not run together
     wide = Console(record=True, width=80)
     monkeypatch.setattr(main, "console", wide)
     service._render_restart(main.AppContext(), FleetResult({"sim-ct200/1": r}), wide=True)
     shown = wide.export_text()
-    assert "720s (inventory)" in shown and "424242" in shown
+    assert "720s (inventory)" in shown and "424242" in shown and "4.6s" in shown
