@@ -95,6 +95,15 @@ class ServingProbe:
             at, ok = line.split()
             self.answers[name].append((float(at), ok == "1"))
 
+    def wait_all_serving(self, timeout_s: float = 30.0) -> None:
+        """Until every host's probe has seen its server answer (the probes start cold)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if all(answers and answers[-1][1] for answers in self.answers.values()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not every host serves before the rollout: {self.answers}")
+
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.terminate()
@@ -122,7 +131,7 @@ def test_a_serial_restart_keeps_two_of_three_serving_and_runs_the_batches_in_ord
 ) -> None:
     probe = ServingProbe(trio.hosts, seconds=120)
     try:
-        time.sleep(1.5)  # every host answered at least once before the rollout
+        probe.wait_all_serving()
         start = time.time()
         done = cli("-i", str(trio.inventory), "--json", "restart", "all", "--algorithm", "DDTREE", *TREE,
                    "--serial", "1")
