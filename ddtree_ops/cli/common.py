@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddtree_ops.cli.terminal import escape_text
+from ddtree_ops.cli.terminal import err_console, escape_text
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, InventoryError, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
@@ -105,8 +105,6 @@ def transport_for(ctx_obj: Any, host: Host, *, counter: RoundTripCounter | None 
 
 def say_notice(text: str) -> None:
     """One line on stderr for what is not an error but must be said (where accept-new wrote a key)."""
-    from ddtree_ops.cli.main import err_console  # cli.main imports this module
-
     err_console.print(text, style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 

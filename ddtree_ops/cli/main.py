@@ -27,7 +27,7 @@ from rich.markup import escape
 from ddtree_ops import __version__
 from ddtree_ops.cli import metavars
 from ddtree_ops.cli.common import write_envelope
-from ddtree_ops.cli.terminal import SafeConsole
+from ddtree_ops.cli.terminal import console, err_console
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, Interrupted
 
 app = typer.Typer(
@@ -42,9 +42,6 @@ app = typer.Typer(
     # A wide terminal gets the whole first sentence of each command's help (click stops at 80).
     context_settings={"max_content_width": 120},
 )
-
-console = SafeConsole()
-err_console = SafeConsole(stderr=True)
 
 
 @dataclass

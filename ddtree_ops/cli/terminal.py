@@ -83,3 +83,10 @@ def _escaped(segments: Iterable[Segment]) -> Iterator[Segment]:
             yield segment
         else:
             yield Segment(escape_controls(segment.text), segment.style, segment.control)
+
+
+# The CLI's two consoles: results on stdout, errors and notices on stderr. Here, below
+# every other CLI module, so that the app (cli.main) and the helpers it uses (cli.common)
+# write through the same two without importing each other.
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
