@@ -73,11 +73,11 @@ import httpx
 from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.text import WORDS
 from ddtree_ops.transport.local import LocalTransport
+from ddtree_ops.workload.prompt import Prompt
 
 
 def free_port() -> int:

@@ -66,12 +66,12 @@ from sweep_slots import free_ports
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.plan import plan_sweep
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import SweepRunner
-from ddtree_ops.bench.sweep import SweepSpec, Workload, load_sweep
+from ddtree_ops.bench.sweep import SweepSpec, load_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.state import STATE_ENV
+from ddtree_ops.workload.draw import Workload, build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "bench_configs" / "budgets.yaml"

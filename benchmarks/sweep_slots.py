@@ -31,13 +31,13 @@ from pathlib import Path
 import yaml
 
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle
 from ddtree_ops.state import STATE_ENV, StateStore
 from ddtree_ops.transport.local import LocalTransport
+from ddtree_ops.workload.draw import build_workload
 
 MODEL = "sim/qwen3-8b"
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ddtree_ops.bench import _hostclient as hc
 from ddtree_ops.bench.metrics import RequestResult
-from ddtree_ops.bench.prompts import Prompt
+from ddtree_ops.workload.prompt import Prompt, chat_messages
 
 if TYPE_CHECKING:
     pass
@@ -288,10 +288,6 @@ def render_chat(base_url: str, conversations: Sequence[Sequence[tuple[str, str]]
     except httpx.HTTPError as exc:
         return None, _error_text(exc)
     return ids, None
-
-
-def chat_messages(messages: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
-    return [{"role": r, "content": c} for r, c in messages]
 
 
 def server_info(base_url: str, *, timeout_s: float = 10.0) -> dict[str, Any] | None:

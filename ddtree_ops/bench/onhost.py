@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ddtree_ops.bench import client as local_client
-from ddtree_ops.bench.client import LoadReport, LoadResult, LoadSpec, chat_messages, load_payload
+from ddtree_ops.bench.client import LoadReport, LoadResult, LoadSpec, load_payload
 from ddtree_ops.bench.livetree import SwitchAnswer, refusal_detail, switch_request
 from ddtree_ops.bench.metrics import RequestResult
 from ddtree_ops.errors import DdtreeOpsError
@@ -30,6 +30,7 @@ from ddtree_ops.inventory_types import Host
 from ddtree_ops.service.launch import probe_address
 from ddtree_ops.transport.base import Transport
 from ddtree_ops.transport.hostprogram import run_program
+from ddtree_ops.workload.prompt import chat_messages
 
 ClientMode = Literal["local", "host"]
 HOSTCLIENT_SOURCE = Path(__file__).with_name("_hostclient.py").read_text()

@@ -17,10 +17,10 @@ from ddtree_ops.bench.ledger import LedgerRow
 from ddtree_ops.bench.livetree import LiveTree
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics
 from ddtree_ops.bench.plan import Cell, LaunchConfig
-from ddtree_ops.bench.prompts import WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance
 from ddtree_ops.bench.sweep import SweepSpec
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.workload.draw import WorkloadPrompts
 
 if TYPE_CHECKING:
     from ddtree_ops.service.launch import Algorithm, RunConfig

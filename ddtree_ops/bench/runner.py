@@ -60,7 +60,6 @@ from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, c
 from ddtree_ops.bench.onhost import LoadClient, make_client
 from ddtree_ops.bench.plan import Cell, LaunchConfig
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
-from ddtree_ops.bench.prompts import Prompt, WorkloadPrompts
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.schedule import Job
@@ -68,6 +67,8 @@ from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
 from ddtree_ops.errors import AuthError, ConfigError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.workload.draw import WorkloadPrompts
+from ddtree_ops.workload.prompt import Prompt
 
 if TYPE_CHECKING:
     from ddtree_ops.service.lifecycle import RestartResult

@@ -43,6 +43,9 @@ import yaml
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, SweepError
 from ddtree_ops.fsutil import read_regular_text
 from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK, parse_algorithm
+from ddtree_ops.workload.datasets import DATASETS
+from ddtree_ops.workload.draw import DatasetRef, Workload, build_workload
+from ddtree_ops.workload.prompts import find_prompt_set
 from ddtree_ops.yamlfile import safe_load_unique
 
 BASELINES = ("autoregressive", "dflash")
@@ -90,29 +93,6 @@ APIS = ("generate", "openai")
 # Where the load is generated: this machine, or the GPU host next to its server
 # (``bench.onhost``); None = host when the server binds loopback, else local.
 CLIENTS = ("local", "host")
-
-
-@dataclass(frozen=True)
-class DatasetRef:
-    """A published data set by name (:mod:`.datasets`), read from ``path`` (a file or a
-    folder), or, without one, from a shipped or locally cached copy."""
-
-    name: str
-    path: Path | None = None
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What is sent: prompts (files, a named set and/or published data sets), how many,
-    how long, which seed."""
-
-    prompt_files: tuple[Path, ...] = ()
-    prompt_set: str | None = None
-    datasets: tuple[DatasetRef, ...] = ()
-    num_prompts: int = 32
-    max_new_tokens: int = 128
-    ignore_eos: bool = True
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -274,8 +254,6 @@ def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[
 
 
 def _dataset_ref(path: Path, key: str, name: Any, where: Any) -> DatasetRef:
-    from ddtree_ops.bench.datasets import DATASETS
-
     if not isinstance(name, str) or name not in DATASETS:
         raise _fail(path, key, f"unknown data set {name!r} (known: {', '.join(DATASETS)})")
     if where is None:
@@ -340,8 +318,6 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
     if not files and prompt_set is None and not datasets:
         raise _fail(path, "workload", "give prompt_files, prompt_set or dataset")
     if prompt_set is not None:
-        from ddtree_ops.bench.prompts import find_prompt_set
-
         try:
             find_prompt_set(prompt_set, search=(path.parent,))
         except SweepError as exc:
@@ -445,8 +421,6 @@ def load_sweep(path: Path) -> SweepSpec:
         where = f":{mark.line + 1}" if mark is not None else ""
         raise SweepError(f"{path}{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
     spec = parse_sweep(data, path)
-    from ddtree_ops.bench.prompts import build_workload  # prompts imports this module
-
     build_workload(spec.workload, search=(spec.source.parent,))
     return spec
 

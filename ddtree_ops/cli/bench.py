@@ -19,10 +19,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, Tex
 from rich.table import Column
 from rich.text import Text
 
-from ddtree_ops.bench.client import chat_messages
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
-from ddtree_ops.bench.prompts import WorkloadPrompts, build_workload
 from ddtree_ops.bench.runner import Progress as RunProgress
 from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.bench.schedule import Schedule
@@ -40,6 +38,8 @@ from ddtree_ops.cli.common import (
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, FleetError, Interrupted, recorded_error
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.workload.draw import WorkloadPrompts, build_workload
+from ddtree_ops.workload.prompt import chat_messages
 
 
 def _hosts(obj: AppContext, spec: SweepSpec, target: str | None) -> list[Host]:

@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddtree_ops.bench.prompts import load_prompt_file
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.shipped import PROJECT_PROMPTS
+from ddtree_ops.workload.prompts import load_prompt_file
 
 DEFAULT_AGREEMENT = 0.98
 DEFAULT_ACCEPT_FLOOR = 1.3

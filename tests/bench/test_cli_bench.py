@@ -14,11 +14,10 @@ import pytest
 import yaml
 from cli_json import json_data
 from testports import free_port
+from workload.test_datasets import LAYOUTS
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.sweep import load_sweep, sweep_hash
-
-from .test_datasets import LAYOUTS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,9 +19,9 @@ import pytest
 from ddtree_ops.bench.client import LoadResult, LoadSpec, UnrenderedChat, request_for
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.transport.local import LocalTransport
+from ddtree_ops.workload.prompt import Prompt
 
 from .fake_server import FakeState, serve
 

@@ -13,10 +13,10 @@ import pytest
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import sweep_hash
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.workload.draw import build_workload
 
 from .test_runner import free_port, rows_of, stop_all, sweep
 

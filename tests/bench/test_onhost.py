@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops.bench.client import chat_messages
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.onhost import client_mode
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress, SweepRunner
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.report import build_report
 from ddtree_ops.sim.server import chat_template_text
 from ddtree_ops.sim.text import tokenize
+from ddtree_ops.workload.draw import build_workload
+from ddtree_ops.workload.prompt import chat_messages
 
 from .test_runner import local_host, rows_of, sim_server, stop_all, sweep
 

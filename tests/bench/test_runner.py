@@ -27,7 +27,6 @@ from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.plan import plan_sweep
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.prompts import build_workload
 from ddtree_ops.bench.runner import Progress, SweepRunner
 from ddtree_ops.bench.services import default_services
 from ddtree_ops.bench.sweep import parse_sweep
@@ -35,6 +34,7 @@ from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport import open_transport
 from ddtree_ops.transport.local import LocalTransport
+from ddtree_ops.workload.draw import build_workload
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -23,12 +23,12 @@ from fleetlib import CHATTER, chatty_python
 
 from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.onhost import HostClient
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.probe import probe_host
 from ddtree_ops.service import RunConfig, lifecycle
 from ddtree_ops.service.lifecycle import LaunchFacts, RestartRequest
 from ddtree_ops.transport.hostprogram import BOOTSTRAP
+from ddtree_ops.workload.prompt import Prompt
 
 DDTREE16 = RunConfig("DDTREE", budget=16, topk=4)
 FAST = {"poll_interval_s": 0.2, "stop_grace_s": 5.0}

@@ -32,11 +32,11 @@ from ddtree_ops.bench import ledger
 from ddtree_ops.bench._hostclient import output_hash
 from ddtree_ops.bench.client import LoadSpec
 from ddtree_ops.bench.onhost import LocalClient
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.patching.bundle import load_bundle
 from ddtree_ops.service import lifecycle
 from ddtree_ops.transport.local import LocalTransport
+from ddtree_ops.workload.prompt import Prompt
 
 from . import models
 from . import prefix as prefixes

@@ -16,9 +16,9 @@ from starlette.routing import Route
 
 from ddtree_ops.bench._hostclient import Connection
 from ddtree_ops.bench.client import LoadSpec, as_request_result, request_for
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.server import _arrived, _StampingH11Protocol
+from ddtree_ops.workload.prompt import Prompt
 
 # From "the previous request just finished" to well past the loop's catch-up window.
 GAPS_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.1)

@@ -16,7 +16,7 @@ the layouts they are published in:
   ``~/.cache/huggingface``) under the set's Hub names.
 
 Nothing is downloaded: a set that is not on this machine is an error naming where it was
-looked for. Every record becomes one :class:`~ddtree_ops.bench.prompts.Prompt` with its
+looked for. Every record becomes one :class:`~ddtree_ops.workload.prompt.Prompt` with its
 data set and category (MATH-500's subject, MT-Bench's and Spec-Bench's category) kept, so
 rows can be broken down by them. Chat sets become messages, sent through the served
 model's chat template (never a hand-made transcript); HumanEval is a completion set (the
@@ -27,7 +27,7 @@ published layout is one error naming the file and line (JSONL), index (JSON) or 
 MT-Bench and Spec-Bench questions have follow-up turns (``Prompt.followups``); a follow-up
 is only meaningful after the model's own answer to the turn before, so the load client
 sends it then, as the conversation so far through the chat template
-(``_hostclient._Turns``), one request per turn.
+(``ddtree_ops.bench._hostclient._Turns``), one request per turn.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree_ops.bench.prompts import Prompt
 from ddtree_ops.errors import SweepError
+from ddtree_ops.workload.prompt import Prompt
 
 Record = Mapping[str, Any]
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow")

@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddtree_ops.bench.datasets import DATASETS, data_files, dataset, load_dataset
-from ddtree_ops.bench.prompts import build_workload
-from ddtree_ops.bench.sweep import DatasetRef, Workload, parse_sweep
+from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.errors import SweepError
+from ddtree_ops.workload.datasets import DATASETS, data_files, dataset, load_dataset
+from ddtree_ops.workload.draw import DatasetRef, Workload, build_workload
 
 
 def _jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

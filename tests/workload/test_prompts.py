@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops.bench.prompts import PROJECT_PROMPTS, build_workload, find_prompt_set, load_prompt_file
-from ddtree_ops.bench.sweep import Workload
 from ddtree_ops.errors import SweepError
+from ddtree_ops.shipped import PROJECT_PROMPTS
+from ddtree_ops.workload.draw import Workload, build_workload
+from ddtree_ops.workload.prompts import find_prompt_set, load_prompt_file
 
 
 def test_shipped_sets_are_valid_and_categorised() -> None:
