@@ -23,10 +23,13 @@ Refused with one line naming file and key, never taken literally: a Jinja templa
 (``{{ }}`` / ``{% %}``) or ``!vault`` value in a variable we use; vault-encrypted files;
 dynamic inventories (a YAML ``plugin:`` config, an executable ``#!`` script); TOML.
 
-Stricter than Ansible, on purpose: a mapping key written twice in a YAML file, and a
-host or group given two different values for one variable within one file, are errors
-(Ansible keeps whichever comes last and warns at most); a file Ansible would skip with a
-warning is an error.
+Stricter than Ansible, on purpose: a mapping key written twice in a YAML file or on an INI
+host line, and a host or group given two different values for one variable within one
+file, are errors (Ansible keeps whichever comes last and warns at most); a file Ansible
+would skip with a warning is an error; a host name the command line could not address
+(``/``, ``,``), with a control or invisible character, or with a port that is not a number
+is refused. ``extra_args`` never repeat a flag ddtree-ops launches with (``schema``).
+A UTF-8 byte-order mark at the start of a file is skipped.
 """
 
 from __future__ import annotations

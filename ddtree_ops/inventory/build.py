@@ -248,7 +248,7 @@ def build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> Dd
         draft_model_path=server_raw.get("draft_model_path", sdef.draft_model_path),
         port=server_raw.get("port", sdef.port),
         bind_host=server_raw.get("bind_host", sdef.bind_host),
-        extra_args=tuple(str(a) for a in server_raw.get("extra_args", sdef.extra_args)),
+        extra_args=tuple(server_raw.get("extra_args", sdef.extra_args)),
         env=MappingProxyType({k: str(v) for k, v in (server_raw.get("env") or {}).items()}),
         expected_load_s=float(server_raw.get("expected_load_s", sdef.expected_load_s)),
         command=server_raw.get("command", sdef.command),

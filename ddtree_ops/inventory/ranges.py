@@ -38,6 +38,9 @@ def split_port(pattern: str) -> tuple[str, int | None]:
             return m.group("host"), int(m.group("port"))
     if outside.endswith(":"):
         raise RangeError(f"invalid host pattern {pattern!r}: ending in ':' is reserved for a port")
+    if outside.count(":") == 1:
+        # Ansible would take `host:abc` as a host literally named so; it is a port typo.
+        raise RangeError(f"invalid host pattern {pattern!r}: the port after ':' is not a number")
     return pattern, None
 
 

@@ -13,6 +13,7 @@ Ansible too, so they are used as written.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -29,8 +30,8 @@ _SERVER_SCHEMA: dict[str, str] = {
     "draft_model_path": "str",
     "port": "port",
     "bind_host": "str",
-    "extra_args": "str_list",
-    "env": "str_map",
+    "extra_args": "extra_args",
+    "env": "env",
     "expected_load_s": "positive_number",
     "command": "str",
     "manager": "manager",
@@ -86,10 +87,82 @@ def _check_mapping(value: Any, schema: Mapping[str, Any], origin: Origin, keypat
             _check_mapping(item, kind, origin, where)
         elif kind == "slots":
             _check_slots(item, origin, where)
+        elif kind == "env":
+            _check_env(item, origin, where)
+        elif kind == "extra_args":
+            _check_extra_args(item, origin, where)
         else:
             problem = type_problem(kind, item)
             if problem:
                 raise InventoryError(f"{origin.at(where)}: {problem}, got {item!r}")
+
+
+# What a shell (and systemd's EnvironmentFile) takes as a variable name: `A B`, `1X` or
+# `A=B` would be refused on the host, or set some other variable, after the old server stopped.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _check_env(value: Any, origin: Origin, keypath: str) -> None:
+    if not isinstance(value, dict):
+        raise InventoryError(f"{origin.at(keypath)}: expected a mapping of NAME: value, got {value!r}")
+    for name, item in value.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise InventoryError(f"{origin.at(keypath)}: {name!r} is not an environment variable name (letters, "
+                                 f"digits and _, not starting with a digit)")
+        if not isinstance(item, (str, int, float)) or isinstance(item, bool):
+            raise InventoryError(f"{origin.at(f'{keypath}.{name}')}: expected a string or a number, got {item!r}")
+
+
+def _check_extra_args(value: Any, origin: Origin, keypath: str) -> None:
+    # Strings only: YAML reads `[--tp-size, 8]` as a number, which would reach the server as
+    # the text Python prints for it (`1e3` as 1000.0); a quoted "8" is what is meant.
+    if not isinstance(value, list) or not all(isinstance(arg, str) for arg in value):
+        raise InventoryError(f"{origin.at(keypath)}: expected a list of strings (quote numbers: \"8\"), got {value!r}")
+    for arg in value:
+        problem = owned_flag_problem(arg)
+        if problem:
+            raise InventoryError(f"{origin.at(keypath)}: {arg}: {problem}")
+
+
+# The flags ddtree-ops launches every server with (service/launch.py), each with what sets
+# it instead. An extra arg repeating one would win (argparse keeps the last), so the server
+# would listen elsewhere, or serve another model or tree, than the one readiness waits for
+# and the ledger and fallback records name. Here, below the service layer, because the
+# inventory checks its extra_args where they are written.
+OWNED_FLAGS: dict[str, str] = {
+    "--model-path": "ddtree.server.model_path",
+    "--host": "ddtree.server.bind_host",
+    "--port": "ddtree.server.port",
+    "--speculative-algorithm": "restart --algorithm",
+    "--speculative-draft-model-path": "ddtree.server.draft_model_path",
+    "--speculative-num-draft-tokens": "restart --budget",
+    "--speculative-eagle-topk": "restart --topk",
+    "--speculative-adaptive-config": "tune --deploy",
+    "--cuda-graph-backend-decode": "restart --eager",
+    "--cuda-graph-backend-prefill": "restart --eager",
+    "--disable-cuda-graph": "restart --eager",
+}
+# SGLang 0.5.23's other names for them (server_args: `aliases=`).
+_OWNED_ALIASES = {"--model": "--model-path", "--speculative-draft-model": "--speculative-draft-model-path"}
+# SGLang flags of their own that begin like an owned flag: argparse takes an exact name
+# before an abbreviation. (0.5.23's parser has only this one besides the aliases.)
+_OWN_FLAGS_NOT_OWNED = ("--speculative-adaptive",)
+
+
+def owned_flag_problem(arg: str) -> str | None:
+    """Why ``arg`` may not be an extra server argument, or None: it sets a flag ddtree-ops
+    sets itself — by name, as ``--flag=value``, by an alias, or abbreviated (SGLang's
+    argparse reads ``--por 1`` as ``--port 1``)."""
+    flag = arg.partition("=")[0] if arg.startswith("--") else ""
+    if len(flag) <= 2 or flag in _OWN_FLAGS_NOT_OWNED:
+        return None
+    if flag in OWNED_FLAGS:
+        return f"ddtree-ops sets {flag} itself (use {OWNED_FLAGS[flag]})"
+    # An alias is itself the beginning of its flag, so an abbreviated alias is one of the flag.
+    owned = _OWNED_ALIASES.get(flag) or next((f for f in OWNED_FLAGS if f.startswith(flag)), None)
+    if owned is None:
+        return None
+    return f"SGLang reads it as {owned}, which ddtree-ops sets itself (use {OWNED_FLAGS[owned]})"
 
 
 SLOT_COUNT_KEYS = ("count", "gpus_per_slot")
@@ -153,19 +226,9 @@ def type_problem(kind: str, value: Any) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
         return None if ok else "expected a port number (integer 1-65535)"
     if kind == "positive_number":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        # Finite: YAML's `.inf` would make every readiness deadline never come.
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
         return None if ok else "expected a positive number of seconds"
-    if kind == "str_list":
-        ok = isinstance(value, list) and all(
-            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value
-        )
-        return None if ok else "expected a list of strings"
-    if kind == "str_map":
-        ok = isinstance(value, dict) and all(
-            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
-            for k, v in value.items()
-        )
-        return None if ok else "expected a mapping of NAME: value (strings or numbers)"
     if kind == "manager":
         ok = value in MANAGERS
         return None if ok else "expected 'process' (ddtree-ops runs the server) or 'systemd' (a unit does)"

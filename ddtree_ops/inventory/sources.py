@@ -89,6 +89,10 @@ def read_text(path: Path, what: str = "inventory") -> str:
         raise InventoryError(f"{path}: not a UTF-8 text file (byte {exc.start}): an {what} is YAML or INI") from None
     except OSError as exc:
         raise InventoryError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    # A UTF-8 byte-order mark (what some Windows editors write first) is an encoding
+    # artifact, not text: PyYAML skips it, and an INI file would otherwise begin with an
+    # invisible "\ufeff[group]" host.
+    text = text.removeprefix("\ufeff")
     if text.lstrip().startswith(VAULT_HEADER):
         raise InventoryError(
             f"{path}: vault-encrypted file ({VAULT_HEADER} header): ddtree-ops does not decrypt vault; "
@@ -428,10 +432,27 @@ def _var_name(key: Any, origin: Origin) -> str:
 
 
 def _expand(pattern: str, origin: Origin) -> tuple[list[str], int | None]:
+    problem = host_name_problem(pattern)
+    if problem:
+        raise InventoryError(f"{origin.here()}: host name {pattern!r}: {problem}")
     try:
         return expand_pattern(pattern)
     except RangeError as exc:
         raise InventoryError(f"{origin.at(pattern)}: {exc}") from None
+
+
+def host_name_problem(pattern: str) -> str | None:
+    """Why a host pattern cannot name a host here, or None. Ansible takes these names, but
+    the command line could not address such a host (``host/0`` is a GPU slot, ``a,b`` two
+    targets), and a control or invisible character would reach the terminal and the
+    remote commands as part of a name nobody can read."""
+    if not pattern.isprintable():
+        return "a host name has no control or invisible characters"
+    if "/" in pattern:
+        return "'/' is not allowed in a host name: on the command line host/0 names GPU slot 0 of host"
+    if "," in pattern:
+        return "',' is not allowed in a host name: on the command line it separates targets"
+    return None
 
 
 # --------------------------------------------------------------------------- INI
@@ -501,6 +522,9 @@ def _ini_host_line(inv: RawInventory, line: str, group: str, origin: Origin) -> 
         if "=" not in token:
             raise InventoryError(f"{origin.file}:{origin.line}: expected key=value host variable, got {token!r}")
         key, value = token.split("=", 1)
+        if key in variables:
+            # Ansible keeps the last one silently; which one was meant is not ours to guess.
+            raise InventoryError(f"{origin.file}:{origin.line}: {key} is written twice on this host line")
         variables[key] = ini_value(value)
     for name in names:
         inv.add_host(name, group, origin)

@@ -26,6 +26,13 @@ class Origin:
     where: str = ""
     line: int | None = None
 
+    def here(self) -> str:
+        """``FILE:LINE`` (INI), ``FILE: path`` (YAML) or ``FILE``: the place itself, for what
+        is wrong with the entry written there rather than with one of its keys."""
+        if self.line is not None:
+            return f"{self.file}:{self.line}"
+        return f"{self.file}: {self.where}" if self.where else self.file
+
     def at(self, key: str) -> str:
         """``FILE: path.key`` (YAML), ``FILE:LINE: key`` (INI) or ``FILE: key`` (vars files)."""
         if self.line is not None:

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.inventory.schema import owned_flag_problem
 from ddtree_ops.inventory_types import Host
 
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
@@ -64,6 +65,7 @@ class RunConfig:
     budget: int | None = None
     topk: int | None = None
     cuda_graph: CudaGraphMode = "auto"
+    # restart's --extra-arg values: never a flag ddtree-ops sets itself (OWNED_FLAGS).
     extra_args: tuple[str, ...] = ()
     # DDTREE only: a ``{"ddtree": {...}}`` runtime-state file on the host, passed as
     # ``--speculative-adaptive-config`` (0.5.23's own flag: the plugin cannot add one).
@@ -89,6 +91,10 @@ class RunConfig:
             raise ConfigError("topk only applies to DDTREE")
         if not all(isinstance(a, str) for a in self.extra_args):
             raise ConfigError("extra_args must be strings")
+        for arg in self.extra_args:  # checked here, before any host is touched
+            problem = owned_flag_problem(arg)
+            if problem:
+                raise ConfigError(f"--extra-arg {arg}: {problem}")
         if self.adaptive_config is not None:
             if self.algorithm != "DDTREE":
                 raise ConfigError("adaptive_config (runtime states) only applies to DDTREE")

@@ -7,6 +7,7 @@ import shlex
 import pytest
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.inventory.schema import owned_flag_problem
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
 from ddtree_ops.service.launch import RunConfig, build_launch_spec, eager_flags, parse_version
 
@@ -162,3 +163,22 @@ def test_an_algorithm_is_named_either_way_and_printed_one_way() -> None:
         assert parse_algorithm(text) == name
     with pytest.raises(ConfigError, match="unknown algorithm 'eagle' .*expected AR, DFLASH or DDTREE"):
         parse_algorithm("eagle")
+
+
+@pytest.mark.parametrize(
+    ("run", "version"),
+    [
+        (RunConfig("AR"), "0.5.23"),
+        (RunConfig("DFLASH", budget=8), "0.5.22"),
+        (RunConfig("DDTREE", budget=16, topk=4, adaptive_config="/run/states.json"), "0.5.23"),
+    ],
+)
+def test_every_flag_ddtree_ops_launches_with_is_refused_as_an_extra_arg(run: RunConfig, version: str) -> None:
+    # The list the inventory and --extra-arg check against must name every flag the
+    # launch builder sets (graphs on and off), or an extra arg could override it.
+    for cuda_graph in (True, False):
+        args = build_launch_spec(make_host(), run, version, cuda_graph=cuda_graph).server_args
+        flags = [a for a in args if a.startswith("--")]
+        assert flags and all(owned_flag_problem(flag) for flag in flags), flags
+        with pytest.raises(ConfigError, match=f"--extra-arg {flags[-1]}: ddtree-ops sets {flags[-1]} itself"):
+            RunConfig("AR", extra_args=("--log-level", "info", flags[-1], "x"))
