@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import json
 import math
@@ -79,6 +80,7 @@ _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "
              "relaunch", "dflash_block"}
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
+_DATASET_KEYS = ("name", "path")  # of one entry of workload.datasets
 # Upper bounds of the integer axes: the CLI's own (``restart --budget`` refuses more than
 # the plugin serves) and, for the load, what one client can keep open without running out
 # of file descriptors or a server out of context. Anything larger is a typo, refused
@@ -253,6 +255,28 @@ def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[
     return tuple(rules)
 
 
+def _input_path(path: Path, key: str, raw: str) -> Path:
+    """A file or folder the sweep file names, relative to the sweep file's folder. A path
+    that cannot be looked at is refused here, naming the key: a symlink loop made pathlib
+    raise RuntimeError while resolving it (Python 3.11), and is_file() calls it missing.
+    One that does not exist is returned: the caller says what was missing."""
+    p = Path(raw).expanduser()
+    if not p.is_absolute():
+        p = path.parent / p
+        try:
+            p = p.resolve()
+        except RuntimeError:
+            raise _fail(path, key, f"{p}: a symlink loop") from None
+    try:
+        p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        why = "a symlink loop" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise _fail(path, key, f"{p}: {why}") from None
+    return p
+
+
 def _dataset_ref(path: Path, key: str, name: Any, where: Any) -> DatasetRef:
     if not isinstance(name, str) or name not in DATASETS:
         raise _fail(path, key, f"unknown data set {name!r} (known: {', '.join(DATASETS)})")
@@ -260,9 +284,7 @@ def _dataset_ref(path: Path, key: str, name: Any, where: Any) -> DatasetRef:
         return DatasetRef(name)
     if not isinstance(where, str) or not where.strip():
         raise _fail(path, key.rsplit(".", 1)[0] + ".path", f"must be a file or folder path, got {where!r}")
-    p = Path(where).expanduser()
-    if not p.is_absolute():
-        p = (path.parent / p).resolve()
+    p = _input_path(path, key.rsplit(".", 1)[0] + ".path", where)
     if not p.exists():
         raise _fail(path, key.rsplit(".", 1)[0] + ".path", f"no such file or folder: {p}")
     return DatasetRef(name, p)
@@ -282,7 +304,11 @@ def _parse_datasets(path: Path, raw: Mapping[str, Any]) -> tuple[DatasetRef, ...
         key = f"workload.datasets[{i}]"
         if isinstance(item, str):
             item = {"name": item}
-        if not isinstance(item, Mapping) or not set(item) <= {"name", "path"} or "name" not in item:
+        if isinstance(item, Mapping):
+            for k in item:
+                if k not in _DATASET_KEYS:
+                    raise _fail(path, f"{key}.{k}", f"unknown key{_suggest(str(k), _DATASET_KEYS)}")
+        if not isinstance(item, Mapping) or "name" not in item:
             raise _fail(path, key, "must be a data set name or {name, path}")
         refs.append(_dataset_ref(path, f"{key}.name", item["name"], item.get("path")))
     if len(set(refs)) != len(refs):
@@ -305,9 +331,7 @@ def _parse_workload(path: Path, raw: Any) -> Workload:
         raise _fail(path, "workload.prompt_files", "must be a path or a list of paths")
     files: list[Path] = []
     for f in files_raw:
-        p = Path(f).expanduser()
-        if not p.is_absolute():
-            p = (path.parent / p).resolve()
+        p = _input_path(path, "workload.prompt_files", f)
         if not p.is_file():
             raise _fail(path, "workload.prompt_files", f"prompt file not found: {p}")
         files.append(p)

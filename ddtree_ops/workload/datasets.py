@@ -41,10 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.errors import SweepError
+from ddtree_ops.workload.jsontext import json_value
 from ddtree_ops.workload.prompt import Prompt
 
 Record = Mapping[str, Any]
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow")
+# The split names of the Hub's data files (and their common short forms).
+SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,11 @@ def data_files(ds: Dataset, directory: Path) -> tuple[Path, ...]:
                    and not any(part.startswith(".") for part in p.relative_to(directory).parts))
     if not found:
         raise SweepError(f"{directory}: no data files ({', '.join(DATA_SUFFIXES)}) for {ds.title}")
-    matching = [p for p in found if _split_token(p, ds.split)] or (found if len(found) == 1 else [])
+    # A lone file is the split when its name names none (MT-Bench's question.jsonl); one
+    # named for another split (a GSM8K folder holding only train.jsonl) is not: sent as
+    # the test set, its questions would measure the drafter on what it may have trained on.
+    lone = found if len(found) == 1 and not any(_split_token(found[0], s) for s in SPLIT_NAMES) else []
+    matching = [p for p in found if _split_token(p, ds.split)] or lone
     if ds.config is not None:
         preferred = [p for p in matching if ds.config in p.relative_to(directory).parts]
         matching = preferred or matching
@@ -243,7 +250,8 @@ def data_files(ds: Dataset, directory: Path) -> tuple[Path, ...]:
                          "give path: one of them")
     if not matching:
         listed = ", ".join(str(p.relative_to(directory)) for p in found[:5])
-        raise SweepError(f"{directory}: no {ds.split!r} split file for {ds.title} among {listed}; give path: the file")
+        raise SweepError(f"{directory}: no {ds.split!r} split file for {ds.title} among {listed} (benchmarks send "
+                         f"its {ds.split!r} split); give path: that split's file")
     suffixes = {str(_data_suffix(p)) for p in matching}
     if len(suffixes) > 1:
         raise SweepError(f"{directory}: {ds.title}'s {ds.split!r} split is there in several formats "
@@ -328,7 +336,7 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield f"{path}:{lineno}", json.loads(line)
+            yield f"{path}:{lineno}", json_value(line)
         except json.JSONDecodeError as exc:
             raise SweepError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
 
@@ -377,7 +385,7 @@ def records(path: Path) -> Iterator[tuple[str, Any]]:
         yield from _json_lines(path, text)
         return
     try:
-        data = json.loads(text)
+        data = json_value(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # JSON Lines under a .json name
             yield from _json_lines(path, text)

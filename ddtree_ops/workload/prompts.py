@@ -27,6 +27,7 @@ from typing import Any
 
 from ddtree_ops.errors import SweepError
 from ddtree_ops.shipped import PROJECT_PROMPTS
+from ddtree_ops.workload.jsontext import json_value
 from ddtree_ops.workload.prompt import Prompt
 
 _KEYS = {"prompt", "messages", "id", "category"}
@@ -80,7 +81,7 @@ def load_prompt_file(path: Path) -> tuple[Prompt, ...]:
     prompts: list[Prompt] = []
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json_value(text)
         except json.JSONDecodeError as exc:
             raise SweepError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
         if isinstance(data, dict) and set(data) == {"prompts"}:
@@ -93,7 +94,7 @@ def load_prompt_file(path: Path) -> tuple[Prompt, ...]:
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
+                item = json_value(line)
             except json.JSONDecodeError as exc:
                 raise SweepError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from None
             prompts.append(_parse_item(item, f"{path}:{lineno}"))

@@ -244,7 +244,8 @@ def test_the_sweep_names_data_sets_and_their_paths(tmp_path: Path) -> None:
         ({"dataset": "gsm9k"}, "workload.dataset: unknown data set 'gsm9k' (known: gsm8k, math500"),
         ({"dataset": "gsm8k", "path": "nowhere.jsonl"}, "workload.path: no such file or folder"),
         ({"path": "x.jsonl"}, "workload.path: names the file of a data set: give dataset: too"),
-        ({"datasets": [{"name": "mbpp", "pth": "x"}]}, "workload.datasets[0]: must be a data set name or {name, path}"),
+        ({"datasets": [{"name": "mbpp", "pth": "x"}]}, "workload.datasets[0].pth: unknown key (did you mean 'path'?"),
+        ({"datasets": [3]}, "workload.datasets[0]: must be a data set name or {name, path}"),
         ({"datasets": ["mbpp", "mbpp"]}, "names the same data set (and path) twice"),
     ],
 )
