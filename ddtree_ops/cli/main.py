@@ -14,11 +14,12 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import typer
 from rich.console import Console
@@ -227,9 +228,29 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _warnings_on_err_console() -> Iterator[None]:
+    """Python warnings reach the terminal through ``err_console``, as every other line does:
+    matplotlib's missing-glyph warning quotes a character of a GPU name from the ledger,
+    an ANSI escape included, and Python's own handler wrote it raw. One line each, each
+    text once (the same glyph is missing from every figure)."""
+    said: set[str] = set()
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        text = " ".join(str(message).split())
+        if text not in said:
+            said.add(text)
+            err_console.print(f"warning: {text}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def run() -> None:
     """Console-script entry point."""
-    with _sigterm_as_ctrl_c():
+    with _sigterm_as_ctrl_c(), _warnings_on_err_console():
         _run()
 
 
