@@ -33,6 +33,7 @@ from ddtree_ops.cli.terminal import err_console, escape_text
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, InventoryError, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
+from ddtree_ops.inventory.values import FromEnv
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport import RoundTripCounter, Transport, open_transport
 
@@ -118,7 +119,8 @@ def error_text(exc: BaseException) -> str:
 
 
 def to_jsonable(value: Any) -> Any:
-    """Dataclasses, mappings (incl. MappingProxyType), tuples and Paths -> JSON types."""
+    """Dataclasses, mappings (incl. MappingProxyType), tuples and Paths -> JSON types (for
+    output: an inventory value read by lookup('env') is shown by where it came from)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
@@ -127,6 +129,8 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, FromEnv):
+        return repr(value)  # read by an inventory's lookup('env'): a secret for all we know, never shown
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)

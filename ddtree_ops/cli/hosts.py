@@ -8,6 +8,7 @@ from rich.text import Text
 
 from ddtree_ops.cli.common import WIDE_HELP, TableColumn, fitted_table, load_inventory_for, print_table, set_json_data
 from ddtree_ops.cli.main import AppContext, app
+from ddtree_ops.inventory.values import shown
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
 
@@ -16,8 +17,10 @@ def _address(host: Host, aliases: SshConfig) -> str:
     if host.connection == "local":
         return "local"
     # Without ansible_host the name is the address (Ansible's rule): say how it resolves.
-    where = host.address or f"{host.name} ({'ssh_config' if aliases.has_alias(host.name) else 'DNS'})"
-    user = f"{host.user}@" if host.user else ""
+    # shown(): a value an inventory read by lookup('env') appears by where it came from.
+    how = "ssh_config" if aliases.has_alias(host.name) else "DNS"
+    where = shown(host.address) if host.address else f"{host.name} ({how})"
+    user = f"{shown(host.user)}@" if host.user else ""
     port = f":{host.port}" if host.port else ""
     return f"{user}{where}{port}"
 
@@ -46,8 +49,8 @@ def hosts_cmd(
     for h in hosts:
         s = h.ddtree.server
         rows.append([  # Text cells: names and paths are data, never markup
-            Text(h.name, style="bold"), ", ".join(h.groups), _address(h, aliases), h.ddtree.gpu or "-",
-            f"{s.bind_host}:{s.port}", s.model_path or "-",
+            Text(h.name, style="bold"), ", ".join(h.groups), _address(h, aliases), shown(h.ddtree.gpu or "-"),
+            f"{shown(s.bind_host)}:{s.port}", shown(s.model_path or "-"),
         ])
     # Which files this is: -i, else $DDTREE_OPS_INVENTORY, else ./inventories (README "Inventories").
     sources = ", ".join(str(s) for s in inventory.sources)

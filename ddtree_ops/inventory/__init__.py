@@ -19,9 +19,14 @@ Ours: the ``ddtree:`` key, strictly validated where it is written (``schema``) a
 key by key across every layer (Ansible replaces a dict whole; we document this one
 difference because a group sets ``server.port`` and a host only ``server.model_path``).
 
-Refused with one line naming file and key, never taken literally: a Jinja template
-(``{{ }}`` / ``{% %}``) or ``!vault`` value in a variable we use; vault-encrypted files;
-dynamic inventories (a YAML ``plugin:`` config, an executable ``#!`` script); TOML.
+Jinja templates in the variables we use are evaluated as Ansible evaluates them, over the
+host's variables, for the common cases (``templates``: other variables, inventory_hostname,
+group_names, Jinja's filters, ``lookup('env')``); ``tests/inventory/test_parity.py``
+compares a corpus case with what ``ansible`` evaluates.
+
+Refused with one line naming file and key, never taken literally: a template beyond
+those, and a ``!vault`` value in a variable we use; vault-encrypted files; dynamic
+inventories (a YAML ``plugin:`` config, an executable ``#!`` script); TOML.
 
 Stricter than Ansible, on purpose: a mapping key written twice in a YAML file or on an INI
 host line, and a host or group given two different values for one variable within one

@@ -8,12 +8,17 @@ key ``ansible_private_key_file``, ``ansible_ssh_private_key_file`` (plus the
 ``ansible_paramiko_*`` names under the paramiko connection). A port may be a quoted
 integer (Ansible's option type is integer). A host with neither address must be an
 ``~/.ssh/config`` alias: nothing else could reach it.
+
+Templates (``{{ ... }}``) in the values read here — ``ansible_connection``, the connection
+variables chosen, ``ddtree:`` — are evaluated on the host's resolved variables
+(``templates``), then checked like a value written as it is.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,8 +26,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ddtree_ops.errors import InventoryError, TargetError
-from ddtree_ops.inventory.schema import parse_gpus, refuse_unusable
+from ddtree_ops.inventory.schema import check_ddtree, parse_gpus, refuse_vault
 from ddtree_ops.inventory.sources import RawInventory, load_sources
+from ddtree_ops.inventory.templates import HostTemplates
 from ddtree_ops.inventory.values import Origin
 from ddtree_ops.inventory.vars import Resolved, VarFiles, depths, host_groups, resolve
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings, is_template
@@ -156,11 +162,27 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
     def where(var: str) -> str:
         return origins[var].at(var) if var in origins else f"{first.file}: host {name!r}: {var}"
 
+    def ddtree_where(keypath: str) -> str:
+        # The file of the last layer that wrote this key, or the nearest key above it.
+        candidate = keypath
+        while candidate:
+            origin = resolved.ddtree_origins.get(candidate)
+            if origin is not None:
+                return origin.at(keypath)
+            candidate = re.sub(r"(\.[^.\[]*|\[\d+\])\Z", "", candidate) if "." in candidate else ""
+        return f"{first.file}: host {name!r}: {keypath}"
+
+    templates = HostTemplates(name, values, groups)
+
+    def evaluated(var: str) -> Any:
+        refuse_vault(values[var], where(var))
+        return templates.render_var(var, where)
+
     connection_raw = values.get("ansible_connection")
     if connection_raw is None:
         connection_raw = "ssh"
     else:
-        refuse_unusable(connection_raw, where("ansible_connection"))
+        connection_raw = evaluated("ansible_connection")
     if connection_raw in LOCAL_CONNECTIONS:
         connection = "local"
     elif connection_raw in SSH_CONNECTIONS or connection_raw in PARAMIKO_CONNECTIONS:
@@ -175,8 +197,7 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
         if var is None:
             picked[option] = None
             continue
-        value = values[var]
-        refuse_unusable(value, where(var))
+        value = evaluated(var)
         if option == "port":
             value = _port(value, where(var))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -184,14 +205,13 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
         elif not isinstance(value, str) or not value:
             raise InventoryError(f"{where(var)}: expected a string, got {value!r}")
         picked[option] = value
-    ddtree_raw = values.get("ddtree") or {}
+    ddtree_raw: dict[str, Any] = {}
+    if values.get("ddtree") is not None:
+        ddtree_raw = templates.render_var("ddtree", ddtree_where)
+        check_ddtree(ddtree_raw, ddtree_where)
     # Relative paths in ddtree: are anchored at the file that first defines the host.
     base_dir = Path(first.file).resolve().parent
     settings = build_settings(ddtree_raw, base_dir, local=connection == "local")
-
-    def ddtree_where(keypath: str) -> str:
-        origin = resolved.ddtree_origins.get(keypath)
-        return origin.at(keypath) if origin is not None else f"{first.file}: host {name!r}: {keypath}"
 
     if settings.server.slots:
         check_slots(settings.server, ddtree_where)
@@ -243,13 +263,15 @@ def build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> Dd
     defaults = DdtreeSettings()
     server_raw: Mapping[str, Any] = raw.get("server") or {}
     sdef = ServerSettings()
+    # str() of a FromEnv would drop what keeps it out of listings; numbers become text.
+    env = {k: v if isinstance(v, str) else str(v) for k, v in (server_raw.get("env") or {}).items()}
     server = ServerSettings(
         model_path=server_raw.get("model_path", sdef.model_path),
         draft_model_path=server_raw.get("draft_model_path", sdef.draft_model_path),
         port=server_raw.get("port", sdef.port),
         bind_host=server_raw.get("bind_host", sdef.bind_host),
         extra_args=tuple(server_raw.get("extra_args", sdef.extra_args)),
-        env=MappingProxyType({k: str(v) for k, v in (server_raw.get("env") or {}).items()}),
+        env=MappingProxyType(env),
         expected_load_s=float(server_raw.get("expected_load_s", sdef.expected_load_s)),
         command=server_raw.get("command", sdef.command),
         manager=server_raw.get("manager", sdef.manager),

@@ -5,21 +5,26 @@ host_vars file): a typo there would otherwise silently launch a server with defa
 settings. Every error names the file and the key path (and, for an unknown key, the
 closest valid one).
 
-A value we use that Ansible would template (``{{ ... }}`` / ``{% ... %}``) or decrypt
-(``!vault``) is refused: taking it literally would connect to a host named
-``{{ ip }}`` or launch with ciphertext as a path. ``!unsafe`` strings are literal in
-Ansible too, so they are used as written.
+A value Ansible would template (``{{ ... }}``) is checked once it is evaluated, on the
+host's merged ``ddtree:`` (``build``), where the error names the file that wrote the key.
+A value Ansible would decrypt (``!vault``) is refused: taken literally it would launch
+with ciphertext as a path. ``!unsafe`` strings are literal in Ansible too, so they are
+used as written.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddtree_ops.errors import InventoryError
-from ddtree_ops.inventory.values import Origin, Unsafe, Vaulted, did_you_mean
+from ddtree_ops.inventory.templates import has_template
+from ddtree_ops.inventory.values import Origin, Vaulted, did_you_mean, printable
+
+# A key path (``ddtree.server.port``) -> ``FILE: path`` or ``FILE:LINE: path``, for errors.
+At = Callable[[str], str]
 
 MANAGERS = ("process", "systemd")
 # A service unit's name (an instance of a template included); "/" and whitespace never.
@@ -47,54 +52,60 @@ DDTREE_SCHEMA: dict[str, Any] = {
 }
 
 
-def refuse_unusable(value: Any, where: str) -> None:
-    """Raise if ``value`` (or anything inside it) is a vault value or a Jinja template."""
+def refuse_vault(value: Any, where: str) -> None:
+    """Raise if ``value`` (or anything inside it) is a vault value."""
     if isinstance(value, Vaulted):
         raise InventoryError(
             f"{where}: a vault-encrypted value (!vault) cannot be used: ddtree-ops does not decrypt vault; "
             f"write the plain value"
         )
-    if isinstance(value, str) and not isinstance(value, Unsafe) and ("{{" in value or "{%" in value):
-        raise InventoryError(
-            f"{where}: {value!r} is a Jinja template, which ddtree-ops does not evaluate; write the resolved value"
-        )
     if isinstance(value, list):
         for item in value:
-            refuse_unusable(item, where)
+            refuse_vault(item, where)
     elif isinstance(value, dict):
         for key, item in value.items():
-            refuse_unusable(item, f"{where}.{key}")
+            refuse_vault(item, f"{where}.{key}")
 
 
 def check_vars(vars_: Mapping[str, Any], origin: Origin) -> None:
-    """Validate a ``ddtree:`` mapping where it is written, so errors point at that place."""
+    """Validate a ``ddtree:`` mapping where it is written, so errors point at that place.
+    A key whose value holds a template is checked once evaluated (:func:`check_ddtree`)."""
     value = vars_.get("ddtree")
     if value is None:
         return
-    _check_mapping(value, DDTREE_SCHEMA, origin, "ddtree")
+    _check_mapping(value, DDTREE_SCHEMA, origin.at, "ddtree", evaluated=False)
 
 
-def _check_mapping(value: Any, schema: Mapping[str, Any], origin: Origin, keypath: str) -> None:
-    refuse_unusable(value, origin.at(keypath))
+def check_ddtree(value: Any, at: At) -> None:
+    """Validate a host's merged ``ddtree:`` after its templates were evaluated."""
+    _check_mapping(value, DDTREE_SCHEMA, at, "ddtree", evaluated=True)
+
+
+def _check_mapping(value: Any, schema: Mapping[str, Any], at: At, keypath: str, *, evaluated: bool) -> None:
+    refuse_vault(value, at(keypath))
+    if not evaluated and has_template(value) and not isinstance(value, dict):
+        return
     if not isinstance(value, dict):
-        raise InventoryError(f"{origin.at(keypath)}: expected a mapping, got {value!r}")
+        raise InventoryError(f"{at(keypath)}: expected a mapping, got {value!r}")
     for key, item in value.items():
         where = f"{keypath}.{key}"
         if key not in schema:
-            raise InventoryError(f"{origin.at(where)}: unknown key{did_you_mean(str(key), list(schema))}")
+            raise InventoryError(f"{at(where)}: unknown key{did_you_mean(str(key), list(schema))}")
         kind = schema[key]
         if isinstance(kind, dict):
-            _check_mapping(item, kind, origin, where)
+            _check_mapping(item, kind, at, where, evaluated=evaluated)
+        elif not evaluated and has_template(item):
+            continue
         elif kind == "slots":
-            _check_slots(item, origin, where)
+            _check_slots(item, at, where)
         elif kind == "env":
-            _check_env(item, origin, where)
+            _check_env(item, at, where)
         elif kind == "extra_args":
-            _check_extra_args(item, origin, where)
+            _check_extra_args(item, at, where)
         else:
             problem = type_problem(kind, item)
             if problem:
-                raise InventoryError(f"{origin.at(where)}: {problem}, got {item!r}")
+                raise InventoryError(f"{at(where)}: {problem}, got {item!r}")
 
 
 # What a shell (and systemd's EnvironmentFile) takes as a variable name: `A B`, `1X` or
@@ -102,26 +113,26 @@ def _check_mapping(value: Any, schema: Mapping[str, Any], origin: Origin, keypat
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def _check_env(value: Any, origin: Origin, keypath: str) -> None:
+def _check_env(value: Any, at: At, keypath: str) -> None:
     if not isinstance(value, dict):
-        raise InventoryError(f"{origin.at(keypath)}: expected a mapping of NAME: value, got {value!r}")
+        raise InventoryError(f"{at(keypath)}: expected a mapping of NAME: value, got {value!r}")
     for name, item in value.items():
         if not isinstance(name, str) or not ENV_NAME.match(name):
-            raise InventoryError(f"{origin.at(keypath)}: {name!r} is not an environment variable name (letters, "
+            raise InventoryError(f"{at(keypath)}: {name!r} is not an environment variable name (letters, "
                                  f"digits and _, not starting with a digit)")
         if not isinstance(item, (str, int, float)) or isinstance(item, bool):
-            raise InventoryError(f"{origin.at(f'{keypath}.{name}')}: expected a string or a number, got {item!r}")
+            raise InventoryError(f"{at(f'{keypath}.{name}')}: expected a string or a number, got {item!r}")
 
 
-def _check_extra_args(value: Any, origin: Origin, keypath: str) -> None:
+def _check_extra_args(value: Any, at: At, keypath: str) -> None:
     # Strings only: YAML reads `[--tp-size, 8]` as a number, which would reach the server as
     # the text Python prints for it (`1e3` as 1000.0); a quoted "8" is what is meant.
     if not isinstance(value, list) or not all(isinstance(arg, str) for arg in value):
-        raise InventoryError(f"{origin.at(keypath)}: expected a list of strings (quote numbers: \"8\"), got {value!r}")
+        raise InventoryError(f"{at(keypath)}: expected a list of strings (quote numbers: \"8\"), got {value!r}")
     for arg in value:
         problem = owned_flag_problem(arg)
         if problem:
-            raise InventoryError(f"{origin.at(keypath)}: {arg}: {problem}")
+            raise InventoryError(f"{at(keypath)}: {printable(arg)}: {problem}")
 
 
 # The flags ddtree-ops launches every server with (service/launch.py), each with what sets
@@ -170,7 +181,7 @@ SLOT_ITEM_KEYS = ("gpus", "port")
 _SLOTS_SHAPE = "expected {count: N, gpus_per_slot: G} or a list of {gpus: \"0,1\", port: N}"
 
 
-def _check_slots(value: Any, origin: Origin, keypath: str) -> None:
+def _check_slots(value: Any, at: At, keypath: str) -> None:
     """The shape of ``server.slots`` where it is written. Whether the slots fit together
     (overlapping GPUs, ports, a --tp-size) is checked on the merged value, in ``build``:
     a group may set ``count`` and a host ``gpus_per_slot``."""
@@ -178,26 +189,26 @@ def _check_slots(value: Any, origin: Origin, keypath: str) -> None:
         for key, item in value.items():
             where = f"{keypath}.{key}"
             if key not in SLOT_COUNT_KEYS:
-                raise InventoryError(f"{origin.at(where)}: unknown key{did_you_mean(str(key), SLOT_COUNT_KEYS)}")
+                raise InventoryError(f"{at(where)}: unknown key{did_you_mean(str(key), SLOT_COUNT_KEYS)}")
             if isinstance(item, bool) or not isinstance(item, int) or item < 1:
-                raise InventoryError(f"{origin.at(where)}: expected a positive integer, got {item!r}")
+                raise InventoryError(f"{at(where)}: expected a positive integer, got {item!r}")
         return
     if not isinstance(value, list) or not value:
-        raise InventoryError(f"{origin.at(keypath)}: {_SLOTS_SHAPE}, got {value!r}")
+        raise InventoryError(f"{at(keypath)}: {_SLOTS_SHAPE}, got {value!r}")
     for index, item in enumerate(value):
         where = f"{keypath}[{index}]"
         if not isinstance(item, dict):
-            raise InventoryError(f"{origin.at(where)}: expected a mapping {{gpus: \"0,1\", port: N}}, got {item!r}")
+            raise InventoryError(f"{at(where)}: expected a mapping {{gpus: \"0,1\", port: N}}, got {item!r}")
         for key, field_value in item.items():
             if key not in SLOT_ITEM_KEYS:
                 raise InventoryError(
-                    f"{origin.at(f'{where}.{key}')}: unknown key{did_you_mean(str(key), SLOT_ITEM_KEYS)}"
+                    f"{at(f'{where}.{key}')}: unknown key{did_you_mean(str(key), SLOT_ITEM_KEYS)}"
                 )
             problem = type_problem("port", field_value) if key == "port" else parse_gpus(field_value)[1]
             if problem:
-                raise InventoryError(f"{origin.at(f'{where}.{key}')}: {problem}, got {field_value!r}")
+                raise InventoryError(f"{at(f'{where}.{key}')}: {problem}, got {field_value!r}")
         if "gpus" not in item:
-            raise InventoryError(f"{origin.at(f'{where}.gpus')}: missing; every slot names its GPUs (e.g. \"0,1\")")
+            raise InventoryError(f"{at(f'{where}.gpus')}: missing; every slot names its GPUs (e.g. \"0,1\")")
 
 
 def parse_gpus(value: Any) -> tuple[tuple[int, ...], str | None]:

@@ -18,6 +18,34 @@ class Unsafe(str):
     """A ``!unsafe`` string: Ansible never templates it, so ``{{`` in it is literal text."""
 
 
+class FromEnv(str):
+    """A string (partly) read from the environment by a template's ``lookup('env', NAME)``:
+    a secret for all we know (a token, a password). It is used as it is, but its ``repr``,
+    which every error message and the CLI's listings show, names the variables instead.
+    """
+
+    names: tuple[str, ...]
+
+    def __new__(cls, value: str, names: tuple[str, ...] = ()) -> FromEnv:
+        out = super().__new__(cls, value)
+        out.names = names
+        return out
+
+    def __repr__(self) -> str:
+        return f"<value of lookup('env', {', '.join(repr(n) for n in self.names)})>"
+
+
+def printable(text: str) -> str:
+    """``text`` as it is when it prints as itself, else quoted with its escapes (a newline
+    in an argument must not split a one-line error)."""
+    return text if text.isprintable() else repr(text)
+
+
+def shown(value: object) -> str:
+    """``value`` as text for a listing: a :class:`FromEnv` value by where it came from."""
+    return repr(value) if isinstance(value, FromEnv) else str(value)
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where a value was written: a file and, for YAML, the key path or, for INI, the line."""

@@ -24,6 +24,7 @@ from typing import Literal
 
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.inventory.schema import owned_flag_problem
+from ddtree_ops.inventory.values import printable
 from ddtree_ops.inventory_types import Host
 
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
@@ -94,7 +95,7 @@ class RunConfig:
         for arg in self.extra_args:  # checked here, before any host is touched
             problem = owned_flag_problem(arg)
             if problem:
-                raise ConfigError(f"--extra-arg {arg}: {problem}")
+                raise ConfigError(f"--extra-arg {printable(arg)}: {problem}")
         if self.adaptive_config is not None:
             if self.algorithm != "DDTREE":
                 raise ConfigError("adaptive_config (runtime states) only applies to DDTREE")

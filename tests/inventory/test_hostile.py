@@ -84,6 +84,8 @@ CASES = [
     Case("--extra-arg speculative flag", yaml_host("{}"),
          (*RESTART, "--extra-arg", "--speculative-algorithm", "--extra-arg", "EAGLE"), 2,
          "--extra-arg --speculative-algorithm: ddtree-ops sets --speculative-algorithm"),
+    Case("--extra-arg with a newline", yaml_host("{}"), (*RESTART, "--extra-arg=--port=1\nerror: all fine"), 2,
+         "--extra-arg '--port=1\\nerror: all fine': ddtree-ops sets --port itself"),
     Case("inventory extra_args --host", yaml_host("{ddtree: {server: {extra_args: [--host, 0.0.0.0]}}}"), RESTART,
          2, "{tmp}/inv.yml: all.hosts.h.ddtree.server.extra_args: --host: ddtree-ops sets --host"),
     Case("inventory extra_args top-k in group_vars",
