@@ -26,6 +26,7 @@ from typing import Any
 
 from ddtree_ops.errors import BundleError, CommandFailed, PatchError
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.limits import MAX_DDTREE_BUDGET
 from ddtree_ops.shipped import DEFAULT_BUNDLE
 from ddtree_ops.transport.base import Transport
 from ddtree_ops.transport.hostprogram import last_message, run_program
@@ -43,7 +44,7 @@ E2E_GRAPHS = ("on", "off")
 # Around the B300's known edge (capture crashes above budget 8): 8 passes there.
 BISECT_BUDGETS = (8, 9, 10, 12, 16)
 E2E_TOPK = 4
-MAX_BUDGET = 256  # --speculative-num-draft-tokens 2..257
+MAX_BUDGET = MAX_DDTREE_BUDGET  # --speculative-num-draft-tokens 2..257
 
 
 @dataclass(frozen=True)

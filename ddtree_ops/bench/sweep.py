@@ -43,7 +43,8 @@ import yaml
 
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, SweepError
 from ddtree_ops.fsutil import read_regular_text
-from ddtree_ops.service.launch import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK, parse_algorithm
+from ddtree_ops.limits import MAX_CONCURRENCY, MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
+from ddtree_ops.service.launch import parse_algorithm
 from ddtree_ops.workload.datasets import DATASETS
 from ddtree_ops.workload.draw import DatasetRef, Workload, build_workload
 from ddtree_ops.workload.prompts import find_prompt_set
@@ -85,7 +86,12 @@ _DATASET_KEYS = ("name", "path")  # of one entry of workload.datasets
 # the plugin serves) and, for the load, what one client can keep open without running out
 # of file descriptors or a server out of context. Anything larger is a typo, refused
 # before a server is touched rather than discovered after a launch.
-AXIS_MAX: Mapping[str, int] = {"budget": MAX_DDTREE_BUDGET, "topk": MAX_DDTREE_TOPK, "concurrency": 4096}
+AXIS_MAX: Mapping[str, int] = {"budget": MAX_DDTREE_BUDGET, "topk": MAX_DDTREE_TOPK, "concurrency": MAX_CONCURRENCY}
+#: The most cells a sweep may have (grid product, includes and baselines, counted from the
+#: axes before any is expanded): each runs for seconds at least, so 100,000 is days of
+#: GPU time per host, and planning a larger grid alone takes minutes (10^6 cells: two)
+#: before a typo such as a 10^9-cell grid could be noticed. bench_configs/README.md says it.
+MAX_CELLS = 100_000
 MAX_NEW_TOKENS = 1 << 20  # the longest context any served model has
 MAX_PROMPTS = 1_000_000
 MAX_REPEATS = 1000
@@ -225,6 +231,23 @@ def _parse_grid(path: Path, raw: Any) -> dict[str, tuple[Any, ...]]:
     for axis, default in GRID_DEFAULTS.items():
         grid.setdefault(axis, default)
     return grid
+
+
+def _check_cell_count(
+    path: Path, grid: Mapping[str, tuple[Any, ...]], include: Sequence[Mapping[str, Any]], baselines: Sequence[str]
+) -> None:
+    """Refuse a sweep of more than :data:`MAX_CELLS` cells, counted from the axes (an upper
+    bound: ``exclude`` rules are not applied, that would mean expanding the grid) in
+    microseconds, before anything is expanded or planned."""
+    cells = math.prod(len(values) for values in grid.values())
+    # A baseline runs the sampling grid once per launch: DFlash once per DDTree budget at most.
+    sampling = math.prod(len(grid[axis]) for axis in ("temperature", "top_p", "top_k", "concurrency"))
+    widths = len(grid["budget"]) if "ddtree" in grid["algorithm"] else 1
+    total = cells + len(include) + sum(sampling * (widths if b == "dflash" else 1) for b in set(baselines))
+    if total > MAX_CELLS:
+        sizes = " x ".join(f"{len(grid[axis])} {axis}" for axis in GRID_DEFAULTS if len(grid[axis]) > 1)
+        raise _fail(path, "grid", f"{total:,} cells ({sizes}), more than the {MAX_CELLS:,} a sweep may have "
+                                  "(counted before exclude, with includes and baselines); split it into several sweeps")
 
 
 def _parse_rules(path: Path, key: str, raw: Any, *, single: bool) -> tuple[dict[str, Any], ...]:
@@ -400,14 +423,18 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
     if relaunch not in RELAUNCH_MODES:
         raise _fail(path, "relaunch", f"must be one of {', '.join(RELAUNCH_MODES)} (never: switch the DDTree tree "
                                       f"live on one launch; always: one launch per budget and top-k), got {relaunch!r}")
+    grid = _parse_grid(path, data.get("grid"))
+    exclude = _parse_rules(path, "exclude", data.get("exclude"), single=False)
+    include = _parse_rules(path, "include", data.get("include"), single=True)
+    _check_cell_count(path, grid, include, baselines_raw)
     return SweepSpec(
         name=name,
         source=path,
         targets=tuple(targets_raw),
         baselines=tuple(dict.fromkeys(baselines_raw)),
-        grid=_parse_grid(path, data.get("grid")),
-        exclude=_parse_rules(path, "exclude", data.get("exclude"), single=False),
-        include=_parse_rules(path, "include", data.get("include"), single=True),
+        grid=grid,
+        exclude=exclude,
+        include=include,
         workload=_parse_workload(path, data.get("workload")),
         repeats=_int(path, "repeats", data.get("repeats", 1), minimum=1, maximum=MAX_REPEATS),
         warmup=_int(path, "warmup", data.get("warmup", 1), minimum=0, maximum=MAX_REPEATS),

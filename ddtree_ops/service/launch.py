@@ -26,6 +26,7 @@ from ddtree_ops.errors import ConfigError
 from ddtree_ops.inventory.schema import owned_flag_problem
 from ddtree_ops.inventory.values import printable
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.limits import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
 
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
 CudaGraphMode = Literal["auto", "on", "off"]
@@ -43,11 +44,6 @@ def parse_algorithm(text: str) -> Algorithm:
         raise ConfigError(f"unknown algorithm {text!r} (expected AR, DFLASH or DDTREE; autoregressive, dflash and "
                           f"ddtree mean the same)")
     return name  # type: ignore[return-value]  # one of Algorithm's literals
-# The DDTree plugin accepts --speculative-num-draft-tokens 2..257, i.e. budgets 1..256.
-MAX_DDTREE_BUDGET = 256
-# A tree of at most 256 nodes never uses more than 256 candidates at one position: a larger
-# top-k changes nothing but the cost of the candidate head.
-MAX_DDTREE_TOPK = MAX_DDTREE_BUDGET
 
 # (first version it applies to, eager flags). Newest first; the first row whose version
 # is <= the remote version wins. Only 0.5.23 is verified against source; the boundary
