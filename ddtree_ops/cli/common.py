@@ -72,6 +72,13 @@ def check_output_path(option: str, path: Path | None, *, directory: bool = False
         raise ConfigError(f"{option} {path}: exists and is not a directory")
     if not directory and path.is_dir():
         raise ConfigError(f"{option} {path}: is a directory, expected a file name")
+    if not directory:
+        from ddtree_ops.fsutil import check_regular
+
+        try:  # a FIFO would block the command, after all its work, until something reads it
+            check_regular(path)
+        except OSError:
+            raise ConfigError(f"{option} {path}: is not a regular file; give a file name") from None
 
 
 def load_inventory_for(ctx_obj: Any) -> Inventory:

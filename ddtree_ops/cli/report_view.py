@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ddtree_ops import report as rep
 from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, tok_s_column, with_spread
 from ddtree_ops.cli.main import AppContext
 from ddtree_ops.errors import BenchError, ConfigError
+from ddtree_ops.fsutil import open_regular
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -53,8 +55,10 @@ def _cell(row: Any) -> str:
 
 
 def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    try:  # the parent was checked before any work (check_output_path)
-        frame.to_csv(path, index=False)
+    try:  # the parent (and that the path is a file, if any) was checked before any work: check_output_path
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            frame.to_csv(fh, index=False)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write the CSV: {exc.strerror or exc}") from exc
 

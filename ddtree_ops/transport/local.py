@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
-from ddtree_ops.fsutil import write_atomic_local
+from ddtree_ops.fsutil import open_regular, write_atomic_local
 from ddtree_ops.transport.base import (
     Command,
     CommandResult,
@@ -144,7 +144,10 @@ class LocalTransport:
     def read_bytes(self, path: str) -> bytes:
         self._count("read", path)
         with self._file_op(f"cannot read {path}"):
-            return Path(expand_path(path)).read_bytes()
+            # Only a regular file: a FIFO where a file is expected (a placed policy, a
+            # launch record) would block the command forever.
+            with os.fdopen(open_regular(expand_path(path)), "rb") as fh:
+                return fh.read()
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
