@@ -31,9 +31,12 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from ddtree_ops.errors import BenchError, ConfigError
+from ddtree_ops.fsutil import NOT_REGULAR, open_regular
+from ddtree_ops.limits import MAX_CONCURRENCY, MAX_DDTREE_TOPK, MAX_DFLASH_DRAFT_TOKENS, is_int_in, tree_problem
 
 SCHEMA_VERSION = 1
 
@@ -215,6 +218,42 @@ KEY_FIELDS: tuple[str, ...] = (
 )
 
 
+#: Integers a float64 holds exactly: a count beyond it is not one anybody measured.
+_EXACT = 2**53
+#: The integer fields readers compute with (null aside, which each reader handles), and
+#: the values each may take: a cell's axes what a sweep can ask for (:mod:`ddtree_ops.limits`;
+#: a DFLASH ``budget`` is its chain, up to the drafter's block), the counts what a float64
+#: column holds exactly. Outside them a value is garbage that would fail downstream: a
+#: ``concurrency`` of 1e30 the report's integer cast, a budget of -4 the policy ``tune``
+#: writes from it.
+INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType({
+    "budget": (1, MAX_DFLASH_DRAFT_TOKENS),
+    "topk": (1, MAX_DDTREE_TOPK),
+    "concurrency": (1, MAX_CONCURRENCY),
+    "top_k": (-1, _EXACT),
+    "repeat": (0, _EXACT),
+    "failed": (0, _EXACT),
+    "gpu_count": (0, _EXACT),
+})
+
+
+def field_problem(row: Mapping[str, Any]) -> str | None:
+    """Why ``row``'s numbers cannot be a measurement, or None: an integer field outside
+    :data:`INT_BOUNDS` (or not an integer at all), or a DDTREE row without a tree the
+    server serves. Every reader of rows checks this once, where it reads them (the
+    report's loader; ``encode_row`` for the writer), so no consumer meets such a value."""
+    bad = [
+        f"{name}={value!r} (expected an integer in {low}..{high})"
+        for name, (low, high) in INT_BOUNDS.items()
+        if (value := row.get(name)) is not None and not is_int_in(value, low, high)
+    ]
+    if bad:
+        return f"out of range: {', '.join(bad)}"
+    if row.get("algorithm") == "DDTREE" and (problem := tree_problem(row.get("budget"), row.get("topk"))):
+        return f"not a DDTREE tree: {problem}"
+    return None
+
+
 @dataclass(frozen=True)
 class LedgerRead:
     """What :func:`read_ledger` found: valid rows and (1-based line number, reason) pairs."""
@@ -252,7 +291,7 @@ def validate_row(row: Mapping[str, Any]) -> str | None:
         or not all(isinstance(c, dict) and isinstance(c.get("group"), str) for c in categories)
     ):
         return "categories must be a list of {group, ...} records"
-    return None
+    return field_problem(row)
 
 
 # One lock per ledger file: hosts run in threads and share one ledger.
@@ -335,9 +374,11 @@ def check_writable(path: Path | str) -> None:
         raise ConfigError(f"{path}: cannot write the ledger there: it is a directory")
     if path.exists():
         try:
-            with open(path, "ab"):
-                pass
+            # Opened for append without writing; a FIFO is refused rather than waited on.
+            os.close(open_regular(path, os.O_WRONLY | os.O_APPEND))
         except OSError as exc:
+            if exc.strerror == NOT_REGULAR:
+                raise ConfigError(f"{path}: is not a regular file: a ledger is one (give another --out)") from None
             raise ConfigError(f"{path}: cannot append to the ledger: {exc.strerror or exc}") from None
         return
     ancestor = path.parent

@@ -14,6 +14,12 @@ infinity in a column the report reads: one such value would turn a cell's median
 score into NaN) is a bad line with its file and line number; and a row read twice —
 the same ``run_id``, cell identity and repeat (:data:`DUPLICATE_KEYS`), e.g. a ledger
 copied next to itself — is counted once, and the copies are reported per ledger.
+
+Every row is checked here once (:func:`row_problem`), whichever path read it and for
+every consumer (the tidy table, ``tune``'s policies, the per-category and lossless
+tables that re-read raw lines): a number of the wrong type, an integer outside what a
+sweep can ask for (``concurrency: 1e30``, ``budget: -4``), a DDTREE row without a tree,
+are bad lines with their file and line number, never a traceback further down.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ddtree_ops.bench.ledger import KEY_FIELDS, SCHEMA_VERSION, parse_lines
+from ddtree_ops.bench.ledger import INT_BOUNDS, KEY_FIELDS, SCHEMA_VERSION, field_problem, parse_lines
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.fsutil import NOT_REGULAR, open_regular
+from ddtree_ops.limits import MAX_DDTREE_BUDGET
 
 _STR_COLS = (
     "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
@@ -95,7 +103,7 @@ def ok_rows_with(files: Sequence[Path], marker: bytes) -> Iterator[dict[str, Any
     parsed: for the list-valued fields the columnar loader does not read. A byte search
     skips every other line unparsed; bad lines are :func:`load_ledgers`' to report."""
     for path in files:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             # One C-speed search first: a ledger without the field (written before it, or
             # a million rows of the scale benchmark) costs a scan, not a loop over lines.
             try:
@@ -111,7 +119,8 @@ def ok_rows_with(files: Sequence[Path], marker: bytes) -> Iterator[dict[str, Any
                     row = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(row, dict) and row.get("status") == "ok":
+                # The loader's verdict too: a row it reports as bad is no row here either.
+                if isinstance(row, dict) and row.get("status") == "ok" and row_problem(row) is None:
                     yield row
 
 
@@ -128,6 +137,8 @@ def find_ledgers(paths: Sequence[Path | str], *, default_dir: Path = Path("resul
             found.extend(sorted(path.rglob("*.jsonl")))
         elif path.is_file():
             found.append(path)
+        elif path.exists():
+            raise ConfigError(f"{path}: is not a regular file: a ledger is one")
         elif paths:
             raise ConfigError(f"{path}: no such ledger file or folder")
     return list(dict.fromkeys(found))
@@ -180,6 +191,20 @@ def _fast_block(block: Any, arrow: Any) -> Any | None:
     # NaN/inf metrics are refused line by line (with their line numbers) by the careful path.
     if any(pc.any(pc.invert(pc.is_finite(table.column(name)))).as_py() for name in MEDIAN_COLS):
         return None
+    # So are integers out of bounds or fractional, and DDTREE rows without a tree
+    # (ledger.field_problem, the careful path's check, column by column).
+    for name, (low, high) in INT_BOUNDS.items():
+        column = table.column(name)
+        if column.null_count == len(column):
+            continue
+        lo_hi = pc.min_max(column).as_py()
+        if lo_hi["min"] < low or lo_hi["max"] > high or pc.any(pc.not_equal(pc.floor(column), column)).as_py():
+            return None
+    ddtree = pc.equal(table.column("algorithm"), "DDTREE")
+    for name, high in (("budget", MAX_DDTREE_BUDGET), ("topk", INT_BOUNDS["topk"][1])):
+        column = table.column(name)
+        if pc.any(pc.and_kleene(ddtree, pc.or_kleene(pc.is_null(column), pc.greater(column, high)))).as_py():
+            return None
     return table
 
 
@@ -206,6 +231,16 @@ def _not_a_number(row: dict[str, Any]) -> str | None:
     return f"not a number: {', '.join(bad)}" if bad else None
 
 
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why a parsed current-schema ``row`` is a bad line for the report, or None: a field
+    it needs missing, a number that is not one, a NaN/inf metric, an integer out of
+    bounds or a DDTREE row without a tree (:func:`ddtree_ops.bench.ledger.field_problem`)."""
+    missing = [column for column in _NEEDED if row.get(column) is None]
+    if missing:
+        return f"missing field(s): {', '.join(missing)}"
+    return _not_a_number(row) or _non_finite(row) or field_problem(row)
+
+
 def _careful_block(
     lines: list[bytes], *, name: str, first_lineno: int, at_eof: bool, bad: list[tuple[str, int, str]]
 ) -> pd.DataFrame:
@@ -218,10 +253,7 @@ def _careful_block(
         bad_numbers = {n for n, _ in read.bad_lines}
         numbers = [n for n in numbers if n not in bad_numbers]
         for lineno, row in zip(numbers, read.rows, strict=True):
-            missing = [column for column in _NEEDED if row.get(column) is None]
-            if missing:
-                bad.append((name, lineno, f"missing field(s): {', '.join(missing)}"))
-            elif reason := _not_a_number(row) or _non_finite(row):
+            if reason := row_problem(row):
                 bad.append((name, lineno, reason))
             else:
                 kept.append({column: row.get(column) for column in LOAD_COLUMNS})
@@ -278,7 +310,7 @@ class _LedgerFile:
 
     def read(self) -> None:
         try:
-            with open(self.path, "rb") as fh:
+            with os.fdopen(open_regular(self.path), "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 if not size:
                     return
@@ -291,6 +323,8 @@ class _LedgerFile:
                     with contextlib.suppress(BufferError):
                         mm.close()
         except OSError as exc:
+            if exc.strerror == NOT_REGULAR:  # a FIFO named *.jsonl in a ledger folder
+                raise ConfigError(f"{self.path}: is not a regular file: a ledger is one") from None
             raise ConfigError(f"{self.path}: cannot read the ledger: {exc.strerror or exc}") from exc
 
     def _read_mapped(self, mm: mmap.mmap, size: int) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 import pandas as pd
 
 from ddtree_ops.errors import BenchError, ConfigError
+from ddtree_ops.limits import policy_problem
 from ddtree_ops.report.aggregation import aggregate, machine_column
 from ddtree_ops.report.best import TIE_TOLERANCE, best_configs, describe_cell
 from ddtree_ops.report.build import planned_repeats
@@ -87,6 +88,12 @@ class Policy:
     entries: tuple[PolicyEntry, ...]  # by concurrency, ascending; never empty
     hosts: tuple[str, ...]  # ledger hosts of this machine type
     notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Never a file the server would refuse (limits.policy_problem: its own checks and
+        # bounds): written or deployed, it would fail the launch after the old server stopped.
+        if problem := ("no batch sizes" if not self.entries else policy_problem(self.config())):
+            raise ConfigError(f"policy for machine type {self.machine}: {problem}; not written")
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -180,10 +187,17 @@ def tune_ledgers(
         raise ConfigError(f"{where}: no valid ledger rows in {len(loaded.files)} file(s)")
     threshold = planned_repeats(loaded.frame) if min_repeats is None else min_repeats
     grouped = aggregate(loaded.frame, by="gpu")
-    policies = choose_policies(
-        grouped, temperature=temperature, source=where, machines=machines, min_repeats=threshold,
-        tie_tolerance=tie_tolerance,
-    )
+    try:
+        policies = choose_policies(
+            grouped, temperature=temperature, source=where, machines=machines, min_repeats=threshold,
+            tie_tolerance=tie_tolerance,
+        )
+    except (ConfigError, BenchError) as exc:
+        # "No DDTREE rows" where every DDTREE row was a bad line must say so: the rows
+        # are there, refused (a budget of -4, a null top-k), not missing.
+        if loaded.bad_lines:
+            exc.message = f"{exc.message} ({len(loaded.bad_lines)} bad line(s) skipped: `report` lists them)"
+        raise
     return Tuning(
         policies=policies,
         files=loaded.files,
