@@ -11,23 +11,41 @@ Writes are atomic (temp file + fsync + ``os.replace``) and serialized by a proce
 lock plus an advisory ``flock`` on a side file, so parallel restarts of several hosts
 (threads) and two CLI invocations at once never lose an update: every update is a
 read-modify-write under the lock.
+
+Every read validates the whole file (:func:`_check_records`): a record whose values are
+garbage (a budget ``"abc"``, ``recorded_at: "x"``, a policy whose ``config`` is not a
+policy, a load time of 1e308 s) is refused with one line naming the file and the record,
+and how to fix it, before anything acts on it (ConfigError, exit 2). Commands that read
+the file inside a fan-out call :meth:`StateStore.check` first, so that the refusal comes
+before any host is touched. A record whose *fields* are not this version's (another
+toolkit version wrote it) is skipped, as it always was.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ddtree_ops.errors import ConfigError
-from ddtree_ops.fsutil import write_atomic_local
+from ddtree_ops.fsutil import NOT_REGULAR, read_regular_text, write_atomic_local
+from ddtree_ops.limits import (
+    MAX_DDTREE_TOPK,
+    MAX_DFLASH_DRAFT_TOKENS,
+    MAX_LOAD_S,
+    is_int_in,
+    is_seconds,
+    policy_problem,
+    tree_problem,
+)
 
 STATE_ENV = "DDTREE_OPS_STATE"
 SCHEMA_VERSION = 1
@@ -154,12 +172,25 @@ class StateStore:
 
     # -- reading -------------------------------------------------------------
 
+    def check(self) -> None:
+        """Read and validate the whole file now (ConfigError naming the bad record): for a
+        command that reads it later inside a fan-out, where a bad record would fail every
+        host one by one after the work began, instead of once before any host is touched."""
+        self._load()
+
     def _load(self) -> dict[str, Any]:
         try:
-            text = self.path.read_text()
+            text = read_regular_text(self.path)
         except FileNotFoundError:
             return _empty()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{self.path}: state file is not UTF-8 text (byte {exc.start}); delete it to start afresh"
+            ) from None
         except OSError as exc:
+            if exc.strerror == NOT_REGULAR:  # a FIFO would block every command that reads it
+                raise ConfigError(f"{self.path}: the state file is not a regular file; remove it (or point "
+                                  f"${STATE_ENV} at a file)") from None
             raise ConfigError(f"{self.path}: cannot read state file: {exc.strerror or exc}") from exc
         if not text.strip():
             return _empty()
@@ -177,19 +208,18 @@ class StateStore:
         for key in ("load_times", "fallbacks", "policies"):
             if not isinstance(data[key], dict):
                 raise ConfigError(f"{self.path}: key '{key}' must be an object")
+        _check_records(self.path, data)
         return data
 
     def learned_load_s(self, host: str, model: str) -> float | None:
         entry = self._load()["load_times"].get(_load_key(host, model))
-        if not isinstance(entry, dict):
-            return None
-        value = entry.get("load_s")
-        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        value = entry.get("load_s") if isinstance(entry, dict) else None
+        return float(value) if is_seconds(value) else None
 
     def learned_restart_s(self, host: str, model: str) -> float | None:
         entry = self._load()["load_times"].get(_load_key(host, model))
         value = entry.get("restart_s") if isinstance(entry, dict) else None
-        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        return float(value) if is_seconds(value) else None
 
     def fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
         """The record that sends a launch at ``key`` eager: the one at the smallest budget
@@ -226,6 +256,12 @@ class StateStore:
     # -- writing -------------------------------------------------------------
 
     def record_load_time(self, host: str, model: str, load_s: float, *, restart_s: float | None = None) -> None:
+        """Remember a load (and a whole restart) that ended ready. A time outside
+        (0, :data:`~ddtree_ops.limits.MAX_LOAD_S`] is not one anybody measured (a clock that
+        jumped): it is not remembered, the last good one stays, rather than a value every
+        later read refuses."""
+        if not is_seconds(load_s) or (restart_s is not None and not is_seconds(restart_s)):
+            return
         rec = LoadRecord(host=host, model=model, load_s=float(load_s), recorded_at=time.time(),
                          restart_s=float(restart_s) if restart_s is not None else None)
         self._update(lambda data: data["load_times"].__setitem__(_load_key(host, model), asdict(rec)))
@@ -294,6 +330,99 @@ class StateStore:
             write_atomic_local(self.path, text.encode())
         except OSError as exc:
             raise ConfigError(f"{self.path}: cannot write state file: {exc.strerror or exc}") from exc
+
+
+_FIX = "remove that record from the state file (or delete the file) and run again"
+
+
+def _own_fields(record: Any, cls: type) -> bool:
+    """Whether ``record`` is a record of this version's ``cls`` (exactly its fields); one
+    of another toolkit version is skipped by the readers, never checked or half-read."""
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    return isinstance(record, dict) and required <= set(record) <= names
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else f"{value!r} is not text"
+
+
+def _time(value: Any) -> str | None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    return None if ok else f"{value!r} is not a time (seconds since the epoch)"
+
+
+def _opt_int(low: int, high: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = value is None or is_int_in(value, low, high)
+        return None if ok else f"{value!r} is not an integer in {low}..{high} or null"
+    return check
+
+
+def _seconds(value: Any) -> str | None:
+    return None if is_seconds(value) else f"{value!r} is not a number of seconds in (0, {MAX_LOAD_S:g}]"
+
+
+def _opt_seconds(value: Any) -> str | None:
+    return None if value is None else _seconds(value)
+
+
+def _temperature(value: Any) -> str | None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    return None if ok else f"{value!r} is not a temperature (a number >= 0)"
+
+
+def _policy_text(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"{value!r} is not the policy file's text"
+    try:
+        document = json.loads(value)
+    except ValueError:
+        return "is not the policy file's text (not JSON)"
+    problem = policy_problem(document)
+    return f"is not a policy the server loads ({problem})" if problem else None
+
+
+# Each record's fields and the check of its value (None: fine; else why not).
+_LOAD_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
+    "host": _text, "model": _text, "load_s": _seconds, "recorded_at": _time, "restart_s": _opt_seconds,
+}
+_KEY_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
+    "host": _text, "gpu_arch": _text, "sglang_version": _text, "algorithm": _text,
+    "budget": _opt_int(1, MAX_DFLASH_DRAFT_TOKENS), "topk": _opt_int(1, MAX_DDTREE_TOPK),
+}
+_POLICY_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
+    "host": _text, "path": _text, "sha256": _text, "config": _policy_text, "machine_type": _text,
+    "temperature": _temperature, "budget": lambda v: tree_problem(v, 1), "topk": lambda v: tree_problem(1, v),
+    "recorded_at": _time,
+}
+
+
+def _check_records(path: Path, data: Mapping[str, Any]) -> None:
+    """ConfigError naming the file, the record and its key, for the first record of this
+    version whose value is garbage (see the module docstring)."""
+
+    def refuse(where: str, problem: str) -> ConfigError:
+        return ConfigError(f"{path}: {where}: {problem}; {_FIX}")
+
+    def check(where: str, record: Mapping[str, Any], checks: Mapping[str, Callable[[Any], str | None]]) -> None:
+        for name, value in record.items():
+            rule = checks.get(name)
+            if rule is not None and (problem := rule(value)):
+                raise refuse(f"{where}.{name}", problem)
+
+    for name, entry in data["load_times"].items():
+        if _own_fields(entry, LoadRecord):
+            check(f"load_times[{name!r}]", entry, _LOAD_CHECKS)
+    for name, entry in data["fallbacks"].items():
+        where = f"fallbacks[{name!r}]"
+        if not isinstance(entry, dict) or not _own_fields(entry.get("key"), FallbackKey):
+            continue
+        check(f"{where}.key", entry["key"], _KEY_CHECKS)
+        check(where, entry, {"reason": _text, "recorded_at": _time})
+    for name, entry in data["policies"].items():
+        if _own_fields(entry, PolicyRecord):
+            check(f"policies[{name!r}]", entry, _POLICY_CHECKS)
 
 
 def _empty() -> dict[str, Any]:

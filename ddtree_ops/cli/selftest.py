@@ -240,6 +240,12 @@ def selftest_command(
     hosts = load_hosts(obj, target)
     source = selftest_source(bundle)
     e2e_source = selftest_source(bundle, E2E_NAME) if options is not None else ""
+    if options is not None and options.bisect:
+        from ddtree_ops.state import StateStore
+
+        # The bisection's finding is remembered there after minutes of launches: a state
+        # file that cannot take it is refused now, before any host is touched.
+        StateStore().check()
 
     def one(host: Host) -> SelftestResult | E2eResult:
         with transport_for(obj, host) as transport:

@@ -80,6 +80,12 @@ class ServerRestarter:
     # (``lifecycle.last_run``); ``run`` only describes it.
     repeat_last: bool = False
 
+    def __post_init__(self) -> None:
+        # Every server's restart reads the state file (its policy, fallbacks, load times):
+        # a bad record must be one refusal now, before any host is touched, not a failure
+        # of each host once the rollout has begun.
+        self.state.check()
+
     def restart(self, transport: Transport, server: Host, cancel: threading.Event,
                 run: RunConfig | None = None) -> lifecycle.RestartResult:
         s = self.settings
