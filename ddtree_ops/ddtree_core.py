@@ -27,9 +27,10 @@ DDTREE_UTILS_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py"
 DDTREE_RUNTIME_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_runtime.py"
 
 
-def _load_by_path(path: Path) -> ModuleType:
+def load_module_file(path: Path, *, prefix: str = "bundled") -> ModuleType:
+    """The Python file ``path`` as a fresh module (``prefix``: whose copy it is, in its name)."""
     # A private name: it must never shadow SGLang's own module if both end up in one process.
-    name = f"ddtree_ops._bundled_{path.stem}"
+    name = f"ddtree_ops._{prefix}_{path.stem}"
     if not path.is_file():
         raise BundleError(f"{path}: DDTree core module not found (is this a source checkout?)")
     spec = importlib.util.spec_from_file_location(name, path)
@@ -49,17 +50,17 @@ def _load_by_path(path: Path) -> ModuleType:
 @functools.cache
 def load_ddtree_reference() -> ModuleType:
     """The bundled ``ddtree_reference.py`` (once per process): the per-request reference."""
-    return _load_by_path(DDTREE_REFERENCE_PATH)
+    return load_module_file(DDTREE_REFERENCE_PATH)
 
 
 @functools.cache
 def load_ddtree_utils() -> ModuleType:
     """The bundled ``ddtree_utils.py`` (once per process): the device-resident round."""
-    return _load_by_path(DDTREE_UTILS_PATH)
+    return load_module_file(DDTREE_UTILS_PATH)
 
 
 @functools.cache
 def load_ddtree_runtime() -> ModuleType:
     """The bundled ``ddtree_runtime.py`` (once per process): the runtime tree states'
     config, policy routing and switch validation, pure Python."""
-    return _load_by_path(DDTREE_RUNTIME_PATH)
+    return load_module_file(DDTREE_RUNTIME_PATH)

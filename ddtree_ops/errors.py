@@ -168,6 +168,13 @@ class VerifyError(PatchError):
     code = "verify"
 
 
+class NotDeployed(PatchError):
+    """A DDTREE launch on a host whose SGLang has no DDTree plugin (never deployed, rolled
+    back, or left out by SGLANG_PLUGINS): refused before anything there is stopped."""
+
+    code = "not_deployed"
+
+
 class CanaryRejected(PatchError):
     """A rollout's canary, patched and restarted, failed its gate: it was put back, and no
     other host was touched (``deploy``/``tune --deploy`` with ``--canary``)."""

@@ -59,6 +59,19 @@ def main(ports, bind_host):
         out["torch_version"] = None
     out["sglang_dir"] = sglang_dir
     out["sglang_version"] = sglang_version
+    # Whether SGLang there would know DDTREE: the DDTree plugin's entry point, and the
+    # module it names present (what the bundle's deploy puts there, and rollback takes away).
+    out["ddtree_plugin"] = None
+    if sglang_dir:
+        try:
+            eps = md.entry_points()
+            group = (eps.select(group="sglang.srt.plugins") if hasattr(eps, "select")
+                     else eps.get("sglang.srt.plugins", []))
+            names = [ep.value.split(":")[0] for ep in group if ep.name == "ddtree"]
+            out["ddtree_plugin"] = bool(names) and os.path.isfile(
+                os.path.join(os.path.dirname(sglang_dir), *names[0].split(".")) + ".py")
+        except Exception:
+            pass
 
     gpus = []
     smi = shutil.which("nvidia-smi")
@@ -224,6 +237,8 @@ class HostFacts:
     python_executable: str | None = None
     sglang_version: str | None = None
     sglang_dir: str | None = None
+    # SGLang there has the DDTree plugin registered (None: unknown, or no SGLang).
+    ddtree_plugin: bool | None = None
     torch_version: str | None = None
     torch_cuda: str | None = None  # the CUDA version torch was built for; None for CPU builds
     cuda_available: bool | None = None
@@ -281,6 +296,7 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
         python_executable=data.get("python_executable"),
         sglang_version=data.get("sglang_version"),
         sglang_dir=data.get("sglang_dir"),
+        ddtree_plugin=data.get("ddtree_plugin"),
         torch_version=data.get("torch_version"),
         torch_cuda=data.get("torch_cuda"),
         cuda_available=data.get("cuda_available"),

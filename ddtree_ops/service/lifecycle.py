@@ -31,6 +31,7 @@ from ddtree_ops.errors import (
     DdtreeOpsError,
     DriftError,
     Interrupted,
+    NotDeployed,
     PortBusy,
     ReadinessTimeout,
     RemoteFileError,
@@ -190,10 +191,12 @@ class LaunchFacts:
 
     sglang_version: str | None = None
     gpu_arch: str | None = None
+    # SGLang there has the DDTree plugin registered (None: unknown).
+    ddtree_plugin: bool | None = None
 
     @classmethod
     def from_probe(cls, facts: HostFacts) -> LaunchFacts:
-        return cls(facts.sglang_version, probed_gpu_arch(gpu.compute_cap for gpu in facts.gpus))
+        return cls(facts.sglang_version, probed_gpu_arch(gpu.compute_cap for gpu in facts.gpus), facts.ddtree_plugin)
 
 
 @dataclass(frozen=True)
@@ -281,12 +284,35 @@ def prepare_restart(
                 f"run dir {machine.ddtree.run_dir}) and holds every GPU; 'ddtree-ops stop {machine.name}' stops it",
                 host=host.name,
             )
+    launch = launch_facts(transport, host, facts)
+    if run.algorithm == "DDTREE":
+        refuse_undeployed(host, launch)
     run, applied = with_tree_policy(transport, host, run, tree_policy)
     return RestartRequest(
-        host, run, launch_facts(transport, host, facts), timeout=timeout, retry_cuda_graph=retry_cuda_graph,
+        host, run, launch, timeout=timeout, retry_cuda_graph=retry_cuda_graph,
         stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
         tree_policy=applied, keep_on_failure=keep_on_failure,
     )
+
+
+def refuse_undeployed(host: Host, facts: LaunchFacts) -> None:
+    """NotDeployed where SGLang on ``host`` would not know DDTREE: its plugin is not there
+    (the probe says so), or the server's ``SGLANG_PLUGINS`` whitelist leaves it out. SGLang
+    itself would refuse only after the old server is stopped (``Unknown speculative
+    algorithm name: DDTREE``); this says it first, with the remedy."""
+    deploy = f"`ddtree-ops deploy {host.machine}` installs it"
+    if facts.ddtree_plugin is False:
+        raise NotDeployed(
+            f"DDTREE needs the DDTree bundle, which is not deployed on {host.machine} (its SGLang has no ddtree "
+            f"plugin); {deploy}", host=host.name,
+        )
+    allowed = {p.strip() for p in host.ddtree.server.env.get("SGLANG_PLUGINS", "").split(",") if p.strip()}
+    if allowed and "ddtree" not in allowed:
+        raise NotDeployed(
+            # Not the value: everything in the inventory's env is kept off the terminal.
+            "DDTREE needs the ddtree plugin, which the server's SGLANG_PLUGINS (inventory env) leaves out; "
+            "add ddtree there", host=host.name,
+        )
 
 
 def with_tree_policy(

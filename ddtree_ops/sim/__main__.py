@@ -16,6 +16,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args, warnings = parse_server_args(argv)
     configure_logging(args.log_level)
+    plugin = None
+    if args.ddtree is not None:
+        from ddtree_ops.sim.plugin import PluginMissing, find_ddtree_plugin
+
+        try:
+            plugin = find_ddtree_plugin(os.environ)
+        except PluginMissing as exc:
+            # As SGLang 0.5.23 fails without the plugin: resolving the server arguments
+            # raises, before any port opens, and the process exits 1.
+            sys.stderr.write(
+                "Traceback (most recent call last):\n"
+                '  File "sglang/srt/arg_groups/speculative_hook.py", in handle_speculative_decoding\n'
+                "    algo = SpeculativeAlgorithm.from_string(cfg.speculative_algorithm)\n"
+                '  File "sglang/srt/speculative/spec_info.py", line 65, in from_string\n'
+                f"ValueError: Unknown speculative algorithm name: {args.speculative_algorithm}\n"
+                f"[simulator: {exc}]\n"
+            )
+            return 1
     for w in warnings:
         main_logger.warning(f"\033[1;33m{w}\033[0m", extra={"prefix": ""})
     if args.ddtree is not None:
@@ -36,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SGLang reports the flags it was given, space-joined (server_args.py, prepare_server_args).
     launch_command = " ".join(argv)
     main_logger.info(f"server_args={args!r}", extra={"prefix": ""})
-    return asyncio.run(serve(args, settings, launch_command))
+    return asyncio.run(serve(args, settings, launch_command, plugin))
 
 
 if __name__ == "__main__":

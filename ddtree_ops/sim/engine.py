@@ -3,8 +3,8 @@
 One asyncio task plays SGLang's scheduler: each iteration either prefills newly
 admitted requests (producing their first token, as SGLang's prefill does) or runs one
 decode step over every running request. What a step *produces* comes from running the
-real DDTree code (``ddtree_ops.ddtree_core.load_ddtree_reference``) against the synthetic
-language; how long it *takes* comes from the GPU profile's cost model, slept in real
+real DDTree code against the synthetic language (a served DDTREE: the copy deployed into
+the host's SGLang, ``sim/plugin.py``); how long it *takes* comes from the GPU profile's cost model, slept in real
 time scaled by ``SIM_TIME_SCALE``. The CPU work of a step counts towards its sleep, so
 the simulator only distorts timing once that work exceeds the modelled step time
 (``benchmarks/sim_capacity.py`` measures where).
@@ -33,8 +33,10 @@ from ddtree_ops.sim.states import GraphOutcome, RuntimeStates, StateGraph, TreeS
 from ddtree_ops.sim.text import EOS_TOKEN, VOCAB, hash_ints
 
 
-def load_core() -> ModuleType:
-    """The ONE copy of the DDTree algorithm: the deployed per-request reference."""
+def bundled_core() -> ModuleType:
+    """The bundle's per-request reference in this checkout: what DFLASH's chain (upstream
+    code on a real host) verifies with, and what offline calibration runs DDTREE with. A
+    served DDTREE runs the host's deployed copy instead (``sim/plugin.py``)."""
     from ddtree_ops.ddtree_core import load_ddtree_reference
 
     return load_ddtree_reference()
@@ -109,7 +111,9 @@ _CATCH_UP_S = 0.05
 class Engine:
     """Scheduler loop + model stand-in; one per server process."""
 
-    def __init__(self, args: ServerArgs, settings: SimSettings) -> None:
+    def __init__(self, args: ServerArgs, settings: SimSettings, core: ModuleType | None = None) -> None:
+        """``core``: the tree code a speculating server verifies with (None: the bundle's
+        in this checkout, :func:`bundled_core`)."""
         # The simulator's tensors are tiny: extra intra-op threads only fight the other
         # processes on the machine (on a busy 2-core box the sampler ran 10x slower).
         torch.set_num_threads(1)
@@ -117,7 +121,7 @@ class Engine:
         self.settings = settings
         self.profile: GpuProfile = PROFILES[settings.gpu]
         self.language = SyntheticLanguage(settings.seed)
-        self.core: ModuleType | None = load_core() if args.speculating else None
+        self.core: ModuleType | None = (core or bundled_core()) if args.speculating else None
         self._waiting: list[GenRequest] = []
         self._running: list[GenRequest] = []
         self._wakeup = asyncio.Event()

@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ddtree_ops.sim.args import ServerArgs, SimSettings
 from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash, scheduler_logger
 from ddtree_ops.sim.params import RequestError, SamplingParams
+from ddtree_ops.sim.plugin import DeployedPlugin
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.states import GraphOutcome, RuntimeStates, StateGraph, SwitchRefused, TreeState
 from ddtree_ops.sim.text import classify_prompt, detokenize, tokenize
@@ -735,8 +736,11 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
     return states
 
 
-async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) -> int:
-    """Run the whole launch sequence; returns the process exit status."""
+async def serve(
+    args: ServerArgs, settings: SimSettings, launch_command: str, plugin: DeployedPlugin | None = None
+) -> int:
+    """Run the whole launch sequence; returns the process exit status. ``plugin``: the
+    DDTree plugin deployed on this host, whose tree code a DDTREE server runs."""
     if settings.no_runtime_states:
         args = dataclasses.replace(args, ddtree_adaptive=None)
     profile = PROFILES[settings.gpu]
@@ -783,7 +787,7 @@ async def serve(args: ServerArgs, settings: SimSettings, launch_command: str) ->
     # Real work (importing torch, building the synthetic model) counts as loading time.
     from ddtree_ops.sim.engine import Engine
 
-    engine = Engine(args, settings)
+    engine = Engine(args, settings, plugin.reference() if plugin is not None else None)
     # Shard by shard, as SGLang's loader reports it (its tqdm bar, one line a shard): the
     # progress a readiness wait follows. SIM_STALL_AT_S: the load hangs there, silent.
     shards = max(1, settings.load_shards)

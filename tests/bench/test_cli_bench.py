@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_json import json_data
+from minisglang import deployed_python
 from testports import free_port
 from workload.test_datasets import LAYOUTS
 
@@ -31,7 +32,7 @@ def write_inventory(tmp_path: Path, port: int) -> Path:
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim-x": {
         "ansible_connection": "local",
-        "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run"), "server": {
+        "ddtree": {"python": deployed_python(), "run_dir": str(tmp_path / "run"), "server": {
             "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
             "port": port, "expected_load_s": 2,
             "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5"}}}}}}}}}))

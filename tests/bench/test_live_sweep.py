@@ -5,10 +5,10 @@ refused switch recorded as a failed row."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from minisglang import deployed_python
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
@@ -30,7 +30,7 @@ def host(tmp_path: Path, name: str, gpu: str, **env: str) -> Host:
         expected_load_s=2.0, command="{python} -m ddtree_ops.sim",
     )
     return Host(name=name, connection="local", source="<test>",
-                ddtree=DdtreeSettings(python=sys.executable, run_dir=str(tmp_path / name), gpu=gpu, server=server))
+                ddtree=DdtreeSettings(python=deployed_python(), run_dir=str(tmp_path / name), gpu=gpu, server=server))
 
 
 def run(tmp_path: Path, h: Host, out: Path, **overrides: object):
@@ -173,7 +173,7 @@ def test_a_live_sweep_needs_no_sftp_on_the_host(tmp_path: Path, ssh_fleet) -> No
         local = host(tmp_path, "nosftp", "rtx-pro-6000")
         remote = replace(local, connection="ssh", address="127.0.0.1", port=sshd.port, user="root",
                          key_file=str(ssh_fleet.client_key),
-                         ddtree=replace(local.ddtree, python=str(base.python), known_hosts=str(known)))
+                         ddtree=replace(local.ddtree, known_hosts=str(known)))
         out = tmp_path / "ledger.jsonl"
         run(tmp_path, remote, out, grid={**GRID, "budget": [4, 8]})
         rows = [r for r in rows_of(out) if r["algorithm"] == "DDTREE"]

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from minisglang import deployed_python
 
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.onhost import client_mode
@@ -68,7 +69,8 @@ def test_sweep_over_ssh_measures_a_loopback_server_from_the_host(ssh_fleet, tmp_
     fleet_host = ssh_fleet.hosts[0]
     h = ssh_fleet.load().hosts[fleet_host.name]
     server = sim_server(fleet_host.gpu, port=fleet_host.server_port)
-    host = dataclasses.replace(h, ddtree=dataclasses.replace(h.ddtree, server=server))
+    # An interpreter with the DDTree bundle deployed (the fleet hosts' own have none).
+    host = dataclasses.replace(h, ddtree=dataclasses.replace(h.ddtree, python=deployed_python(), server=server))
     assert host.ddtree.server.bind_host == "127.0.0.1"
     spec = sweep(tmp_path, baselines=[], grid=GRID)  # no client key: loopback -> host
     out = tmp_path / "ledger.jsonl"

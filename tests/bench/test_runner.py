@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from minisglang import deployed_python
 from testports import free_port
 
 from ddtree_ops.bench import ledger
@@ -55,7 +56,7 @@ def local_host(tmp_path: Path, name: str, *, gpu: str = "rtx-pro-6000", time_sca
     return Host(
         name=name,
         connection="local",
-        ddtree=DdtreeSettings(python=sys.executable, run_dir=str(tmp_path / name), gpu=gpu,
+        ddtree=DdtreeSettings(python=deployed_python(), run_dir=str(tmp_path / name), gpu=gpu,
                               server=sim_server(gpu, time_scale=time_scale)),
         source="<test>",
     )
@@ -143,7 +144,7 @@ def test_runner_sigkilled_during_a_restart_then_resume_completes_only_missing_ro
     inv = tmp_path / "inv.yaml"
     srv = host.ddtree.server
     inv.write_text(yaml.safe_dump({"all": {"hosts": {"sim-r": {"ansible_connection": "local", "ddtree": {
-        "python": sys.executable, "run_dir": str(run_dir),
+        "python": deployed_python(), "run_dir": str(run_dir),
         "server": {"command": srv.command, "model_path": srv.model_path, "draft_model_path": srv.draft_model_path,
                    "port": srv.port, "env": dict(srv.env), "expected_load_s": 2}}}}}}))
     # Two server configurations, so the runner restarts between them; repeats make the resume key matter.
@@ -208,7 +209,8 @@ def test_sshd_stopped_mid_sweep_fails_that_host_only(ssh_fleet, tmp_path: Path) 
     def with_sim(fleet_host) -> Host:
         h = inventory.hosts[fleet_host.name]
         server = sim_server(fleet_host.gpu, port=fleet_host.server_port)
-        return dataclasses.replace(h, ddtree=dataclasses.replace(h.ddtree, server=server))
+        # An interpreter with the DDTree bundle deployed (the fleet hosts' own have none).
+        return dataclasses.replace(h, ddtree=dataclasses.replace(h.ddtree, python=deployed_python(), server=server))
 
     cut, survivor = with_sim(fh_ct), with_sim(fh_b3)
     # AR first, then DDTree budget 16: the B300 profile cannot capture CUDA graphs there.

@@ -6,13 +6,13 @@ GPUs served them."""
 from __future__ import annotations
 
 import socket
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
 from cli_json import json_data
+from minisglang import deployed_python
 
 from ddtree_ops.bench import ledger
 
@@ -25,7 +25,7 @@ def write_inventory(tmp_path: Path) -> Path:
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim-x": {
         "ansible_connection": "local",
-        "ddtree": {"python": sys.executable, "run_dir": str(tmp_path / "run"), "server": {
+        "ddtree": {"python": deployed_python(), "run_dir": str(tmp_path / "run"), "server": {
             "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
             "expected_load_s": 2,
             "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5"},

@@ -12,33 +12,20 @@ nothing outside the checkout and pytest's tmp dirs is read.
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
-import sys
 import sysconfig
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from fleetlib import SGLANG_VERSION, find_wheel
+from minisglang import expose_toolkit, make_prefix
 from service.simhosts import free_port
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 
 BUNDLES = Path(__file__).parent / "bundles"
-# The real 0.5.23 files the test bundles replace, copied into every test prefix.
-REAL_FILES = ("srt/speculative/dflash_worker_v2.py", "srt/speculative/dflash_info.py", "srt/speculative/spec_info.py")
-
-
-@functools.cache
-def upstream_bytes(rel: str) -> bytes:
-    """The 0.5.23 wheel's copy of ``sglang/<rel>``, or of its ``METADATA`` for ``"METADATA"``."""
-    member = f"sglang-{SGLANG_VERSION}.dist-info/METADATA" if rel == "METADATA" else f"sglang/{rel}"
-    with zipfile.ZipFile(find_wheel()) as zf:
-        return zf.read(member)
 
 
 # SGLang's plugin entry-point group, and a probe that prints a group's entry points as a
@@ -76,24 +63,6 @@ class MiniHost:
         return self.pkg / rel
 
 
-def make_prefix(root: Path, version: str = "0.5.23") -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-    purelib = Path(
-        sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)})
-    )
-    pkg = purelib / "sglang"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text('"""SGLang (test copy: only the files the patch engine touches)."""\n')
-    for rel in REAL_FILES:
-        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / rel).write_bytes(upstream_bytes(rel))
-    d = purelib / f"sglang-{version}.dist-info"
-    d.mkdir()
-    meta = upstream_bytes("METADATA").decode().replace("Version: 0.5.23", f"Version: {version}", 1)
-    (d / "METADATA").write_text(meta)
-    return root
-
-
 @pytest.fixture
 def mini(tmp_path: Path) -> MiniHost:
     prefix = make_prefix(tmp_path / "prefix")
@@ -107,8 +76,7 @@ def sim_inventory(tmp_path: Path, mini: MiniHost, *, load_s: float = 0.2) -> Pat
     """An inventory of one local host ``b1`` whose Python is ``mini``'s prefix and whose
     server is the simulator on its B300 profile (``load_s``: its model load)."""
     # The host's interpreter must find ddtree_ops (the simulator) like the demo hosts do.
-    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(mini.prefix), "platbase": str(mini.prefix)}))
-    (purelib / "ddtree_ops_dev.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    expose_toolkit(mini.prefix)
     server = {"command": "{python} -m ddtree_ops.sim", "model_path": "sim/qwen3-8b",
               "draft_model_path": "sim/qwen3-8b-dflash", "port": free_port(), "expected_load_s": 5,
               "env": {"SIM_LOAD_S": str(load_s), "SIM_GPU": "b300", "SIM_TIME_SCALE": "0.1"}}

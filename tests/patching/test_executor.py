@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from minisglang import make_prefix
 
 from ddtree_ops.errors import (
     ConnectError,
@@ -34,7 +35,7 @@ from ddtree_ops.patching.remote import run_step
 from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport.base import RoundTripCounter
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, PLUGIN_GROUP, MiniHost, entry_points_on_host, make_prefix
+from patching.conftest import BUNDLES, PLUGIN_GROUP, MiniHost, entry_points_on_host
 from patching.faults import CuttingTransport, PausingTransport
 
 

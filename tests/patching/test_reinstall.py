@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from cli_json import json_data
 from fleetlib import Fleet, find_wheel
+from minisglang import upstream_bytes
 
 from ddtree_ops.errors import DriftError, PatchError
 from ddtree_ops.patching.bundle import Bundle, load_bundle
@@ -26,7 +27,7 @@ from ddtree_ops.patching.plan import changed_outside, plan_deploy, plan_rollback
 from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport import open_transport
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost, upstream_bytes
+from patching.conftest import BUNDLES, MiniHost
 from patching.test_fleet import REAL_BUNDLE, _reset
 from patching.test_plan import BASE, NEW, OTHER, _bundle, _rs
 

@@ -22,7 +22,7 @@ from ddtree_ops.inventory import load_inventory
 from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost, sim_inventory
+from patching.conftest import MiniHost, sim_inventory
 
 
 def _sweep(tmp_path: Path) -> Path:
@@ -49,13 +49,15 @@ def test_an_eager_fallback_restart_recorded_is_honoured_by_deploy_restart_and_by
         return sorted((r.key.gpu_arch, r.key.budget) for r in StateStore(state).fallbacks())
 
     try:
+        # The DDTree bundle first: a DDTREE launch on a host without it is refused.
+        assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         first = run_cli(inv, "--json", "restart", "b1", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4",
                         state=state, path_first=bin_dir)
         assert first.returncode == 0, first.stdout + first.stderr
         # restart tried graphs, the capture crashed, it fell back and remembered: on sm_103.
         assert fallbacks() == [("sm_103", 16)]
 
-        deployed = run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), "--restart", "--budget", "16", "--topk", "4",
+        deployed = run_cli(inv, "deploy", "b1", "--restart", "--budget", "16", "--topk", "4",
                            state=state, path_first=bin_dir)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         # Launched eager at once: no second capture crash, so nothing new to remember.

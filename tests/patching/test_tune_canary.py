@@ -23,7 +23,7 @@ from ddtree_ops.inventory import load_inventory
 from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost, sim_inventory
+from patching.conftest import MiniHost, sim_inventory
 
 B300 = "NVIDIA B300 SXM6 AC (simulated)"
 
@@ -56,7 +56,7 @@ def test_a_canary_gates_a_tuned_policy_and_a_failed_one_is_put_back(
     ledger = _ledger(tmp_path / "l.jsonl")
     policy_file = mini.state_dir / "placed" / "ddtree-policy.json"
     try:
-        assert run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), state=state).returncode == 0
+        assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         assert not svc.status(lines=0)["alive"]  # nothing serves: the gate must launch the target first
         done = run_cli(inv, "--json", "tune", str(ledger), "--deploy", "b1", "--canary", "b1",
                        "--gate-ledger", str(ledger), state=state)

@@ -27,7 +27,7 @@ from ddtree_ops.service.manager import ProcessManager
 from ddtree_ops.state import StateStore
 from ddtree_ops.transport import Script
 from ddtree_ops.transport.local import LocalTransport
-from patching.conftest import BUNDLES, MiniHost, sim_inventory
+from patching.conftest import MiniHost, sim_inventory
 
 B300 = "NVIDIA B300 SXM6 AC (simulated)"
 # GET a URL from the host (stdlib only), as the service agent does.
@@ -69,7 +69,7 @@ def test_tune_deploys_the_policy_and_later_restarts_keep_it(tmp_path: Path, mini
     ledger = _ledger(tmp_path / "l.jsonl", {(8, 4, 1): 400.0, (4, 2, 1): 300.0, (4, 2, 8): 900.0, (8, 4, 8): 800.0})
     policy = {"1": {"budget": 8, "topk": 4}, "8": {"budget": 4, "topk": 2}}
     try:
-        deployed = run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), state=state)
+        deployed = run_cli(inv, "deploy", "b1", state=state)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
 
         tuned = run_cli(inv, "--json", "tune", str(ledger), "--deploy", "b1", state=state)
@@ -119,7 +119,7 @@ def test_a_failed_tune_deploy_leaves_the_host_as_it_was(tmp_path: Path, mini: Mi
     first = _ledger(tmp_path / "first.jsonl", {(8, 4, 1): 400.0, (4, 2, 1): 300.0})
     second = _ledger(tmp_path / "second.jsonl", {(8, 4, 1): 300.0, (4, 2, 1): 400.0})
     try:
-        assert run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), state=state).returncode == 0
+        assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         tuned = run_cli(inv, "tune", str(first), "--deploy", "b1", state=state)
         assert tuned.returncode == 0, tuned.stdout + tuned.stderr
         before_file, before_argv = _policy_file(mini).read_bytes(), _record(host)["argv"]
@@ -157,7 +157,7 @@ def test_a_restart_refused_before_it_stopped_anything_leaves_the_server_alone(tm
     host = load_inventory([inv]).hosts["b1"]
     ledger = _ledger(tmp_path / "l.jsonl", {(8, 4, 1): 400.0})
     try:
-        assert run_cli(inv, "deploy", "b1", str(BUNDLES / "basic"), state=state).returncode == 0
+        assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         first = run_cli(inv, "restart", "b1", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4", state=state)
         assert first.returncode == 0, first.stdout + first.stderr
         pid = _record(host)["pid"]

@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from minisglang import deployed_python
 from testports import free_port
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
@@ -38,7 +39,7 @@ def sim_host(
     load_s: float = 2.0,
     time_scale: float = 0.1,
     expected_load_s: float = 2.0,
-    python: str = sys.executable,
+    python: str | None = None,
     port: int | None = None,
     extra_env: dict[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
@@ -47,7 +48,9 @@ def sim_host(
     **host_fields: object,
 ) -> Host:
     """A host whose server command is the simulator. With ``base`` (a fleet host) the
-    connection settings are ``base``'s and ``python`` is the host's own interpreter."""
+    connection settings are ``base``'s. ``python`` defaults to an interpreter whose SGLang
+    has the DDTree bundle deployed (a loopback or netns fleet host sees this machine's
+    files): the simulator serves DDTREE only from a deployed plugin."""
     env = {"SIM_GPU": gpu, "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": str(time_scale)}
     env.update(extra_env or {})
     server = ServerSettings(
@@ -60,12 +63,12 @@ def sim_host(
         extra_args=extra_args,
     )
     if base is not None:
-        ddtree = replace(base.ddtree, python=base.python, run_dir=str(run_dir), gpu=gpu, server=server)
+        ddtree = replace(base.ddtree, python=python or deployed_python(), run_dir=str(run_dir), gpu=gpu, server=server)
         return replace(base, name=name, ddtree=ddtree, **host_fields)  # type: ignore[arg-type]
     return Host(
         name=name,
         connection=connection,  # type: ignore[arg-type]
-        ddtree=DdtreeSettings(python=python, run_dir=str(run_dir), gpu=gpu, server=server),
+        ddtree=DdtreeSettings(python=python or deployed_python(), run_dir=str(run_dir), gpu=gpu, server=server),
         source="<test>",
         **host_fields,  # type: ignore[arg-type]
     )

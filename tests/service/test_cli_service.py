@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_json import json_data
-from fleetlib import cached_prefix_template, find_wheel
+from minisglang import deployed_python
 from simhosts import free_port, run_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,8 +29,9 @@ def host_result(out: subprocess.CompletedProcess[str], name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
-    """A prefix holding the real SGLang 0.5.23 files, so the version is found as on a host."""
-    return str(cached_prefix_template(find_wheel()) / "bin" / "python")
+    """A prefix holding the real SGLang 0.5.23 files, so the version is found as on a host,
+    with the DDTree bundle deployed."""
+    return deployed_python()
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 from cli_json import json_data, read_envelope
-from fleetlib import cached_prefix_template, find_wheel, write_nvidia_smi
+from fleetlib import write_nvidia_smi
+from minisglang import deployed_python
 from simhosts import free_port, run_cli
 
 from ddtree_ops.errors import ConfigError
@@ -59,7 +60,7 @@ def inventory(tmp_path: Path) -> Path:
         "extra_args": ["--tp-size", "2"],
         "slots": [{"gpus": "0,1", "port": ports[0]}, {"gpus": "2,3", "port": ports[1]}],
     }
-    python = str(cached_prefix_template(find_wheel()) / "bin" / "python")  # real SGLang files: a version
+    python = deployed_python()  # SGLang 0.5.23 files (a version) with the DDTree bundle deployed
     host = {"ansible_connection": "local", "ddtree": {"python": python, "run_dir": str(tmp_path / "run"),
                                                       "gpu": "b300", "server": server}}
     path = tmp_path / "inv.yaml"

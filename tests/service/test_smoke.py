@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from cli_json import json_data
-from fleetlib import cached_prefix_template, find_wheel
+from minisglang import deployed_python
 from simhosts import free_port
 
 from ddtree_ops.bench import ledger
@@ -221,8 +221,9 @@ def test_a_sweep_over_a_replay_crash_host_writes_only_successful_rows(tmp_path: 
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"hosts": {"sim-x": {
         "ansible_connection": "local",
-        # A prefix holding the real SGLang 0.5.23 files: the eager flags follow its version.
-        "ddtree": {"python": str(cached_prefix_template(find_wheel()) / "bin" / "python"),
+        # A prefix holding the real SGLang 0.5.23 files (the eager flags follow its version)
+        # and the DDTree bundle deployed.
+        "ddtree": {"python": deployed_python(),
                    "run_dir": str(tmp_path / "run"), "server": {
             "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
             "port": free_port(), "expected_load_s": 2,

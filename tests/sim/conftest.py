@@ -1,17 +1,18 @@
-"""Real simulator processes on free loopback ports (``python -m ddtree_ops.sim``)."""
+"""Real simulator processes on free loopback ports (``python -m ddtree_ops.sim``), run by
+an interpreter whose SGLang has the DDTree bundle deployed (``minisglang.deployed_python``)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import pytest
+from minisglang import deployed_python
 from testports import free_port
 
 # Fast but not instant: a 1 s simulated step takes 20 ms of real time.
@@ -21,13 +22,16 @@ FAST_ENV = {"SIM_LOAD_S": "2", "SIM_TIME_SCALE": "0.02", "SIM_WARMUP_S": "1", "S
 class SimProcess:
     """One simulator subprocess with its log file; always killed at the end."""
 
-    def __init__(self, tmp: Path, flags: Sequence[str], env: dict[str, str], port: int | None = None) -> None:
+    def __init__(
+        self, tmp: Path, flags: Sequence[str], env: dict[str, str], port: int | None = None, python: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.log_path = tmp / f"sim-{self.port}.log"
         full_env = {**os.environ, **FAST_ENV, **env}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddtree_ops.sim", "--model-path", "sim-model", "--port", str(self.port), *flags],
+            [python or deployed_python(), "-m", "ddtree_ops.sim", "--model-path", "sim-model",
+             "--port", str(self.port), *flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=full_env,
@@ -68,8 +72,10 @@ class SimProcess:
 def sim_factory(tmp_path: Path) -> Iterator[object]:
     procs: list[SimProcess] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> SimProcess:
-        p = SimProcess(tmp_path, flags, env or {}, port)
+    def start(
+        *flags: str, env: dict[str, str] | None = None, port: int | None = None, python: str | None = None
+    ) -> SimProcess:
+        p = SimProcess(tmp_path, flags, env or {}, port, python)
         procs.append(p)
         return p
 

@@ -47,6 +47,12 @@ def trio(systemd_trio: SystemdFleet, sd_env: Path, cli: Callable[..., Any]) -> I
     yield systemd_trio
 
 
+def _deploy(fleet: SystemdFleet, cli: Callable[..., Any]) -> None:
+    """The DDTree bundle on every host (no restart): a DDTREE launch needs it."""
+    done = cli("-i", str(fleet.inventory), "deploy", "all")
+    assert done.exit_code == 0, done.stdout + done.stderr
+
+
 def _inventory(fleet: SystemdFleet, path: Path, env: dict[str, dict[str, str]]) -> Path:
     """The fleet's inventory with ``env`` per host (the canary's fault switch)."""
     doc = systemd_inventory(fleet)
@@ -129,6 +135,7 @@ class ServingProbe:
 def test_a_serial_restart_keeps_two_of_three_serving_and_runs_the_batches_in_order(
     trio: SystemdFleet, cli: Callable[..., Any]
 ) -> None:
+    _deploy(trio, cli)
     probe = ServingProbe(trio.hosts, seconds=120)
     try:
         probe.wait_all_serving()
@@ -232,6 +239,7 @@ def test_rollback_on_failure_puts_a_host_back_and_the_rollout_goes_on_within_max
 ) -> None:
     # sd-1's launch hangs while loading: not ready within the 6 s deadline.
     inv = _inventory(trio, sd_env / "inv.yaml", {"sd-1": {"SIM_STALL_AT_S": "0.5"}})
+    _deploy(trio, cli)
     before = {h.name: _state(cli, inv, h) for h in trio.hosts}
     done = cli("-i", str(inv), "--json", "restart", "all", "--algorithm", "DDTREE", *TREE, "--serial", "1",
                "--rollback-on-failure", "--max-fail", "1", "--timeout", "6")

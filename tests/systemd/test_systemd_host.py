@@ -69,6 +69,13 @@ def host(systemd_host: SystemdFleet, sd_env: Path, cli: Callable[..., Any]) -> I
     yield h
 
 
+@pytest.fixture
+def deployed(systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]) -> None:
+    """The host with the DDTree bundle deployed (no restart): a DDTREE launch needs it."""
+    done = cli("-i", str(systemd_host.inventory), "deploy", "sd-0")
+    assert done.exit_code == 0, done.stdout + done.stderr
+
+
 def _text(table: str) -> str:
     """A rendered table's words in order, its box drawing dropped (cells wrap across lines)."""
     return " ".join(w for w in table.split() if not set(w) <= set("│┃┏┓┗┛┡┩└┘━─╇┳┻┯┷╋┼┠┨"))
@@ -78,6 +85,7 @@ def _sha(host: SystemdHost, path: str) -> str:
     return hashlib.sha256(host.run("cat", path).stdout.encode()).hexdigest()
 
 
+@pytest.mark.usefixtures("deployed")
 def test_restart_goes_through_the_unit_and_proves_the_new_main_pid(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
@@ -111,6 +119,7 @@ def test_restart_goes_through_the_unit_and_proves_the_new_main_pid(
     assert "DDTREE: budget=4 topk=4" in logs.stdout
 
 
+@pytest.mark.usefixtures("deployed")
 def test_systemd_restarts_a_killed_server_with_the_patched_flags_and_service_status_says_so(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
@@ -136,6 +145,7 @@ def test_systemd_restarts_a_killed_server_with_the_patched_flags_and_service_sta
     assert f"sglang.service active (running), {restarts + 1} restart(s) by systemd, our drop-in, enabled" in table
 
 
+@pytest.mark.usefixtures("deployed")
 def test_after_a_reboot_the_unit_comes_back_serving_the_patched_launch(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
 ) -> None:
@@ -169,6 +179,14 @@ def test_rollback_removes_the_dropin_and_the_operators_execstart_serves_again(
     assert cmdline(host, main_pid(host)) == operator_argv and serving(host)
     status = json_data(cli("-i", inv, "--json", "service-status", "sd-0").stdout)["hosts"][0]["result"]
     assert status["run"] == "the unit's own ExecStart" and not status["unit"]["dropin_in_effect"]
+    # Rolled back, the host's SGLang knows no DDTREE: a DDTREE restart is refused before the
+    # unit is touched, naming the remedy, and the operator's server goes on serving.
+    pid = main_pid(host)
+    refused = cli("-i", inv, "--json", "restart", "sd-0", *DDTREE4)
+    assert refused.exit_code == 4, refused.stdout + refused.stderr
+    (error,) = [e for e in read_envelope(refused.stdout)["errors"] if e["host"] == "sd-0"]
+    assert error["code"] == "not_deployed" and "`ddtree-ops deploy sd-0`" in error["message"], error
+    assert main_pid(host) == pid and serving(host) and host.run("test", "-e", DROPIN, check=False).returncode == 1
 
 
 def test_an_odd_argument_reaches_the_server_exactly_through_execstart(
@@ -182,6 +200,7 @@ def test_an_odd_argument_reaches_the_server_exactly_through_execstart(
     assert argv[-2:] == ["--served-model-name", odd]
 
 
+@pytest.mark.usefixtures("deployed")
 def test_a_capture_failure_relaunches_eager_through_the_dropin(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
@@ -224,6 +243,7 @@ class ExecveTrace:
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed (apt-get install strace)")
+@pytest.mark.usefixtures("deployed")
 def test_the_inventory_env_never_reaches_a_command_line_nor_the_dropin(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
@@ -282,7 +302,7 @@ def test_a_unit_that_cannot_be_driven_is_refused_in_one_line_with_nothing_change
     else:
         inv = _write_inventory(systemd_host, sd_env / "inv.yaml", unit=settings["unit"])
     before = (main_pid(host), host.run("sh", "-c", "ls -R /etc/systemd/system | md5sum").stdout)
-    done = cli("-i", str(inv), "--json", "restart", "sd-0", *DDTREE4)
+    done = cli("-i", str(inv), "--json", "restart", "sd-0", "--algorithm", "AR")
     assert done.exit_code == 5, done.stdout + done.stderr
     env = read_envelope(done.stdout)
     host_error = next(e for e in env["errors"] if e["host"] == "sd-0")
@@ -312,6 +332,7 @@ def test_stop_is_systemctl_stop(systemd_host: SystemdFleet, host: SystemdHost, c
     assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] == "inactive"
 
 
+@pytest.mark.usefixtures("deployed")
 def test_a_sweep_holds_the_host_and_switches_trees_live_through_the_unit(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
@@ -343,6 +364,7 @@ def test_a_sweep_holds_the_host_and_switches_trees_live_through_the_unit(
     assert host.run("test", "-e", "/var/lib/ddtree-ops/sweep.lease", check=False).returncode == 1
 
 
+@pytest.mark.usefixtures("deployed")
 def test_logs_follow_reads_the_journal_from_its_cursor(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
 ) -> None:
@@ -378,6 +400,7 @@ def test_a_unit_that_exits_while_loading_is_named_with_its_result_and_stopped(
     assert host.systemctl_show(UNIT, "ActiveState")["ActiveState"] in ("inactive", "failed")
 
 
+@pytest.mark.usefixtures("deployed")
 def test_restart_without_an_algorithm_repeats_the_units_last_launch_of_ours(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any]
 ) -> None:
