@@ -51,8 +51,9 @@ class ServerConfig:
 
     @property
     def key(self) -> str:
+        # The sweep's own names: ``topk`` is the tree's, ``top_k`` (Sampling.key) the sampler's.
         if self.algorithm == "ddtree":
-            return f"ddtree-b{self.budget}-k{self.topk}"
+            return f"ddtree-b{self.budget}-topk{self.topk}"
         if self.algorithm == "dflash" and self.budget is not None:
             return f"dflash-n{self.budget}"
         return self.algorithm
@@ -96,7 +97,8 @@ class LaunchConfig:
     def key(self) -> str:
         if not self.live:
             return self.server.key
-        return f"ddtree-states-b{'.'.join(map(str, self.budgets))}-k{self.topk_max}"
+        # Commas, not dots: "b4.8.16" read as a budget of 4.8.
+        return f"ddtree-states-b{','.join(map(str, self.budgets))}-topk{self.topk_max}"
 
     def serves(self, server: ServerConfig) -> bool:
         """Whether a cell of ``server`` can be measured on this launch."""
@@ -117,7 +119,7 @@ class Sampling:
 
     @property
     def key(self) -> str:
-        return f"t{self.temperature:g}-p{self.top_p:g}-k{self.top_k}"
+        return f"t{self.temperature:g}-top_p{self.top_p:g}-top_k{self.top_k}"
 
     def as_params(self) -> dict[str, float | int]:
         """SGLang ``sampling_params`` entries (top_k -1 = disabled, as SGLang spells it)."""

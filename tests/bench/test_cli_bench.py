@@ -60,7 +60,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
     # chain per verify width (root + 4, root + 8 drafted tokens), each its own launch.
     assert plan["hosts"] == ["sim-x"] and plan["restarts_per_host"] == 3 and plan["rows_per_host"] == 8
     assert plan["relaunch"] == "never" and plan["switches_per_host"] == 4
-    assert [g["server"] for g in plan["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-states-b4.8-k4"]
+    assert [g["server"] for g in plan["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-states-b4,8-topk4"]
     assert [(g["live"], g["budgets"]) for g in plan["groups"]] == [(False, []), (False, []), (True, [4, 8])]
     assert plan["estimated_s"]["sim-x"] > 2 * 2  # at least the expected load time per launch
     # Both modes side by side: relaunching per tree costs one launch more here.
@@ -72,7 +72,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
         tmp_path, baselines=["dflash"], relaunch="always",
         grid={"algorithm": ["ddtree"], "budget": [4, 8], "temperature": [0.0, 0.6]})), "--dry-run",
         cwd=tmp_path).stdout)
-    assert [g["server"] for g in old["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-b4-k4", "ddtree-b8-k4"]
+    assert [g["server"] for g in old["groups"]] == ["dflash-n5", "dflash-n9", "ddtree-b4-topk4", "ddtree-b8-topk4"]
     assert old["restarts_per_host"] == 4 and old["switches_per_host"] == 0
     assert plan["clients"] == {"sim-x": "host"}  # the server binds loopback: load from the host
     assert not (tmp_path / "results").exists()

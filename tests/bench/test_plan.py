@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_ops.bench.plan import LaunchConfig, ServerConfig, estimate_seconds, expand_cells, plan_sweep
+from ddtree_ops.bench.plan import Cell, LaunchConfig, Sampling, ServerConfig, estimate_seconds, expand_cells, plan_sweep
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.errors import SweepError
 
@@ -170,3 +170,12 @@ def test_live_estimate_pays_one_load_and_a_switch_per_run(tmp_path: Path) -> Non
     measuring = estimate_seconds(old, **kw) - 360 * old.restarts
     assert estimate_seconds(live, **kw, switch_s=0.5) == pytest.approx(360 + measuring + 0.5 * live.switches)
     assert estimate_seconds(live, **kw) < estimate_seconds(old, **kw) / 4
+
+
+def test_cell_ids_name_the_tree_top_k_and_the_sampling_top_k_apart() -> None:
+    """A cell id says which top-k is the tree's and which the sampler's (the sweep's own key
+    names), and a live launch's budgets never read as a decimal ("b4.8.16")."""
+    cell = Cell(ServerConfig("ddtree", 16, 4), Sampling(0.7, 0.95, 20), 8)
+    assert cell.key == "ddtree-b16-topk4|t0.7-top_p0.95-top_k20|c8"
+    live = LaunchConfig("ddtree", 4, 4, budgets=(4, 8, 16), topk_max=4)
+    assert live.key == "ddtree-states-b4,8,16-topk4"

@@ -54,7 +54,7 @@ def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_pat
     assert [s["slot"] for s in sched["slots"]] == ["sim-x/0", "sim-x/1"]
     assert [s["gpus"] for s in sched["slots"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     placed = sorted(j["server"] for s in sched["slots"] for j in s["jobs"])
-    assert placed == ["autoregressive", "ddtree-b4-k2", "ddtree-b8-k2"]
+    assert placed == ["autoregressive", "ddtree-b4-topk2", "ddtree-b8-topk2"]
     assert all(s["jobs"] for s in sched["slots"])  # three launches on two slots: none idle
     assert sched["wall_s"] < plan["estimated_s"]["sim-x"]
     text = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
@@ -64,7 +64,7 @@ def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_pat
     # Live switching (the default): the DDTree launch takes one slot, the baseline the other.
     live = json_data(cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)), "--dry-run",
                          cwd=tmp_path).stdout)["slot_schedules"]["sim-x"]
-    assert sorted(j["server"] for s in live["slots"] for j in s["jobs"]) == ["autoregressive", "ddtree-states-b4.8-k2"]
+    assert sorted(j["server"] for s in live["slots"] for j in s["jobs"]) == ["autoregressive", "ddtree-states-b4,8-topk2"]
     assert all(len(s["jobs"]) == 1 for s in live["slots"])
 
 
