@@ -241,15 +241,21 @@ def progress_bar(console: Console, *, disable: bool) -> Progress:
     """One line per host: host, bar, rows done, time left, what it is doing. At 80 columns
     the description (phase, cell, slot) keeps most of the line: a short bar, and the time
     left says what it is."""
+    # rich squeezes every column of a line too long for the terminal: host, bar and count
+    # shrank to "si…" and the bar vanished. They keep their width; the description alone
+    # gives way (its end cut with "…"), taking what is left of the line.
     return Progress(
-        TextColumn("{task.fields[host]}"),
-        BarColumn(bar_width=12),
-        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[host]}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=8, table_column=Column(no_wrap=True, min_width=8)),
+        TextColumn("{task.completed}/{task.total}", table_column=Column(no_wrap=True)),
         _TimeLeftColumn(),
-        TextColumn("{task.description}", markup=False),  # cell keys, slots, errors: plain text
+        # Cell keys, slots, errors: plain text.
+        TextColumn("{task.description}", markup=False,
+                   table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)),
         console=console,
         disable=disable,
         transient=False,
+        expand=True,
     )
 
 
