@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport.base import interrupting
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -109,6 +110,10 @@ def run_on_hosts(
         except BaseException:
             for _, future in futures:
                 future.cancel()
+            # The running workers wait on commands the Ctrl-C never reached: end them
+            # rather than wait for each to finish by itself.
+            with interrupting():
+                pool.shutdown(wait=True)
             raise
     return FleetResult(results)
 

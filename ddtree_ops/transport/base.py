@@ -11,9 +11,33 @@ so that no user value is ever pasted into shell syntax.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+# Ctrl-C reaches only the main thread. A fan-out's workers, each waiting on a command, never
+# see it, and the pool's shutdown then waits for every remote program to end by itself
+# (minutes for a selftest --e2e). While this is set, every transport's run() ends the
+# command it waits on (its process group, as on a Ctrl-C in its own thread) and raises
+# Interrupted.
+_INTERRUPT = threading.Event()
+
+
+@contextmanager
+def interrupting() -> Iterator[None]:
+    """Inside the block, commands being waited on in any thread are ended (see above)."""
+    _INTERRUPT.set()
+    try:
+        yield
+    finally:
+        _INTERRUPT.clear()
+
+
+def interrupted() -> bool:
+    """Whether commands are being ended (:func:`interrupting`)."""
+    return _INTERRUPT.is_set()
 
 
 @dataclass(frozen=True)

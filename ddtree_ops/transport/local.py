@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from ddtree_ops.errors import CommandFailed, CommandTimeout, RemoteFileError
+from ddtree_ops.errors import CommandFailed, CommandTimeout, Interrupted, RemoteFileError
 from ddtree_ops.fsutil import open_regular, write_atomic_local
 from ddtree_ops.transport.base import (
     Command,
@@ -35,6 +35,7 @@ from ddtree_ops.transport.base import (
     RoundTripCounter,
     Script,
     command_text,
+    interrupted,
     os_error_reason,
 )
 from ddtree_ops.transport.translate import translate_errors
@@ -113,10 +114,8 @@ class LocalTransport:
             result = CommandResult(126, "", f"{argv[0]}: Permission denied\n", time.monotonic() - start)
         else:
             try:
-                if on_line is None:
-                    out, err = proc.communicate(stdin.encode(), timeout=timeout)
-                else:
-                    out, err = _communicate_lines(proc, stdin.encode(), timeout, LineFeed(on_line))
+                feed = LineFeed(on_line) if on_line is not None else None
+                out, err = _communicate_lines(proc, stdin.encode(), timeout, feed)
             except subprocess.TimeoutExpired as exc:
                 _end_group(proc)
                 raise CommandTimeout(
@@ -159,12 +158,17 @@ class LocalTransport:
         return os.path.lexists(expand_path(path))
 
 
+# How often a waiting command looks whether it is being ended (transport.base.interrupting).
+_INTERRUPT_POLL_S = 0.25
+
+
 def _communicate_lines(
-    proc: subprocess.Popen[bytes], data: bytes, timeout: float | None, feed: LineFeed
+    proc: subprocess.Popen[bytes], data: bytes, timeout: float | None, feed: LineFeed | None
 ) -> tuple[bytes, bytes]:
-    """``communicate`` that hands stdout to ``feed`` as it arrives. Raises
+    """``communicate`` that hands stdout to ``feed`` (if any) as it arrives. Raises
     subprocess.TimeoutExpired past ``timeout``, like ``communicate``, so that the caller
-    ends the group the same way."""
+    ends the group the same way, and Interrupted while commands are being ended
+    (:func:`~ddtree_ops.transport.base.interrupting`)."""
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     deadline = None if timeout is None else time.monotonic() + timeout
     out, err = bytearray(), bytearray()
@@ -178,8 +182,10 @@ def _communicate_lines(
         sel.register(proc.stdout, selectors.EVENT_READ)
         sel.register(proc.stderr, selectors.EVENT_READ)
         while sel.get_map():
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
+            if interrupted():
+                raise Interrupted("interrupted: the command was ended")
+            wait = _INTERRUPT_POLL_S if deadline is None else min(_INTERRUPT_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
                 raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
             for key, _ in sel.select(wait):
                 if key.fileobj is proc.stdin:
@@ -196,10 +202,12 @@ def _communicate_lines(
                     sel.unregister(key.fileobj)
                 elif key.fileobj is proc.stdout:
                     out.extend(chunk)
-                    feed.feed(chunk)
+                    if feed is not None:
+                        feed.feed(chunk)
                 else:
                     err.extend(chunk)
-    feed.close()
+    if feed is not None:
+        feed.close()
     proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     return bytes(out), bytes(err)
 

@@ -53,6 +53,7 @@ from ddtree_ops.errors import (
     ConfigError,
     ConnectError,
     HostKeyError,
+    Interrupted,
     RemoteFileError,
 )
 from ddtree_ops.fsutil import read_regular_text
@@ -66,6 +67,7 @@ from ddtree_ops.transport.base import (
     RoundTripCounter,
     Script,
     command_text,
+    interrupted,
     os_error_reason,
 )
 from ddtree_ops.transport.translate import Message, strerror_or_text, text_or_type, translate_errors
@@ -594,6 +596,9 @@ class SSHTransport:
                         break
                     if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
                         break
+                    if interrupted():
+                        # Another thread took the Ctrl-C (transport.base.interrupting).
+                        raise KeyboardInterrupt
                     wait = 1.0
                     if deadline is not None:
                         wait = deadline - time.monotonic()
@@ -608,6 +613,8 @@ class SSHTransport:
                 # without this the command would run on after the channel closes (no pty).
                 if pgid is not None:
                     self._end_group(chan.get_transport(), pgid, reason="interrupted")
+                if interrupted():
+                    raise Interrupted("interrupted: the command was ended", host=self.host) from None
                 raise
         if not chan.exit_status_ready():
             # The channel closed without an exit status: the connection (or sshd) went away.

@@ -221,3 +221,56 @@ def test_table_rendering_names_each_host_and_its_outcome(monkeypatch: pytest.Mon
     assert "c: bundle not deployed: x" in out
     with obj.console.capture() as cap:
         assert _render(obj, {"a": good}) is False
+
+
+def _sleeping_python(path: Path, pid_file: Path) -> Path:
+    """A host interpreter that says its pid, then runs far longer than any test: a selftest
+    program that would hold its host for minutes."""
+    path.write_text(f"#!/bin/sh\necho $$ > {str(pid_file)!r}\nexec sleep 300\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("connection", ["local", pytest.param("ssh", marks=pytest.mark.fleet)])
+def test_ctrl_c_ends_every_hosts_running_selftest_program_at_once(
+    tmp_path: Path, connection: str, request: pytest.FixtureRequest
+) -> None:
+    """Ctrl-C while each host's program runs in a fan-out worker (which never sees the
+    KeyboardInterrupt): the command exits 130 within seconds and ends every host's
+    program, instead of waiting for each one to finish by itself."""
+    import signal
+    import time
+
+    names = ("h1", "h2")
+    pids = {n: tmp_path / f"{n}.pid" for n in names}
+    pythons = {n: _sleeping_python(tmp_path / f"{n}-python", pids[n]) for n in names}
+    if connection == "local":
+        inv = _inventory(tmp_path / "inv.yaml", pythons)
+    else:
+        fleet = request.getfixturevalue("ssh_fleet")
+        doc = yaml.safe_load(fleet.inventory.read_text())
+        hosts = doc["all"]["children"]["fleet"]["hosts"]
+        doc["all"]["children"]["fleet"]["hosts"] = {
+            n: {**hosts[fh.name], "ddtree": {**hosts[fh.name]["ddtree"], "python": str(pythons[n])}}
+            for n, fh in zip(names, fleet.hosts, strict=False)
+        }
+        inv = tmp_path / "inv.yaml"
+        inv.write_text(yaml.safe_dump(doc))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "selftest", "all"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.read_text().strip() for p in pids.values()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        programs = [int(p.read_text()) for p in pids.values()]
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    for pid in programs:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
