@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.errors import SweepError
+from ddtree_ops.fsutil import open_regular
 from ddtree_ops.workload.jsontext import json_value
 from ddtree_ops.workload.prompt import Prompt
 
@@ -313,6 +314,9 @@ def locate(ds: Dataset, path: Path | None) -> tuple[Path, ...]:
     if path is not None:
         if path.is_dir():
             return data_files(ds, path)
+        if path.exists() and not path.is_file():
+            # A FIFO or a device named like a data file: never opened (a read could block).
+            raise SweepError(f"{path}: not a regular file or folder (a {ds.title} data file is read whole)")
         if not path.is_file():
             raise SweepError(f"{path}: no such file or folder for {ds.title}")
         return (path,)
@@ -343,7 +347,9 @@ def _json_lines(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 
 def _read_text(path: Path) -> str:
     try:
-        raw = path.read_bytes()
+        # Only a regular file: a FIFO named like a data file would block the sweep forever.
+        with os.fdopen(open_regular(path), "rb") as fh:
+            raw = fh.read()
         if path.name.endswith(".gz"):
             raw = gzip.decompress(raw)
         return raw.decode("utf-8")

@@ -10,6 +10,7 @@ is read, so the run dir must not exist afterwards.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,11 @@ class Link:
     target: str
 
 
+@dataclass(frozen=True)
+class Fifo:
+    """A named pipe with no writer."""
+
+
 def sweep(workload: str) -> str:
     return f"name: s\ntargets: [h1]\ngrid: {{budget: [4]}}\nworkload: {workload}\n"
 
@@ -50,7 +56,7 @@ DEEP = "[" * 200_000 + "]" * 200_000
 @dataclass(frozen=True)
 class Case:
     name: str
-    files: dict[str, str | Link]  # relative path -> content ({tmp} is the test's directory)
+    files: dict[str, str | Link | Fifo]  # relative path -> content ({tmp} is the test's directory)
     args: tuple[str, ...]
     code: int
     expect: str  # a substring of the one stderr line ({tmp} as above)
@@ -95,18 +101,24 @@ CASES = [
          BENCH, 2, "{tmp}/s.yaml: workload.datasets[0].nme: unknown key (did you mean 'name'?"),
     # --- a GPU name with control characters, drawn in a plot: matplotlib's missing-glyph
     # warning quotes the character; it reaches the terminal escaped, once
+    # --- a FIFO named like a data file: reading it would block the sweep forever
+    Case("data-set file that is a FIFO",
+         {"s.yaml": sweep("{dataset: gsm8k, path: test.jsonl}"), "test.jsonl": Fifo()},
+         BENCH, 2, "{tmp}/test.jsonl: not a regular file or folder"),
     Case("GPU name with an escape, plotted",
          {"ledger.jsonl": ledger("RTX\x1b[2J\x1b[31mPRO")},
          REPORT, 0, "warning: Glyph 27 (\\x1b) missing from font"),
 ]
 
 
-def _write(tmp_path: Path, files: dict[str, str | Link]) -> None:
+def _write(tmp_path: Path, files: dict[str, str | Link | Fifo]) -> None:
     for rel, content in {"inv.yaml": INVENTORY, **files}.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, Link):
             path.symlink_to(content.target)
+        elif isinstance(content, Fifo):
+            os.mkfifo(path)
         else:
             path.write_text(content.replace("{tmp}", str(tmp_path)), encoding="utf-8")
 
@@ -127,5 +139,6 @@ def test_hostile_dataset_input(case: Case, tmp_path: Path, cli, clean_home: Path
     # Shown safely: no raw control character (a newline ends the line, nothing else).
     assert all(ch.isprintable() or ch == "\n" for ch in res.stdout + res.stderr), repr(res.stdout + res.stderr)
     assert not (tmp_path / "run").exists(), "a host was touched"
-    # Plotting imports matplotlib and draws four figures; every refusal is at once.
-    assert elapsed < (8.0 if case.args is REPORT else 2.0), f"took {elapsed:.2f} s"
+    # A hang guard (a read that blocks, a parser that never ends), not a speed target: speed
+    # is never asserted in tests. Refusals take ~0.01 s here, the plot case ~1.5 s.
+    assert elapsed < 30.0, f"took {elapsed:.2f} s"

@@ -64,7 +64,8 @@ def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_pat
     # Live switching (the default): the DDTree launch takes one slot, the baseline the other.
     live = json_data(cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)), "--dry-run",
                          cwd=tmp_path).stdout)["slot_schedules"]["sim-x"]
-    assert sorted(j["server"] for s in live["slots"] for j in s["jobs"]) == ["autoregressive", "ddtree-states-b4,8-topk2"]
+    jobs = sorted(j["server"] for s in live["slots"] for j in s["jobs"])
+    assert jobs == ["autoregressive", "ddtree-states-b4,8-topk2"]
     assert all(len(s["jobs"]) == 1 for s in live["slots"])
 
 

@@ -125,4 +125,6 @@ def test_hostile_input(case: Case, tmp_path: Path, cli, clean_home: Path) -> Non
     started = time.monotonic()
     assert cli("-i", str(inventory), *case.args).exit_code == case.code
     elapsed = time.monotonic() - started
-    assert elapsed < 1.0, f"took {elapsed:.2f} s"
+    # A hang guard (a refusal that waited on a host or a connect timeout), not a speed
+    # target: speed is never asserted in tests. Refusals take ~0.01 s here.
+    assert elapsed < 20.0, f"took {elapsed:.2f} s"
