@@ -95,6 +95,9 @@ def policy_problem(document: Any) -> str | None:
             return f"{where}: budget {entry['budget']} is not in ddtree.budgets {budgets}"
         if entry["topk"] > topk_max:
             return f"{where}: top-k {entry['topk']} is above ddtree.topk_max {topk_max}"
+    eager = tree.get("eager_budgets", [])
+    if not isinstance(eager, list) or any(budget not in budgets for budget in eager):
+        return f"ddtree.eager_budgets {eager!r} must be a list of budgets in ddtree.budgets {budgets}"
     return None
 
 

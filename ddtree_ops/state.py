@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,15 @@ class FallbackKey:
         if self.budget is None or other.budget is None:
             return self.budget == other.budget
         return self.budget <= other.budget
+
+    def likely_covers(self, other: FallbackKey) -> bool:
+        """Whether a fallback recorded at this key is a *likely* one for a launch at
+        ``other``, at another top-k: everything else as :meth:`covers`. The crash is the
+        verify width's (the budget), and the top-k only changes which tree the draft's
+        candidates build, so a failure at one top-k is taken for the others rather than
+        paid for with a failed launch at each; the record keeps its own top-k, so the
+        caller can say it was assumed."""
+        return self.topk != other.topk and replace(self, topk=other.topk).covers(other)
 
 
 @dataclass(frozen=True)
@@ -226,6 +235,17 @@ class StateStore:
         that covers it (see :meth:`FallbackKey.covers`), or None."""
         covering = [r for r in self.fallbacks() if r.key.covers(key)]
         return min(covering, key=lambda r: -1 if r.key.budget is None else r.key.budget, default=None)
+
+    def likely_fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
+        """The record at another top-k that likely sends a launch at ``key`` eager (see
+        :meth:`FallbackKey.likely_covers`): the smallest budget, then the nearest top-k; None
+        when none does. Consulted only where :meth:`fallback_for` finds nothing."""
+        likely = [r for r in self.fallbacks() if r.key.likely_covers(key)]
+
+        def rank(r: FallbackRecord) -> tuple[int, int]:
+            return (-1 if r.key.budget is None else r.key.budget, abs((r.key.topk or 0) - (key.topk or 0)))
+
+        return min(likely, key=rank, default=None)
 
     def fallbacks(self) -> list[FallbackRecord]:
         out: list[FallbackRecord] = []

@@ -35,6 +35,7 @@ from ddtree_ops.patching.placed import PlacedFile, place_file, restore_file
 from ddtree_ops.probe import HostFacts, probe_host
 from ddtree_ops.report.policy import Policy
 from ddtree_ops.service import lifecycle
+from ddtree_ops.service.fallback import RuntimeBudgets, fallback_key, plan_runtime_budgets
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.service.manager import LeasePass
@@ -135,15 +136,17 @@ def deploy_policy(
     policy = policy_of(target, policies)
     servers = host.slot_hosts()
     before = {server.name: lifecycle.remember_server(transport, server) for server in servers}
-    placed = place_file(transport, host, policy.render().encode())
+    planned = runtime_budgets(transport, host, policy, facts, state)
+    text = policy.render(planned.eager_budgets)
+    placed = place_file(transport, host, text.encode())
     if on_placed is not None:
         on_placed(PolicyUndo(host.name, placed, before))
     record = PolicyRecord(
-        host=host.machine, path=placed.path, sha256=placed.sha256, config=policy.render(),
-        machine_type=policy.machine, temperature=policy.temperature, budget=policy.launch.budget,
+        host=host.machine, path=placed.path, sha256=placed.sha256, config=text,
+        machine_type=policy.machine, temperature=policy.temperature, budget=planned.launch_budget,
         topk=policy.launch.topk, recorded_at=0.0,
     )
-    run = RunConfig("DDTREE", budget=policy.launch.budget, topk=policy.launch.topk)
+    run = RunConfig("DDTREE", budget=planned.launch_budget, topk=policy.launch.topk)
     touched: list[Host] = []
     results: list[lifecycle.RestartResult] = []
     try:
@@ -151,7 +154,7 @@ def deploy_policy(
             touched.append(server)
             request = lifecycle.prepare_restart(
                 transport, server, run, machine=host, facts=facts, lease=lease, timeout=timeout,
-                stop_grace_s=stop_grace_s, smoke=smoke, tree_policy=record,
+                stop_grace_s=stop_grace_s, smoke=smoke, tree_policy=record, state=state,
             )
             results.append(lifecycle.restart(transport, request, state=state, on_phase=on_phase, cancel=cancel))
     except BaseException as exc:
@@ -163,9 +166,23 @@ def deploy_policy(
     state.record_policy(replace(record, recorded_at=time.time()))
     return DeployedPolicy(
         host=host.name, machine_type=policy.machine, learned_from=target.learned_from, path=placed.path,
-        sha256=placed.sha256, replaced=placed.previous is not None, budget=policy.launch.budget,
+        sha256=placed.sha256, replaced=placed.previous is not None, budget=planned.launch_budget,
         topk=policy.launch.topk, servers=tuple(results),
     )
+
+
+def runtime_budgets(
+    transport: Transport, host: Host, policy: Policy, facts: HostFacts, state: StateStore
+) -> RuntimeBudgets:
+    """Which of ``policy``'s budgets its file lists in ``ddtree.eager_budgets`` on ``host``,
+    and the launch budget: the budgets recorded to fail capture on this machine (its GPU
+    arch and SGLang, as the restart keys them) serve eager, and the others keep their graphs,
+    instead of the whole server going eager for one large budget. The launch moves off an
+    eager budget (the bundle refuses it there) to the largest one with graphs."""
+    launch = lifecycle.launch_facts(transport, host, facts)
+    run = RunConfig("DDTREE", budget=policy.launch.budget, topk=policy.launch.topk)
+    key = fallback_key(host, run, arch=launch.gpu_arch, sglang_version=launch.sglang_version)
+    return plan_runtime_budgets(state, key, policy.budgets)
 
 
 def undo_policy(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ddtree_ops import lockholder
@@ -103,24 +103,33 @@ class SweepServer:
 
     def restart(self, launch: LaunchConfig, samplings: Iterable[Sampling], facts: HostFacts | None) -> RestartResult:
         """Launch ``launch`` and wait until it serves (lifecycle errors propagate)."""
+        from ddtree_ops.service.fallback import fallback_key, plan_runtime_budgets
         from ddtree_ops.service.lifecycle import prepare_restart
         from ddtree_ops.service.smoke import SmokeSampling, SmokeSpec
+        from ddtree_ops.state import StateStore
 
         smoke = SmokeSpec.for_samplings(
             SmokeSampling.of(s.temperature, s.top_p, s.top_k) for s in samplings
         ) if self._options.smoke else None
-        adaptive = None
+        request = prepare_restart(
+            self.transport, self.host, run_config(launch), machine=self.machine,
+            facts=facts, lease=self.lease_pass(), timeout=self._options.restart_timeout, smoke=smoke,
+        )
         if launch.live:
-            name, content = states_file(launch)
+            # The budgets recorded to fail capture here serve eager (the states' eager_budgets)
+            # and the others keep their graphs; the launch moves off an eager budget.
+            run = request.run
+            planned = plan_runtime_budgets(
+                StateStore(), fallback_key(self.host, run, arch=request.facts.gpu_arch,
+                                           sglang_version=request.facts.sglang_version), launch.budgets,
+            )
+            name, content = states_file(launch, eager_budgets=planned.eager_budgets)
             # Through the agent (stdin), not SFTP: a host's sshd may offer no SFTP subsystem.
             self.services.put_run_file(self.transport, self.host, name, content)
             # Relative on purpose: the server runs in the run dir (the process manager's cwd,
             # a systemd unit's WorkingDirectory), whatever ``~`` or a relative run dir means there.
-            adaptive = name
-        request = prepare_restart(
-            self.transport, self.host, run_config(launch, adaptive_config=adaptive), machine=self.machine,
-            facts=facts, lease=self.lease_pass(), timeout=self._options.restart_timeout, smoke=smoke,
-        )
+            request = replace(request, run=replace(run, budget=planned.launch_budget, adaptive_config=name),
+                              runtime_note=planned.note)
         result = self.services.restart(self.transport, request, cancel=self._cancel)
         self.started = True
         return result

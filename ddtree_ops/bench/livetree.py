@@ -27,8 +27,13 @@ from ddtree_ops.bench.plan import LaunchConfig
 STATES_FILE_PREFIX = "runtime-states-"
 
 
-def states_file(launch: LaunchConfig) -> tuple[str, bytes]:
+def states_file(launch: LaunchConfig, *, eager_budgets: tuple[int, ...] = ()) -> tuple[str, bytes]:
     """(file name, content) of ``launch``'s ``--speculative-adaptive-config`` file.
+
+    ``eager_budgets``: the budgets recorded to fail capture on this machine
+    (:func:`ddtree_ops.service.fallback.plan_runtime_budgets`), listed as the bundle's
+    ``ddtree.eager_budgets``: served eager without a capture attempt, while the others keep
+    their graphs (left out when none, so a launch without fallbacks names the same file).
 
     Capture failures serve the budget eager (``on_capture_failure: eager``) rather than
     dropping it: the cell is still measured, and its rows say eager, so a report never
@@ -37,7 +42,11 @@ def states_file(launch: LaunchConfig) -> tuple[str, bytes]:
     """
     if not launch.live or launch.topk_max is None:
         raise ValueError(f"{launch.key} has no runtime states")
-    body = {"ddtree": {"budgets": list(launch.budgets), "topk_max": launch.topk_max, "on_capture_failure": "eager"}}
+    body: dict[str, Any] = {
+        "ddtree": {"budgets": list(launch.budgets), "topk_max": launch.topk_max, "on_capture_failure": "eager"}
+    }
+    if eager_budgets:
+        body["ddtree"]["eager_budgets"] = sorted(eager_budgets)
     content = (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
     return f"{STATES_FILE_PREFIX}{hashlib.sha256(content).hexdigest()[:12]}.json", content
 

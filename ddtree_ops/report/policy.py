@@ -119,14 +119,18 @@ class Policy:
         """The whole ``--speculative-adaptive-config`` document."""
         return {"ddtree": {"budgets": list(self.budgets), "topk_max": self.topk_max, "policy": self.policy_map()}}
 
-    def render(self) -> str:
+    def render(self, eager_budgets: tuple[int, ...] = ()) -> str:
         """The file's text: deterministic, so that its sha256 names its content, and one
-        line per batch size, so that a person reads it (and diffs two of them) at a glance."""
+        line per batch size, so that a person reads it (and diffs two of them) at a glance.
+        ``eager_budgets``: the bundle's ``ddtree.eager_budgets``, the budgets this machine
+        is recorded to fail capturing (the eager fallbacks), left out when none."""
         tree = self.config()["ddtree"]
         entries = ",\n".join(f"      {json.dumps(bs)}: {json.dumps(e)}" for bs, e in tree["policy"].items())
+        eager = f'    "eager_budgets": {json.dumps(sorted(eager_budgets))},\n' if eager_budgets else ""
         return (
             '{\n  "ddtree": {\n'
             f'    "budgets": {json.dumps(tree["budgets"])},\n'
+            f"{eager}"
             f'    "topk_max": {json.dumps(tree["topk_max"])},\n'
             f'    "policy": {{\n{entries}\n    }}\n'
             "  }\n}\n"

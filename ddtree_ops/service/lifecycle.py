@@ -44,7 +44,9 @@ from ddtree_ops.service.fallback import (
     capture_failure,
     fallback_key,
     initial_cuda_graph,
+    plan_runtime_budgets,
     probed_gpu_arch,
+    runtime_capture_failures,
 )
 from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec, probe_address
 from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
@@ -214,7 +216,10 @@ class RestartRequest:
     ``--force`` overrides); ``tree_policy`` the tuned DDTREE policy ``run`` launches with
     (its ``adaptive_config``), which the server must report active before it is ready;
     ``keep_on_failure`` leaves a launch that did not become ready (timed out, or the wait
-    cancelled) running for inspection instead of stopping it.
+    cancelled) running for inspection instead of stopping it. ``runtime_note``: why a
+    launch holding several budgets lists some in ``ddtree.eager_budgets`` (the recorded
+    fallbacks, :func:`~ddtree_ops.service.fallback.plan_runtime_budgets`): the result's
+    ``fallback_reason`` when the launch serves with graphs.
     """
 
     host: Host
@@ -230,6 +235,7 @@ class RestartRequest:
     lease: LeasePass = field(default_factory=LeasePass)
     tree_policy: PolicyRecord | None = None
     keep_on_failure: bool = False
+    runtime_note: str | None = None
 
 
 # What a restart decodes before it says ready unless told otherwise (``--no-smoke``: None).
@@ -264,6 +270,7 @@ def prepare_restart(
     smoke: SmokeSpec | None = DEFAULT_SMOKE,
     tree_policy: PolicyRecord | None = None,
     keep_on_failure: bool = False,
+    state: StateStore | None = None,
 ) -> RestartRequest:
     """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
     to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
@@ -274,7 +281,9 @@ def prepare_restart(
     a sweep's lease on the host is treated (None: refused while another sweep holds it).
     ``tree_policy``: the tuned policy deployed on the machine (``StateStore.policy_for``),
     applied to a DDTREE ``run`` by :func:`with_tree_policy`; a sweep passes none, since a
-    policy would change the tree of the cell it measures.
+    policy would change the tree of the cell it measures. A policy's launch notes the
+    budgets its file serves eager (``ddtree.eager_budgets``, written by ``tune`` from the
+    recorded fallbacks in ``state``) as the restart's ``runtime_note``.
     """
     if host.slot is not None and machine is not None:
         pid = whole_host_server(transport, machine)
@@ -288,10 +297,20 @@ def prepare_restart(
     if run.algorithm == "DDTREE":
         refuse_undeployed(host, launch)
     run, applied = with_tree_policy(transport, host, run, tree_policy)
+    note = None
+    if applied is not None and run.budget is not None:
+        key = fallback_key(host, run, arch=launch.gpu_arch, sglang_version=launch.sglang_version)
+        planned = plan_runtime_budgets(state if state is not None else StateStore(), key, applied.budgets,
+                                       retry_cuda_graph=retry_cuda_graph)
+        listed = tuple(sorted(int(b) for b in applied.document.get("eager_budgets") or ()))
+        if listed and listed == planned.eager_budgets:
+            note = planned.note
+        elif listed:
+            note = f"eager_budgets {list(listed)} listed in {applied.path} (the other budgets keep their graphs)"
     return RestartRequest(
         host, run, launch, timeout=timeout, retry_cuda_graph=retry_cuda_graph,
         stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
-        tree_policy=applied, keep_on_failure=keep_on_failure,
+        tree_policy=applied, keep_on_failure=keep_on_failure, runtime_note=note,
     )
 
 
@@ -561,10 +580,22 @@ def restart(
                     state.record_fallback(key, pending_fallback)
                 if spec.cuda_graph and request.retry_cuda_graph:
                     state.clear_fallback(key)
+                info = attempt.last_poll.get("server_info") or {}
+                if spec.cuda_graph and run.adaptive_config is not None:
+                    # A runtime state whose capture failed is served eager by the bundle; it
+                    # is remembered at its own budget, so that the next launch holding it
+                    # lists it in eager_budgets instead of attempting the capture again.
+                    for budget, why in runtime_capture_failures(info):
+                        state.record_fallback(
+                            replace(key, budget=budget),
+                            f"runtime state budget {budget}: verify graph did not capture ({why})",
+                        )
+                if spec.cuda_graph and fallback_reason is None:
+                    fallback_reason = request.runtime_note
                 note = "serving" if smoke is None else f"serving; smoke {smoke.detail}"
                 smoke_s = smoke.seconds if smoke is not None else 0.0
                 emit(PhaseEvent(host.name, Phase.READY, outcome.elapsed_s + smoke_s, attempt=attempt_no, note=note))
-                served = served_cuda_graph(attempt.last_poll.get("server_info") or {})
+                served = served_cuda_graph(info)
                 return RestartResult(
                     host=host.name,
                     pid=launched.pid,
