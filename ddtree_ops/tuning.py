@@ -155,6 +155,7 @@ def deploy_policy(
             request = lifecycle.prepare_restart(
                 transport, server, run, machine=host, facts=facts, lease=lease, timeout=timeout,
                 stop_grace_s=stop_grace_s, smoke=smoke, tree_policy=record, state=state,
+                refresh_policy=False,
             )
             results.append(lifecycle.restart(transport, request, state=state, on_phase=on_phase, cancel=cancel))
     except BaseException as exc:

@@ -18,11 +18,13 @@ on, relaunches eager once and is remembered. A DDTREE restart with a tuned polic
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +43,7 @@ from ddtree_ops.errors import (
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import manager
 from ddtree_ops.service.fallback import (
+    RuntimeBudgets,
     capture_failure,
     fallback_key,
     initial_cuda_graph,
@@ -271,6 +274,7 @@ def prepare_restart(
     tree_policy: PolicyRecord | None = None,
     keep_on_failure: bool = False,
     state: StateStore | None = None,
+    refresh_policy: bool = True,
 ) -> RestartRequest:
     """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
     to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
@@ -283,7 +287,11 @@ def prepare_restart(
     applied to a DDTREE ``run`` by :func:`with_tree_policy`; a sweep passes none, since a
     policy would change the tree of the cell it measures. A policy's launch notes the
     budgets its file serves eager (``ddtree.eager_budgets``, written by ``tune`` from the
-    recorded fallbacks in ``state``) as the restart's ``runtime_note``.
+    recorded fallbacks in ``state``) as the restart's ``runtime_note``; where the fallbacks
+    recorded since ask for another set, the file is rewritten with it (and its launch budget
+    moved off an eager one) and its record updated, before anything is stopped
+    (``refresh_policy``; ``tune`` passes False: it wrote the file from the same records, and
+    its rollback expects the file it placed).
     """
     if host.slot is not None and machine is not None:
         pid = whole_host_server(transport, machine)
@@ -299,10 +307,13 @@ def prepare_restart(
     run, applied = with_tree_policy(transport, host, run, tree_policy)
     note = None
     if applied is not None and run.budget is not None:
+        state = state if state is not None else StateStore()
         key = fallback_key(host, run, arch=launch.gpu_arch, sglang_version=launch.sglang_version)
-        planned = plan_runtime_budgets(state if state is not None else StateStore(), key, applied.budgets,
-                                       retry_cuda_graph=retry_cuda_graph)
+        planned = plan_runtime_budgets(state, key, applied.budgets, retry_cuda_graph=retry_cuda_graph)
         listed = tuple(sorted(int(b) for b in applied.document.get("eager_budgets") or ()))
+        if listed != planned.eager_budgets and refresh_policy:
+            run, applied = _refresh_policy(transport, host, run, applied, planned, state)
+            listed = planned.eager_budgets
         if listed and listed == planned.eager_budgets:
             note = planned.note
         elif listed:
@@ -312,6 +323,26 @@ def prepare_restart(
         stop_grace_s=stop_grace_s, smoke=smoke, lease=lease if lease is not None else LeasePass(),
         tree_policy=applied, keep_on_failure=keep_on_failure, runtime_note=note,
     )
+
+
+def _refresh_policy(
+    transport: Transport, host: Host, run: RunConfig, record: PolicyRecord, planned: RuntimeBudgets,
+    state: StateStore,
+) -> tuple[RunConfig, PolicyRecord]:
+    """The policy file rewritten with ``planned``'s eager budgets (same policy, same path),
+    and its local record with it, so that the sha256 check of the next restart holds."""
+    from ddtree_ops.patching.placed import place_file
+
+    document = dict(record.document)
+    document.pop("eager_budgets", None)
+    if planned.eager_budgets:
+        document["eager_budgets"] = list(planned.eager_budgets)
+    text = json.dumps({"ddtree": document}, indent=2) + "\n"
+    placed = place_file(transport, host, text.encode(), name=PurePosixPath(record.path).name)
+    updated = replace(record, path=placed.path, sha256=placed.sha256, config=text, budget=planned.launch_budget,
+                      recorded_at=time.time())
+    state.record_policy(updated)
+    return replace(run, budget=planned.launch_budget, adaptive_config=updated.path), updated
 
 
 def refuse_undeployed(host: Host, facts: LaunchFacts) -> None:

@@ -111,3 +111,44 @@ def test_a_b300_record_at_9_sends_only_budget_16_of_a_policy_eager(tmp_path: Pat
         assert sorted((r.key.budget, r.key.topk) for r in StateStore(state).fallbacks()) == [(9, 4)]
     finally:
         ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)
+
+
+def test_a_restart_with_a_policy_lists_the_budgets_recorded_since_tune(tmp_path: Path, mini: MiniHost) -> None:
+    inv = sim_inventory(tmp_path, mini)
+    state = tmp_path / "state.json"
+    bin_dir = tmp_path / "bin"
+    write_nvidia_smi(bin_dir, "b300")
+    host = load_inventory([inv]).hosts["b1"]
+    ledger = tmp_path / "l.jsonl"
+    for (budget, topk, concurrency), tok_s in {(16, 4, 1): 500.0, (8, 4, 1): 400.0, (8, 4, 8): 900.0,
+                                               (16, 4, 8): 800.0}.items():
+        append_row(ledger, make_row(host="b1", gpu_name=B300, budget=budget, topk=topk, concurrency=concurrency,
+                                    output_tok_s=tok_s))
+    policy_file = mini.state_dir / "placed" / "ddtree-policy.json"
+    try:
+        assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
+        # Nothing recorded yet: tune launches at 16, its capture crashes, the server goes eager
+        # as a whole once, and the crash is recorded at 16.
+        tuned = run_cli(inv, "--json", "tune", str(ledger), "--deploy", "b1", state=state, path_first=bin_dir)
+        assert tuned.returncode == 0, tuned.stdout + tuned.stderr
+        assert "eager_budgets" not in json.loads(policy_file.read_text())["ddtree"]
+        assert [(r.key.budget, r.key.topk) for r in StateStore(state).fallbacks()] == [(16, 4)]
+
+        # The next restart with the policy rewrites its file: 16 eager, launched at 8 with graphs.
+        plain = run_cli(inv, "--json", "restart", "b1", "--algorithm", "DDTREE", state=state, path_first=bin_dir)
+        assert plain.returncode == 0, plain.stdout + plain.stderr
+        row = _restart_row(plain.stdout)
+        assert row["cuda_graph"] is True and row["attempts"] == 1 and "eager_budgets [16]" in row["fallback_reason"]
+        placed = json.loads(policy_file.read_text())["ddtree"]
+        assert placed["eager_budgets"] == [16] and placed["budgets"] == [8, 16]
+        assert _flag(_argv(host), "--speculative-num-draft-tokens") == "9"
+        assert {s["budget"]: s["cuda_graph"] for s in _live(host)["states"]} == {8: "captured", 16: "eager"}
+        remembered = StateStore(state).policy_for("b1")
+        assert remembered is not None and remembered.budget == 8 and json.loads(remembered.config) == {
+            "ddtree": placed}
+        # and the one after that finds the file it expects (no drift), unchanged
+        again = run_cli(inv, "--json", "restart", "b1", "--algorithm", "DDTREE", state=state, path_first=bin_dir)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert json.loads(policy_file.read_text())["ddtree"] == placed
+    finally:
+        ProcessManager(LocalTransport("b1"), host).stop(grace_s=5)
