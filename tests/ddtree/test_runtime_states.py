@@ -59,6 +59,14 @@ BAD = {
     "failure choice": ({"budgets": [16], "on_capture_failure": "retry"}, "ddtree.on_capture_failure must be one of"),
     "eager launch": ({"budgets": [4, 16], "eager_budgets": [16]}, "ddtree.eager_budgets holds the launch budget 16"),
     "unknown key": ({"budgets": [16], "budget": 8}, "ddtree.budget is not a key DDTREE reads"),
+    "memory fraction 0": ({"budgets": [16], "state_memory_fraction": 0},
+                          "ddtree.state_memory_fraction must be a number in (0, 1], got 0"),
+    "memory fraction > 1": ({"budgets": [16], "state_memory_fraction": 1.5},
+                            "ddtree.state_memory_fraction must be a number in (0, 1], got 1.5"),
+    "memory fraction text": ({"budgets": [16], "state_memory_fraction": "half"},
+                             "ddtree.state_memory_fraction must be a number in (0, 1], got 'half'"),
+    "memory fraction bool": ({"budgets": [16], "state_memory_fraction": True},
+                             "ddtree.state_memory_fraction must be a number in (0, 1], got True"),
 }
 
 
@@ -91,10 +99,20 @@ def _capture_fails_above_8(budget: int) -> str:
     return f"graph-{budget}"
 
 
+def _context_usable() -> None:
+    """Stand-in for ``cuda_context_probe`` on a context that still runs kernels."""
+
+
+def _context_poisoned() -> None:
+    """Stand-in for ``cuda_context_probe`` after a sticky CUDA error: every later call fails."""
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
 @pytest.mark.parametrize("on_failure", ["eager", "drop"])
 def test_a_failed_capture_costs_only_its_own_budget(rt: ModuleType, on_failure: str) -> None:
     cfg = _cfg(rt, {"budgets": [4, 8, 16, 32], "on_capture_failure": on_failure}, launch=(4, 4))
-    got = {b: rt.capture_outcome(b, _capture_fails_above_8, graphs_enabled=True, config=cfg) for b in (8, 16, 32)}
+    got = {b: rt.capture_outcome(b, _capture_fails_above_8, graphs_enabled=True, config=cfg, probe=_context_usable)
+           for b in (8, 16, 32)}
     assert got[8][0] == "graph-8" and got[8][1].cuda_graph == "captured"
     for budget in (16, 32):
         graph, outcome = got[budget]
@@ -118,6 +136,160 @@ def test_eager_budgets_and_disabled_graphs_capture_nothing(rt: ModuleType) -> No
     assert graph is None and (outcome.cuda_graph, outcome.reason) == ("eager", "listed in ddtree.eager_budgets")
     graph, outcome = rt.capture_outcome(4, never, graphs_enabled=False, config=cfg)
     assert graph is None and outcome.cuda_graph == "disabled"
+
+
+def test_a_capture_that_poisons_the_context_refuses_the_start_in_one_line(rt: ModuleType) -> None:
+    # B300 above budget 8: the capture hits an illegal memory access, which is sticky -- the probe
+    # after it fails too, so no budget can run: refuse to start instead of reporting ready and
+    # dying at the first forward.
+    cfg = _cfg(rt, {"budgets": [4, 8, 16, 32]}, launch=(4, 4))
+    graph, outcome = rt.capture_outcome(8, _capture_fails_above_8, graphs_enabled=True, config=cfg,
+                                        probe=_context_poisoned)
+    assert (graph, outcome.cuda_graph) == ("graph-8", "captured")  # no failure, no probe
+    with pytest.raises(rt.CaptureContextPoisoned) as err:
+        rt.capture_outcome(16, _capture_fails_above_8, graphs_enabled=True, config=cfg, probe=_context_poisoned)
+    line = str(err.value)
+    assert "\n" not in line
+    # SGLang's own capture-failure marker first: the toolkit's log reader (LogEvent.CAPTURE_FAILED)
+    # relaunches the whole server eager on it; then the budget and the original error.
+    assert line.startswith("Capture cuda graph failed: DDTREE budget 16: RuntimeError: CUDA error: an illegal "
+                           "memory access was encountered (budget 16) -- the CUDA context is unusable"), line
+    assert "eager_budgets" in line
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_the_refusal_is_what_the_toolkit_reads_as_a_capture_failure(rt: ModuleType) -> None:
+    from ddtree_ops.service.logphases import LogEvent, classify
+
+    cfg = _cfg(rt, {"budgets": [4, 16]}, launch=(4, 4))
+
+    def sglang_capture(budget: int) -> str:
+        # DecodeCudaGraphRunner.__init__'s own wrapping of a failed capture (multi-line advice).
+        raise Exception("Capture cuda graph failed: CUDA error: an illegal memory access was encountered\n"
+                        "Possible solutions:\n1. set --mem-fraction-static to a smaller value\n")
+
+    with pytest.raises(rt.CaptureContextPoisoned) as err:
+        rt.capture_outcome(16, sglang_capture, graphs_enabled=True, config=cfg, probe=_context_poisoned)
+    line = str(err.value)
+    assert classify(f"[2026-12-01 10:00:00 TP0] {line}")[1] is LogEvent.CAPTURE_FAILED
+    assert "Possible solutions" not in line and "DDTREE budget 16" in line, line
+
+
+def test_a_plain_capture_error_with_a_usable_context_costs_only_its_budget(rt: ModuleType) -> None:
+    # A Python error (not sticky): the probe passes, that budget is served eager, the others captured.
+    cfg = _cfg(rt, {"budgets": [4, 8, 16, 32]}, launch=(4, 4))
+    probes: list[int] = []
+
+    def capture(budget: int) -> str:
+        if budget == 16:
+            raise ValueError("shape mismatch in the verify buffers")
+        return f"graph-{budget}"
+
+    def probe() -> None:
+        probes.append(1)
+
+    got = {b: rt.capture_outcome(b, capture, graphs_enabled=True, config=cfg, probe=probe) for b in (8, 16, 32)}
+    assert [(g, o.cuda_graph) for g, o in got.values()] == [("graph-8", "captured"), (None, "eager"),
+                                                            ("graph-32", "captured")]
+    assert got[16][1].reason == "ValueError: shape mismatch in the verify buffers"
+    assert probes == [1]  # probed once, after the one failure
+
+
+def test_the_default_probe_is_cudas_and_passes_without_a_cuda_context(rt: ModuleType) -> None:
+    import inspect
+
+    assert inspect.signature(rt.capture_outcome).parameters["probe"].default is rt.cuda_context_probe
+    assert inspect.signature(rt.build_state).parameters["probe"].default is rt.cuda_context_probe
+    rt.cuda_context_probe()  # CPU torch here: nothing to poison, returns
+
+
+class _FakeDevice:
+    """Stand-in for the free-memory query (SGLang's get_available_gpu_memory, in MB): building a
+    backend or capturing a graph takes the MB the test says."""
+
+    def __init__(self, free_mb: float) -> None:
+        self.free = free_mb
+        self.reads = 0
+
+    def free_mb(self) -> float:
+        self.reads += 1
+        return self.free
+
+    def take(self, mb: float) -> None:
+        self.free -= mb
+
+
+def _build_all(rt: ModuleType, cfg: Any, device: _FakeDevice, cost: dict[int, tuple[float, float]],
+               launch: int, fail: tuple[int, ...] = ()) -> tuple[Any, list[Any]]:
+    memory = rt.StateMemory(device.free_mb, cfg.state_memory_fraction)
+
+    def make_backend(budget: int) -> str:
+        device.take(cost[budget][0])
+        return f"backend-{budget}"
+
+    def capture(backend: str, budget: int) -> str:
+        device.take(cost[budget][1])
+        if budget in fail:
+            raise RuntimeError(f"capture of {budget} failed")
+        return f"graph-{budget}"
+
+    outcomes = []
+    for budget in cfg.budgets:
+        if budget != launch:
+            backend, graph, outcome = rt.build_state(budget, make_backend, capture, graphs_enabled=True,
+                                                     config=cfg, memory=memory, probe=_context_usable)
+            assert backend == f"backend-{budget}"
+            outcomes.append(outcome)
+    return memory, outcomes
+
+
+def test_each_state_reports_the_memory_it_took(rt: ModuleType) -> None:
+    cfg = _cfg(rt, {"budgets": [4, 8, 16, 32]}, launch=(4, 4))
+    assert cfg.state_memory_fraction == 0.5  # the default share
+    device = _FakeDevice(20_000.0)
+    memory, outcomes = _build_all(rt, cfg, device, {8: (100, 400), 16: (150, 650), 32: (300, 1500)}, launch=4,
+                                  fail=(16,))
+    assert [(o.budget, o.cuda_graph, o.memory_mb) for o in outcomes] == [
+        (8, "captured", 500.0), (16, "eager", 800.0), (32, "captured", 1800.0)]
+    assert (memory.free_at_start_mb, memory.cap_mb, memory.used_mb) == (20_000.0, 10_000.0, 3100.0)
+    runtime = rt.TreeRuntime(launch=rt.TreeShape(4, 4), config=cfg,
+                             outcomes=[rt.StateOutcome(4, "captured")] + outcomes, memory=memory)
+    described = runtime.describe()
+    assert {s["budget"]: s["memory_mb"] for s in described["states"]} == {4: None, 8: 500.0, 16: 800.0,
+                                                                          32: 1800.0}
+    assert described["state_memory"] == {"state_memory_fraction": 0.5, "free_at_start_mb": 20_000.0,
+                                         "cap_mb": 10_000.0, "used_mb": 3100.0}
+    # A server without a set reports no state memory.
+    assert rt.TreeRuntime(launch=rt.TreeShape(4, 4)).describe()["state_memory"] is None
+
+
+def test_a_state_past_the_cap_refuses_the_start_naming_budget_mb_and_cap(rt: ModuleType) -> None:
+    cfg = _cfg(rt, {"budgets": [4, 8, 16, 32], "state_memory_fraction": 0.25}, launch=(4, 4))
+    device = _FakeDevice(16_000.0)  # cap: 4000 MB for all extra states
+    with pytest.raises(rt.StateMemoryExceeded) as err:
+        _build_all(rt, cfg, device, {8: (100, 900), 16: (200, 1800), 32: (400, 2100)}, launch=4)
+    line = str(err.value)
+    assert "\n" not in line
+    # The cap bounds the extra states together: 1000 + 2000 MB fit, the 2500 MB of budget 32 do not.
+    assert line.startswith("DDTREE refuses to start: runtime state budget 32 took 2500 MB, past the cap of "
+                           "4000 MB for all runtime states (ddtree.state_memory_fraction 0.25 of 16000 MB free"), line
+    assert "the states built so far took 5500 MB" in line
+    assert "Capture cuda graph failed" not in line  # not a capture failure: no eager relaunch
+
+
+def test_a_dropped_state_is_measured_but_not_charged(rt: ModuleType) -> None:
+    cfg = _cfg(rt, {"budgets": [4, 16], "on_capture_failure": "drop", "state_memory_fraction": 0.1},
+               launch=(4, 4))
+    device = _FakeDevice(10_000.0)  # cap 1000 MB
+    memory, outcomes = _build_all(rt, cfg, device, {16: (500, 1500)}, launch=4, fail=(16,))
+    assert (outcomes[0].cuda_graph, outcomes[0].memory_mb, memory.used_mb) == ("dropped", 2000.0, 0.0)
+
+
+def test_memory_freed_during_a_build_counts_as_zero(rt: ModuleType) -> None:
+    cfg = _cfg(rt, {"budgets": [4, 8]}, launch=(4, 4))
+    device = _FakeDevice(1000.0)
+    memory, outcomes = _build_all(rt, cfg, device, {8: (-50, 0)}, launch=4)  # another tenant freed memory
+    assert outcomes[0].memory_mb == 0.0 and memory.used_mb == 0.0
 
 
 def _runtime(rt: ModuleType, policy: bool = True, dropped: tuple[int, ...] = ()) -> Any:

@@ -105,9 +105,16 @@ def test_server_info_reports_the_runtime_states(runtime_server):
     assert state["mode"] == "policy"
     assert state["budgets"] == BUDGETS and state["topk_max"] == TOPK_MAX and state["policy"] == POLICY
     # No CUDA graphs on CPU: every state is served by its own eager verify backend.
+    memory = {s["budget"]: s.pop("memory_mb") for s in state["states"]}
     assert state["states"] == [
         {"budget": b, "verify_width": b + 1, "cuda_graph": "disabled", "reason": None} for b in BUDGETS
     ]
+    # Each extra state's memory, measured around its build (SGLang's get_available_gpu_memory,
+    # on CPU the host's free memory); the launch state is SGLang's own, not measured.
+    assert memory[LAUNCH[0]] is None
+    assert all(isinstance(memory[b], float) and memory[b] >= 0 for b in BUDGETS if b != LAUNCH[0]), memory
+    cap = state["state_memory"]
+    assert cap["state_memory_fraction"] == 0.5 and abs(cap["cap_mb"] - 0.5 * cap["free_at_start_mb"]) <= 0.1, cap
     info = runtime_server.server_info()
     # The launch tree is what the static entry and the flat server args say.
     assert (info["ddtree"]["budget"], info["ddtree"]["topk"]) == LAUNCH

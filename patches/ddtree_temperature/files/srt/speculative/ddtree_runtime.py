@@ -17,10 +17,11 @@ built before plugins load), under a ``"ddtree"`` key::
 
     {"ddtree": {"budgets": [4, 8, 16], "topk_max": 8,
                 "policy": {"1": {"budget": 16, "topk": 4}, "32": {"budget": 4, "topk": 2}},
-                "on_capture_failure": "eager", "eager_budgets": []}}
+                "on_capture_failure": "eager", "eager_budgets": [],
+                "state_memory_fraction": 0.5}}
 
-This module is pure Python (no torch, no SGLang): the launch check, the worker
-and the tests share it.
+This module is pure Python (no torch, no SGLang; the default CUDA-context probe
+imports torch when it runs): the launch check, the worker and the tests share it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,20 @@ CONFIG_KEY = "ddtree"
 CAPTURE_FAILURE_CHOICES = ("eager", "drop")
 # /set_internal_state keys (0.5.23's SetInternalStateReq takes numbers only).
 SWITCH_KEYS = ("ddtree_budget", "ddtree_topk", "ddtree_policy")
-_CONFIG_KEYS = {"budgets", "topk_max", "policy", "on_capture_failure", "eager_budgets"}
+_CONFIG_KEYS = {
+    "budgets",
+    "topk_max",
+    "policy",
+    "on_capture_failure",
+    "eager_budgets",
+    "state_memory_fraction",
+}
+# Share of the device memory free when the runtime states are built (after the KV
+# pool and SGLang's own graphs) that the extra states may take together.
+DEFAULT_STATE_MEMORY_FRACTION = 0.5
+# What SGLang 0.5.23 raises when a decode graph fails to capture
+# (``DecodeCudaGraphRunner.__init__``); the toolkit's log reader knows it.
+CAPTURE_FAILED_MARKER = "Capture cuda graph failed:"
 
 
 class RuntimeConfigError(ValueError):
@@ -43,6 +57,16 @@ class RuntimeConfigError(ValueError):
 
 class TreeSwitchRefused(ValueError):
     """A runtime switch this server cannot make; nothing was changed."""
+
+
+class CaptureContextPoisoned(RuntimeError):
+    """A budget's capture failed and left the CUDA context unusable (an illegal
+    memory access is sticky): the server must not start, whatever the budget."""
+
+
+class StateMemoryExceeded(RuntimeError):
+    """The runtime states took more device memory than ``state_memory_fraction``
+    allows: refused at startup, never served eager in silence."""
 
 
 @dataclass(frozen=True, order=True)
@@ -65,6 +89,7 @@ class RuntimeConfig:
     policy: Tuple[Tuple[int, TreeShape], ...] = ()
     on_capture_failure: str = "eager"
     eager_budgets: Tuple[int, ...] = ()
+    state_memory_fraction: float = DEFAULT_STATE_MEMORY_FRACTION
 
     @property
     def max_budget(self) -> int:
@@ -175,6 +200,16 @@ def parse_runtime_config(
             f"{CONFIG_KEY}.eager_budgets holds the launch budget {launch.budget}; "
             "launch on a budget whose graph captures (or with graphs disabled)"
         )
+    fraction = section.get("state_memory_fraction", DEFAULT_STATE_MEMORY_FRACTION)
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0 < fraction <= 1
+    ):
+        raise RuntimeConfigError(
+            f"{CONFIG_KEY}.state_memory_fraction must be a number in (0, 1], "
+            f"got {fraction!r}"
+        )
     return RuntimeConfig(
         source=source,
         budgets=tuple(budgets),
@@ -182,6 +217,7 @@ def parse_runtime_config(
         policy=tuple(policy),
         on_capture_failure=on_failure,
         eager_budgets=tuple(eager),
+        state_memory_fraction=float(fraction),
     )
 
 
@@ -212,11 +248,14 @@ def load_runtime_config(
 
 @dataclass
 class StateOutcome:
-    """How one budget's verify graph came out at start."""
+    """How one budget's verify state came out at start."""
 
     budget: int
     cuda_graph: str  # "captured" | "eager" | "disabled" | "dropped"
     reason: Optional[str] = None
+    # device memory the state took (attention backend + verify graph), measured
+    # around its build; None for the launch state, which SGLang built
+    memory_mb: Optional[float] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return {
@@ -224,7 +263,30 @@ class StateOutcome:
             "verify_width": self.budget + 1,
             "cuda_graph": self.cuda_graph,
             "reason": self.reason,
+            "memory_mb": (None if self.memory_mb is None else round(self.memory_mb, 1)),
         }
+
+
+def cuda_context_probe() -> None:
+    """Raise if the CUDA context no longer runs kernels: a synchronize, a tiny
+    kernel and its result back on the host. An illegal memory access is sticky (every
+    later CUDA call fails), an out-of-memory or a Python error is not."""
+    import torch
+
+    if not torch.cuda.is_available():  # no CUDA context to poison
+        return
+    torch.cuda.synchronize()
+    probe = torch.ones(8, device="cuda")
+    if float((probe + 1).sum().item()) != 16.0:
+        raise RuntimeError("a probe kernel computed a wrong sum")
+    torch.cuda.synchronize()
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and words, without SGLang's multi-line
+    advice after a failed capture (``CUDA_GRAPH_CAPTURE_FAILED_MSG``)."""
+    text = str(error).split("Possible solutions:")[0]
+    return " ".join(f"{type(error).__name__}: {text}".split())[:limit]
 
 
 def capture_outcome(
@@ -233,10 +295,14 @@ def capture_outcome(
     *,
     graphs_enabled: bool,
     config: RuntimeConfig,
+    probe: Callable[[], None] = cuda_context_probe,
 ) -> Tuple[Any, StateOutcome]:
     """Capture one budget's verify graph (``capture(budget)`` returns the runner) and
     say how it went: a failing capture serves that budget eager, or drops it, and
-    never takes the other budgets' graphs with it."""
+    never takes the other budgets' graphs with it -- unless it left the CUDA context
+    unusable (``probe()`` raises after the failure): then no budget can run, and
+    :class:`CaptureContextPoisoned` refuses the start with one line carrying SGLang's
+    capture-failure marker, so a supervisor relaunches the server eager."""
     if not graphs_enabled:
         return None, StateOutcome(budget, "disabled")
     if budget in config.eager_budgets:
@@ -244,9 +310,93 @@ def capture_outcome(
     try:
         return capture(budget), StateOutcome(budget, "captured")
     except Exception as e:  # a capture failure of one budget, whatever raised it
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        reason = one_line(e)
+        try:
+            probe()
+        except Exception as poisoned:
+            raise CaptureContextPoisoned(
+                f"{CAPTURE_FAILED_MARKER} DDTREE budget {budget}: {reason} -- the "
+                f"CUDA context is unusable after it ({one_line(poisoned, 120)}); "
+                "refusing to start (relaunch with decode CUDA graphs disabled, or "
+                f"with {budget} in {CONFIG_KEY}.eager_budgets)"
+            ) from e
         kind = "dropped" if config.on_capture_failure == "drop" else "eager"
         return None, StateOutcome(budget, kind, reason)
+
+
+@dataclass
+class StateMemory:
+    """What the runtime states may take of the device memory, and what they took.
+
+    ``free_mb()`` reads the device's free memory in MB (the worker passes SGLang's
+    ``get_available_gpu_memory``); the first reading, taken before any extra state is
+    built, sets the cap: ``fraction`` of it for all extra states together."""
+
+    free_mb: Callable[[], float]
+    fraction: float = DEFAULT_STATE_MEMORY_FRACTION
+    free_at_start_mb: float = field(init=False)
+    cap_mb: float = field(init=False)
+    used_mb: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.free_at_start_mb = float(self.free_mb())
+        self.cap_mb = self.fraction * self.free_at_start_mb
+
+    def charge(self, budget: int, free_before_mb: float, *, kept: bool) -> float:
+        """The MB a state took since ``free_before_mb``; raises
+        :class:`StateMemoryExceeded` when the kept states pass the cap."""
+        took = max(0.0, float(free_before_mb) - float(self.free_mb()))
+        if not kept:
+            return took
+        self.used_mb += took
+        if self.used_mb > self.cap_mb:
+            raise StateMemoryExceeded(
+                f"DDTREE refuses to start: runtime state budget {budget} took "
+                f"{took:.0f} MB, past the cap of {self.cap_mb:.0f} MB for all runtime "
+                f"states ({CONFIG_KEY}.state_memory_fraction {self.fraction:g} of "
+                f"{self.free_at_start_mb:.0f} MB free after the KV pool; the states "
+                f"built so far took {self.used_mb:.0f} MB); drop budgets from "
+                f"{CONFIG_KEY}.budgets or raise {CONFIG_KEY}.state_memory_fraction"
+            )
+        return took
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "state_memory_fraction": self.fraction,
+            "free_at_start_mb": round(self.free_at_start_mb, 1),
+            "cap_mb": round(self.cap_mb, 1),
+            "used_mb": round(self.used_mb, 1),
+        }
+
+
+def build_state(
+    budget: int,
+    make_backend: Callable[[int], Any],
+    capture: Callable[[Any, int], Any],
+    *,
+    graphs_enabled: bool,
+    config: RuntimeConfig,
+    memory: StateMemory,
+    probe: Callable[[], None] = cuda_context_probe,
+) -> Tuple[Any, Any, StateOutcome]:
+    """One extra budget's state, measured: ``make_backend(budget)`` (its target
+    attention backend and workspace), then ``capture(backend, budget)`` (its verify
+    graph) through :func:`capture_outcome`. Returns (backend, graph or None, outcome
+    with ``memory_mb``); raises :class:`CaptureContextPoisoned` or
+    :class:`StateMemoryExceeded` to refuse the start."""
+    before = float(memory.free_mb())
+    backend = make_backend(budget)
+    graph, outcome = capture_outcome(
+        budget,
+        lambda b: capture(backend, b),
+        graphs_enabled=graphs_enabled,
+        config=config,
+        probe=probe,
+    )
+    outcome.memory_mb = memory.charge(
+        budget, before, kept=outcome.cuda_graph != "dropped"
+    )
+    return backend, graph, outcome
 
 
 @dataclass
@@ -266,6 +416,7 @@ class TreeRuntime:
     active: Optional[TreeShape] = None
     switches: int = 0
     last_refusal: Optional[str] = None
+    memory: Optional[StateMemory] = None
 
     def __post_init__(self) -> None:
         self.pinned = self.pinned or self.launch
@@ -382,6 +533,7 @@ class TreeRuntime:
             "topk_max": self.topk_max,
             "policy": None if self.config is None else self.config.policy_dict(),
             "states": states,
+            "state_memory": None if self.memory is None else self.memory.as_dict(),
             "switches": self.switches,
             "last_refusal": self.last_refusal,
         }

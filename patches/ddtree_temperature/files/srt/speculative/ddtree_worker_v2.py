@@ -51,7 +51,12 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.models.dflash import candidate_topk
 from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_spec
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative import ddtree_plugin, ddtree_reference, ddtree_utils
+from sglang.srt.speculative import (
+    ddtree_plugin,
+    ddtree_reference,
+    ddtree_runtime,
+    ddtree_utils,
+)
 from sglang.srt.speculative.ddtree_info import (
     DDTreeDraftInputV2,
     DDTreeVerifyInput,
@@ -62,10 +67,13 @@ from sglang.srt.speculative.ddtree_registration import (
     runtime_config_of,
 )
 from sglang.srt.speculative.ddtree_runtime import (
+    CaptureContextPoisoned,
+    StateMemory,
+    StateMemoryExceeded,
     StateOutcome,
     TreeRuntime,
     TreeShape,
-    capture_outcome,
+    build_state,
 )
 from sglang.srt.speculative.dflash_utils import (
     apply_dflash_verify_logits_adjustments,
@@ -338,7 +346,9 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         """One verify state per budget of the set, as
         ``eagle_worker_v2.build_adaptive_runtime_state`` builds one per step count:
         the launch budget keeps what SGLang built; every other budget gets a target
-        attention backend and a verify graph built with its width in the config."""
+        attention backend and a verify graph built with its width in the config,
+        each measured (free device memory before and after, as that function logs
+        ``mem=``) and the lot capped by ``ddtree.state_memory_fraction``."""
         runner = self.model_runner
         runtime = self.ddtree_runtime
         launch = runtime.launch.budget
@@ -348,18 +358,44 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         )
         outcomes = [StateOutcome(launch, "captured" if graphs else "disabled")]
         config = runtime.config
+        rank0 = get_parallel().tp_rank == 0
+        memory = None
+        if config is not None and len(config.budgets) > 1:
+            memory = StateMemory(self._free_memory_mb, config.state_memory_fraction)
+            runtime.memory = memory
         for budget in () if config is None else config.budgets:
             if budget == launch:
                 continue
+            assert memory is not None
             with self._verify_width_config(budget + 1):
-                backend = self._new_target_attn_backend()
-                graph, outcome = capture_outcome(
-                    budget,
-                    lambda b: self._capture_verify_graph(backend, b + 1),
-                    graphs_enabled=graphs,
-                    config=config,
-                )
+                try:
+                    backend, graph, outcome = build_state(
+                        budget,
+                        lambda b: self._new_target_attn_backend(),
+                        lambda backend, b: self._capture_verify_graph(backend, b + 1),
+                        graphs_enabled=graphs,
+                        config=config,
+                        memory=memory,
+                        probe=ddtree_runtime.cuda_context_probe,
+                    )
+                except (CaptureContextPoisoned, StateMemoryExceeded) as e:
+                    # one line before the scheduler's traceback: what the toolkit's
+                    # log reader reports (and, for a poisoned context, relaunches
+                    # eager on: the line carries "Capture cuda graph failed:")
+                    logger.error("%s", e)
+                    raise
             outcomes.append(outcome)
+            if rank0:
+                logger.info(
+                    "DDTREE runtime state budget %d: mem=%.0f MB (verify graph %s); "
+                    "states %.0f of %.0f MB allowed, avail mem=%.0f MB",
+                    budget,
+                    outcome.memory_mb or 0.0,
+                    outcome.cuda_graph,
+                    memory.used_mb,
+                    memory.cap_mb,
+                    memory.free_at_start_mb - memory.used_mb,
+                )
             if outcome.reason is not None:
                 logger.warning(
                     "DDTREE budget %d: verify graph not captured (%s); %s.",
@@ -372,13 +408,20 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             if outcome.cuda_graph != "dropped":
                 self._tree_states[budget] = _TreeState(backend, graph)
         runtime.outcomes = sorted(outcomes, key=lambda o: o.budget)
-        if config is not None and get_parallel().tp_rank == 0:
+        if config is not None and rank0:
             logger.info(
                 "DDTREE runtime states: %s; top-k 1..%d; mode %s",
                 ", ".join(f"{o.budget} ({o.cuda_graph})" for o in runtime.outcomes),
                 runtime.topk_max,
                 runtime.mode,
             )
+
+    def _free_memory_mb(self) -> float:
+        """Free device memory in MB, read as SGLang reads it around every capture
+        (``get_available_gpu_memory``, GB; it empties the allocator's cache first)."""
+        from sglang.srt.utils.common import get_available_gpu_memory
+
+        return float(get_available_gpu_memory(self.device, self.gpu_id)) * 1024.0
 
     @contextlib.contextmanager
     def _verify_width_config(self, width: int):
