@@ -50,6 +50,17 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def _ledger(tmp_path: Path) -> Path:
+    """Graph rows of b1 whose policy is budgets [8, 16]: batch 1 best at 16 (the launch
+    state), batch 8 at 8."""
+    ledger = tmp_path / "l.jsonl"
+    for (budget, topk, concurrency), tok_s in {(16, 4, 1): 500.0, (8, 4, 1): 400.0, (8, 4, 8): 900.0,
+                                               (16, 4, 8): 800.0}.items():
+        append_row(ledger, make_row(host="b1", gpu_name=B300, budget=budget, topk=topk, concurrency=concurrency,
+                                    output_tok_s=tok_s))
+    return ledger
+
+
 def _restart_row(stdout: str) -> dict[str, Any]:
     (row,) = json_data(stdout)["hosts"]
     return dict(row["result"])
@@ -61,12 +72,7 @@ def test_a_b300_record_at_9_sends_only_budget_16_of_a_policy_eager(tmp_path: Pat
     bin_dir = tmp_path / "bin"
     write_nvidia_smi(bin_dir, "b300")
     host = load_inventory([inv]).hosts["b1"]
-    ledger = tmp_path / "l.jsonl"
-    # batch 1 best at budget 16 (the launch state), batch 8 at budget 8
-    for (budget, topk, concurrency), tok_s in {(16, 4, 1): 500.0, (8, 4, 1): 400.0, (8, 4, 8): 900.0,
-                                               (16, 4, 8): 800.0}.items():
-        append_row(ledger, make_row(host="b1", gpu_name=B300, budget=budget, topk=topk, concurrency=concurrency,
-                                    output_tok_s=tok_s))
+    ledger = _ledger(tmp_path)
     try:
         assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         # The record at budget 9, learned the real way: the capture crashed, eager served.
@@ -119,11 +125,7 @@ def test_a_restart_with_a_policy_lists_the_budgets_recorded_since_tune(tmp_path:
     bin_dir = tmp_path / "bin"
     write_nvidia_smi(bin_dir, "b300")
     host = load_inventory([inv]).hosts["b1"]
-    ledger = tmp_path / "l.jsonl"
-    for (budget, topk, concurrency), tok_s in {(16, 4, 1): 500.0, (8, 4, 1): 400.0, (8, 4, 8): 900.0,
-                                               (16, 4, 8): 800.0}.items():
-        append_row(ledger, make_row(host="b1", gpu_name=B300, budget=budget, topk=topk, concurrency=concurrency,
-                                    output_tok_s=tok_s))
+    ledger = _ledger(tmp_path)
     policy_file = mini.state_dir / "placed" / "ddtree-policy.json"
     try:
         assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
