@@ -1,12 +1,18 @@
-"""benchmarks/gpu_check.py's comparison harness, run here without a GPU: the twin stands for
-the CUDA kernel (so every request must agree), and a kernel that differs is caught."""
+"""benchmarks/gpu_check.py, run here without a GPU: the kernel transcribed to Python stands for
+the CUDA kernel (so every request must agree with the twin, thresholds below 1 included), a
+kernel that differs is caught, each phase is on disk as soon as it ends, ``--budget-s`` skips
+what would not fit, and ``prepare`` builds a carry set under the device's 64 MiB."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -27,16 +33,48 @@ def gpu_check() -> ModuleType:
     return module
 
 
-def test_the_harness_agrees_with_itself_over_deep_paths() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--cpu-twin", "--quick"], capture_output=True,
-                          text=True, timeout=300, check=False)
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+
+
+def test_the_harness_agrees_with_the_transcribed_kernel(gpu_check: ModuleType, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--cpu-twin", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
-    kernel = report["kernel"]
-    assert report["ok"] and kernel["ok"] and kernel["mismatches"] == 0
-    assert kernel["requests"] == kernel["tokens_equal"] > 0
-    # Paths go past the root often enough to compare sibling walks, not only bonus draws.
-    assert kernel["accepted_drafts"] > kernel["requests"] / 2, kernel
+    assert report["ok"] and report["status"] == "passed" and not report["skipped"]
+    for phase in ("kernel", "kernel_thresholds"):
+        got = report[phase]
+        assert got["ok"] and got["mismatches"] == 0 and got["complete"], got
+        assert got["requests"] == got["tokens_equal"] + got["bonus_boundary_only"] > 0
+        # Paths go past the root often enough to compare sibling walks, not only bonus draws.
+        assert got["accepted_drafts"] > got["requests"] / 2, got
+    pairs = {(c["threshold_single"], c["threshold_acc"]) for c in gpu_check._threshold_cases(True)}
+    assert pairs >= {(0.5, 0.3), (1.0, 1.0)}
+    lines = _lines(tmp_path)
+    assert [x["phase"] for x in lines] == ["start", "kernel_load", "kernel_thresholds", "kernel", "end"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["status"] == "passed"
+
+
+def test_thresholds_below_one_are_exercised(gpu_check: ModuleType) -> None:
+    """A kernel that ignored --speculative-accept-threshold-single/-acc (always 1 / 1) is caught
+    at every pair below 1, and not at 1 / 1; the twin agrees with the transcribed kernel at each."""
+    du, ref = load_ddtree_utils(), load_ddtree_reference()
+
+    def ignores_thresholds(**kw):
+        ref.reference_tree_speculative_sampling(**{**kw, "threshold_single": 1.0, "threshold_acc": 1.0})
+
+    for pair in gpu_check.THRESHOLDS:
+        def cases(quick: bool, pair=pair):
+            return (c for c in gpu_check._threshold_cases(quick) if (c["threshold_single"], c["threshold_acc"]) == pair)
+
+        wrong = gpu_check.check_kernel(du, ref, torch, ignores_thresholds, quick=True, trials=1, device="cpu",
+                                       cases=cases)
+        right = gpu_check.check_kernel(du, ref, torch, gpu_check.transcribed_kernel, quick=True, trials=1,
+                                       device="cpu", cases=cases)
+        assert right["ok"] and right["mismatches"] == 0, (pair, right)
+        assert (wrong["mismatches"] > 0) == (pair != (1.0, 1.0)), (pair, wrong)
+    assert any(s < 1 for s, _ in gpu_check.THRESHOLDS) and any(a < 1 for _, a in gpu_check.THRESHOLDS)
 
 
 def test_a_kernel_that_draws_another_bonus_is_caught(gpu_check: ModuleType) -> None:
@@ -50,3 +88,71 @@ def test_a_kernel_that_draws_another_bonus_is_caught(gpu_check: ModuleType) -> N
 
     got = gpu_check.check_kernel(du, ref, torch, off_by_one, quick=True, trials=1, device="cpu")
     assert not got["ok"] and got["mismatches"] > 0 and got["examples"], got
+
+
+def test_finished_phases_survive_a_run_killed_mid_way(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "run", "--cpu-twin", "--quick", "--out", str(tmp_path),
+                             "--only", "kernel_load,kernel", "--stall-before", "kernel"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        jsonl = tmp_path / "gpu_check.jsonl"
+        while time.monotonic() < deadline:
+            if jsonl.exists() and '"kernel_load"' in jsonl.read_text():
+                break
+            assert proc.poll() is None, "the run ended before it was killed"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    lines = _lines(tmp_path)
+    assert [x["phase"] for x in lines] == ["start", "kernel_load"]
+    assert lines[0]["estimates_s"].keys() == {"kernel_load", "kernel"}
+    assert lines[1]["status"] == "passed"
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_budget_skips_the_phases_that_would_not_fit(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--cpu-twin", "--quick", "--out", str(tmp_path),
+                           "--budget-s", "2"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["status"] == "incomplete" and report["ok"]
+    assert report["kernel_load"]["status"] == "passed"
+    for phase in ("kernel_thresholds", "kernel"):
+        assert report[phase]["status"] == "skipped", report[phase]
+        assert "s left of --budget-s 2" in report[phase]["reason"]
+    assert set(report["skipped"]) == {"kernel_thresholds", "kernel"}
+    assert [x["phase"] for x in _lines(tmp_path)] == ["start", "kernel_load", "kernel_thresholds", "kernel", "end"]
+
+
+def test_a_kernel_phase_stops_when_its_pace_passes_the_deadline(gpu_check: ModuleType) -> None:
+    du, ref = load_ddtree_utils(), load_ddtree_reference()
+    got = gpu_check.check_kernel(du, ref, torch, gpu_check.transcribed_kernel, quick=True, trials=1, device="cpu",
+                                 cases=gpu_check._threshold_cases, deadline=time.monotonic())
+    assert got["cases"] == 1 and not got["complete"] and got["planned_cases"] > 1 and got["ok"]
+
+
+def test_the_device_call_is_what_prepare_prints(gpu_check: ModuleType) -> None:
+    call = gpu_check.device_call()
+    assert call["carry"] == [".cache/gpu_check"] and "--budget-s" in call["command"] and "$OUT" in call["command"]
+    assert call["timeout_s"] <= 600
+    readme = (SCRIPT.parents[1] / "README.md").read_text()
+    assert call["command"] in readme and f"timeout_s={call['timeout_s']}" in readme
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here (CI has no CUDA toolkit): prepare's "
+                    "kernel build runs only where nvcc is")
+def test_prepare_builds_a_carry_under_64_mib(gpu_check: ModuleType) -> None:
+    if not sorted((SCRIPT.parents[1] / ".cache" / "wheels").glob(gpu_check.SGLANG_WHEEL)):
+        pytest.skip("no cached SGLang 0.5.23 wheel in .cache/wheels (make venv)")
+    if gpu_check._curand_source() is None:
+        pytest.skip("no curand.h here (neither the toolkit nor the .cache/sglang-cpu venv's nvidia wheels)")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--json"], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["fits"] and got["total_bytes"] < 64 * 2**20 and got["carry"] == [".cache/gpu_check"]
+    assert got["library"] and gpu_check.LIB.is_file() and (gpu_check.CUDA_EXTRA / "curand.h").is_file()
+    manifest = json.loads((gpu_check.CARRY / "manifest.json").read_text())
+    assert manifest["wrapper_sha256"] == gpu_check._sha(gpu_check.WRAPPER) and manifest["cuda_version"]
