@@ -82,6 +82,11 @@ class State:
 
 
 _RENDERED_MAX = 1 << 16
+# Modelled memory of an extra DDTREE runtime state (the plugin measures it on the device): a
+# verify attention workspace, plus the verify graph when it was captured (the 0.30 GB the
+# simulated capture logs).
+_STATE_WORKSPACE_MB = 128.0
+_STATE_GRAPH_MB = 0.3 * 1024.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -696,32 +701,55 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
     assert config is not None and tree is not None
     tp = args.tp_size
     graphs: list[StateGraph] = []
+    free_at_start_mb = avail * 1024.0
+    cap_mb = config.state_memory_fraction * free_at_start_mb
+    used_mb = 0.0
     for budget in config.budgets:
         if not args.decode_cuda_graph:
-            graphs.append(StateGraph(budget, "disabled"))
-            continue
-        if budget in config.eager_budgets:
-            graphs.append(StateGraph(budget, "eager", "listed in ddtree.eager_budgets"))
-            continue
-        capture_s = await _capture(args, settings, "target verify", budget + 1, avail)
-        if _capture_fails(args, settings, budget):
-            reason = "CUDA error: an illegal memory access was encountered"
-            outcome: GraphOutcome = "eager" if config.on_capture_failure == "eager" else "dropped"
-            then = "serving it eager" if outcome == "eager" else "dropped from the runtime states"
-            log_ranks(tp, logging.WARNING,
-                      f"DDTREE: verify graph of budget {budget} (num_tokens_per_req={budget + 1}) did not "
-                      f"capture: {reason}; {then}")
-            graphs.append(StateGraph(budget, outcome, reason))
-            continue
-        avail -= 0.3
-        log_ranks(
-            tp,
-            logging.INFO,
-            f"Capture target verify CUDA graph end. elapsed={capture_s:.2f} s, mem usage=0.30 GB, "
-            f"avail mem={avail:.2f} GB.",
-        )
-        graphs.append(StateGraph(budget, "captured"))
+            graph = StateGraph(budget, "disabled")
+        elif budget in config.eager_budgets:
+            graph = StateGraph(budget, "eager", "listed in ddtree.eager_budgets")
+        else:
+            capture_s = await _capture(args, settings, "target verify", budget + 1, avail)
+            if _capture_fails(args, settings, budget):
+                reason = "CUDA error: an illegal memory access was encountered"
+                outcome: GraphOutcome = "eager" if config.on_capture_failure == "eager" else "dropped"
+                then = "serving it eager" if outcome == "eager" else "dropped from the runtime states"
+                log_ranks(tp, logging.WARNING,
+                          f"DDTREE: verify graph of budget {budget} (num_tokens_per_req={budget + 1}) did not "
+                          f"capture: {reason}; {then}")
+                graph = StateGraph(budget, outcome, reason)
+            else:
+                avail -= 0.3
+                log_ranks(
+                    tp,
+                    logging.INFO,
+                    f"Capture target verify CUDA graph end. elapsed={capture_s:.2f} s, mem usage=0.30 GB, "
+                    f"avail mem={avail:.2f} GB.",
+                )
+                graph = StateGraph(budget, "captured")
+        if budget != tree.budget:
+            # An extra state's memory, modelled (the plugin measures it): its attention workspace
+            # plus, when captured, the verify graph's 0.30 GB above.
+            memory_mb = _STATE_WORKSPACE_MB + (_STATE_GRAPH_MB if graph.cuda_graph == "captured" else 0.0)
+            graph = dataclasses.replace(graph, memory_mb=memory_mb)
+            if graph.cuda_graph != "dropped":
+                used_mb += memory_mb
+            log_ranks(tp, logging.INFO,
+                      f"DDTREE runtime state budget {budget}: mem={memory_mb:.0f} MB (verify graph "
+                      f"{graph.cuda_graph}); states {used_mb:.0f} of {cap_mb:.0f} MB allowed (simulated)")
+            if used_mb > cap_mb:
+                scheduler_crash(tp, f"DDTREE refuses to start: runtime state budget {budget} took "
+                                    f"{memory_mb:.0f} MB, past the cap of {cap_mb:.0f} MB for all runtime states "
+                                    f"(ddtree.state_memory_fraction {config.state_memory_fraction:g} of "
+                                    f"{free_at_start_mb:.0f} MB free after the KV pool; the states built so far "
+                                    f"took {used_mb:.0f} MB); drop budgets from ddtree.budgets or raise "
+                                    "ddtree.state_memory_fraction")
+        graphs.append(graph)
     states = RuntimeStates(launch=TreeState(tree.budget, tree.topk), graphs=tuple(graphs), config=config)
+    states.state_memory = {"state_memory_fraction": config.state_memory_fraction,
+                           "free_at_start_mb": round(free_at_start_mb, 1), "cap_mb": round(cap_mb, 1),
+                           "used_mb": round(used_mb, 1), "simulated": True}
     if tree.budget not in states.budgets:
         # The launch state itself was dropped: the server starts on the smallest state left.
         if not states.budgets:

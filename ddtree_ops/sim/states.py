@@ -27,7 +27,9 @@ MAX_BUDGET = 256
 CAPTURE_FAILURE_POLICIES = ("eager", "drop")
 GraphOutcome = Literal["captured", "eager", "disabled", "dropped"]
 Mode = Literal["fixed", "pinned", "policy"]
-_DDTREE_KEYS = ("budgets", "topk_max", "policy", "on_capture_failure", "eager_budgets")
+_DDTREE_KEYS = ("budgets", "topk_max", "policy", "on_capture_failure", "eager_budgets", "state_memory_fraction")
+# The plugin's default share of the memory free after the KV pool that the extra states may take.
+DEFAULT_STATE_MEMORY_FRACTION = 0.5
 
 
 class AdaptiveConfigError(ValueError):
@@ -61,6 +63,7 @@ class AdaptiveConfig:
     # Budgets served eager without a capture attempt (known to fail on this machine), as
     # the plugin's ddtree_runtime.py takes them.
     eager_budgets: tuple[int, ...] = ()
+    state_memory_fraction: float = DEFAULT_STATE_MEMORY_FRACTION
 
 
 def _is_int(value: object) -> bool:
@@ -151,7 +154,11 @@ def parse_adaptive_config(
         # SGLang captures the launch width itself, before the plugin sees the set.
         raise fail("ddtree.eager_budgets", f"holds the launch budget {launch_budget}; launch on a budget whose "
                                            "graph captures (or with graphs disabled)")
+    fraction = raw.get("state_memory_fraction", DEFAULT_STATE_MEMORY_FRACTION)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise fail("ddtree.state_memory_fraction", f"{fraction!r} is not a number in (0, 1]")
     return AdaptiveConfig(
+        state_memory_fraction=float(fraction),
         path=path,
         budgets=ordered,
         topk_max=topk_max,
@@ -184,6 +191,9 @@ class StateGraph:
     budget: int
     cuda_graph: GraphOutcome
     reason: str | None = None
+    # Modelled, not measured: what an extra state's attention workspace and verify graph take
+    # (the plugin measures it on the device); None for the launch state, which SGLang builds.
+    memory_mb: float | None = None
 
     @property
     def verify_width(self) -> int:
@@ -195,7 +205,7 @@ class StateGraph:
 
     def as_json(self) -> dict[str, Any]:
         return {"budget": self.budget, "verify_width": self.verify_width, "cuda_graph": self.cuda_graph,
-                "reason": self.reason}
+                "reason": self.reason, "memory_mb": self.memory_mb}
 
 
 class RuntimeStates:
@@ -217,6 +227,8 @@ class RuntimeStates:
         self.active = launch
         self.switches = 0
         self.last_refusal: str | None = None
+        # The plugin's ``state_memory`` readback (cap and use of the extra states), modelled.
+        self.state_memory: dict[str, Any] | None = None
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -316,6 +328,7 @@ class RuntimeStates:
             "topk_max": self.topk_max,
             "policy": {str(bs): s.as_json() for bs, s in self.policy} if self.policy else None,
             "states": [self.graphs[b].as_json() for b in sorted(self.graphs)],
+            "state_memory": self.state_memory,
             "switches": self.switches,
             # Why the last switch request was refused (None after an accepted one).
             "last_refusal": self.last_refusal,

@@ -54,7 +54,12 @@ def _write(tmp_path: Path, body: object, name: str = "ddtree.json") -> Path:
         ({"ddtree": {"budgets": [8], "on_capture_failure": "retry"}},
          "ddtree.on_capture_failure 'retry' is not one of eager, drop"),
         ({"ddtree": {"budgets": [8], "budget": 8}},
-         "ddtree.budget is not a key (expected budgets, topk_max, policy, on_capture_failure, eager_budgets)"),
+         "ddtree.budget is not a key (expected budgets, topk_max, policy, on_capture_failure, eager_budgets, "
+         "state_memory_fraction)"),
+        ({"ddtree": {"budgets": [8], "state_memory_fraction": 0}},
+         "ddtree.state_memory_fraction 0 is not a number in (0, 1]"),
+        ({"ddtree": {"budgets": [8], "state_memory_fraction": "half"}},
+         "ddtree.state_memory_fraction 'half' is not a number in (0, 1]"),
         ({"ddtree": {"budgets": [8, 16], "eager_budgets": [8]}},
          "ddtree.eager_budgets holds the launch budget 8; launch on a budget whose graph captures "
          "(or with graphs disabled)"),
@@ -189,6 +194,11 @@ def test_b300_states_over_8_go_eager_the_others_keep_their_graphs_and_switches_t
     info = _info(sim)
     tree = info["internal_states"][0]["ddtree"]
     reason = "CUDA error: an illegal memory access was encountered"
+    memory = tree.pop("state_memory")
+    # Modelled memory of the extra states (the plugin measures it): a 128 MB workspace each, plus
+    # the 0.30 GB verify graph where one was captured; the launch state is SGLang's, not reported.
+    assert memory["simulated"] is True and memory["state_memory_fraction"] == 0.5
+    assert memory["used_mb"] == 128 + 307.2 + 128 and abs(memory["cap_mb"] - memory["free_at_start_mb"] / 2) <= 0.1
     assert tree == {
         "mode": "pinned",
         "active": {"budget": 8, "topk": 4},
@@ -196,9 +206,9 @@ def test_b300_states_over_8_go_eager_the_others_keep_their_graphs_and_switches_t
         "topk_max": 8,
         "policy": None,
         "states": [
-            {"budget": 4, "verify_width": 5, "cuda_graph": "captured", "reason": None},
-            {"budget": 8, "verify_width": 9, "cuda_graph": "captured", "reason": None},
-            {"budget": 16, "verify_width": 17, "cuda_graph": "eager", "reason": reason},
+            {"budget": 4, "verify_width": 5, "cuda_graph": "captured", "reason": None, "memory_mb": 435.2},
+            {"budget": 8, "verify_width": 9, "cuda_graph": "captured", "reason": None, "memory_mb": None},
+            {"budget": 16, "verify_width": 17, "cuda_graph": "eager", "reason": reason, "memory_mb": 128.0},
         ],
         "switches": 0,
         "last_refusal": None,
@@ -248,6 +258,17 @@ def test_drop_removes_a_failed_state_and_refuses_switching_to_it(sim_factory: An
     refused = _switch(sim, ddtree_budget=16)
     assert refused.status_code == 400 and "budget 16 was dropped" in refused.json()["detail"]
     assert "dropped from the runtime states" in sim.log()
+
+
+def test_states_past_the_memory_cap_refuse_the_start_in_one_line(sim_factory: Any, tmp_path: Path) -> None:
+    # A cap so small that the first extra state passes it (the plugin's ddtree.state_memory_fraction):
+    # refused at startup, naming the budget, the MB it took and the cap -- not served eager.
+    path = _write(tmp_path, {"ddtree": {"budgets": [4, 8], "state_memory_fraction": 1e-6}})
+    sim = sim_factory(*DDTREE_8_4, "--speculative-adaptive-config", str(path), env={"SIM_GPU": "h200"})
+    assert sim.wait_exit() != 0
+    log = sim.log()
+    assert "DDTREE refuses to start: runtime state budget 4 took 435 MB, past the cap of 0 MB" in log, log
+    assert "Capture cuda graph failed" not in log  # not a capture failure: the toolkit does not relaunch eager
 
 
 def test_policy_chooses_the_state_per_round_by_batch_size(sim_factory: Any, tmp_path: Path) -> None:
