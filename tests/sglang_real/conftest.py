@@ -33,8 +33,35 @@ NEW_TOKENS = 24
 DRAFT_BLOCK_SIZE = 8
 
 
+# SGLang 0.5.23's per-server load-snapshot files (managers/load_snapshot.py, shm_path_for):
+# a server ended by a signal never unlinks its own (utils/stale_shm_cleanup.py says so and
+# sweeps them only in SGLang's CI), so every lane left a few behind in the machine's
+# /dev/shm. The controller process removes those that appeared during its session, once
+# every worker and its servers are gone; the names are random per server, so one that
+# existed before (another session's) is never touched.
+_SHM = Path("/dev/shm")
+_SHM_PATTERN = "sglang_loads_*.shm"
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sglang_real: starts the real SGLang server on CPU (.cache/sglang-cpu)")
+    if _is_controller(config):
+        config.stash[_SHM_BEFORE] = {p.name for p in _SHM.glob(_SHM_PATTERN)}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    before = config.stash.get(_SHM_BEFORE, None)
+    if before is None or not _is_controller(config):
+        return
+    for leftover in _SHM.glob(_SHM_PATTERN):
+        if leftover.name not in before:
+            leftover.unlink(missing_ok=True)
+
 
 
 # How the lane shares two workers (`make real-server-lane`: two xdist workers,
