@@ -99,8 +99,15 @@ class RowMaker:
         fallback = restart.fallback_reason if restart is not None else None
         verify_graph = prov.verify_cuda_graph
         if live is not None:
+            if not cuda_graph:
+                fallback = fallback or live.fallback_reason()  # the whole server eager
+            elif live.graph:
+                # This state kept its graph: a launch note about other budgets (its
+                # eager_budgets) is not this row's fallback.
+                fallback = None
+            else:
+                fallback = "; ".join(r for r in (live.fallback_reason(), fallback) if r) or None
             cuda_graph = cuda_graph and live.graph
-            fallback = fallback or live.fallback_reason()
             verify_graph = live.graph
         launch_hash, launch_id = launch_identity(restart) if restart is not None else (None, None)
         fields: dict[str, Any] = self.key_fields(machine, cell, repeat) | {
