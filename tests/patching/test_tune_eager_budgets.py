@@ -61,18 +61,21 @@ def _ledger(tmp_path: Path) -> Path:
     return ledger
 
 
+def _b300_host(tmp_path: Path, mini: MiniHost) -> tuple[Path, Path, Path, Host, Path]:
+    """(inventory, state file, bin dir with a B300 nvidia-smi, host b1, ledger) of one test."""
+    inv = sim_inventory(tmp_path, mini)
+    bin_dir = tmp_path / "bin"
+    write_nvidia_smi(bin_dir, "b300")
+    return inv, tmp_path / "state.json", bin_dir, load_inventory([inv]).hosts["b1"], _ledger(tmp_path)
+
+
 def _restart_row(stdout: str) -> dict[str, Any]:
     (row,) = json_data(stdout)["hosts"]
     return dict(row["result"])
 
 
 def test_a_b300_record_at_9_sends_only_budget_16_of_a_policy_eager(tmp_path: Path, mini: MiniHost) -> None:
-    inv = sim_inventory(tmp_path, mini)
-    state = tmp_path / "state.json"
-    bin_dir = tmp_path / "bin"
-    write_nvidia_smi(bin_dir, "b300")
-    host = load_inventory([inv]).hosts["b1"]
-    ledger = _ledger(tmp_path)
+    inv, state, bin_dir, host, ledger = _b300_host(tmp_path, mini)
     try:
         assert run_cli(inv, "deploy", "b1", state=state).returncode == 0
         # The record at budget 9, learned the real way: the capture crashed, eager served.
@@ -120,12 +123,7 @@ def test_a_b300_record_at_9_sends_only_budget_16_of_a_policy_eager(tmp_path: Pat
 
 
 def test_a_restart_with_a_policy_lists_the_budgets_recorded_since_tune(tmp_path: Path, mini: MiniHost) -> None:
-    inv = sim_inventory(tmp_path, mini)
-    state = tmp_path / "state.json"
-    bin_dir = tmp_path / "bin"
-    write_nvidia_smi(bin_dir, "b300")
-    host = load_inventory([inv]).hosts["b1"]
-    ledger = _ledger(tmp_path)
+    inv, state, bin_dir, host, ledger = _b300_host(tmp_path, mini)
     policy_file = mini.state_dir / "placed" / "ddtree-policy.json"
     try:
         assert run_cli(inv, "deploy", "b1", state=state).returncode == 0

@@ -156,7 +156,9 @@ def test_bench_outcome_wraps_a_long_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert len([line for line in out.splitlines() if "word" in line]) > 3
 
 
-def test_bench_progress_line_keeps_its_description_and_labels_the_time_left() -> None:
+def _progress_lines(tasks: list[tuple[str, str, int, int]]) -> list[str]:
+    """The bench progress display at 80 columns, one task per (host, description, done,
+    total): its non-empty lines."""
     import io
 
     from ddtree_ops.cli.bench import progress_bar
@@ -164,30 +166,23 @@ def test_bench_progress_line_keeps_its_description_and_labels_the_time_left() ->
 
     buf = io.StringIO()
     console = SafeConsole(file=buf, width=80, force_terminal=False)
-    description = "measure DDTREE b16 k4 T0.6 c8 [sim-ct200/1]"
     with progress_bar(console, disable=False) as bar:
-        task = bar.add_task(description, total=32, host="sim-ct200")
-        bar.update(task, completed=4)
-    (line,) = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+        for host, description, done, total in tasks:
+            bar.update(bar.add_task(description, total=total, host=host), completed=done)
+    return [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+
+
+def test_bench_progress_line_keeps_its_description_and_labels_the_time_left() -> None:
+    description = "measure DDTREE b16 k4 T0.6 c8 [sim-ct200/1]"
+    (line,) = _progress_lines([("sim-ct200", description, 4, 32)])
     assert line.startswith("sim-ct200 ") and " left " in line and description in line and len(line) <= 80
 
 
 def test_bench_progress_at_80_columns_cuts_a_long_description_not_the_bar() -> None:
     """A description longer than the line gives way (cut with "…"); host, bar, rows done and
     time left keep their width (rich used to squeeze them to "si…" and drop the bar)."""
-    import io
-
-    from ddtree_ops.cli.bench import progress_bar
-    from ddtree_ops.cli.terminal import SafeConsole
-
-    buf = io.StringIO()
-    console = SafeConsole(file=buf, width=80, force_terminal=False)
     long = "running ddtree-states-b4,8,16-topk4 ddtree-b16-topk4|t0.7-top_p1-top_k-1|c8 repeat 2 [slot 1]"
-    with progress_bar(console, disable=False) as bar:
-        task = bar.add_task(long, total=48, host="sim-ct200/0")
-        bar.update(task, completed=12)
-        bar.add_task("restarting autoregressive", total=48, host="sim-b300")
-    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    lines = _progress_lines([("sim-ct200/0", long, 12, 48), ("sim-b300", "restarting autoregressive", 0, 48)])
     assert len(lines) == 2 and all(len(ln) <= 80 for ln in lines), lines
     assert lines[0].startswith("sim-ct200/0 ━━") and " 12/48 " in lines[0] and " left running ddtree" in lines[0]
     assert lines[0].rstrip().endswith("…")
