@@ -20,6 +20,7 @@ tries graphs again (and forgets the record if they work).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -187,6 +188,17 @@ def runtime_capture_failures(info: Mapping[str, Any]) -> list[tuple[int, str]]:
             continue
         out.append((budget, reason if isinstance(reason, str) and reason else "no reason given"))
     return out
+
+
+# The bundle's refusal after a runtime state's capture poisoned the CUDA context
+# (ddtree_runtime.capture_outcome): "Capture cuda graph failed: DDTREE budget 16: ...".
+_RUNTIME_BUDGET = re.compile(r"\bDDTREE budget (\d+):")
+
+
+def failed_capture_budget(reason: str) -> int | None:
+    """The runtime budget a whole-start capture failure names, or None (the launch's own)."""
+    found = _RUNTIME_BUDGET.search(reason)
+    return int(found.group(1)) if found else None
 
 
 def capture_failure(tracker: PhaseTracker, *, alive: bool) -> str | None:

@@ -45,6 +45,7 @@ from ddtree_ops.service import manager
 from ddtree_ops.service.fallback import (
     RuntimeBudgets,
     capture_failure,
+    failed_capture_budget,
     fallback_key,
     initial_cuda_graph,
     plan_runtime_budgets,
@@ -669,7 +670,10 @@ def restart(
             if stop:
                 svc.stop(grace_s=stop_grace_s)
             if outcome.reason is WaitReason.CAPTURE_FAILED and may_fall_back():
-                state.record_fallback(key, ended.capture_failure)
+                # Keyed on the budget that failed: a runtime state's capture that left the
+                # CUDA context unusable ends the whole start, but names its own budget.
+                failed = failed_capture_budget(ended.capture_failure) if run.adaptive_config is not None else None
+                state.record_fallback(key if failed is None else replace(key, budget=failed), ended.capture_failure)
                 fallback_reason = ended.capture_failure
                 spec = relaunch_eager(fallback_reason, outcome.elapsed_s)
                 continue

@@ -210,6 +210,22 @@ class ServerArgs:
     def decode_cuda_graph(self) -> bool:
         return self.cuda_graph_backend_decode != "disabled"
 
+    @property
+    def decode_graph_max_bs(self) -> int | None:
+        """The largest batch a captured decode (or verify) graph replays; None without
+        decode graphs. 0.5.23 captures up to ``--cuda-graph-max-bs-decode`` but never above
+        the request pool (``get_batch_sizes_to_capture`` adds the pool size and drops what
+        is above it), and runs a larger batch eager (``can_run_graph``)."""
+        if not self.decode_cuda_graph:
+            return None
+        return min(self.cuda_graph_max_bs_decode, self.max_running_requests)
+
+    def graph_replays(self, batch: int) -> bool:
+        """Whether a decode round of ``batch`` requests replays a graph (of its own state:
+        the caller checks that the state has one)."""
+        ceiling = self.decode_graph_max_bs
+        return ceiling is not None and batch <= ceiling
+
     def as_dict(self) -> dict[str, Any]:
         """The flat fields (everything but ``ddtree``)."""
         flat = asdict(self)
@@ -382,6 +398,10 @@ class SimSettings:
     # Which one the real fleet has is what `selftest --e2e --bisect-budgets` finds out.
     capture_fault: str = "verify"
     eager_draft_head: bool = False
+    # The capture crash of a runtime state's verify graph is sticky (an illegal memory
+    # access poisons the CUDA context): the plugin's probe finds the context unusable and
+    # refuses the start with one line naming the budget, instead of serving that state eager.
+    capture_sticky: bool = False
     # A DDTree plugin that misbehaves (what a rollout's canary gate must catch), DDTREE only:
     # "accept_collapse" (every round keeps only its first token: acceptance length 1, the
     # tokens still right), "wrong_greedy" (a greedy round's last token is off by one: wrong
@@ -436,7 +456,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float, *, minimum: fl
 def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_LOAD_SHARDS, SIM_STALL_AT_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S,
     SIM_SEED, SIM_WARMUP_S,
-    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_NO_RUNTIME_STATES, SIM_DDTREE_FAULT,
+    SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_CAPTURE_STICKY, SIM_NO_RUNTIME_STATES,
+    SIM_DDTREE_FAULT,
     SGLang's own SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
     CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
@@ -464,6 +485,7 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         crash_sampled=_env_flag(env, "SIM_CRASH_SAMPLED"),
         capture_fault=_capture_fault(env),
         eager_draft_head=_env_flag(env, "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER"),
+        capture_sticky=_env_flag(env, "SIM_CAPTURE_STICKY"),
         no_runtime_states=_env_flag(env, "SIM_NO_RUNTIME_STATES"),
         ddtree_fault=_ddtree_fault(env),
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),

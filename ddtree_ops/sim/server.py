@@ -241,8 +241,10 @@ def ddtree_info(args: ServerArgs, states: RuntimeStates | None = None) -> dict[s
     tree = args.ddtree
     assert tree is not None
     captured = args.decode_cuda_graph
+    max_bs = args.decode_graph_max_bs
     if states is not None and tree.budget in states.graphs:
         captured = states.graph(tree.budget).served_with_graph
+        max_bs = states.graph(tree.budget).cuda_graph_max_bs
     return {
         "budget": tree.budget,
         "topk": tree.topk,
@@ -253,6 +255,9 @@ def ddtree_info(args: ServerArgs, states: RuntimeStates | None = None) -> dict[s
         "draft_attention_backend": SIMULATED_BACKEND,
         "decode_cuda_graph": args.cuda_graph_backend_decode,
         "verify_cuda_graph_captured": captured,
+        # The plugin's graph ceiling of the state (DDTreeWorkerV2.describe_ddtree): a round of
+        # more requests runs eager; None without a graph.
+        "verify_cuda_graph_max_bs": max_bs if captured else None,
         "candidate_head": "draft CUDA graph" if args.decode_cuda_graph else "eager",
         # The plugin reports what its start-up checks found; the simulator has no hooks to
         # check, and says so instead of claiming them.
@@ -713,6 +718,14 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
             capture_s = await _capture(args, settings, "target verify", budget + 1, avail)
             if _capture_fails(args, settings, budget):
                 reason = "CUDA error: an illegal memory access was encountered"
+                if settings.capture_sticky:
+                    # The plugin's context probe after the failure (ddtree_runtime.capture_outcome):
+                    # a poisoned context ends the start with SGLang's capture-failure marker.
+                    scheduler_crash(tp, f"Capture cuda graph failed: DDTREE budget {budget}: RuntimeError: {reason} "
+                                        "-- the CUDA context is unusable after it (RuntimeError: CUDA error: an "
+                                        "illegal memory access was encountered); refusing to start (relaunch with "
+                                        "decode CUDA graphs disabled, or with "
+                                        f"{budget} in ddtree.eager_budgets)")
                 outcome: GraphOutcome = "eager" if config.on_capture_failure == "eager" else "dropped"
                 then = "serving it eager" if outcome == "eager" else "dropped from the runtime states"
                 log_ranks(tp, logging.WARNING,
@@ -727,7 +740,7 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
                     f"Capture target verify CUDA graph end. elapsed={capture_s:.2f} s, mem usage=0.30 GB, "
                     f"avail mem={avail:.2f} GB.",
                 )
-                graph = StateGraph(budget, "captured")
+                graph = StateGraph(budget, "captured", cuda_graph_max_bs=args.decode_graph_max_bs)
         if budget != tree.budget:
             # An extra state's memory, modelled (the plugin measures it): its attention workspace
             # plus, when captured, the verify graph's 0.30 GB above.

@@ -21,6 +21,7 @@ from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.limits import policy_problem
 from ddtree_ops.service import RunConfig, lifecycle
 from ddtree_ops.service.fallback import (
+    failed_capture_budget,
     fallback_key,
     initial_cuda_graph,
     plan_runtime_budgets,
@@ -140,23 +141,52 @@ def test_bisection_writes_the_records_a_restart_and_a_policy_launch_read(tmp_pat
     assert plan_runtime_budgets(state, key, [8, 16]).eager_budgets == (16,)
 
 
+def test_a_whole_start_capture_failure_naming_a_runtime_budget_is_recorded_at_that_budget() -> None:
+    line = ("CUDA-graph capture failed: DDTREE budget 16: RuntimeError: CUDA error: an illegal memory access "
+            "was encountered -- the CUDA context is unusable after it")
+    assert failed_capture_budget(line) == 16
+    assert failed_capture_budget("CUDA-graph capture failed: CUDA error: an illegal memory access") is None
+
+
 @pytest.mark.timeout(120)
-def test_a_runtime_state_that_failed_capture_is_recorded_at_its_own_budget(make_sim_host, tmp_path: Path) -> None:
-    host = make_sim_host(gpu="b300", name="b300")
+@pytest.mark.parametrize("sticky", [False, True], ids=["served-eager", "context-poisoned"])
+def test_a_runtime_state_that_failed_capture_is_recorded_at_its_own_budget(
+    make_sim_host, tmp_path: Path, sticky: bool
+) -> None:
+    """B300, budgets [8, 16] launched at 8: 16's verify capture crashes. Served eager by the
+    bundle (the restart reads it from /server_info), or, when the crash is sticky (a real
+    illegal memory access poisons the CUDA context), the bundle refuses the whole start
+    naming budget 16 and the restart relaunches eager. Either way the record is at 16, not
+    at the launch's 8, and the next launch with 16 listed eager keeps 8's graph."""
+    host = make_sim_host(gpu="b300", name="b300", extra_env={"SIM_CAPTURE_STICKY": "1" if sticky else "0"})
     config = tmp_path / "states.json"
     config.write_text(json.dumps({"ddtree": {"budgets": [8, 16], "topk_max": 4, "on_capture_failure": "eager"}}))
     state = StateStore()
     run = RunConfig("DDTREE", budget=8, topk=4, adaptive_config=str(config))
+
+    def restart(run: RunConfig) -> lifecycle.RestartResult:
+        return lifecycle.restart(t, RestartRequest(host, run, LaunchFacts("0.5.23"), poll_interval_s=0.2,
+                                                   stop_grace_s=5.0), state=state)
+
     with LocalTransport(host.name) as t:
         try:
-            result = lifecycle.restart(t, RestartRequest(host, run, LaunchFacts("0.5.23"), poll_interval_s=0.2,
-                                                         stop_grace_s=5.0), state=state)
-            assert result.cuda_graph is True and result.attempts == 1
+            result = restart(run)
+            assert (result.cuda_graph, result.attempts) == ((False, 2) if sticky else (True, 1))
             (record,) = state.fallbacks()
             assert (record.key.budget, record.key.topk) == (16, 4)  # not the launch budget 8
-            assert record.reason.startswith("runtime state budget 16: verify graph did not capture")
-            # the next launch holding both lists 16 eager and keeps 8's graph
+            if sticky:
+                assert result.fallback_reason is not None and "DDTREE budget 16" in result.fallback_reason
+            else:
+                assert record.reason.startswith("runtime state budget 16: verify graph did not capture")
             planned = plan_runtime_budgets(state, replace(record.key, budget=8), [8, 16])
-            assert planned.eager_budgets == (16,)
+            assert (planned.launch_budget, planned.eager_budgets) == (8, (16,))
+            # with 16 listed eager the bundle does not attempt its capture: graphs on, one attempt
+            listed = tmp_path / "listed.json"
+            listed.write_text(json.dumps({"ddtree": {"budgets": [8, 16], "topk_max": 4,
+                                                     "eager_budgets": list(planned.eager_budgets)}}))
+            again = restart(replace(run, adaptive_config=str(listed)))
+            assert (again.cuda_graph, again.attempts) == (True, 1)
         finally:
             lifecycle.stop(t, host, grace_s=5)
+
+
