@@ -321,7 +321,7 @@ class Engine:
         CUDA graph)."""
         algo = self.args.speculative_algorithm
         if algo is None:
-            return self._sample_one(batch, self._root_logits(batch)), 1, self.args.decode_cuda_graph
+            return self._sample_one(batch, self._root_logits(batch)), 1, self.args.graph_replays(len(batch))
         return self._speculate(batch)
 
     def _speculate(self, batch: Sequence[GenRequest]) -> tuple[list[list[int]], int, bool]:
@@ -334,10 +334,12 @@ class Engine:
             # Read once, at the round's start: a switch arriving mid-round applies to the next.
             state = self.states.for_round(len(batch))
             topk, budget = state.topk, state.budget
-            graph = graph and self.states.graph(budget).served_with_graph
+            # A batch above the state's graph ceiling runs eager, as SGLang's can_run_graph decides.
+            graph = graph and self.states.graph(budget).replays_graph(len(batch))
         else:  # DFLASH verifies one chain: the drafter's rank-0 token at every position
             topk = 1
             budget = depth
+            graph = args.graph_replays(len(batch))
         keys = torch.tensor([r.key for r in batch], dtype=torch.int64)
         starts = torch.tensor([r.position for r in batch], dtype=torch.int64)
         lasts = torch.tensor([r.last_token for r in batch], dtype=torch.int64)
@@ -413,8 +415,8 @@ def fixed_states(args: ServerArgs) -> RuntimeStates:
     tree = args.ddtree
     assert tree is not None
     outcome: GraphOutcome = "captured" if args.decode_cuda_graph else "disabled"
-    return RuntimeStates(launch=TreeState(tree.budget, tree.topk), graphs=(StateGraph(tree.budget, outcome),),
-                         config=None)
+    graph = StateGraph(tree.budget, outcome, cuda_graph_max_bs=args.decode_graph_max_bs)
+    return RuntimeStates(launch=TreeState(tree.budget, tree.topk), graphs=(graph,), config=None)
 
 
 def _target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -194,6 +194,9 @@ class StateGraph:
     # Modelled, not measured: what an extra state's attention workspace and verify graph take
     # (the plugin measures it on the device); None for the launch state, which SGLang builds.
     memory_mb: float | None = None
+    # The largest batch its verify graph replays (the plugin's ``cuda_graph_max_bs``: the
+    # runner's largest capture size); None without a graph. A larger batch runs eager.
+    cuda_graph_max_bs: int | None = None
 
     @property
     def verify_width(self) -> int:
@@ -203,9 +206,13 @@ class StateGraph:
     def served_with_graph(self) -> bool:
         return self.cuda_graph == "captured"
 
+    def replays_graph(self, batch: int) -> bool:
+        """Whether a round of ``batch`` requests at this state replays its verify graph."""
+        return self.served_with_graph and (self.cuda_graph_max_bs is None or batch <= self.cuda_graph_max_bs)
+
     def as_json(self) -> dict[str, Any]:
         return {"budget": self.budget, "verify_width": self.verify_width, "cuda_graph": self.cuda_graph,
-                "reason": self.reason, "memory_mb": self.memory_mb}
+                "reason": self.reason, "memory_mb": self.memory_mb, "cuda_graph_max_bs": self.cuda_graph_max_bs}
 
 
 class RuntimeStates:

@@ -58,6 +58,8 @@ def test_server_info_reports_the_ddtree_object(ddtree_server) -> None:
         "draft_attention_backend": "simulated",
         "decode_cuda_graph": "full",
         "verify_cuda_graph_captured": True,
+        # The graph ceiling: min(--cuda-graph-max-bs-decode 256, --max-running-requests 128).
+        "verify_cuda_graph_max_bs": 128,
         "candidate_head": "draft CUDA graph",
         "tree_mask": {"hooks_in_place": [], "capture_input": "simulated", "verify_graphs": "simulated"},
         "sampler": "reference",

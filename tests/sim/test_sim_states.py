@@ -206,9 +206,13 @@ def test_b300_states_over_8_go_eager_the_others_keep_their_graphs_and_switches_t
         "topk_max": 8,
         "policy": None,
         "states": [
-            {"budget": 4, "verify_width": 5, "cuda_graph": "captured", "reason": None, "memory_mb": 435.2},
-            {"budget": 8, "verify_width": 9, "cuda_graph": "captured", "reason": None, "memory_mb": None},
-            {"budget": 16, "verify_width": 17, "cuda_graph": "eager", "reason": reason, "memory_mb": 128.0},
+            # cuda_graph_max_bs: the graph ceiling, min(--cuda-graph-max-bs-decode 256, the 128-request pool)
+            {"budget": 4, "verify_width": 5, "cuda_graph": "captured", "reason": None, "memory_mb": 435.2,
+             "cuda_graph_max_bs": 128},
+            {"budget": 8, "verify_width": 9, "cuda_graph": "captured", "reason": None, "memory_mb": None,
+             "cuda_graph_max_bs": 128},
+            {"budget": 16, "verify_width": 17, "cuda_graph": "eager", "reason": reason, "memory_mb": 128.0,
+             "cuda_graph_max_bs": None},
         ],
         "switches": 0,
         "last_refusal": None,
@@ -258,6 +262,31 @@ def test_drop_removes_a_failed_state_and_refuses_switching_to_it(sim_factory: An
     refused = _switch(sim, ddtree_budget=16)
     assert refused.status_code == 400 and "budget 16 was dropped" in refused.json()["detail"]
     assert "dropped from the runtime states" in sim.log()
+
+
+def test_the_graph_ceiling_is_named_per_budget_and_a_batch_above_it_runs_eager(
+    sim_factory: Any, tmp_path: Path
+) -> None:
+    # The ceiling is min(--cuda-graph-max-bs-decode, --max-running-requests), as 0.5.23's
+    # get_batch_sizes_to_capture leaves it; an eager budget (B300, above 8) has none.
+    path = _write(tmp_path, {"ddtree": {"budgets": [4, 8, 16]}})
+    sim = sim_factory(*DDTREE_8_4, "--speculative-adaptive-config", str(path), "--cuda-graph-max-bs-decode", "2",
+                      env={"SIM_GPU": "b300"})
+    sim.wait_ready()
+    info = _info(sim)
+    states = info["internal_states"][0]["ddtree"]["states"]
+    assert [(s["budget"], s["cuda_graph"], s["cuda_graph_max_bs"]) for s in states] == [
+        (4, "captured", 2), (8, "captured", 2), (16, "eager", None)]
+    assert info["ddtree"]["verify_cuda_graph_max_bs"] == 2 and info["cuda_graph_config"]["decode"]["max_bs"] == 2
+    # The pool bounds it too; without decode graphs nothing replays a graph.
+    pooled = parse_server_args(["--model-path", "m", *DDTREE_8_4, "--max-running-requests", "3"])[0]
+    assert pooled.decode_graph_max_bs == 3 and pooled.graph_replays(3) and not pooled.graph_replays(4)
+    eager = parse_server_args(["--model-path", "m", *DDTREE_8_4, "--cuda-graph-backend-decode", "disabled"])[0]
+    assert eager.decode_graph_max_bs is None and not eager.graph_replays(1)
+    # What the engine asks per round: a state replays its graph up to its ceiling only.
+    captured = StateGraph(4, "captured", cuda_graph_max_bs=2)
+    assert [captured.replays_graph(bs) for bs in (1, 2, 3)] == [True, True, False]
+    assert not StateGraph(16, "eager", "failed").replays_graph(1)
 
 
 def test_states_past_the_memory_cap_refuse_the_start_in_one_line(sim_factory: Any, tmp_path: Path) -> None:
