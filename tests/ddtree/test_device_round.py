@@ -266,3 +266,48 @@ def test_build_tree_batch_rejects_bad_shapes(du: ModuleType) -> None:
         du.build_tree_batch(torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2, 3, 5), 4, torch.zeros(2))
     with pytest.raises(ValueError):
         du.build_tree_batch(torch.zeros(2, 3, 4, dtype=torch.int64), torch.zeros(2, 3, 4), 0, torch.zeros(2))
+
+
+def _triton_verify_mask_numel(max_bs: int, n: int, context_len: int) -> int:
+    """SGLang 0.5.23's Triton verify-mask buffer: ``tree_mask_numel(FULL_MASK, max_bs, N,
+    context_len)`` (srt/layers/attention/verify_mask.py), ``N * (context_len + N)`` per request."""
+    return max_bs * n * (context_len + n)
+
+
+@pytest.mark.parametrize("budget", [4, 8, 16, 64])
+@pytest.mark.parametrize("context_len", [64, 2048, 32768])
+def test_mask_view_fits_the_triton_graph_buffer_at_the_context_end(du: ModuleType, budget: int,
+                                                                   context_len: int) -> None:
+    """A full batch (bs = the graph's max bs) with every prefix at context_len - 2, the
+    most admission lets a running request commit: the view is capped at the buffer a
+    graph replay copies it into and still covers every cell the kernel reads; uncapped,
+    it overran the buffer (RuntimeError in the copy: the scheduler died)."""
+    n, max_bs = budget + 1, 4
+    fixed = _triton_verify_mask_numel(max_bs, n, context_len)
+    prefix = torch.full((max_bs,), context_len - 2)
+    verify_kv_sum = int((prefix + n).sum())  # the host bound a round has: prefix + N per request
+    reads = n * verify_kv_sum  # mask_indptr = cumsum(N * (seq_lens + N))
+    uncapped = du.verify_mask_cells(n, verify_kv_sum, max_bs)
+    capped = du.verify_mask_cells(n, verify_kv_sum, max_bs, fixed_cells=fixed)
+    assert uncapped > fixed
+    assert reads <= capped <= fixed
+    # The buffer the worker hands over holds the tree blocks where the kernel reads them.
+    masks = torch.rand(max_bs, n, n) < 0.5
+    buf = du.TreeMaskBuffer("cpu")
+    view = buf.write(masks, prefix, capped)
+    graph_mask = torch.zeros(fixed, dtype=torch.uint8)
+    graph_mask[: view.numel()] = view  # TritonAttnBackend._update_target_verify_buffers
+    starts = torch.cumsum(n * (prefix + n), 0) - n * (prefix + n)
+    for b in range(max_bs):
+        rows = graph_mask[int(starts[b]) : int(starts[b]) + n * int(prefix[b] + n)].view(n, -1)
+        assert bool(rows[:, : int(prefix[b])].all())
+        assert torch.equal(rows[:, int(prefix[b]) :].bool(), masks[b])
+
+
+def test_mask_view_is_uncapped_without_a_fixed_buffer_and_never_below_the_reads(du: ModuleType) -> None:
+    """FlashInfer's size (no fixed buffer) is unchanged; a host bound whose reads exceed the
+    buffer keeps them (the worker then runs that round eager)."""
+    assert du.verify_mask_cells(9, 100, 2) == 9 * 100 + 81 * 2
+    assert du.verify_mask_cells(9, 100, 2, fixed_cells=10_000) == 9 * 100 + 81 * 2
+    assert du.verify_mask_cells(9, 100, 2, fixed_cells=950) == 950
+    assert du.verify_mask_cells(9, 100, 2, fixed_cells=500) == 900

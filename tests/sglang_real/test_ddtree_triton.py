@@ -6,6 +6,11 @@
   outputs equal the target alone (the torch_native server) token for token, log-probs
   within float32 noise. The interpreter runs each kernel program in NumPy: slow (a few
   seconds per request here), so one batch.
+* A full batch near the context end on the triton backend, through the verify graph's
+  replay metadata (a test stand-in takes that GPU-only path on CPU): the tree mask the
+  bundle hands over fits the graph's fixed mask buffer (``max_bs * N * (context_len +
+  N)`` cells) and covers what the kernel reads; every request is served (or refused with
+  a 400 naming the context), never a scheduler crash.
 * The candidate head's Triton top-k + log-sum-exp (``lilicorr_topk_lse``,
   kernels/ops/speculative/lilicorr.py, which ``candidate_topk`` calls inside the draft
   CUDA graph) against its own torch path. The function sends non-CUDA tensors to torch,
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import httpx
 import pytest
 
 from .serverenv import server_env
@@ -47,6 +53,51 @@ def test_triton_verify_backend_greedy_equals_target_alone(real_servers, ddtree_p
             assert [t[0] for t in gt] == pytest.approx([t[0] for t in wt], abs=LOGPROB_ATOL), (i, pos, gt, wt)
         # The oracle's tree puts the true path through a rank-1 sibling at depth 2.
         assert g.meta_info["spec_accept_length"] > 2, g.meta_info
+
+
+# A full batch (--max-running-requests = the stand-in's graph max batch size) of one prompt
+# CONTEXT_END_PROMPT tokens short of a small context, each asking for every token left.
+CONTEXT_LEN, GRAPH_MAX_BS, CONTEXT_END_PROMPT = 64, 2, 16
+
+
+def test_triton_full_batch_at_the_context_end_is_served_through_the_graph_mask(
+        real_servers, ddtree_python, tiny_models, tmp_path):
+    prompt = [(37 * i + 11) % 500 + 4 for i in range(CONTEXT_LEN - CONTEXT_END_PROMPT)]
+    max_new = CONTEXT_END_PROMPT
+    baseline = real_servers.get("baseline", tiny_models["target"])
+    (want,) = baseline.generate([prompt], max_new_tokens=max_new)
+    # The oracle drafter proposes the target's own continuation: deep trees, long rounds.
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({",".join(map(str, prompt)): want.output_ids}))
+    records = tmp_path / "replay.jsonl"
+    args = [*ddtree_args(tiny_models["draft"], 8), "--speculative-draft-attention-backend", "triton",
+            "--attention-backend", "triton", "--context-length", str(CONTEXT_LEN),
+            "--max-running-requests", str(GRAPH_MAX_BS)]
+    srv = real_servers.get("ddtree-triton-context-end", tiny_models["target"], args, python=ddtree_python,
+                           env={**INTERPRET, "DDTREE_TEST_ORACLE": str(oracle),
+                                "DDTREE_TEST_TRITON_REPLAY": str(records),
+                                "DDTREE_TEST_TRITON_REPLAY_MAX_BS": str(GRAPH_MAX_BS)})
+    body = {"input_ids": [prompt] * GRAPH_MAX_BS,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}
+    resp = httpx.post(srv.url + "/generate", json=body, timeout=600)
+    if resp.status_code == 200:
+        for out in resp.json():
+            # SGLang caps max_new_tokens at context_len - 2 - prompt (init_req_max_new_tokens).
+            got = out["output_ids"]
+            assert len(got) == CONTEXT_LEN - 2 - len(prompt), out["meta_info"]
+            assert got == want.output_ids[:len(got)], "the triton verify near the context end diverged"
+    else:
+        assert resp.status_code == 400 and "context" in resp.text, resp.text[-2000:]
+    (alive,) = srv.generate([prompt[:8]], max_new_tokens=4)
+    assert len(alive.output_ids) == 4, srv.log_tail()
+    rounds = [json.loads(line) for line in records.read_text().splitlines()]
+    n = 8 + 1
+    full = [r for r in rounds if r["bs"] == GRAPH_MAX_BS]
+    assert full, rounds
+    assert all(r["buffer_cells"] == GRAPH_MAX_BS * n * (CONTEXT_LEN + n) for r in rounds), rounds
+    assert all(r["kernel_reads"] <= r["mask_cells"] <= r["buffer_cells"] for r in rounds), rounds
+    # Near the end the uncapped view (N * (prefix + N) + N * N per request) overran the buffer.
+    assert any(r["kernel_reads"] + n * n * r["bs"] > r["buffer_cells"] for r in full), full
 
 
 _HEAD = r"""

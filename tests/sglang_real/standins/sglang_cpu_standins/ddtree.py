@@ -32,6 +32,21 @@ Probes (off unless their environment variable names a file):
   buffer the last ``TreeMaskBuffer.write`` filled), its cells, and what FlashInfer's
   verify planning needs before it re-allocates (``generate_attn_arg_prefill``,
   srt/speculative/dflash_info.py: ``seq_lens_sum * N + N * N * bs`` cells).
+
+Stand-in for a GPU path (off unless its environment variable names a file):
+
+* ``DDTREE_TEST_TRITON_REPLAY`` (with ``DDTREE_TEST_TRITON_REPLAY_MAX_BS``, the decode
+  graph's max batch size): the CPU has no CUDA graphs, so the target's Triton backend
+  never takes the replay metadata path. This makes it do so for every DDTREE target
+  verify of at most that many requests that the worker does not run eager: the backend
+  gets its graph state once (``init_cuda_graph_state``, with the GPU's FULL_MASK verify
+  mask, not the CPU's QLEN_ONLY), and each such round builds its metadata as a capture
+  does (``init_forward_metadata_out_graph(in_capture=True)``: the fixed buffers, the
+  mask copied into ``_verify_mask.buffer`` by ``_update_target_verify_buffers``), then
+  runs eagerly on it. One JSON line per such metadata build (the CPU's eager verify
+  builds it twice a round: ``prepare_for_verify`` and the eager runner): ``bs``, ``n``,
+  the view's cells, the buffer's cells, the cells the kernel reads
+  (``N * sum(seq_lens + N)``) and the largest prefix.
 """
 
 from __future__ import annotations
@@ -166,3 +181,70 @@ def break_hook(target: str) -> None:
         return real_apply(cls, name, hooks)
 
     HookRegistry._apply_target = classmethod(failing)
+
+
+_EAGER_VERIFY = [False]
+_REPLAY_READY: set[int] = set()
+
+
+def eager_verify_round(original, self, eager):
+    """AROUND ``DDTreeWorkerV2._verify_graph_unless``: a round the worker runs without
+    its verify graph takes the eager metadata path here too."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def around():
+        with original(self, eager):
+            _EAGER_VERIFY[0] = bool(eager)
+            try:
+                yield
+            finally:
+                _EAGER_VERIFY[0] = False
+
+    return around()
+
+
+def triton_verify_replay(original, self, forward_batch):
+    """AROUND ``TritonAttnBackend.init_forward_metadata``: a DDTREE target verify of at
+    most ``DDTREE_TEST_TRITON_REPLAY_MAX_BS`` requests gets the graph-replay metadata."""
+    import torch
+
+    spec_info = forward_batch.spec_info
+    max_bs = int(os.environ.get("DDTREE_TEST_TRITON_REPLAY_MAX_BS", "0"))
+    bs = int(forward_batch.batch_size)
+    if (
+        _EAGER_VERIFY[0]
+        or self.is_draft_runner
+        or not forward_batch.forward_mode.is_target_verify()
+        or getattr(spec_info, "custom_mask", None) is None
+        or not hasattr(spec_info, "retrieve_next_sibling")
+        or bs > max_bs
+    ):
+        return original(self, forward_batch)
+    if id(self) not in _REPLAY_READY:
+        from sglang.srt.layers.attention import verify_mask
+        from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+        cpu_mode = verify_mask.default_tree_mask_mode
+        verify_mask.default_tree_mask_mode = lambda: TreeMaskMode.FULL_MASK
+        try:
+            self.init_cuda_graph_state(max_bs, max_bs * int(self.num_draft_tokens))
+        finally:
+            verify_mask.default_tree_mask_mode = cpu_mode
+        _REPLAY_READY.add(id(self))
+    original(self, forward_batch)  # the eager path's per-round state, then replaced
+    self.init_forward_metadata_out_graph(forward_batch, in_capture=True)
+    n = int(self.num_draft_tokens)
+    seq_lens = forward_batch.seq_lens[:bs].to("cpu", dtype=torch.int64)
+    record = {
+        "bs": bs,
+        "n": n,
+        "max_bs": max_bs,
+        "mask_cells": int(spec_info.custom_mask.numel()),
+        "buffer_cells": int(self._verify_mask.buffer.numel()),
+        "kernel_reads": n * int((seq_lens + n).sum()),
+        "max_prefix": int(seq_lens.max()),
+        "context_len": int(self.max_context_len),
+    }
+    with open(os.environ["DDTREE_TEST_TRITON_REPLAY"], "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -317,6 +317,17 @@ def _standins():
             ddtree.mask_buffer_write,
             HookType.AROUND,
         )
+    if ddtree.installed() and os.environ.get("DDTREE_TEST_TRITON_REPLAY"):
+        table["ddtree_triton_replay"] = (
+            "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.init_forward_metadata",
+            ddtree.triton_verify_replay,
+            HookType.AROUND,
+        )
+        table["ddtree_eager_verify_round"] = (
+            "sglang.srt.speculative.ddtree_worker_v2.DDTreeWorkerV2._verify_graph_unless",
+            ddtree.eager_verify_round,
+            HookType.AROUND,
+        )
     if ddtree.installed() and os.environ.get("DDTREE_TEST_ORACLE"):
         table["ddtree_oracle"] = (
             "sglang.srt.speculative.ddtree_worker_v2.DDTreeWorkerV2._draft",
@@ -352,7 +363,7 @@ def register_all() -> None:
     # DDTREE's stand-ins exist only where the bundle is installed; naming them elsewhere
     # is not a typo.
     ddtree_only = {"ddtree_device", "ddtree_backend", "ddtree_oracle", "ddtree_mask_probe", "ddtree_coverage",
-                   "tree_sampling_kernel"}
+                   "tree_sampling_kernel", "ddtree_triton_replay", "ddtree_eager_verify_round"}
     unknown = (disabled | enabled) - set(table) - ddtree_only
     if unknown or not enabled <= OPT_IN:
         raise ValueError(

@@ -35,6 +35,7 @@ __all__ = [
     "follow_verified_tree_batch",
     "accepted_paths_from_kernel",
     "TreeMaskBuffer",
+    "verify_mask_cells",
 ]
 
 
@@ -544,3 +545,30 @@ class TreeMaskBuffer:
         if self._written is not None:
             self._buf.index_fill_(0, self._written, True)
             self._written = None
+
+
+def verify_mask_cells(
+    width: int, verify_kv_sum: int, bs: int, *, fixed_cells: int | None = None
+) -> int:
+    """Cells of the tree mask view handed to attention.
+
+    FlashInfer's verify planning (``DFlashVerifyInput.generate_attn_arg_prefill``,
+    ``srt/speculative/dflash_info.py``) re-allocates and copies any mask shorter than
+    ``paged_kernel_lens_sum * N + N * N * bs`` cells, where ``paged_kernel_lens_sum``
+    is the forward batch's ``seq_lens_sum``: the host bound ``verify_kv_sum`` this
+    round gives it (prefix + N per request). A view of exactly that size keeps the
+    mask the :class:`TreeMaskBuffer` (all True past the tree blocks).
+
+    ``fixed_cells``: the size of a backend's fixed verify-mask buffer that a graph
+    replay copies the view into (Triton's ``VerifyMask``, ``max_bs * N *
+    (context_len + N)`` cells, ``srt/layers/attention/verify_mask.py``
+    ``tree_mask_numel``; the copy is in ``TritonAttnBackend._update_target_verify_buffers``).
+    The view is then capped at that size, but never below ``N * verify_kv_sum``, the
+    host bound of the cells the kernel reads (``N * (prefix + N)`` per request): a
+    result above ``fixed_cells`` means the round cannot replay against that buffer.
+    """
+    reads = int(width) * int(verify_kv_sum)
+    cells = reads + int(width) * int(width) * int(bs)
+    if fixed_cells is None:
+        return cells
+    return max(min(cells, int(fixed_cells)), reads)

@@ -123,18 +123,6 @@ def sampling_verifier_available() -> bool:
     return sampling_kernel_available() or reference_sampler_enabled()
 
 
-def verify_mask_cells(width: int, verify_kv_sum: int, bs: int) -> int:
-    """Cells of the tree mask view handed to attention.
-
-    FlashInfer's verify planning (``DFlashVerifyInput.generate_attn_arg_prefill``,
-    ``srt/speculative/dflash_info.py``) re-allocates and copies any mask shorter than
-    ``paged_kernel_lens_sum * N + N * N * bs`` cells, where ``paged_kernel_lens_sum``
-    is the forward batch's ``seq_lens_sum``: the host bound ``verify_kv_sum`` this
-    round gives it (prefix + N per request). A view of exactly that size keeps the
-    mask the :class:`~ddtree_utils.TreeMaskBuffer` (all True past the tree blocks)."""
-    return int(width) * int(verify_kv_sum) + int(width) * int(width) * int(bs)
-
-
 class DDTreeUnsupported(ValueError):
     """A DDTREE server started with a draft or target it cannot serve."""
 
@@ -261,6 +249,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         self.ddtree_max_depth = min(self.block_size - 1, widest)
         self.window = max(self.block_size, widest + 1)
         self._mask_buffer = ddtree_utils.TreeMaskBuffer(self.device)
+        self._logged_eager_mask_round = False
         self._window_ids: Optional[torch.Tensor] = None
         self._window_positions: Optional[torch.Tensor] = None
         self._window_cache_loc: Optional[torch.Tensor] = None
@@ -852,6 +841,48 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 out[i] = req.kv.kv_allocated_len
         return out, int(out.sum())
 
+    def _fixed_verify_mask_cells(self, bs: int) -> Optional[int]:
+        """Cells of the target backend's fixed verify-mask buffer, where a graph
+        replay of this batch copies the mask into one; else None.
+
+        ``init_cuda_graph_state`` gives a backend a ``VerifyMask``
+        (``srt/layers/attention/verify_mask.py``) of ``max_bs * N * (context_len +
+        N)`` cells, exposed as its ``verify_mask`` (None on the base backend). Triton
+        copies ``spec_info.custom_mask`` into it at replay
+        (``TritonAttnBackend._update_target_verify_buffers``): a longer view raises
+        there and kills the scheduler. A FULL_MASK buffer spans the context per
+        request; a batch above its ``max_bs`` runs eager and reads the view itself.
+        Read per round: each runtime budget has its own backend (``_use_tree``)."""
+        from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+        mask = getattr(self.model_runner.attn_backend, "verify_mask", None)
+        if mask is None or mask.mode != TreeMaskMode.FULL_MASK or not mask.fits(bs):
+            return None
+        return int(mask.buffer.numel())
+
+    @contextlib.contextmanager
+    def _verify_graph_unless(self, eager: bool):
+        """Run the verify of this round eager when ``eager``: its tree mask is
+        larger than the graph's mask buffer (:meth:`_fixed_verify_mask_cells`), which
+        happens only at a full batch near the context end (the round the overlap
+        scheduler runs after a request finished starts past its last length). The
+        eager Triton path reads the view itself (``init_forward_metadata``)."""
+        runner = self.model_runner
+        graph_runner = runner.decode_cuda_graph_runner
+        if eager:
+            if not self._logged_eager_mask_round:
+                self._logged_eager_mask_round = True
+                logger.info(
+                    "DDTREE: a verify round's tree mask exceeds the verify graph's "
+                    "mask buffer (full batch near the context end); such rounds "
+                    "run eager."
+                )
+            runner.decode_cuda_graph_runner = None
+        try:
+            yield
+        finally:
+            runner.decode_cuda_graph_runner = graph_runner
+
     def _verify(self, batch, draft_input, draft: _DraftRound, trees, retrieve):
         """The tree's one target pass. Returns the logits output, the target
         result and, for an all-greedy batch (``retrieve`` None), the target's argmax
@@ -861,10 +892,12 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         all_greedy = retrieve is None
         bs = len(prefix_lens)
         _, verify_kv_sum = self._host_seq_lens(batch, draft_input, width)
+        fixed_cells = self._fixed_verify_mask_cells(bs)
+        cells = ddtree_utils.verify_mask_cells(
+            width, verify_kv_sum, bs, fixed_cells=fixed_cells
+        )
         custom_mask = self._mask_buffer.write(
-            ddtree_utils.tree_ancestor_masks(trees),
-            prefix_lens,
-            verify_mask_cells(width, verify_kv_sum, bs),
+            ddtree_utils.tree_ancestor_masks(trees), prefix_lens, cells
         )
         retrieve = retrieve or (None, None, None)
         verify_input = DDTreeVerifyInput(
@@ -890,17 +923,18 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         elif draft_input.nxt_kv_lens_cpu is not None:
             batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
             batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
-        verify_forward_batch, _ = verify_input.prepare_for_verify(
-            batch, self.target_worker, defer_metadata_init=False
-        )
-        batch.seq_lens_cpu = seq_lens_cpu_backup
-        batch.seq_lens_sum = seq_lens_sum_backup
-        target_out = self.target_worker.forward_batch_generation(
-            batch=None,
-            forward_batch=verify_forward_batch,
-            is_verify=True,
-            skip_attn_backend_init=True,
-        )
+        with self._verify_graph_unless(fixed_cells is not None and cells > fixed_cells):
+            verify_forward_batch, _ = verify_input.prepare_for_verify(
+                batch, self.target_worker, defer_metadata_init=False
+            )
+            batch.seq_lens_cpu = seq_lens_cpu_backup
+            batch.seq_lens_sum = seq_lens_sum_backup
+            target_out = self.target_worker.forward_batch_generation(
+                batch=None,
+                forward_batch=verify_forward_batch,
+                is_verify=True,
+                skip_attn_backend_init=True,
+            )
         # Queued after the pass that read the mask: the buffer is all True again.
         self._mask_buffer.restore()
 
