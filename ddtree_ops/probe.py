@@ -6,9 +6,11 @@ with ``importlib.util.find_spec`` / ``importlib.metadata`` — importing SGLang 
 seconds and may fail for reasons unrelated to whether it is installed), torch and the
 CUDA version it was built for (read from its version file, not imported), GPUs from
 ``nvidia-smi`` (compute capability included: the B300 CUDA-graph fault is specific to
-sm_103), free disk at the package directory, and whether the configured server port is
-taken. Many hosts times many checks would otherwise be many SSH round trips; here it is
-one per host, which a test counts.
+sm_103), free disk at the package directory, whether the configured server port is
+taken, and what a server answering on a taken port says of its CUDA-graph ceiling per
+tree budget (``/server_info``; :mod:`ddtree_ops.graphceiling`). Many hosts times many
+checks would otherwise be many SSH round trips; here it is one per host, which a test
+counts.
 
 :func:`probe_host` never raises: an unreachable host is a fact (``error``), so that a
 fleet-wide doctor always reports every host.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ddtree_ops.errors import DdtreeOpsError, stderr_tail
 from ddtree_ops.fleet import FleetResult, run_on_hosts
+from ddtree_ops.graphceiling import GraphCeilings, graph_ceilings
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport import RoundTripCounter, Transport, open_transport
 from ddtree_ops.transport.hostprogram import run_program
@@ -31,6 +34,7 @@ PROBE_TIMEOUT_S = 120.0
 # program is (transport/hostprogram.py): the ports and bind address arrive in PAYLOAD.
 PROBE_SOURCE = r'''
 import json, os, platform, shutil, socket, subprocess, sys
+import urllib.request
 
 def main(ports, bind_host):
     out = {"python_version": platform.python_version(), "python_executable": sys.executable}
@@ -136,8 +140,26 @@ def main(ports, bind_host):
             sock.close()
     out["port_in_use"] = ports[0] in busy
     out["ports_busy"] = busy
+    out["servers"] = [s for s in (server_info(bind_host, p) for p in busy) if s is not None]
     out["units"] = [unit_facts(u) for u in units]
     return out
+
+def server_info(bind_host, port):
+    """What a server answering on a busy port says of its DDTree tree and graphs (the
+    parts of /server_info doctor shows), or None: not an SGLang server, or no answer."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind_host, bind_host)
+    url = "http://%s:%d/server_info" % ("[%s]" % host if ":" in host else host, port)
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            info = json.loads(resp.read().decode("utf-8"))
+    except Exception:
+        return None
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    live = states[0].get("ddtree") if isinstance(states, list) and states and isinstance(states[0], dict) else None
+    return {"port": port, "speculative_algorithm": info.get("speculative_algorithm"), "ddtree": info.get("ddtree"),
+            "internal_states": [{"ddtree": live}] if isinstance(live, dict) else []}
 
 def unit_facts(unit):
     """What the host's systemd says of the unit that runs SGLang there (manager: systemd)."""
@@ -229,6 +251,40 @@ class UnitFacts:
 
 
 @dataclass(frozen=True)
+class ServedLaunch:
+    """A server answering ``/server_info`` on one of the host's ports."""
+
+    port: int
+    algorithm: str | None  # speculative_algorithm; None: autoregressive
+    # Per budget, the largest batch its verify graph replays (DDTREE only; None where the
+    # server does not report it).
+    ceilings: GraphCeilings | None = None
+    # The ceilings in words, saying that concurrency above them runs eager: a field, so
+    # that --json carries the sentence the table shows.
+    summary: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.ceilings is not None:
+            text = self.ceilings.describe()
+        elif self.algorithm == "DDTREE":
+            text = "DDTREE, no graph ceiling reported (a bundle that predates it)"
+        else:
+            text = f"{self.algorithm or 'autoregressive'}: no DDTree states"
+        object.__setattr__(self, "summary", text)
+
+    def describe(self) -> str:
+        return f"port {self.port}: {self.summary}"
+
+
+def _served(raw: object) -> ServedLaunch | None:
+    if not isinstance(raw, dict) or not isinstance(raw.get("port"), int):
+        return None
+    algorithm = raw.get("speculative_algorithm")
+    return ServedLaunch(port=raw["port"], algorithm=algorithm if isinstance(algorithm, str) else None,
+                        ceilings=graph_ceilings(raw))
+
+
+@dataclass(frozen=True)
 class HostFacts:
     host: str
     reachable: bool = False
@@ -251,6 +307,7 @@ class HostFacts:
     ports: tuple[int, ...] = ()  # every server port checked: server.port, or each slot's
     ports_busy: tuple[int, ...] = ()
     units: tuple[UnitFacts, ...] = ()  # manager systemd: the unit (each slot's instance)
+    servers: tuple[ServedLaunch, ...] = ()  # what answers /server_info on a taken port
     error: str | None = None
     error_type: str | None = None
     duration_s: float = 0.0
@@ -309,6 +366,7 @@ def probe_host(transport: Transport, host: Host, *, timeout: float = PROBE_TIMEO
         ports=ports,
         ports_busy=tuple(data.get("ports_busy") or ()),
         units=tuple(UnitFacts.from_probe(u) for u in data.get("units") or ()),
+        servers=tuple(s for s in map(_served, data.get("servers") or ()) if s is not None),
         duration_s=result.duration,
     )
 

@@ -208,6 +208,9 @@ class E2eRun:
     accept_length: float | None = None
     max_logprob_delta: float | None = None
     verify_cuda_graph_captured: bool | None = None
+    # The launch's graph ceiling: the largest batch its verify graph replays (a larger
+    # batch runs eager); None without a graph, or from a bundle that predates it.
+    verify_cuda_graph_max_bs: int | None = None
     verify_attention_backend: str | None = None
     decode_cuda_graph: str | None = None
     startup_s: float | None = None
@@ -286,6 +289,10 @@ def _opt_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _opt_positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _opt_bool(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
 
@@ -314,6 +321,7 @@ def _e2e_run(raw: Mapping[str, Any]) -> E2eRun:
         accept_length=_num(raw.get("accept_length")),
         max_logprob_delta=_num(raw.get("max_logprob_delta")),
         verify_cuda_graph_captured=_opt_bool(raw.get("verify_cuda_graph_captured")),
+        verify_cuda_graph_max_bs=_opt_positive_int(raw.get("verify_cuda_graph_max_bs")),
         verify_attention_backend=_opt_str(raw.get("verify_attention_backend")),
         decode_cuda_graph=_opt_str(raw.get("decode_cuda_graph")),
         startup_s=_num(raw.get("startup_s")),

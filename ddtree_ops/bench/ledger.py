@@ -106,6 +106,11 @@ class LedgerRow:
     # sglang_installed_version, so older rows stay valid.
     verify_attention_backend: str | None = field(default=None, kw_only=True)
     verify_cuda_graph: bool | None = field(default=None, kw_only=True)
+    # The graph ceiling of the DDTree state that served the row: the largest batch its
+    # verify graph replays (``/server_info``'s ``cuda_graph_max_bs``); rounds of more
+    # requests ran eager. None for eager rows, AR and DFLASH, and where the server does
+    # not say. Optional: older rows lack it.
+    cuda_graph_max_bs: int | None = field(default=None, kw_only=True)
     draft_block_size: int | None = field(default=None, kw_only=True)
     tree_sampler: str | None = field(default=None, kw_only=True)
     # The restart's speculative smoke (real decodes before "ready"): "passed" or
@@ -234,6 +239,7 @@ INT_BOUNDS: Mapping[str, tuple[int, int]] = MappingProxyType({
     "repeat": (0, _EXACT),
     "failed": (0, _EXACT),
     "gpu_count": (0, _EXACT),
+    "cuda_graph_max_bs": (1, _EXACT),
 })
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddtree_ops.bench.plan import LaunchConfig
+from ddtree_ops.graphceiling import graph_ceilings
 
 #: A live launch's runtime-state file goes into the server's run dir (the agent writes it
 #: there; the server runs there), so the command line names it relative.
@@ -75,6 +76,9 @@ class LiveTree:
     topk: int
     cuda_graph: str  # this budget's state: "captured" | "eager" | "disabled"
     reason: str | None = None  # why its capture failed ("eager")
+    # The largest batch its verify graph replays (a round of more requests runs eager);
+    # None without a graph, or from a bundle that does not report it.
+    cuda_graph_max_bs: int | None = None
 
     @property
     def graph(self) -> bool:
@@ -137,7 +141,10 @@ def judge_switch(answer: SwitchAnswer, budget: int, topk: int) -> LiveTree | str
     if graph not in ("captured", "eager", "disabled"):
         return f"{what}: budget {budget}'s state is {graph!r} ({entry.get('reason') or 'no reason given'})"
     reason = entry.get("reason")
-    return LiveTree(budget, topk, str(graph), reason if isinstance(reason, str) else None)
+    ceiling = graph_ceilings(answer.info)
+    state = ceiling.of(budget) if ceiling is not None else None
+    return LiveTree(budget, topk, str(graph), reason if isinstance(reason, str) else None,
+                    cuda_graph_max_bs=state.max_bs if state is not None else None)
 
 
 __all__ = [

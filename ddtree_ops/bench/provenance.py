@@ -39,6 +39,8 @@ class Provenance:
     # ``/server_info.ddtree`` of the serving process: what the plugin resolved.
     verify_attention_backend: str | None = None
     verify_cuda_graph: bool | None = None
+    # The launch state's graph ceiling (``verify_cuda_graph_max_bs``): above it, eager.
+    verify_cuda_graph_max_bs: int | None = None
     draft_block_size: int | None = None
     tree_sampler: str | None = None
 
@@ -122,7 +124,8 @@ def _tree_provenance(tree: object) -> dict[str, Any]:
     """The DDTree plugin's ``/server_info.ddtree`` fields a row keeps. Every launch reads
     them afresh: an AR or DFLASH server has no such object, and its rows say None."""
     out: dict[str, Any] = dict.fromkeys(
-        ("verify_attention_backend", "verify_cuda_graph", "draft_block_size", "tree_sampler")
+        ("verify_attention_backend", "verify_cuda_graph", "verify_cuda_graph_max_bs", "draft_block_size",
+         "tree_sampler")
     )
     if not isinstance(tree, Mapping):
         return out
@@ -133,6 +136,9 @@ def _tree_provenance(tree: object) -> dict[str, Any]:
     captured = tree.get("verify_cuda_graph_captured")
     if isinstance(captured, bool):
         out["verify_cuda_graph"] = captured
+    max_bs = tree.get("verify_cuda_graph_max_bs")
+    if isinstance(max_bs, int) and not isinstance(max_bs, bool) and max_bs > 0:
+        out["verify_cuda_graph_max_bs"] = max_bs
     block = tree.get("draft_block_size")
     if isinstance(block, int) and not isinstance(block, bool) and block > 0:
         out["draft_block_size"] = block

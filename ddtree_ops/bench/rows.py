@@ -98,6 +98,7 @@ class RowMaker:
         cuda_graph = restart.cuda_graph if restart is not None else False
         fallback = restart.fallback_reason if restart is not None else None
         verify_graph = prov.verify_cuda_graph
+        graph_max_bs = prov.verify_cuda_graph_max_bs
         if live is not None:
             if not cuda_graph:
                 fallback = fallback or live.fallback_reason()  # the whole server eager
@@ -109,6 +110,7 @@ class RowMaker:
                 fallback = "; ".join(r for r in (live.fallback_reason(), fallback) if r) or None
             cuda_graph = cuda_graph and live.graph
             verify_graph = live.graph
+            graph_max_bs = live.cuda_graph_max_bs
         launch_hash, launch_id = launch_identity(restart) if restart is not None else (None, None)
         fields: dict[str, Any] = self.key_fields(machine, cell, repeat) | {
             "run_id": self.run_id,
@@ -126,6 +128,9 @@ class RowMaker:
             "bundle_hash": prov.bundle_hash,
             "verify_attention_backend": prov.verify_attention_backend,
             "verify_cuda_graph": verify_graph,
+            # The ceiling of the state that served the row (an eager row has none): the
+            # report marks a cell whose concurrency is above it (its larger rounds ran eager).
+            "cuda_graph_max_bs": graph_max_bs if cuda_graph else None,
             "draft_block_size": prov.draft_block_size,
             "tree_sampler": prov.tree_sampler,
             "server_argv": list(restart.argv) if restart is not None else [],

@@ -62,6 +62,11 @@ def _port(f: HostFacts) -> Text | str | None:
     return Text(f"{f.port} in use", style="yellow") if f.port_in_use else f"{f.port} free"
 
 
+def _graph_ceiling(f: HostFacts) -> str | None:
+    """What each server running on the host says of its CUDA-graph ceiling per budget."""
+    return "; ".join(s.describe() for s in f.servers) or None
+
+
 def _slots(host: Host) -> str | None:
     slots = host.ddtree.server.slots
     if not slots:
@@ -98,6 +103,7 @@ def _columns(hosts: Sequence[Host]) -> list[tuple[str, Getter]]:
         ("gpus", _probed(_gpus)),
         ("disk", _probed(_disk)),
         ("port", _probed(_port)),
+        ("graph ceiling", _probed(_graph_ceiling)),
     ]
     if any(h.ddtree.server.slots for h in hosts):
         columns.append(("slots", lambda f: _slots(by_name[f.host])))
@@ -131,7 +137,9 @@ def doctor_cmd(
 ) -> None:
     """Check each host in one remote round trip: who runs the server (ddtree-ops, or a systemd
     unit and its state), SSH, Python, SGLang, torch/CUDA, GPUs, disk, port (and that its GPU slots
-    name GPUs it has). A slot HOST/I checks its host."""
+    name GPUs it has), and for a server running there its CUDA-graph ceiling per tree budget (the
+    largest batch that replays a graph; concurrency above it runs eager). A slot HOST/I checks its
+    host."""
     obj: AppContext = ctx.obj
     hosts = load_hosts(obj, target)
     results = probe_hosts(

@@ -222,6 +222,17 @@ def _t0(row: Any) -> str | Text:
     return text if equal == int(compared) else Text(text, style="bold red")
 
 
+def _graph(row: Any) -> str | Text:
+    """The cell's CUDA-graph mode; ``to N`` where its concurrency is above the graph
+    ceiling N (its rounds of more than N requests ran eager; the conc column says ‡ too,
+    since this column is the first to go on a narrow terminal)."""
+    if not row["cuda_graph"]:
+        return Text("eager", style="yellow")
+    if row["above_graph_ceiling"]:
+        return Text(f"to {int(row['cuda_graph_max_bs'])}", style="yellow")
+    return "yes"
+
+
 def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: bool) -> list[Table]:
     """The per-(host, cell) table, one per host (its name is the title, not a column).
     ``limit`` rows in all when given; each title says how many of its rows it shows.
@@ -231,9 +242,9 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
     for _, row in shown.iterrows():
         cells.append([
             _fmt(row["temperature"], 2),
-            _fmt(row["concurrency"]),
+            _fmt(row["concurrency"]) + ("‡" if row["above_graph_ceiling"] else ""),
             _cell(row),
-            "yes" if row["cuda_graph"] else Text("eager", style="yellow"),
+            _graph(row),
             _fmt(row["n"]),
             _spread(row["output_tok_s_median"], row["output_tok_s_mad"], row["n"]),
             _fmt(row["accept_length_median"], 2),
@@ -393,6 +404,11 @@ def run_report(
             )
         if result.tidy["modes_mixed"].head(show_cells if show_cells is not None else len(result.tidy)).any():
             console.print("† speedup measured against a baseline in the other CUDA-graph mode.", highlight=False)
+        if result.tidy["above_graph_ceiling"].head(show_cells if show_cells is not None else len(result.tidy)).any():
+            console.print("‡ concurrency above the graph ceiling of the cell's tree (graph: to N, the largest batch "
+                          "its verify graph replays): rounds of more requests ran eager; raise "
+                          "--cuda-graph-max-bs-decode.",
+                          highlight=False, markup=False)
     if cmp is not None:
         print_table(console, _compare_table(cmp, width=width, wide=wide))
     for _, gone in result.unmeasured.iterrows():

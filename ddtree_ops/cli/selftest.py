@@ -128,6 +128,13 @@ def _yes_no(value: bool | None) -> str:
     return "" if value is None else ("yes" if value else "no")
 
 
+def _graph_cell(run: E2eRun) -> str:
+    """Whether the verify graph was captured, and its ceiling: the largest batch it replays."""
+    if run.verify_cuda_graph_captured and run.verify_cuda_graph_max_bs is not None:
+        return f"yes, batch <= {run.verify_cuda_graph_max_bs}"
+    return _yes_no(run.verify_cuda_graph_captured)
+
+
 def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
     """One row per (host, budget, graph mode), after a row with the host's checks. True if
     any host failed."""
@@ -154,7 +161,7 @@ def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
         for run in r.runs:
             accept = "" if run.accept_length is None else f"{run.accept_length:.2f}"
             table.add_row(
-                "", str(run.budget), escape(run.graphs), _run_cell(run), _yes_no(run.verify_cuda_graph_captured),
+                "", str(run.budget), escape(run.graphs), _run_cell(run), escape(_graph_cell(run)),
                 accept, escape(run.verify_attention_backend or ""), f"{run.startup_s or 0:.0f}",
             )
         if r.bisect is not None:
@@ -165,6 +172,11 @@ def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
         if r.error:
             table.add_row("", "", "", f"[red]error: {escape(r.error)}[/]", "", "", "", "")
     obj.console.print(table)
+    if any(run.verify_cuda_graph_max_bs is not None for r in results.values() if isinstance(r, E2eResult)
+           for run in r.runs):
+        obj.console.print("graph captured: batch <= N is the launch's graph ceiling per budget, the largest batch "
+                          "its verify graph replays; concurrency above it runs eager (--cuda-graph-max-bs-decode "
+                          "raises it).", highlight=False, markup=False)
     return any_failed
 
 

@@ -88,6 +88,11 @@ TIDY_DTYPES: dict[str, str] = {
     "dflash_width": "Int64",
     "modes_mixed": "bool",
     "fallback_reason": "object",
+    # The graph ceiling of the state that measured the cell (ledger cuda_graph_max_bs), and
+    # whether its concurrency is above it: its larger rounds ran eager, so its tok/s is
+    # partly an eager number although the cell counts as a CUDA-graph one.
+    "cuda_graph_max_bs": "Int64",
+    "above_graph_ceiling": "bool",
 }
 
 #: The finest grouping: every coarser machine grouping is a function of these keys.
@@ -95,7 +100,7 @@ _FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", *CELL_KEYS)
 #: Descriptive columns a cell takes from its first row that has a value (file order).
 _FIRST_COLS: tuple[str, ...] = (
     "gpu_name", "gpu_arch", "gpu_count", "workload_name", "workload_prompt_format", "workload_ignore_eos",
-    "fallback_reason",
+    "fallback_reason", "cuda_graph_max_bs",
 )
 
 
@@ -233,6 +238,9 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
     chat = cells["workload_prompt_format"].astype("string").str.contains("chat-template", regex=False)
     forced = cells["workload_ignore_eos"].fillna(False).astype(bool)
     cells["ignore_eos_on_chat"] = chat.fillna(False).astype(bool) & forced
+    ceiling = pd.to_numeric(cells["cuda_graph_max_bs"], errors="coerce").astype("float64")
+    above = pd.to_numeric(cells["concurrency"], errors="coerce").astype("float64") > ceiling  # NaN: False
+    cells["above_graph_ceiling"] = (cells["cuda_graph"].astype(bool) & above).to_numpy(dtype=bool)
 
     cells = _add_speedups(cells.reset_index(drop=True))
     cells["t0_prompts"] = pd.NA  # filled from the rows' output hashes (build_report)

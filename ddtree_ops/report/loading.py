@@ -49,7 +49,8 @@ _STR_COLS = (
     # measured are not cells (report.build.split_unmeasured).
     "launch_id", "error",
 )
-_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count")
+_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count",
+             "cuda_graph_max_bs")
 #: Per-row metrics whose per-cell median the tidy table reports.
 MEDIAN_COLS: tuple[str, ...] = (
     "output_tok_s",

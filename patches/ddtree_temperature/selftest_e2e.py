@@ -77,7 +77,7 @@ Prints ONE JSON object on stdout::
                "divergences", "first_divergence": null | {"batch", "prompt",
                "position", "margin", "verdict", "want", "got"},
                "max_logprob_delta", "accept_length", "verify_cuda_graph_captured",
-               "verify_attention_backend", "draft_attention_backend",
+               "verify_cuda_graph_max_bs", "verify_attention_backend", "draft_attention_backend",
                "decode_cuda_graph", "ddtree", "startup_s", "error", "log_tail"}],
      "graph_capture": {budget: bool},                 # graph mode "on" runs
      "bisect": null | {...},                          # see Bisection
@@ -608,7 +608,8 @@ def run_baseline(params, models, env, work):
 def run_ddtree(params, models, env, work, budget, graphs, want, label=""):
     rec = {"budget": budget, "graphs": graphs, "ok": False, "served": False, "equal": None,
            "compared_tokens": 0, "divergences": 0, "first_divergence": None, "max_logprob_delta": None,
-           "accept_length": None, "verify_cuda_graph_captured": None, "verify_attention_backend": None,
+           "accept_length": None, "verify_cuda_graph_captured": None, "verify_cuda_graph_max_bs": None,
+           "verify_attention_backend": None,
            "draft_attention_backend": None, "decode_cuda_graph": None, "ddtree": None,
            "startup_s": None, "error": None}
     args = ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", models["draft"],
@@ -622,8 +623,9 @@ def run_ddtree(params, models, env, work, budget, graphs, want, label=""):
             if not isinstance(tree, dict):
                 raise RequestError("/server_info has no ddtree object: the DDTREE plugin did not load")
             rec["ddtree"] = tree
-            for key in ("verify_cuda_graph_captured", "verify_attention_backend", "draft_attention_backend",
-                        "decode_cuda_graph"):
+            # verify_cuda_graph_max_bs: the largest batch its verify graph replays (above: eager)
+            for key in ("verify_cuda_graph_captured", "verify_cuda_graph_max_bs", "verify_attention_backend",
+                        "draft_attention_backend", "decode_cuda_graph"):
                 rec[key] = tree.get(key)
             got = [srv.generate(p, params["new_tokens"]) for p in _requests(params)]
             rec["served"] = True

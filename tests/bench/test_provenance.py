@@ -58,6 +58,7 @@ def test_a_simulated_gpu_always_says_so_and_bad_parts_are_null() -> None:
 TREE = {"budget": 16, "topk": 4, "draft_block_size": 16, "verify_width": 17, "max_depth": 15,
         "verify_attention_backend": "FlashInferAttnBackend", "draft_attention_backend": "FlashInferAttnBackend",
         "decode_cuda_graph": "full", "verify_cuda_graph_captured": True, "candidate_head": "draft CUDA graph",
+        "verify_cuda_graph_max_bs": 48,
         "tree_mask": {"hooks_in_place": ["DecodeCudaGraphRunner.get_spec_info", "spec_info.create_dummy_verify_input",
                                          "dflash_utils.validate_dflash_request",
                                          "spec_sampling_mask.validate_spec_sampling_mask_request",
@@ -71,6 +72,7 @@ def test_the_served_tree_is_recorded_from_the_plugins_server_info() -> None:
     got = _with_server_info(PROBED_NO_GPU, {"version": "0.5.23", "ddtree": TREE})
     assert (got.verify_attention_backend, got.verify_cuda_graph, got.draft_block_size, got.tree_sampler) == (
         "FlashInferAttnBackend", True, 16, "kernel")
+    assert got.verify_cuda_graph_max_bs == 48  # the launch's graph ceiling, for its rows
 
 
 def test_tree_fields_belong_to_one_launch() -> None:
@@ -79,12 +81,13 @@ def test_tree_fields_belong_to_one_launch() -> None:
     ddtree = _with_server_info(PROBED_NO_GPU, {"version": "0.5.23", "ddtree": TREE})
     for info in ({"version": "0.5.23"}, None):
         got = _with_server_info(ddtree, info)
-        assert (got.verify_attention_backend, got.verify_cuda_graph, got.draft_block_size, got.tree_sampler) == (
-            None, None, None, None), info
+        assert (got.verify_attention_backend, got.verify_cuda_graph, got.draft_block_size, got.tree_sampler,
+                got.verify_cuda_graph_max_bs) == (None, None, None, None, None), info
 
 
 @pytest.mark.parametrize("bad", [{"verify_attention_backend": 3}, {"verify_cuda_graph_captured": "yes"},
-                                 {"draft_block_size": True}, {"draft_block_size": 0}, {"sampler": "  "}])
+                                 {"draft_block_size": True}, {"draft_block_size": 0}, {"sampler": "  "},
+                                 {"verify_cuda_graph_max_bs": True}, {"verify_cuda_graph_max_bs": 0}])
 def test_malformed_tree_fields_are_null(bad: dict[str, Any]) -> None:
     got = _with_server_info(PROBED_NO_GPU, {"ddtree": {**TREE, **bad}})
     fields = {
@@ -92,6 +95,7 @@ def test_malformed_tree_fields_are_null(bad: dict[str, Any]) -> None:
         "verify_cuda_graph_captured": got.verify_cuda_graph,
         "draft_block_size": got.draft_block_size,
         "sampler": got.tree_sampler,
+        "verify_cuda_graph_max_bs": got.verify_cuda_graph_max_bs,
     }
     (key,) = bad
     assert fields[key] is None, got

@@ -161,7 +161,8 @@ def _run(budget: int, graphs: str, **kw: object) -> dict:
     run = {
         "budget": budget, "graphs": graphs, "ok": True, "served": True, "equal": True, "compared_tokens": 128,
         "divergences": 0, "first_divergence": None, "accept_length": 1.4, "max_logprob_delta": 3e-6,
-        "verify_cuda_graph_captured": graphs == "on", "verify_attention_backend": "FlashInferAttnBackend",
+        "verify_cuda_graph_captured": graphs == "on", "verify_cuda_graph_max_bs": 48 if graphs == "on" else None,
+        "verify_attention_backend": "FlashInferAttnBackend",
         "decode_cuda_graph": "full" if graphs == "on" else "disabled", "startup_s": 61.0, "error": None,
     }
     run.update(kw)
@@ -191,6 +192,7 @@ def test_parse_a_passing_report() -> None:
     assert [(x.budget, x.graphs, x.verdict) for x in r.runs] == [(4, "on", "equal"), (4, "off", "equal")]
     assert dict(r.graph_capture) == {4: True}
     assert r.runs[0].verify_cuda_graph_captured is True and r.runs[1].decode_cuda_graph == "disabled"
+    assert (r.runs[0].verify_cuda_graph_max_bs, r.runs[1].verify_cuda_graph_max_bs) == (48, None)
     assert r.baseline_startup_s == 55.0 and r.failed_checks == []
     d = r.as_dict()
     assert d["host"] == "gpu-1" and d["ok"] is True and d["runs"][0]["budget"] == 4
@@ -256,6 +258,8 @@ def test_rendering_one_row_per_host_budget_and_graph_mode() -> None:
     assert "equal" in out and "tie at token 9 (margin 0.004)" in out
     assert "FAILED: the server exited with code 1 before it was ready" in out
     assert "c: bundle not deployed: x" in out and "2 checks passed" in out and "FlashInferAttnBackend" in out
+    # Each graph launch names its graph ceiling, and a line says what it means.
+    assert "yes, batch <= 48" in out and "concurrency above it runs eager" in out
     assert _rendered({"a": good})[0] is False
 
 
