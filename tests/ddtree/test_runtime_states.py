@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -227,11 +227,12 @@ def _build_all(rt: ModuleType, cfg: Any, device: _FakeDevice, cost: dict[int, tu
         device.take(cost[budget][0])
         return f"backend-{budget}"
 
-    def capture(backend: str, budget: int) -> str:
+    def capture(backend: str, budget: int) -> SimpleNamespace:
         device.take(cost[budget][1])
         if budget in fail:
             raise RuntimeError(f"capture of {budget} failed")
-        return f"graph-{budget}"
+        # A DecodeCudaGraphRunner's capture sizes: the widest state's alignment leaves fewer.
+        return SimpleNamespace(name=f"graph-{budget}", capture_bs=[1, 2, 4, 40 if budget >= 32 else 48])
 
     outcomes = []
     for budget in cfg.budgets:
@@ -251,12 +252,15 @@ def test_each_state_reports_the_memory_it_took(rt: ModuleType) -> None:
                                   fail=(16,))
     assert [(o.budget, o.cuda_graph, o.memory_mb) for o in outcomes] == [
         (8, "captured", 500.0), (16, "eager", 800.0), (32, "captured", 1800.0)]
+    # Each state's graph ceiling: its runner's largest capture size; none for the eager one.
+    assert [(o.budget, o.cuda_graph_max_bs) for o in outcomes] == [(8, 48), (16, None), (32, 40)]
     assert (memory.free_at_start_mb, memory.cap_mb, memory.used_mb) == (20_000.0, 10_000.0, 3100.0)
     runtime = rt.TreeRuntime(launch=rt.TreeShape(4, 4), config=cfg,
                              outcomes=[rt.StateOutcome(4, "captured")] + outcomes, memory=memory)
     described = runtime.describe()
     assert {s["budget"]: s["memory_mb"] for s in described["states"]} == {4: None, 8: 500.0, 16: 800.0,
                                                                           32: 1800.0}
+    assert {s["budget"]: s["cuda_graph_max_bs"] for s in described["states"]} == {4: None, 8: 48, 16: None, 32: 40}
     assert described["state_memory"] == {"state_memory_fraction": 0.5, "free_at_start_mb": 20_000.0,
                                          "cap_mb": 10_000.0, "used_mb": 3100.0}
     # A server without a set reports no state memory.

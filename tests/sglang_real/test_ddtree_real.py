@@ -197,6 +197,7 @@ def test_server_info_reports_how_the_tree_is_verified(oracle_server):
     assert checks["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer"
     assert checks["verify_graphs"] == "none captured"
     assert tree["decode_cuda_graph"] == "disabled" and tree["verify_cuda_graph_captured"] is False
+    assert tree["verify_cuda_graph_max_bs"] is None  # no verify graph runner: no graph ceiling
     assert tree["candidate_head"] == "eager"
     assert tree["sampler"] == ORACLE_SAMPLERS[oracle_server.budget]
     assert tree["accept_thresholds"] == [1.0, 1.0]

@@ -107,7 +107,9 @@ def test_server_info_reports_the_runtime_states(runtime_server):
     # No CUDA graphs on CPU: every state is served by its own eager verify backend.
     memory = {s["budget"]: s.pop("memory_mb") for s in state["states"]}
     assert state["states"] == [
-        {"budget": b, "verify_width": b + 1, "cuda_graph": "disabled", "reason": None} for b in BUDGETS
+        # No graph, so no graph ceiling (cuda_graph_max_bs: the largest batch a state's graph replays).
+        {"budget": b, "verify_width": b + 1, "cuda_graph": "disabled", "reason": None, "cuda_graph_max_bs": None}
+        for b in BUDGETS
     ]
     # Each extra state's memory, measured around its build (SGLang's get_available_gpu_memory,
     # on CPU the host's free memory); the launch state is SGLang's own, not measured.

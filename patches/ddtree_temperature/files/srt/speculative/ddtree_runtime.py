@@ -256,6 +256,8 @@ class StateOutcome:
     # device memory the state took (attention backend + verify graph), measured
     # around its build; None for the launch state, which SGLang built
     memory_mb: Optional[float] = None
+    # the largest batch its verify graph replays (graph_max_bs); None: no graph
+    cuda_graph_max_bs: Optional[int] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return {
@@ -264,7 +266,19 @@ class StateOutcome:
             "cuda_graph": self.cuda_graph,
             "reason": self.reason,
             "memory_mb": (None if self.memory_mb is None else round(self.memory_mb, 1)),
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
         }
+
+
+def graph_max_bs(graph_runner: Any) -> Optional[int]:
+    """The largest batch size a verify graph runner replays, or None without one.
+
+    0.5.23's DecodeCudaGraphRunner captures the batch sizes that
+    ``get_batch_sizes_to_capture`` leaves of ``cuda_graph_config.decode.bs`` for its
+    width (runner/base_cuda_graph_runner.py: aligned, at most the request pool) and
+    ``can_run_graph`` sends a batch above ``max(capture_bs)`` eager; so this is the
+    concurrency up to which a state's rounds replay its graph."""
+    return None if graph_runner is None else int(max(graph_runner.capture_bs))
 
 
 def cuda_context_probe() -> None:
@@ -396,6 +410,7 @@ def build_state(
     outcome.memory_mb = memory.charge(
         budget, before, kept=outcome.cuda_graph != "dropped"
     )
+    outcome.cuda_graph_max_bs = graph_max_bs(graph)
     return backend, graph, outcome
 
 

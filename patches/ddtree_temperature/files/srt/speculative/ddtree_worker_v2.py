@@ -74,6 +74,7 @@ from sglang.srt.speculative.ddtree_runtime import (
     TreeRuntime,
     TreeShape,
     build_state,
+    graph_max_bs,
 )
 from sglang.srt.speculative.dflash_utils import (
     apply_dflash_verify_logits_adjustments,
@@ -345,7 +346,13 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         self._tree_states[launch] = _TreeState(
             runner.attn_backend, runner.decode_cuda_graph_runner
         )
-        outcomes = [StateOutcome(launch, "captured" if graphs else "disabled")]
+        outcomes = [
+            StateOutcome(
+                launch,
+                "captured" if graphs else "disabled",
+                cuda_graph_max_bs=graph_max_bs(runner.decode_cuda_graph_runner),
+            )
+        ]
         config = runtime.config
         rank0 = get_parallel().tp_rank == 0
         memory = None
@@ -586,6 +593,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             ).__name__,
             "decode_cuda_graph": str(get_exec().graph.cuda_graph_config.decode.backend),
             "verify_cuda_graph_captured": runner.decode_cuda_graph_runner is not None,
+            # above it a round runs eager (the active state's runner: see graph_max_bs)
+            "verify_cuda_graph_max_bs": graph_max_bs(runner.decode_cuda_graph_runner),
             "candidate_head": (
                 "draft CUDA graph" if self._draft_sampler is not None else "eager"
             ),
