@@ -80,6 +80,7 @@ LANE_UNITS = (
     ("tree", ("test_real_server_smoke", "test_ddtree_real", "test_ddtree_runtime")),
     ("pipeline", ("test_pipeline_real",)),
     ("sampling", ("test_ddtree_sampling",)),
+    ("trace", ("test_ddtree_trace",)),
     ("selftest-e2e", ("test_selftest_e2e",)),
     ("triton", ("test_ddtree_triton",)),
     ("inprocess", ("test_ddtree_inprocess",)),

@@ -119,19 +119,59 @@ def write_draft(
     block_size: int | None = 8,
     seed: int = 1,
     random_weights: bool = False,
+    noise: float = 0.0,
 ) -> Path:
     """Write a tiny DFlash draft (for :func:`write_target`'s model) to ``dest``; return it.
 
     ``random_weights``: a plain random init instead of the copy head (a draft that is
     almost never right); ``block_size=None``: a config without ``block_size`` (a draft
-    whose trained block a server cannot know).
+    whose trained block a server cannot know); ``noise`` > 0: a perturbed copy (see
+    :func:`write_perturbed_pair`).
     """
     dest = Path(dest)
     args = ["draft", str(dest), "--seed", str(seed), "--block-size", str(block_size or 0)]
     if random_weights:
         args.append("--random")
+    if noise:
+        args += ["--noise", repr(float(noise))]
     _run_in_venv(*args)
     return dest
+
+
+# The perturbed pair's defaults (write_perturbed_pair): measured on the real CPU server
+# (tests/sglang_real/test_ddtree_trace.py prints the figures).
+PERTURBED_NOISE = 2.0
+PERTURBED_LM_HEAD_SCALE = 0.1
+
+
+def write_perturbed_pair(
+    root: Path | str,
+    *,
+    noise: float = PERTURBED_NOISE,
+    lm_head_scale: float = PERTURBED_LM_HEAD_SCALE,
+    block_size: int = 8,
+    seed: int = 0,
+) -> dict[str, Path]:
+    """A target and a draft that agrees with it only partly: ``root/target``,
+    ``root/draft``; returns ``{"target": ..., "draft": ...}``.
+
+    * ``noise``: the draft's ``fc`` maps a committed token's code ``c`` to
+      ``c + noise * M c`` (``M`` a fixed random matrix with ``|M c| ~ |c|``) instead of
+      ``c``, so its copy head reads a blurred code: the right token still has the best
+      mean logit, but for some tokens another one beats it (rank 1..3 or lower), fixed
+      per token. 0 is the exact copy (accept length ~5 with block 8); the larger, the
+      fewer rounds the draft's top choice is right.
+    * ``lm_head_scale``: :func:`write_target`'s flattening of the target (the draft
+      borrows the target's lm_head, so its log-probs flatten alike): at temperature 1
+      the target's samples then leave its greedy continuation, so acceptance at T = 1
+      has real spread too. The greedy continuation is the same periodic one.
+    * ``seed``: the target's seed (the draft's is ``seed + 1``, its noise matrix is
+      drawn from it).
+    """
+    root = Path(root)
+    _run_in_venv("pair", str(root), "--block-size", str(block_size), "--seed", str(seed),
+                 "--noise", repr(float(noise)), "--lm-head-scale", repr(float(lm_head_scale)))
+    return {"target": root / "target", "draft": root / "draft"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +329,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _build_draft(dest: Path, seed: int, block_size: int, random_weights: bool = False) -> None:
+def _build_draft(dest: Path, seed: int, block_size: int, random_weights: bool = False, noise: float = 0.0) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Model
@@ -309,6 +349,11 @@ def _build_draft(dest: Path, seed: int, block_size: int, random_weights: bool = 
         fc = torch.zeros(HIDDEN, len(CAPTURED_LAYERS) * HIDDEN)
         for dim in (*IDENT, CONST):
             fc[dim, dim] = 1.0
+        if noise:
+            # A perturbed copy (write_perturbed_pair): IDENT -> IDENT + noise * M, |M c| ~ |c|.
+            gen = torch.Generator().manual_seed(seed + 1000)
+            blur = torch.randn(len(IDENT), len(IDENT), generator=gen) / len(IDENT) ** 0.5
+            fc[IDENT.start : IDENT.stop, IDENT.start : IDENT.stop] += noise * blur
     state["fc.weight"] = fc
     state["hidden_norm.weight"] = torch.ones(HIDDEN)
     dest.mkdir(parents=True, exist_ok=True)
@@ -334,14 +379,15 @@ def _main(argv: list[str]) -> None:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--random", action="store_true")
     ap.add_argument("--lm-head-scale", type=float, default=1.0)
+    ap.add_argument("--noise", type=float, default=0.0)
     a = ap.parse_args(argv)
     if a.kind == "target":
         _build_target(a.dest, a.seed, a.lm_head_scale)
     elif a.kind == "draft":
-        _build_draft(a.dest, a.seed, a.block_size, a.random)
-    else:  # the defaults of write_target / write_draft
-        _build_target(a.dest / "target", 0)
-        _build_draft(a.dest / "draft", 1, a.block_size)
+        _build_draft(a.dest, a.seed, a.block_size, a.random, a.noise)
+    else:  # the defaults of write_target / write_draft, or write_perturbed_pair's
+        _build_target(a.dest / "target", a.seed, a.lm_head_scale)
+        _build_draft(a.dest / "draft", a.seed + 1, a.block_size, noise=a.noise)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ makes by algorithm family; as a pull request each one becomes an
   ``/server_info``'s ``internal_states[i].ddtree`` reports the live state. As a
   pull request these are entries of ``_update_handlers`` and a
   ``_add_speculative`` branch.
+* ``Scheduler.get_output_streamer_class`` and
+  ``TokenizerManager.update_request_meta_info``: the tree trace
+  (``ddtree_trace``) reaches a finished request's ``meta_info["ddtree_trace"]``
+  through SGLang's customized-info fields (``sampling/sampling_observer.py`` names
+  these two as the extension points); the streamer asks for them only while a
+  trace is on.
 """
 
 from __future__ import annotations
@@ -280,14 +286,20 @@ def set_internal_state(original, controller, recv_req):
     scheduler's loop, between two rounds; the other keys go to SGLang's handlers."""
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
     from sglang.srt.speculative.ddtree_runtime import SWITCH_KEYS, TreeSwitchRefused
+    from sglang.srt.speculative.ddtree_trace import trace_keys
 
     requested = dict(recv_req.server_args)
-    ours = {k: requested.pop(k) for k in list(requested) if k in SWITCH_KEYS}
+    traced = set(trace_keys(requested))
+    ours = {
+        k: requested.pop(k) for k in list(requested) if k in SWITCH_KEYS or k in traced
+    }
     worker = _ddtree_worker(controller.scheduler)
     if not ours or worker is None:
         return original(controller, recv_req)
     try:
         planned = worker.request_tree_switch(ours)
+        if planned[0] == "trace" and planned[1] is not None:
+            _check_trace_output(controller.scheduler)
     except TreeSwitchRefused as refusal:
         logger.warning(str(refusal))
         return SetInternalStateReqOutput(updated=False)
@@ -301,6 +313,10 @@ def set_internal_state(original, controller, recv_req):
             )
             return result
     worker.commit_tree_switch(planned)
+    if planned[0] == "trace":
+        _set_trace_output(controller.scheduler, planned[1] is not None)
+        logger.info("DDTREE trace: %s", worker.describe_trace())
+        return SetInternalStateReqOutput(updated=True)
     # Acceptance statistics describe the previous tree; start over (as
     # _apply_accept_threshold does for a new threshold).
     reporter = controller.scheduler.metrics_reporter
@@ -317,16 +333,110 @@ def add_internal_state(result, controller, recv_req):
     worker = _ddtree_worker(controller.scheduler)
     if worker is not None:
         result.internal_state["ddtree"] = worker.ddtree_runtime.describe()
+        result.internal_state["ddtree"]["trace"] = worker.describe_trace()
     return result
+
+
+def _check_trace_output(scheduler) -> None:
+    """Refuse a trace whose records could not reach the client."""
+    from sglang.srt.speculative.ddtree_runtime import TreeSwitchRefused
+
+    streamer = getattr(scheduler, "output_streamer", None)
+    if not getattr(type(streamer), "ddtree_trace_output", False):
+        reason = "the output streamer is not DDTREE's"
+    elif getattr(streamer, "rust_server", None) is not None:
+        reason = "SGLang's Rust egress (SGLANG_RUST_SERVER) carries no customized info"
+    else:
+        return
+    worker = _ddtree_worker(scheduler)
+    message = f"DDTREE: the trace cannot be returned here: {reason}."
+    worker.ddtree_runtime.last_refusal = message
+    raise TreeSwitchRefused(message)
+
+
+def _set_trace_output(scheduler, on: bool) -> None:
+    """While a trace is on, the output streamer asks for DDTREE's customized info
+    (``has_additional_customized_info``); while it is off it never calls in."""
+    cls = type(getattr(scheduler, "output_streamer", None))
+    if getattr(cls, "ddtree_trace_output", False):
+        cls.has_additional_customized_info = on or cls.base_has_additional_info
+
+
+def output_streamer_class(original, scheduler):
+    """DDTREE servers stream with a subclass that can add ``meta_info["ddtree_trace"]``
+    for finished requests (the scheduler's extension point for customized fields,
+    ``sampling/sampling_observer.py``); it adds nothing until a trace is turned on."""
+    base = original(scheduler)
+    if not is_ddtree(getattr(scheduler, "spec_algorithm", None)):
+        return base
+    return _trace_streamer(base)
+
+
+_TRACE_STREAMERS: Dict[type, type] = {}
+
+
+def _trace_streamer(base: type) -> type:
+    if base in _TRACE_STREAMERS:
+        return _TRACE_STREAMERS[base]
+    from sglang.srt.speculative import ddtree_trace
+
+    class DDTreeOutputStreamer(base):
+        __slots__ = ()
+        ddtree_trace_output = True
+        base_has_additional_info = bool(base.has_additional_customized_info)
+        has_additional_customized_info = base_has_additional_info
+
+        def build_additional_customized_info(self, reqs):
+            info = dict(super().build_additional_customized_info(reqs))
+            values = [
+                ddtree_trace.finished_payload(req, _last_position(req)) for req in reqs
+            ]
+            if any(v is not None for v in values):
+                info[ddtree_trace.TRACE_KEY] = values
+            return info
+
+    _TRACE_STREAMERS[base] = DDTreeOutputStreamer
+    return DDTreeOutputStreamer
+
+
+def _last_position(req) -> int:
+    """Position of a finished request's last returned token (its visible length as
+    ``OutputStreamer._visible_output_len`` counts it)."""
+    visible = req.finished_len if req.finished_len is not None else len(req.output_ids)
+    return len(req.origin_input_ids) + visible - 1
+
+
+def trace_meta_info(
+    original, manager, meta_info, state, customized_info, index, finish_reason
+):
+    """``meta_info["ddtree_trace"]`` is one object per request (SGLang accumulates a
+    customized field as a list over the request's chunks); the other fields go to
+    SGLang's own accumulation."""
+    from sglang.srt.speculative.ddtree_trace import TRACE_KEY
+
+    if TRACE_KEY not in customized_info:
+        return original(
+            manager, meta_info, state, customized_info, index, finish_reason
+        )
+    rest = {k: v for k, v in customized_info.items() if k != TRACE_KEY}
+    if rest:
+        original(manager, meta_info, state, rest, index, finish_reason)
+    trace = customized_info[TRACE_KEY][index]
+    if trace is not None:
+        meta_info[TRACE_KEY] = trace
+    return None
 
 
 async def refuse_with_reason(original, manager, obj):
     """A refused DDTREE switch answers HTTP 400 with the scheduler's reason (0.5.23
     answers ``[false]`` and logs why), so a client sees why and can stop."""
     from sglang.srt.speculative.ddtree_runtime import SWITCH_KEYS
+    from sglang.srt.speculative.ddtree_trace import trace_keys
 
     updated = await original(manager, obj)
-    if all(updated) or not any(k in SWITCH_KEYS for k in obj.server_args):
+    if all(updated) or not (
+        any(k in SWITCH_KEYS for k in obj.server_args) or trace_keys(obj.server_args)
+    ):
         return updated
     reason = None
     try:
@@ -411,6 +521,17 @@ HOOKS = (
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin."
         "set_internal_state",
         refuse_with_reason,
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
+        output_streamer_class,
+        HookType.AROUND,
+    ),
+    (
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager."
+        "update_request_meta_info",
+        trace_meta_info,
         HookType.AROUND,
     ),
 )

@@ -55,6 +55,7 @@ from sglang.srt.speculative import (
     ddtree_plugin,
     ddtree_reference,
     ddtree_runtime,
+    ddtree_trace,
     ddtree_utils,
 )
 from sglang.srt.speculative.ddtree_info import (
@@ -242,6 +243,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             config=runtime_config_of(spec),
         )
         self._tree_states: Dict[int, _TreeState] = {}
+        # The tree trace (ddtree_trace.py): None = off, the round never looks further.
+        self._trace: Optional[ddtree_trace.TraceConfig] = None
         widest = max(self.ddtree_runtime.budgets)
         self.ddtree_topk_max = self.ddtree_runtime.topk_max
         # Draft positions 1..block-1 propose tokens; a tree never goes deeper than
@@ -471,9 +474,41 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         """Validate a ``/set_internal_state`` switch; returns what to commit (raises
         ``TreeSwitchRefused``). Committed by :meth:`commit_tree_switch` once every
         key of the request passed."""
+        if ddtree_trace.trace_keys(request):
+            return ("trace", self._plan_trace(request))
         return self.ddtree_runtime.plan(request)
 
+    def _plan_trace(self, request: Dict[str, Any]):
+        """A ``ddtree_trace`` switch (it goes alone), validated: the trace config or
+        None (off)."""
+        runtime = self.ddtree_runtime
+        try:
+            if len(ddtree_trace.trace_keys(request)) != len(request):
+                raise ddtree_trace.TraceRefused(
+                    "DDTREE: the ddtree_trace keys go alone (pin a tree with a "
+                    "separate request)."
+                )
+            return ddtree_trace.parse_trace_request(
+                request,
+                budgets=None if runtime.config is None else runtime.budgets,
+                topk_max=runtime.topk_max,
+                block_size=self.block_size,
+            )
+        except ddtree_trace.TraceRefused as e:
+            runtime.last_refusal = str(e)
+            raise ddtree_runtime.TreeSwitchRefused(str(e)) from e
+
+    def describe_trace(self) -> dict:
+        """What ``internal_states[i].ddtree.trace`` reports."""
+        if self._trace is None:
+            return dict(ddtree_trace.OFF_DESCRIPTION)
+        return self._trace.describe()
+
     def commit_tree_switch(self, planned) -> None:
+        if planned[0] == "trace":
+            self._trace = planned[1]
+            self.ddtree_runtime.last_refusal = None
+            return
         self.ddtree_runtime.commit(planned)
         if self.ddtree_runtime.mode == "pinned":
             self._use_tree(self.ddtree_runtime.active)
@@ -639,6 +674,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             (batch.seq_lens,), torch.get_device_module(self.device).current_stream()
         )
         bs = len(batch.seq_lens)
+        if self._trace is not None:
+            return self._traced_round(batch, draft_input, bs, on_publish, self._trace)
         self._use_tree(self.ddtree_runtime.for_round(bs))
         width = self.verify_width
         prefix_lens = batch.seq_lens
@@ -650,14 +687,8 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             self.ddtree_budget,
             draft_input.bonus_tokens.view(-1),
         )
-        sampling_info = batch.sampling_info
-        all_greedy = _is_all_greedy(sampling_info) or self._only_aborted_rows_sample(
-            batch
-        )
-        # The first-child / next-sibling encoding only when a request samples.
-        retrieve = None if all_greedy else ddtree_utils.tree_retrieve_batch(trees)
-        logits_output, target_out, target_predict = self._verify(
-            batch, draft_input, draft, trees, retrieve
+        all_greedy, retrieve, logits_output, target_out, target_predict = (
+            self._verify_round(batch, draft_input, draft, trees)
         )
         if target_predict is not None:
             paths = ddtree_utils.follow_verified_tree_batch(
@@ -668,6 +699,26 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 trees, retrieve, logits_output.next_token_logits, batch, draft_input
             )
 
+        self._sync_paths(paths, all_greedy)
+        return self._commit(
+            batch, draft, paths, logits_output, target_out, prefix_lens, on_publish
+        )
+
+    def _verify_round(self, batch, draft_input, draft: _DraftRound, trees):
+        """Verify ``trees``; returns whether the batch is all greedy, the retrieve
+        tensors (None then) and what :meth:`_verify` returns."""
+        all_greedy = _is_all_greedy(batch.sampling_info) or (
+            self._only_aborted_rows_sample(batch)
+        )
+        # The first-child / next-sibling encoding only when a request samples.
+        retrieve = None if all_greedy else ddtree_utils.tree_retrieve_batch(trees)
+        return (
+            all_greedy,
+            retrieve,
+            *self._verify(batch, draft_input, draft, trees, retrieve),
+        )
+
+    def _sync_paths(self, paths, all_greedy: bool) -> None:
         site = (
             SpecTpSyncSite.DFLASH_ACCEPT_GREEDY
             if all_greedy
@@ -675,6 +726,67 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         )
         for values in (paths.nodes, paths.tokens, paths.commit_lens):
             self._tp_sync.sync(site, values)
+
+    def _traced_round(
+        self, batch, draft_input, bs: int, on_publish, trace
+    ) -> GenerationBatchResult:
+        """A round while the trace is on: the union of the grid's trees, built on the
+        host with the reference builder and padded to the runtime state the trace
+        picked, verified and committed as any round; then each request's round is
+        appended to its trace. Host syncs are fine here: a trace run measures
+        acceptance, not speed (ddtree_trace.py)."""
+        self._use_tree(TreeShape(trace.state_budget, trace.topk))
+        width = self.verify_width
+        prefix_lens = batch.seq_lens
+        draft = self._draft(batch, draft_input, bs)
+        rows = trace.depth
+        ids = draft.topk_ids[:, :rows, : trace.topk].tolist()
+        logps = draft.topk_logprobs[:, :rows, : trace.topk].float().tolist()
+        roots = draft_input.bonus_tokens.view(-1).tolist()
+        union = [
+            ddtree_trace.union_tree(
+                ids[b],
+                logps[b],
+                roots[b],
+                trace,
+                ddtree_reference.build_ddtree_tree_from_topk,
+            )
+            for b in range(bs)
+        ]
+        trees = ddtree_trace.to_device(
+            ddtree_utils.tree_batch_from_trees(union, width), self.device
+        )
+        all_greedy, retrieve, logits_output, target_out, target_predict = (
+            self._verify_round(batch, draft_input, draft, trees)
+        )
+        if target_predict is not None:
+            argmax, probs = target_predict, None
+            paths = ddtree_utils.follow_verified_tree_batch(
+                trees, target_predict.view(bs, width)
+            )
+        else:
+            logits = logits_output.next_token_logits
+            argmax = logits.argmax(dim=-1)
+            probs = self._target_probs(
+                logits, batch.sampling_info, draft_input, bs, width
+            )
+            paths = self._sample(trees, retrieve, logits, batch, draft_input)
+        self._sync_paths(paths, all_greedy)
+        p, is_argmax = ddtree_trace.node_probabilities(
+            trees.tokens, trees.parents, argmax, probs
+        )
+        ddtree_trace.record_rounds(
+            batch.reqs,
+            trace,
+            prefix_lens=prefix_lens.tolist(),
+            roots=roots,
+            draft_ids=ids,
+            draft_logp=logps,
+            trees=union,
+            p=p.tolist(),
+            argmax=is_argmax.tolist(),
+            accepted=(paths.commit_lens - 1).tolist(),
+        )
         return self._commit(
             batch, draft, paths, logits_output, target_out, prefix_lens, on_publish
         )
@@ -1029,27 +1141,9 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         )
         if self._sampler == "kernel":
             verify = tree_sampling_kernel()
-            target_probs = build_speculative_verify_target_probs(
-                next_token_logits=logits,
-                sampling_info=sampling_info,
-                draft_token_num=width,
-                bs=bs,
-                max_top_k=draft_input.max_top_k,
-                uniform_top_k_value=draft_input.uniform_top_k_value,
-            )
-            if sampling_info.need_min_p_sampling:
-                target_probs = ddtree_reference.min_p_renorm_probs(
-                    target_probs, sampling_info.min_ps.view(bs, 1)
-                )
         else:
             verify = ddtree_reference.reference_tree_speculative_sampling
-            target_probs = ddtree_reference.target_probs_from_logits(
-                logits,
-                sampling_info.temperatures.view(-1).repeat_interleave(width),
-                sampling_info.top_ks.view(-1).repeat_interleave(width),
-                sampling_info.top_ps.view(-1).repeat_interleave(width),
-                sampling_info.min_ps.view(-1).repeat_interleave(width),
-            ).view(bs, width, -1)
+        target_probs = self._target_probs(logits, sampling_info, draft_input, bs, width)
         verify(
             predicts=predicts,
             accept_index=accept_index,
@@ -1069,6 +1163,31 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         return ddtree_utils.accepted_paths_from_kernel(
             accept_index, accept_num, predicts, width
         )
+
+    def _target_probs(self, logits, sampling_info, draft_input, bs: int, width: int):
+        """``[bs, width, V]``: the distribution the sampled verify accepts against (the
+        kernel branch's as a GPU host computes it, else the reference's)."""
+        if self._sampler == "kernel":
+            target_probs = build_speculative_verify_target_probs(
+                next_token_logits=logits,
+                sampling_info=sampling_info,
+                draft_token_num=width,
+                bs=bs,
+                max_top_k=draft_input.max_top_k,
+                uniform_top_k_value=draft_input.uniform_top_k_value,
+            )
+            if sampling_info.need_min_p_sampling:
+                target_probs = ddtree_reference.min_p_renorm_probs(
+                    target_probs, sampling_info.min_ps.view(bs, 1)
+                )
+            return target_probs
+        return ddtree_reference.target_probs_from_logits(
+            logits,
+            sampling_info.temperatures.view(-1).repeat_interleave(width),
+            sampling_info.top_ks.view(-1).repeat_interleave(width),
+            sampling_info.top_ps.view(-1).repeat_interleave(width),
+            sampling_info.min_ps.view(-1).repeat_interleave(width),
+        ).view(bs, width, -1)
 
     def _commit(
         self,
