@@ -25,6 +25,7 @@ BUNDLE_SPECULATIVE_DIR = DEFAULT_BUNDLE / "files" / "srt" / "speculative"
 DDTREE_REFERENCE_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_reference.py"
 DDTREE_UTILS_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py"
 DDTREE_RUNTIME_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_runtime.py"
+DDTREE_TRACE_PATH = BUNDLE_SPECULATIVE_DIR / "ddtree_trace.py"
 
 
 def load_module_file(path: Path, *, prefix: str = "bundled") -> ModuleType:
@@ -64,3 +65,10 @@ def load_ddtree_runtime() -> ModuleType:
     """The bundled ``ddtree_runtime.py`` (once per process): the runtime tree states'
     config, policy routing and switch validation, pure Python."""
     return load_module_file(DDTREE_RUNTIME_PATH)
+
+
+@functools.cache
+def load_ddtree_trace() -> ModuleType:
+    """The bundled ``ddtree_trace.py`` (once per process): the tree trace's union tree,
+    trace switch validation and round records (torch only)."""
+    return load_module_file(DDTREE_TRACE_PATH)

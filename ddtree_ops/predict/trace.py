@@ -1,7 +1,7 @@
 """The DDTree tree trace: its one definition in the toolkit, and the loader that validates it.
 
-With the trace on (``POST /set_internal_state {"server_args": {"ddtree_trace": {"grid":
-[[budget, topk], ...]}}}``; off: ``{"ddtree_trace": null}``) every verify round of a DDTree
+With the trace on (``POST /set_internal_state`` with :func:`trace_switch`'s server args;
+off: ``{"ddtree_trace": 0}``) every verify round of a DDTree
 server verifies the union of the grid's best-first trees (per top-k K, the builder's tree at
 the largest grid budget for K, united by token path), and each response carries
 ``meta_info["ddtree_trace"]``::
@@ -253,6 +253,26 @@ def load_trace_file(path: Path | str) -> list[RequestTrace]:
     return traces
 
 
+#: The ``/set_internal_state`` key that turns the trace on (1) and off (0).
+TRACE_KEY = "ddtree_trace"
+
+
+def trace_switch(grid: Iterable[tuple[int, int]], *, max_rounds: int | None = None) -> dict[str, int]:
+    """The ``server_args`` of ``/set_internal_state`` that turn the trace on for ``grid``:
+    SGLang 0.5.23 takes numbers only there (``SetInternalStateReq``), so the grid is one key
+    per tree, ``{"ddtree_trace": 1, "ddtree_trace_grid_<budget>x<topk>": 1, ...,
+    "ddtree_trace_max_rounds": n}`` (the bundle's ``ddtree_trace.trace_request``; a test
+    holds the two equal). :data:`TRACE_OFF` turns it off."""
+    out = {TRACE_KEY: 1}
+    out.update({f"{TRACE_KEY}_grid_{int(b)}x{int(k)}": 1 for b, k in grid})
+    if max_rounds is not None:
+        out[f"{TRACE_KEY}_max_rounds"] = int(max_rounds)
+    return out
+
+
+TRACE_OFF: Mapping[str, int] = {TRACE_KEY: 0}
+
+
 def trace_line(obj: Mapping[str, Any]) -> str:
     """One trace as a line of a trace file (compact JSON and its newline)."""
     return json.dumps(obj, separators=(",", ":")) + "\n"
@@ -267,6 +287,8 @@ def union_grid(traces: Sequence[RequestTrace]) -> tuple[tuple[int, int], ...]:
 
 
 __all__ = [
+    "TRACE_KEY",
+    "TRACE_OFF",
     "TRACE_SUFFIX",
     "TRACE_VERSION",
     "RequestTrace",
@@ -278,5 +300,6 @@ __all__ = [
     "parse_trace",
     "parse_trace_lines",
     "trace_line",
+    "trace_switch",
     "union_grid",
 ]

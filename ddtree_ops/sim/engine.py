@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -65,6 +65,9 @@ class GenRequest:
     # (monotonic time the step committed, tokens it emitted): the server's own clock, which
     # benchmarks/client_accuracy.py holds every benchmark client's timing against.
     emits: list[tuple[float, int]] = field(default_factory=list)
+    # The tree trace of its traced rounds (the bundle's ddtree_trace.RequestTrace); None
+    # until a round of it runs with the trace on.
+    trace: Any = None
 
     @property
     def last_token(self) -> int:
@@ -111,9 +114,14 @@ _CATCH_UP_S = 0.05
 class Engine:
     """Scheduler loop + model stand-in; one per server process."""
 
-    def __init__(self, args: ServerArgs, settings: SimSettings, core: ModuleType | None = None) -> None:
+    def __init__(
+        self, args: ServerArgs, settings: SimSettings, core: ModuleType | None = None,
+        trace_core: ModuleType | None = None,
+    ) -> None:
         """``core``: the tree code a speculating server verifies with (None: the bundle's
-        in this checkout, :func:`bundled_core`)."""
+        in this checkout, :func:`bundled_core`); ``trace_core``: the deployed bundle's
+        ``ddtree_trace`` module (with ``core`` None: the checkout's), None where the
+        deployed bundle has none (a trace switch is refused)."""
         # The simulator's tensors are tiny: extra intra-op threads only fight the other
         # processes on the machine (on a busy 2-core box the sampler ran 10x slower).
         torch.set_num_threads(1)
@@ -122,6 +130,11 @@ class Engine:
         self.profile: GpuProfile = PROFILES[settings.gpu]
         self.language = SyntheticLanguage(settings.seed)
         self.core: ModuleType | None = (core or bundled_core()) if args.speculating else None
+        if core is None and trace_core is None and args.ddtree is not None:
+            from ddtree_ops.ddtree_core import DDTREE_TRACE_PATH, load_ddtree_trace
+
+            trace_core = load_ddtree_trace() if DDTREE_TRACE_PATH.is_file() else None
+        self.trace_core = trace_core
         self._waiting: list[GenRequest] = []
         self._running: list[GenRequest] = []
         self._wakeup = asyncio.Event()
@@ -330,10 +343,13 @@ class Engine:
         args = self.args
         depth = args.draft_depth
         graph = args.decode_cuda_graph
+        trace = self.states.trace if self.states is not None else None
         if self.states is not None:
             # Read once, at the round's start: a switch arriving mid-round applies to the next.
             state = self.states.for_round(len(batch))
             topk, budget = state.topk, state.budget
+            if trace is not None:  # the grid's union, verified in the state the trace picked
+                topk, budget = trace.topk, trace.state_budget
             # A batch above the state's graph ceiling runs eager, as SGLang's can_run_graph decides.
             graph = graph and self.states.graph(budget).replays_graph(len(batch))
         else:  # DFLASH verifies one chain: the drafter's rank-0 token at every position
@@ -345,7 +361,14 @@ class Engine:
         lasts = torch.tensor([r.last_token for r in batch], dtype=torch.int64)
         cats = [r.category for r in batch]
         ids, lps = self.language.draft_topk(keys, starts, lasts, cats, depth, min(topk, VOCAB))
-        trees = [core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(lasts[b])) for b in range(len(batch))]
+        if trace is not None:
+            assert self.trace_core is not None
+            table = [(ids[b, : trace.depth].tolist(), lps[b, : trace.depth].tolist()) for b in range(len(batch))]
+            trees = [self.trace_core.union_tree(i, lp, int(lasts[b]), trace, core.build_ddtree_tree_from_topk)
+                     for b, (i, lp) in enumerate(table)]
+        else:
+            trees = [core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(lasts[b]))
+                     for b in range(len(batch))]
         n = max(len(t.parents) for t in trees)
         # Target logits after every node: (position of the node's child, node token).
         row_keys: list[int] = []
@@ -407,7 +430,38 @@ class Engine:
             req.proposed_drafts += budget
             self.total_verify_ct += 1
             outputs.append(list(proposed))
+        if trace is not None:
+            for b, req in enumerate(batch):
+                self._record_round(req, trace, table[b], trees[b], logits[b], len(outputs[b]) - 1)
+            # The real round pads the union to the state's verify width.
+            n = max(n, trace.width)
         return outputs, n, graph
+
+    def _record_round(
+        self, req: GenRequest, trace: Any, table: tuple[list[Any], list[Any]], tree: Any, logits: torch.Tensor,
+        accepted: int,
+    ) -> None:
+        """Append this round to ``req``'s trace, with the bundle's own record code: per
+        node the target's probability of its token at its parent under the request's
+        sampling (greedy: 1.0 at the argmax) and whether it is the argmax there."""
+        mod = self.trace_core
+        assert mod is not None
+        params = req.params
+        sampling = SimpleNamespace(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=0.0)
+        if req.trace is None:
+            req.trace = mod.RequestTrace(trace, mod.sampling_of(sampling))
+        if not req.trace.wants_round():
+            return
+        n = len(tree.parents)
+        tokens = torch.tensor([tree.token_ids], dtype=torch.int64)
+        parents = torch.tensor([tree.parents], dtype=torch.int64)
+        rows = logits[:n]
+        probs = None if params.temperature <= 0 else _target_probs(rows, params)[None]
+        p, is_argmax = mod.node_probabilities(tokens, parents, rows.argmax(dim=-1), probs)
+        req.trace.rounds.append(mod.round_record(
+            prefix=req.position, root=tree.token_ids[0], draft_ids=table[0], draft_logp=table[1], tree=tree,
+            p=p[0].tolist(), argmax=is_argmax[0].tolist(), accepted=accepted,
+        ))
 
 
 def fixed_states(args: ServerArgs) -> RuntimeStates:

@@ -40,6 +40,12 @@ class DeployedPlugin:
         """The deployed per-request reference (trees, verification, sampler)."""
         return load_module_file(self.speculative_dir / "ddtree_reference.py", prefix="deployed")
 
+    def trace(self) -> ModuleType | None:
+        """The deployed tree trace (``ddtree_trace.py``); None where the deployed bundle
+        predates it (a trace switch is then refused, as that plugin refuses the key)."""
+        path = self.speculative_dir / "ddtree_trace.py"
+        return load_module_file(path, prefix="deployed") if path.is_file() else None
+
 
 def find_ddtree_plugin(environ: Mapping[str, str]) -> DeployedPlugin:
     """The plugin SGLang would load in this interpreter with ``environ``, or PluginMissing.

@@ -141,6 +141,10 @@ def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
         meta["spec_num_correct_drafts"] = req.correct_drafts
         meta["spec_num_proposed_drafts"] = proposed
         meta["spec_verify_ct"] = req.verify_ct
+    if req.trace is not None and req.finish_reason is not None:
+        # Once, with the finished request (the plugin's finished_payload): the rounds that
+        # committed what the request returns.
+        meta["ddtree_trace"] = req.trace.payload(len(req.prompt_ids) + len(req.output_ids))
     return meta
 
 
@@ -268,6 +272,28 @@ def ddtree_info(args: ServerArgs, states: RuntimeStates | None = None) -> dict[s
     }
 
 
+def _set_trace(engine: Engine, server_args: dict[str, Any]) -> Response:
+    """The tree trace switch (issue 43: ``{"ddtree_trace": 1, "ddtree_trace_grid_<b>x<k>": 1,
+    ..., "ddtree_trace_max_rounds": n}``, off ``{"ddtree_trace": 0}``; numbers only, as
+    0.5.23 takes them), validated by the deployed bundle's own ``parse_trace_request``;
+    its keys go alone. A deployed bundle without the trace refuses them as unknown keys."""
+    states, mod, tree = engine.states, engine.trace_core, engine.args.ddtree
+    assert states is not None and tree is not None and mod is not None
+    try:
+        if len(mod.trace_keys(server_args)) != len(server_args):
+            raise mod.TraceRefused("DDTREE: the ddtree_trace keys go alone (pin a tree with a separate request).")
+        states.trace = mod.parse_trace_request(
+            server_args, budgets=list(states.budgets) if states.config is not None else None,
+            topk_max=states.topk_max, block_size=tree.draft_block_size,
+        )
+    except mod.TraceRefused as exc:
+        states.last_refusal = str(exc)
+        return _json({"detail": str(exc)}, 400)
+    on = states.trace.describe() if states.trace is not None else {"on": False}
+    main_logger.info(f"DDTREE: tree trace {on}", extra={"prefix": ""})
+    return _json([True])
+
+
 async def set_internal_state(request: Request) -> Response:
     """SGLang's ``/set_internal_state`` with the DDTree plugin's handler: ``server_args``
     ``ddtree_budget`` / ``ddtree_topk`` pin a runtime state, ``ddtree_policy: 1`` follows
@@ -284,6 +310,8 @@ async def set_internal_state(request: Request) -> Response:
         return _json({"detail": "set_internal_state needs {\"server_args\": {...}}"}, 400)
     if engine.states is None:
         return _json({"detail": "DDTREE: this server is not DDTREE: it has no runtime states to switch"}, 400)
+    if engine.trace_core is not None and engine.trace_core.trace_keys(server_args):
+        return _set_trace(engine, server_args)
     try:
         engine.states.apply(server_args)
     except SwitchRefused as exc:
@@ -828,7 +856,8 @@ async def serve(
     # Real work (importing torch, building the synthetic model) counts as loading time.
     from ddtree_ops.sim.engine import Engine
 
-    engine = Engine(args, settings, plugin.reference() if plugin is not None else None)
+    engine = Engine(args, settings, plugin.reference() if plugin is not None else None,
+                    plugin.trace() if plugin is not None else None)
     # Shard by shard, as SGLang's loader reports it (its tqdm bar, one line a shard): the
     # progress a readiness wait follows. SIM_STALL_AT_S: the load hangs there, silent.
     shards = max(1, settings.load_shards)

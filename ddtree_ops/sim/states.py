@@ -236,6 +236,8 @@ class RuntimeStates:
         self.last_refusal: str | None = None
         # The plugin's ``state_memory`` readback (cap and use of the extra states), modelled.
         self.state_memory: dict[str, Any] | None = None
+        # The tree trace (the deployed bundle's ddtree_trace.TraceConfig); None: off.
+        self.trace: Any = None
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -339,6 +341,8 @@ class RuntimeStates:
             "switches": self.switches,
             # Why the last switch request was refused (None after an accepted one).
             "last_refusal": self.last_refusal,
+            # The tree trace, as the plugin describes it (ddtree_trace.TraceConfig.describe).
+            "trace": self.trace.describe() if self.trace is not None else {"on": False},
         }
 
 

@@ -223,10 +223,10 @@ def _round_with(reach_first: float, depth: int) -> dict[str, Any]:
 
 
 def test_the_correction_weights_rounds_by_the_stretch_the_traced_tree_covered() -> None:
-    """Two rounds: the traced chain of 3 commits 1 token in the first (a rejection at once)
-    and 4 in the second. A chain of 1 commits 1 and 2. Naive: (1 + 2) / 2 = 1.5 tokens per
-    round. But the traced rounds stand for 1 and 4 tokens of the stream; the short chain
-    spends 1 round on the first stretch and 2 on the second: 5 tokens in 3 rounds."""
+    """Two requests of one round each: the traced chain of 3 commits 1 token in the first (a
+    rejection at once) and 4 in the second. A chain of 1 commits 1 and 2. Naive: (1 + 2) / 2
+    = 1.5 tokens per round. But the requests stand for 1 and 4 tokens of output; the short
+    chain spends 1 round on the first and 2 on the second: 5 tokens in 3 rounds."""
     hard = parse_trace(_trace_obj([_round_with(0.0, 3)], grid=[[3, 1]]))
     easy = parse_trace(_trace_obj([_round_with(1.0, 3)], grid=[[3, 1]]))
     got = predict_acceptance([hard, easy], [(1, 1), (3, 1)])

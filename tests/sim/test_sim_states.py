@@ -216,6 +216,7 @@ def test_b300_states_over_8_go_eager_the_others_keep_their_graphs_and_switches_t
         ],
         "switches": 0,
         "last_refusal": None,
+        "trace": {"on": False},
     }
     # The static top-level object keeps its fields and describes the launch state.
     assert info["ddtree"]["budget"] == 8 and info["ddtree"]["verify_cuda_graph_captured"] is True
