@@ -19,8 +19,8 @@ request's ``sampling_seed`` fixes its coins), the kernel branch of the sampled v
   (1 + the sum over its nodes of the product of ``p`` along the path) matches what that
   tree accepts, (a) on the first round of each request, whose context both runs share
   (an unbiased comparison), and (b) over whole requests against the tree pinned without
-  a trace, within a stated tolerance (see test (3)'s docstring); a control: the chain's
-  prediction is rejected against the same measurement.
+  a trace, within a stated tolerance (see test (3)'s docstring); a control: the (16, 4)
+  tree's prediction is rejected against the same measurement.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ LAUNCH = (4, 2)
 # at most 4 + 8 + 16 = 28 nodes, verified by the budget-32 state.
 GRID = [[4, 1], [4, 2], [8, 2], [8, 4], [16, 4]]
 SMALL = (4, 2)  # the smaller tree test (3) predicts
-CHAIN = (4, 1)  # its control
+CHAIN = (4, 1)
+BIG = (16, 4)  # the control of test (3)
 DETERMINISTIC = ["--enable-deterministic-inference"]
 
 
@@ -242,9 +243,11 @@ def test_a_sampled_trace_predicts_the_acceptance_of_a_smaller_tree(trace_server)
     against the (4, 2) tree's measured accept length, pinned without a trace (the
     prefill's token excluded: (completion - 1) / verify count). Traced rounds start
     where the union's accepts ended, not where the smaller tree's would have (the round-
-    start effect); with this target and draft it moves the figure by less than the
-    tolerance 4 * SE + 0.15 (the figures are printed). Control: the chain's (4, 1)
-    prediction is rejected against the same measurement."""
+    start effect): measured here, the prediction is 0.10 above the pinned figure (1.92
+    against 1.82, +5 %), so the tolerance is 3 * SE + 0.15 (SE of the difference from
+    the per-round and per-request spreads; the figures are printed); the full estimator
+    and its correction are the predictor's. Control: the (16, 4) tree's prediction
+    (2.35) is rejected against the same measurement."""
     srv = trace_server
     n = len(PROMPTS)
     trace(srv, GRID, 64)
@@ -271,14 +274,14 @@ def test_a_sampled_trace_predicts_the_acceptance_of_a_smaller_tree(trace_server)
     # (b) whole requests
     rounds = [r for t in traced for r in t.meta_info["ddtree_trace"]["rounds"]]
     predicted, pred_sd = _mean_sd([expected_accept(r, *SMALL) for r in rounds])
-    chain, _ = _mean_sd([expected_accept(r, *CHAIN) for r in rounds])
+    big, _ = _mean_sd([expected_accept(r, *BIG) for r in rounds])
     per_request = [(o.meta_info["completion_tokens"] - 1) / o.meta_info["spec_verify_ct"] for o in pinned]
     measured, meas_sd = _mean_sd(per_request)
     measured = sum(o.meta_info["completion_tokens"] - 1 for o in pinned) / sum(
         o.meta_info["spec_verify_ct"] for o in pinned)
     se = math.sqrt(pred_sd**2 / len(rounds) + meas_sd**2 / n)
-    bound = 4 * se + 0.15
-    print(f"whole requests: predicted {predicted:.3f} (chain {chain:.3f}) from {len(rounds)} traced rounds, "
+    bound = 3 * se + 0.15
+    print(f"whole requests: predicted {predicted:.3f} ((16, 4): {big:.3f}) from {len(rounds)} traced rounds, "
           f"measured {measured:.3f} pinned; |diff| {abs(predicted - measured):.3f}, bound {bound:.3f}")
     assert abs(predicted - measured) <= bound
-    assert abs(chain - measured) > bound, "control: the chain's prediction should not pass for the (4, 2) tree"
+    assert abs(big - measured) > bound, "control: the (16, 4) tree's prediction should not pass for the (4, 2) tree"
