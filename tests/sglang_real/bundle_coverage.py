@@ -40,6 +40,7 @@ MODULES = (
     "ddtree_utils.py",
     "ddtree_info.py",
     "ddtree_runtime.py",
+    "ddtree_trace.py",
     "ddtree_worker_v2.py",
     "ddtree_registration.py",
     "ddtree_plugin.py",
