@@ -195,7 +195,9 @@ class GenerateTally:
         verify = meta.get("spec_verify_ct")
         accept = meta.get("spec_accept_length")
         server_e2e = meta.get("e2e_latency")
+        extra = {"trace": meta["ddtree_trace"]} if meta.get("ddtree_trace") is not None else {}
         return {
+            **extra,
             "ok": True,
             "start": self.start,
             "end": end,

@@ -43,6 +43,8 @@ SCHEMA_VERSION = 1
 Algorithm = Literal["AR", "DFLASH", "DDTREE"]
 ALGORITHMS: tuple[str, ...] = ("AR", "DFLASH", "DDTREE")
 STATUSES: tuple[str, ...] = ("ok", "failed")
+#: A row's ``source``: what it is. Null reads as measured (rows written before it).
+SOURCES: tuple[str, ...] = ("measured", "predicted", "probe")
 
 #: Latency distributions recorded per row, each as ``<name>_<stat>`` in milliseconds.
 LATENCY_METRICS: tuple[str, ...] = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
@@ -185,6 +187,17 @@ class LedgerRow:
     # order (None for a failed request): at T = 0 a DDTree cell's must equal the AR cell's
     # for the same prompts, or the verify is lossy. None where the server sent no outputs.
     output_hashes: list[str | None] | None = None
+    # What the row is (issue 43): "measured" (a cell measured, as every row before it; null
+    # in older rows reads the same), "predicted" (a DDTree cell predicted from a trace run
+    # and round-time probes, never measured: its accept_length and output_tok_s are the
+    # prediction, naive ones beside them) or "probe" (a round-time probe at the row's
+    # concurrency and budget: round_ms, overhead_ms). Only measured rows are cells to the
+    # report's rankings and to tune.
+    source: str | None = None
+    round_ms: float | None = None
+    overhead_ms: float | None = None
+    predicted_accept_naive: float | None = None
+    predicted_tok_s_naive: float | None = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +304,8 @@ def validate_row(row: Mapping[str, Any]) -> str | None:
         return "cuda_graph must be true or false"
     if not isinstance(row["server_argv"], list):
         return "server_argv must be a list of strings"
+    if row.get("source") is not None and row["source"] not in SOURCES:
+        return f"source {row['source']!r} is not one of {', '.join(SOURCES)}"
     categories = row.get("categories")
     if categories is not None and (
         not isinstance(categories, list)
@@ -593,6 +608,12 @@ def row_key(row: Mapping[str, Any]) -> str:
     return "|".join(f"{name}={_norm(row.get(name))}" for name in KEY_FIELDS)
 
 
+def is_measured(row: Mapping[str, Any]) -> bool:
+    """Whether ``row`` is a measurement (not a prediction or a probe; older rows are)."""
+    return row.get("source") in (None, "measured")
+
+
 def completed_keys(rows: Sequence[Mapping[str, Any]], *, include_failed: bool = False) -> set[str]:
-    """Keys of rows ``--resume`` may skip. Failed rows are retried unless asked otherwise."""
-    return {row_key(r) for r in rows if include_failed or r.get("status") == "ok"}
+    """Keys of rows ``--resume`` may skip. Failed rows are retried unless asked otherwise;
+    a predicted cell or a probe completes no cell."""
+    return {row_key(r) for r in rows if (include_failed or r.get("status") == "ok") and is_measured(r)}

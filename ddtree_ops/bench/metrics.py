@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class RequestResult:
     output_hash: str | None = None
     # The server's own e2e (``meta_info.e2e_latency``), kept to check the client's clock.
     server_e2e: float | None = None
+    # ``meta_info["ddtree_trace"]`` where the server traced the request's tree (issue 43:
+    # a predicted sweep's trace run), as the server sent it; None otherwise.
+    trace: Any = None
 
     @property
     def e2e(self) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -77,6 +77,11 @@ class LoadClient(Protocol):
         """Pin a live DDTree server's tree, then read ``/server_info`` back (never raises)."""
         ...
 
+    def set_state(self, server_args: Mapping[str, Any]) -> SwitchAnswer:
+        """``/set_internal_state`` with ``server_args`` (e.g. the tree trace's switch), then
+        ``/server_info`` read back (never raises)."""
+        ...
+
     def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
         """Token ids of each conversation through the served model's chat template."""
         ...
@@ -105,7 +110,10 @@ class LocalClient:
         return local_client.server_info(self.url)
 
     def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
-        status, detail = local_client.set_internal_state(self.url, switch_request(budget, topk))
+        return self.set_state(switch_request(budget, topk)["server_args"])
+
+    def set_state(self, server_args: Mapping[str, Any]) -> SwitchAnswer:
+        status, detail = local_client.set_internal_state(self.url, {"server_args": dict(server_args)})
         return SwitchAnswer(status, detail, self.server_info() if status == 200 else None)
 
     def render_chat(self, conversations: Sequence[Sequence[tuple[str, str]]]) -> Rendered:
@@ -155,9 +163,12 @@ class HostClient:
         return info if isinstance(info, dict) else None
 
     def switch_tree(self, budget: int, topk: int) -> SwitchAnswer:
+        return self.set_state(switch_request(budget, topk)["server_args"])
+
+    def set_state(self, server_args: Mapping[str, Any]) -> SwitchAnswer:
         # One host-program run: the switch, then /server_info (the program keeps that order).
         stream = LoadReport()
-        problem = self._run({"set_state": switch_request(budget, topk), "server_info": True}, stream,
+        problem = self._run({"set_state": {"server_args": dict(server_args)}, "server_info": True}, stream,
                             timeout=40.0 + _COMMAND_SLACK_S)
         answer = stream.answers.get("set_state")
         if answer is None:

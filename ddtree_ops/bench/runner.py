@@ -45,7 +45,7 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +214,11 @@ class SweepRunner:
         on_progress: Callable[[Progress], None] | None = None,
         cancel: threading.Event | None = None,
         run_id: str | None = None,
+        only: Mapping[str, Collection[str]] | None = None,
     ) -> None:
+        """``only``: per host, the DDTree cell keys to measure (a predicted sweep's chosen
+        cells; baselines always run); a host it leaves out, or None: every cell."""
+        self.only = only
         self.prepared = prepared
         self.spec = prepared.spec
         self.workload = workload
@@ -239,6 +243,7 @@ class SweepRunner:
             for cell in plan.cells
             for r in range(plan.repeats)
             if ledger.row_key(self.rows.key_fields(host, cell, r)) not in done
+            and (self.only is None or host not in self.only or cell.baseline or cell.key in self.only[host])
         ]
 
     def prepare(self, *, dry_run: bool = False) -> None:

@@ -78,7 +78,8 @@ RELAUNCH_MODES = ("never", "always")
 
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
              "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
-             "relaunch", "dflash_block"}
+             "relaunch", "dflash_block", "predict"}
+_PREDICT_KEYS = ("top", "probe_tokens", "probe_waves")
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
 _DATASET_KEYS = ("name", "path")  # of one entry of workload.datasets
@@ -104,6 +105,19 @@ CLIENTS = ("local", "host")
 
 
 @dataclass(frozen=True)
+class PredictSpec:
+    """A predicted sweep (issue 43, sweep key ``predict:`` or ``bench --predict``): per host
+    one trace run per sampling setting and the round-time probes, the whole DDTree grid
+    predicted, then only the ``top`` fastest predicted cells per (temperature, concurrency)
+    measured (plus the baselines). ``probe_tokens``/``probe_waves``: the length of a probe's
+    requests and how many waves of ``concurrency`` requests it sends."""
+
+    top: int = 3
+    probe_tokens: int = 32
+    probe_waves: int = 2
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     """A validated sweep file. ``grid`` maps every axis in :data:`GRID_DEFAULTS` to a tuple."""
 
@@ -126,6 +140,25 @@ class SweepSpec:
     # The DFlash drafter's trained block: the longest chain a DFlash baseline is run at
     # (a chain cannot verify more than the drafter drafts; plan.py's per-width baselines).
     dflash_block: int = DEFAULT_DFLASH_BLOCK
+    # Predict the grid and measure only its best cells (None: measure every cell).
+    predict: PredictSpec | None = None
+
+
+def _parse_predict(path: Path, raw: Any) -> PredictSpec | None:
+    if raw is None:
+        return None
+    if raw is True:
+        return PredictSpec()
+    if not isinstance(raw, Mapping):
+        raise _fail(path, "predict", "must be a mapping such as {top: 3} (or true)")
+    for key in raw:
+        if key not in _PREDICT_KEYS:
+            raise _fail(path, f"predict.{key}", f"unknown key{_suggest(str(key), _PREDICT_KEYS)}")
+    return PredictSpec(
+        top=_int(path, "predict.top", raw.get("top", 3), minimum=1, maximum=MAX_CELLS),
+        probe_tokens=_int(path, "predict.probe_tokens", raw.get("probe_tokens", 32), minimum=2, maximum=MAX_NEW_TOKENS),
+        probe_waves=_int(path, "predict.probe_waves", raw.get("probe_waves", 2), minimum=1, maximum=MAX_REPEATS),
+    )
 
 
 def _fail(path: Path, key: str, msg: str) -> SweepError:
@@ -446,6 +479,7 @@ def parse_sweep(data: Any, path: Path) -> SweepSpec:
         relaunch=relaunch,
         dflash_block=_int(path, "dflash_block", data.get("dflash_block", DEFAULT_DFLASH_BLOCK), minimum=2,
                           maximum=MAX_DDTREE_BUDGET + 1),
+        predict=_parse_predict(path, data.get("predict")),
     )
 
 

@@ -8,6 +8,7 @@ and ``--resume`` continues) and picks the exit code (7 when any row failed).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -152,6 +153,7 @@ def _render_plan(
         if left is not None:
             data["resume"] = {"ledger": str(ledger_path),
                               "hosts": {h: {"done": d, "left": n} for h, (d, n) in left.items()}}
+        data["predict"] = _predict_json(prepared)
         set_json_data(obj, data)
         return
     _render_prompts(obj, workload, wide=wide)
@@ -206,6 +208,45 @@ def _render_plan(
     for host, (done, todo) in (left or {}).items():
         obj.console.print(f"--resume from {ledger_path}: {host}: {done} of {plan.runs} row(s) done, {todo} left",
                           markup=False, highlight=False)
+    for line in _predict_lines(prepared):
+        obj.console.print(line, markup=False, highlight=False)
+
+
+def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
+    """The predicted plan's shape and GPU time per host against the full grid's (None:
+    the sweep does not predict)."""
+    from ddtree_ops.bench.predictplan import plan_predict, predict_estimate
+
+    spec = prepared.spec
+    pplan = plan_predict(spec, prepared.plan) if spec.predict is not None else None
+    if pplan is None:
+        return None
+    wl = spec.workload
+    return {
+        "top": pplan.spec.top, "probes_per_host": len(pplan.probes),
+        "trace_runs_per_host": len(pplan.trace_groups) * len(pplan.samplings),
+        "trace_groups": [[list(t) for t in g] for g in pplan.trace_groups],
+        "predicted_cells_per_host": len(pplan.trees) * len(pplan.samplings) * len(pplan.concurrencies),
+        "measured_ddtree_cells_per_host": pplan.measured_cells,
+        "estimated_s": {hp.host.name: predict_estimate(pplan, prepared.plan, load_s=hp.launch_s[0],
+                                                       num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens)
+                        for hp in prepared.hosts},
+        "full_grid_estimated_s": {hp.host.name: hp.estimate_s for hp in prepared.hosts},
+    }
+
+
+def _predict_lines(prepared: PreparedSweep) -> list[str]:
+    data = _predict_json(prepared)
+    if data is None:
+        return []
+    lines = [f"predicted plan: {data['probes_per_host']} round-time probes and {data['trace_runs_per_host']} trace "
+             f"run(s) per host predict {data['predicted_cells_per_host']} DDTree cells; the top {data['top']} per "
+             f"(temperature, concurrency) are measured: {data['measured_ddtree_cells_per_host']} cells, plus baselines"]
+    for host, seconds in data["estimated_s"].items():
+        full = data["full_grid_estimated_s"][host]
+        lines.append(f"{host}: predicted plan {seconds / 60:.1f} min of GPU time against {full / 60:.1f} min for the "
+                     f"full grid ({seconds / full:.2f}x)")
+    return lines
 
 
 def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = False) -> None:
@@ -295,6 +336,10 @@ def bench(
     wide: bool = typer.Option(
         False, "--wide", help=WIDE_HELP
     ),
+    predict: bool = typer.Option(
+        False, "--predict", help="Predict the DDTree grid from one trace run per temperature and round-time probes, "
+        "then measure only the top predicted cells (sweep key predict: {top: N}; default N 3) and the baselines.",
+    ),
 ) -> None:
     """Sweep DDTree budget x top-k x temperature x concurrency on every target host."""
     obj: AppContext = ctx.obj
@@ -302,6 +347,10 @@ def bench(
         raise ConfigError(f"two targets: {target_arg!r} and --target {target_opt!r}; give one")
     target = target_arg if target_arg is not None else target_opt
     spec = load_sweep(sweep)
+    if predict and spec.predict is None:
+        from ddtree_ops.bench.sweep import PredictSpec
+
+        spec = dataclasses.replace(spec, predict=PredictSpec())
     prepared = prepare_sweep(spec, _hosts(obj, spec, target))
     # Read before any host is touched, and in a dry run too: a bad data file is one line
     # naming the file and line, whether or not the sweep runs.
@@ -360,6 +409,18 @@ def bench(
 
         def work() -> None:
             try:
+                if spec.predict is not None:
+                    from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells
+
+                    phase = PredictPhase(prepared, workload, ledger_path=ledger_path, run_id=runner.run_id,
+                                         options=runner.options, services=runner.services, on_progress=forward,
+                                         cancel=cancel)
+                    predicted = phase.run()
+                    for p in predicted.values():
+                        if p.error:
+                            err_console.print(f"{p.host}: {p.error}", style="yellow", markup=False, highlight=False)
+                    runner.only = chosen_cells(predicted)
+                    holder["predicted"] = predicted
                 holder["outcome"] = runner.run()
             except BaseException as exc:  # re-raised in the main thread
                 holder["error"] = exc

@@ -253,6 +253,29 @@ def load_trace_file(path: Path | str) -> list[RequestTrace]:
     return traces
 
 
+def _tree_nodes(topk: int, depth: int, cap: int) -> int:
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= topk
+        total += level
+        if total >= cap:
+            return cap
+    return total
+
+
+def union_bound(grid: Iterable[tuple[int, int]], block: int) -> int:
+    """The most non-root nodes the union of ``grid``'s best-first trees can hold: per top-k
+    its largest budget (at most the nodes a k-ary tree of its depth min(block - 1, b) has),
+    summed, at most the widest product tree's. A traced round verifies the union in the
+    smallest runtime state at least this big (the bundle's ``ddtree_trace.union_bound``,
+    held equal by a test), so a trace run's grid must fit the launch's largest budget."""
+    largest: dict[int, int] = {}
+    for budget, topk in grid:
+        largest[topk] = max(budget, largest.get(topk, 0))
+    total = sum(_tree_nodes(k, min(block - 1, b), b) for k, b in largest.items())
+    return _tree_nodes(max(largest), min(block - 1, max(largest.values())), total)
+
+
 #: The ``/set_internal_state`` key that turns the trace on (1) and off (0).
 TRACE_KEY = "ddtree_trace"
 
@@ -301,5 +324,6 @@ __all__ = [
     "parse_trace_lines",
     "trace_line",
     "trace_switch",
+    "union_bound",
     "union_grid",
 ]

@@ -48,6 +48,9 @@ _STR_COLS = (
     # Which launch served a row (null: none did) and why a row failed: rows no server
     # measured are not cells (report.build.split_unmeasured).
     "launch_id", "error",
+    # What a row is (issue 43): null or "measured"; "predicted" and "probe" rows are kept
+    # apart (LoadedLedgers.predicted), never in the measured frame.
+    "source",
 )
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count",
              "cuda_graph_max_bs")
@@ -62,9 +65,11 @@ MEDIAN_COLS: tuple[str, ...] = (
     "tpot_ms_median",
     "e2e_ms_median",
 )
-_FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS)
-#: One row per measurement: a second row with these values is a copy, counted once.
-DUPLICATE_KEYS: tuple[str, ...] = ("run_id", *KEY_FIELDS)
+_FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS, "round_ms", "overhead_ms",
+               "predicted_accept_naive", "predicted_tok_s_naive")
+#: One row per measurement: a second row with these values is a copy, counted once (a
+#: cell's prediction and its measurement in one run are two rows: ``source`` tells them apart).
+DUPLICATE_KEYS: tuple[str, ...] = ("run_id", "source", *KEY_FIELDS)
 # client_bound: null (rows before it, failed rows) reads as False.
 _BOOL_COLS = ("cuda_graph", "client_bound", "workload_ignore_eos")
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
@@ -93,6 +98,9 @@ class LoadedLedgers:
     bad_lines: tuple[tuple[str, int, str], ...]  # (file, 1-based line, reason)
     # (file, rows of it dropped as copies of a row read before), in file order
     duplicates: tuple[tuple[str, int], ...] = ()
+    # The predicted cells and round-time probes (``source`` predicted / probe, issue 43), kept
+    # out of ``frame`` so that no measured ranking or table ever holds one; None: none read.
+    predicted: pd.DataFrame | None = None
 
     @property
     def duplicate_rows(self) -> int:
@@ -438,7 +446,14 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
         frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
     frame, duplicates = _drop_duplicates(frame, files, rows_per_file)
     bad.sort(key=lambda item: (item[0], item[1]))  # by file, then line number
-    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad), duplicates=duplicates)
+    source = frame["source"]
+    other = source.notna() & (source != "measured")
+    predicted = None
+    if other.any():
+        predicted = frame.loc[other].reset_index(drop=True)
+        frame = frame.loc[~other].reset_index(drop=True)
+    return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad), duplicates=duplicates,
+                         predicted=predicted)
 
 
 def _drop_duplicates(

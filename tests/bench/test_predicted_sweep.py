@@ -1,0 +1,85 @@
+"""``bench --predict`` on a simulated host (issue 43): round-time probes and trace runs on the
+one live launch, every DDTree cell predicted into the ledger, only the top predicted cells
+measured (plus the baselines); the report and tune keep predicted rows out of every
+measured ranking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddtree_ops.bench.lifetime import SweepOptions
+from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, trace_groups
+from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, traces_dir
+from ddtree_ops.bench.prepare import prepare_sweep
+from ddtree_ops.bench.runner import SweepRunner
+from ddtree_ops.predict.trace import load_trace_file, union_bound
+from ddtree_ops.report.loading import load_ledgers
+from ddtree_ops.workload.draw import build_workload
+
+from .test_live_sweep import host
+from .test_runner import rows_of, stop_all, sweep
+
+GRID = {"algorithm": ["ddtree"], "budget": [4, 8, 16], "topk": [2, 4], "temperature": [0.0, 0.6],
+        "concurrency": [2]}
+
+
+def test_trace_groups_fit_the_largest_state_and_the_bound_is_the_bundles() -> None:
+    from ddtree_ops.ddtree_core import load_ddtree_trace
+
+    bundle = load_ddtree_trace()
+    for grid in ([(4, 2), (16, 4)], [(256, 2), (256, 8), (64, 4)], [(3, 1), (40, 1), (8, 3)]):
+        for block in (4, 16, 64):
+            assert union_bound(grid, block) == bundle.union_bound(grid, block), (grid, block)
+    trees = ((4, 2), (16, 2), (4, 4), (16, 4), (256, 8))
+    assert trace_groups(trees, 16, 256) == (((4, 2), (4, 4), (16, 2), (16, 4)), ((256, 8),))
+    assert all(union_bound(g, 16) <= 256 for g in trace_groups(trees, 16, 256))
+
+
+@pytest.mark.slow
+def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_path: Path) -> None:
+    h = host(tmp_path, "sim-h", "h200")
+    spec = sweep(tmp_path, grid=GRID, baselines=["autoregressive"], predict={"top": 1, "probe_tokens": 8},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 24})
+    prepared = prepare_sweep(spec, [h])
+    pplan = plan_predict(spec, prepared.plan)
+    assert pplan is not None and len(pplan.trace_groups) == 2  # budget 16 at top-k 2 and 4: 32 nodes > 16
+    full = prepared.hosts[0].estimate_s
+    assert predict_estimate(pplan, prepared.plan, load_s=2.0, num_prompts=4, max_new_tokens=24) < full
+    workload = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    runner = SweepRunner(prepared, workload, ledger_path=out, options=SweepOptions())
+    try:
+        predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
+        (one,) = predicted.values()
+        assert one.error is None, one.error
+        runner.only = chosen_cells(predicted)
+        outcome = runner.run()
+    finally:
+        stop_all([h])
+    assert not outcome.failed
+    rows = rows_of(out)
+    probes = [r for r in rows if r["source"] == "probe"]
+    preds = [r for r in rows if r["source"] == "predicted"]
+    measured = [r for r in rows if r["source"] in (None, "measured")]
+    assert {(r["budget"], r["concurrency"]) for r in probes} == {(4, 2), (8, 2), (16, 2)}
+    assert all(r["round_ms"] > 0 and r["topk"] == 4 and r["gpu_name"] for r in probes)
+    assert len(preds) == 12 and all(r["accept_length"] > 1 and r["output_tok_s"] > 0 for r in preds)
+    assert all(r["predicted_accept_naive"] is not None for r in preds)
+    # top 1 per (temperature, concurrency): two DDTree cells measured, each the fastest predicted.
+    ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
+    assert len(ddtree) == 2 and {r["temperature"] for r in ddtree} == {0.0, 0.6}
+    for r in ddtree:
+        same = [p for p in preds if p["temperature"] == r["temperature"]]
+        best = max(same, key=lambda p: p["output_tok_s"])
+        assert (best["budget"], best["topk"]) == (r["budget"], r["topk"])
+    assert [r["algorithm"] for r in measured if r["algorithm"] != "DDTREE"] == ["AR", "AR"]
+    # Traces lie beside the ledger, loadable, never where the report reads ledgers.
+    files = sorted(traces_dir(out).iterdir())
+    assert len(files) == 4 and all(f.suffix == ".ndjson" for f in files)
+    assert all(load_trace_file(f) for f in files)
+    loaded = load_ledgers([out])
+    assert loaded.bad_lines == ()
+    assert loaded.predicted is not None and set(loaded.predicted["source"]) == {"predicted", "probe"}
+    assert set(loaded.frame["source"].dropna()) <= {"measured"} and len(loaded.frame) == len(measured)
