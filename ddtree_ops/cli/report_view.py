@@ -299,6 +299,28 @@ def _compare_table(cmp: pd.DataFrame, *, width: int, wide: bool) -> Table:
     )
 
 
+def _predicted_table(pvm: pd.DataFrame, *, width: int, wide: bool) -> Table:
+    """Predicted cells (bench --predict) beside what was measured of them: never ranked."""
+    columns = (
+        TableColumn("host", wrap=True), TableColumn("T", "right"), TableColumn("c", "right"),
+        TableColumn("tree"), TableColumn("accept pred", "right"), TableColumn("accept meas", "right"),
+        TableColumn("tok/s pred", "right"), TableColumn("tok/s meas", "right"), TableColumn("tok/s err", "right"),
+    )
+    rows: list[list[str | Text]] = []
+    for _, r in pvm.iterrows():
+        measured = bool(r["measured"])
+        rows.append([
+            printable(str(r["host"])), f"{r['temperature']:g}", str(int(r["concurrency"])),
+            f"b{int(r['budget'])} k{int(r['topk'])}", _fmt(r["predicted_accept"], 2),
+            _fmt(r["measured_accept"], 2) if measured else Text("predicted only", style="yellow"),
+            _fmt(r["predicted_tok_s"]), _fmt(r["measured_tok_s"]) if measured else "",
+            f"{r['tok_s_error']:+.1%}" if measured else "",
+        ])
+    title = ("Predicted vs measured (bench --predict): predicted cells are never ranked, "
+             "'predicted only' cells were not measured")
+    return fitted_table(columns, rows, width=width, wide=wide, title=title)
+
+
 def _print_skipped(console: Console, loaded: rep.LoadedLedgers) -> None:
     """What was read but not counted: bad lines (unparsable, old schema, missing fields,
     non-finite metrics) with file and line, and copies of rows already read, per ledger.
@@ -365,8 +387,15 @@ def run_report(
         written = write_plots(result.grouped, plots)
 
     loaded = result.loaded
+    from ddtree_ops.report.predicted import predicted_vs_measured, probes
+
+    pvm = predicted_vs_measured(loaded.predicted, loaded.frame)
     if as_json:
         payload: dict[str, Any] = {
+            # bench --predict: every predicted cell beside its measurement (measured: false =
+            # predicted only); never part of "cells" or "best".
+            "predicted": _records(pvm),
+            "probes": _records(probes(loaded.predicted)),
             "files": [str(p) for p in loaded.files],
             "rows": len(loaded.frame),
             "bad_lines": [{"file": f, "line": n, "reason": r} for f, n, r in loaded.bad_lines],
@@ -411,6 +440,8 @@ def run_report(
                           highlight=False, markup=False)
     if cmp is not None:
         print_table(console, _compare_table(cmp, width=width, wide=wide))
+    if len(pvm):
+        print_table(console, _predicted_table(pvm, width=width, wide=wide))
     for _, gone in result.unmeasured.iterrows():
         console.print(f"[yellow]not measured:[/] {escape(str(gone['host']))}: {int(gone['rows'])} row(s) failed before "
                       f"any server served them (not cells): {escape(printable(str(gone['reason'])))}",

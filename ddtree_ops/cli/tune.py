@@ -118,9 +118,14 @@ def tune_command(
         "temperature": tuning.temperature, "min_repeats": tuning.min_repeats,
         "policies": [_policy_json(p) for p in tuning.policies], "dry_run": dry_run,
         "out": str(out) if out is not None else None, "written": [str(p) for p in written],
+        "predicted_only": [dict(c) for c in tuning.predicted_only],
     }
     if not as_json:
         _render_policies(obj, tuning, wide=wide)
+        if tuning.predicted_only:
+            obj.console.print(f"{len(tuning.predicted_only)} DDTree cell(s) were predicted (bench --predict) but not "
+                              "measured: tune chooses among measured cells only (report shows them, marked).",
+                              markup=False, highlight=False)
         _render_writes(obj, tuning, out, written, dry_run=dry_run)
     if deploy is None:
         if as_json:

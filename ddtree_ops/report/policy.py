@@ -164,6 +164,9 @@ class Tuning:
     min_repeats: int
     temperature: float
     host_machines: Mapping[str, str]  # ledger host -> machine type
+    # bench --predict: DDTree cells predicted at the tuned temperature but never measured
+    # (host, budget, topk, concurrency, predicted tok/s): not chosen from, listed so.
+    predicted_only: tuple[Mapping[str, Any], ...] = ()
 
     def policy_for(self, machine: str) -> Policy | None:
         return next((p for p in self.policies if p.machine == machine), None)
@@ -202,7 +205,14 @@ def tune_ledgers(
         if loaded.bad_lines:
             exc.message = f"{exc.message} ({len(loaded.bad_lines)} bad line(s) skipped: `report` lists them)"
         raise
+    from ddtree_ops.report.predicted import predicted_vs_measured
+
+    pvm = predicted_vs_measured(loaded.predicted, loaded.frame)
+    pvm = pvm.loc[~pvm["measured"].astype(bool) & (pvm["temperature"] == temperature)]
     return Tuning(
+        predicted_only=tuple({"host": r["host"], "budget": int(r["budget"]), "topk": int(r["topk"]),
+                              "concurrency": int(r["concurrency"]), "predicted_tok_s": float(r["predicted_tok_s"])}
+                             for _, r in pvm.iterrows()),
         policies=policies,
         files=loaded.files,
         rows=len(loaded.frame),

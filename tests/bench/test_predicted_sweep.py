@@ -5,9 +5,13 @@ measured ranking."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from cli_json import json_data
 
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, trace_groups
@@ -83,3 +87,26 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert loaded.bad_lines == ()
     assert loaded.predicted is not None and set(loaded.predicted["source"]) == {"predicted", "probe"}
     assert set(loaded.frame["source"].dropna()) <= {"measured"} and len(loaded.frame) == len(measured)
+
+    # report: the measured cells ranked as ever, the predicted ones beside them, marked; tune:
+    # chooses among measured cells, lists the predicted-only ones.
+    report = json_data(_cli("report", str(out), "--json", "--min-repeats", "1"))
+    assert len(report["cells"]) == len(measured)
+    assert {(c["budget"], c["topk"]) for c in report["best"] if c["algorithm"] == "DDTREE"} <= {
+        (r["budget"], r["topk"]) for r in ddtree}
+    assert len(report["predicted"]) == 12 and sum(p["measured"] for p in report["predicted"]) == 2
+    assert len(report["probes"]) == 3
+    text = _cli("report", str(out), "--min-repeats", "1", env={"COLUMNS": "200"})
+    assert "Predicted vs measured" in text and text.count("predicted only") == 10 + 1  # 10 cells, the title
+    tuned = json_data(_cli("tune", str(out), "--json", "--min-repeats", "1"))
+    (policy,) = tuned["policies"]
+    assert len(tuned["predicted_only"]) == 5  # T = 0: six trees predicted, one measured
+    measured_t0 = {(r["budget"], r["topk"]) for r in ddtree if r["temperature"] == 0.0}
+    assert policy["entries"] and {(e["budget"], e["topk"]) for e in policy["entries"]} <= measured_t0, policy
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([sys.executable, "-m", "ddtree_ops", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
