@@ -110,3 +110,19 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> str:
                           env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def test_dry_run_shows_the_predicted_plans_gpu_time_beside_the_full_grids() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    out = json_data(_cli("-i", str(repo / "inventories" / "local.yaml"), "bench", "--sweep",
+                         str(repo / "bench_configs" / "budgets_predicted.yaml"), "all", "--dry-run", "--json"))
+    predict = out["predict"]
+    assert predict["top"] == 3 and predict["measured_ddtree_cells_per_host"] == 27
+    # Budget 256 at three top-ks unites to more than the 256 nodes the bundle serves: one trace
+    # run per top-k and temperature.
+    assert predict["trace_runs_per_host"] == 9 and len(predict["trace_groups"]) == 3
+    for host, seconds in predict["estimated_s"].items():
+        assert 0 < seconds < predict["full_grid_estimated_s"][host]
+    text = _cli("-i", str(repo / "inventories" / "local.yaml"), "bench", "--sweep",
+                str(repo / "bench_configs" / "demo.yaml"), "--predict", "--dry-run", env={"COLUMNS": "200"})
+    assert "predicted plan" in text and "of GPU time against" in text and "for the full grid" in text
