@@ -1,12 +1,13 @@
 """A predicted sweep's plan (issue 43): what ``bench --predict`` runs per host instead of
 measuring every DDTree cell. Pure: no I/O, no clock.
 
-Per host, on the sweep's one live DDTree launch: a round-time probe per (concurrency,
-budget) of the grid, then one trace run per sampling setting and *trace group* -- a set of
-the grid's trees whose union fits the launch's largest runtime state (the bundle verifies
-a traced round's union in the smallest state that holds it: a grid of 256-node trees at
-three top-ks unites to more than the 256 the bundle serves, so it is traced in three runs,
-one per top-k, each union at most 256). Every DDTree cell is then predicted, and only the
+Per host, on the sweep's live DDTree launch (its runtime states, plus one state as big as
+the grid's union where that is larger than the largest budget, up to the bundle's 256): a
+round-time probe per (concurrency, budget) of the grid, then one trace run per sampling
+setting and *trace group* -- a set of the grid's trees whose union fits the launch's
+largest runtime state (the bundle verifies a traced round's union in the smallest state
+that holds it: a grid of 256-node trees at three top-ks unites to more than the 256 the
+bundle serves, so it is traced in three runs, one per top-k, each union at most 256). Every DDTree cell is then predicted, and only the
 ``top`` fastest predicted cells per (sampling, concurrency) are measured as today, with
 the baselines. :func:`predict_estimate` is the GPU time of that plan, which ``--dry-run``
 shows against the full grid's.
@@ -14,10 +15,12 @@ shows against the full grid's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ddtree_ops.bench.plan import SWITCH_S, Cell, LaunchConfig, Sampling, SweepPlan, cell_seconds
 from ddtree_ops.bench.sweep import PredictSpec, SweepSpec
+from ddtree_ops.limits import MAX_DDTREE_BUDGET
 from ddtree_ops.predict.trace import union_bound
 
 Tree = tuple[int, int]
@@ -90,6 +93,11 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
     samplings = tuple(sorted({c.sampling for c in cells}, key=lambda s: (s.temperature, s.top_p, s.top_k)))
     concurrencies = tuple(sorted({c.concurrency for c in cells}))
     block = block or spec.dflash_block
+    # One more runtime state, for the trace runs only, where the grid's union outgrows the
+    # largest budget: the whole grid in one trace run per sampling where it fits the bundle.
+    state = min(MAX_DDTREE_BUDGET, union_bound(trees, block))
+    if state > max(launch.budgets):
+        launch = dataclasses.replace(launch, budgets=tuple(sorted({*launch.budgets, state})))
     groups = trace_groups(trees, block, max(launch.budgets))
     return PredictPlan(spec.predict or PredictSpec(), launch, trees, samplings, concurrencies, groups, block)
 
