@@ -385,6 +385,10 @@ def run_report(
         from ddtree_ops.report.plots import write_plots
 
         written = write_plots(result.grouped, plots)
+        from ddtree_ops.report.plots import write_predicted_plots
+        from ddtree_ops.report.predicted import predicted_vs_measured as _pvm
+
+        written += write_predicted_plots(_pvm(result.loaded.predicted, result.loaded.frame), plots)
 
     loaded = result.loaded
     from ddtree_ops.report.predicted import predicted_vs_measured, probes

@@ -286,3 +286,45 @@ def write_plots(grouped: pd.DataFrame, out_dir: Path) -> list[Path]:
             if maybe is not None:
                 written.append(maybe)
     return written
+
+
+def write_predicted_plots(pvm: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """Per machine, predicted against measured acceptance and output tok/s, one point per
+    cell that was both predicted and measured (``report.predicted.predicted_vs_measured``'s
+    frame), a colour per temperature, marker size by concurrency, the diagonal where they
+    agree: ``<machine>-predicted-vs-measured.png``. Predicted-only cells have no point."""
+    both = pvm.loc[pvm["measured"].astype(bool)] if len(pvm) else pvm
+    if both.empty:
+        return []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{out_dir}: cannot create the plot folder: {exc.strerror or exc}") from exc
+    machines = both["gpu_name"].fillna(both["host"]).astype(str)
+    slugs = _slugs(sorted(machines.unique()))
+    written: list[Path] = []
+    for machine in sorted(machines.unique()):
+        data = both.loc[machines == machine]
+        fig, axes = _figure(1, 2, f"{machine}: predicted vs measured (bench --predict)")
+        temps = sorted(data["temperature"].unique())
+        colours = plt.get_cmap("viridis")(np.linspace(0.1, 0.85, max(1, len(temps))))
+        for ax, (pred, meas, label) in zip(axes[0], (
+            ("predicted_accept", "measured_accept", "acceptance length (tokens / verify step)"),
+            ("predicted_tok_s", "measured_tok_s", "output throughput (tokens/s)"),
+        ), strict=True):
+            for colour, t in zip(colours, temps, strict=True):
+                sub = data.loc[data["temperature"] == t]
+                ax.scatter(sub[meas], sub[pred], s=18 + 6 * np.log2(sub["concurrency"].astype(float)),
+                           color=colour, label=f"T={t:g}", alpha=0.8)
+            low = float(min(data[pred].min(), data[meas].min()))
+            high = float(max(data[pred].max(), data[meas].max()))
+            ax.plot([low, high], [low, high], color="grey", linestyle="--", linewidth=1)
+            ax.set_xlabel(f"measured {label}")
+            ax.set_ylabel(f"predicted {label}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small")
+        path = out_dir / f"{slugs[machine]}-predicted-vs-measured.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

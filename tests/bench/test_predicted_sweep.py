@@ -100,6 +100,9 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert len(report["probes"]) == 3
     text = _cli("report", str(out), "--min-repeats", "1", env={"COLUMNS": "200"})
     assert "Predicted vs measured" in text and text.count("predicted only") == 10 + 1  # 10 cells, the title
+    _cli("report", str(out), "--min-repeats", "1", "--plots", str(tmp_path / "plots"))
+    assert [p.name for p in (tmp_path / "plots").glob("*predicted-vs-measured.png")] == [
+        "nvidia-h200-simulated-predicted-vs-measured.png"]
     tuned = json_data(_cli("tune", str(out), "--json", "--min-repeats", "1"))
     (policy,) = tuned["policies"]
     assert len(tuned["predicted_only"]) == 5  # T = 0: six trees predicted, one measured
