@@ -2,19 +2,31 @@
 expected time that ``bench --dry-run`` prints.
 
 One local host (the simulator as its SGLang, real-time: ``SIM_TIME_SCALE=1``, a model
-load of ``--load-s`` simulated seconds plus its CUDA-graph capture and warmup), 8 server
-configurations (DDTREE budgets 4/8/16/32 x top-k 2/4), one short measurement each. The
-same sweep runs through ``SweepRunner`` (the code ``bench`` runs) with the host's
+load of ``--load-s`` simulated seconds, one verify-graph capture per runtime state for
+batch sizes up to 16, and its warmup), 8 trees (DDTREE budgets 4/8/16/32 x top-k 2/4), one
+measurement each of ``--num-prompts`` prompts x ``--max-new-tokens`` tokens at
+concurrency 2: measuring, not loading, is most of a sweep, as on a real fleet. The trees
+run on one live launch (runtime states for the 4 budgets, trees switched live). The same
+sweep runs through ``SweepRunner`` (the code ``bench`` runs) with the host's
 ``ddtree.server.slots`` set to 1, 2 and 4 slots of one GPU each; each run starts from no
-server. Before the runs, one restart calibrates what a launch costs (restart -> ready:
-stop, load, capture, smoke), recorded for every slot in a private state file, as a
-previous sweep would have; the estimate is then the prepared sweep's schedule — the dry run's.
+server. With several slots the launch's cells are split over them: every slot launches
+the same runtime-states server once and measures its share.
+
+Before the runs, a previous sweep is played on the host's 4 slots: the same grid and
+prompts, a quarter of the tokens. It records, per slot, what a launch of this live server
+costs (restart -> ready: stop, load, captures, smoke) and what a decode step of a row
+takes (the runner learns both into a private state file). The estimate of each run is
+then the prepared sweep's: one server's sum with 1 slot, the slot schedule with more —
+the dry run's; each run updates the state file as any sweep does.
 
 Printed per slot count: measured wall time, its ratio to the 1-slot time, the estimate and
 the estimate's error. The simulator's own CPU work (several servers on few cores) slows
 loads and steps beyond the model; the CPU count is printed with the results.
 
-    .venv/bin/python benchmarks/sweep_slots.py [--slots 1,2,4] [--load-s 3] [--json]
+    .venv/bin/python benchmarks/sweep_slots.py [--slots 1,2,4] [--load-s 3] [--num-prompts 8]
+        [--max-new-tokens 640] [--json]
+
+About 10 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,10 +46,13 @@ from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.inventory import load_inventory
-from ddtree_ops.service import LaunchFacts, RestartRequest, RunConfig, lifecycle
 from ddtree_ops.state import STATE_ENV, StateStore
-from ddtree_ops.transport.local import LocalTransport
 from ddtree_ops.workload.draw import build_workload
+
+# The simulator serves DDTREE only from the bundle deployed into its host's SGLang: the
+# hosts run an interpreter the toolkit deployed it into, as the tests' simulator hosts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from minisglang import deployed_python  # noqa: E402
 
 MODEL = "sim/qwen3-8b"
 
@@ -57,46 +72,50 @@ def write_inventory(tmp: Path, slots: int, load_s: float) -> Path:
     server = {
         "command": "{python} -m ddtree_ops.sim", "model_path": MODEL, "draft_model_path": "sim/qwen3-8b-dflash",
         "expected_load_s": 600,  # never used: the calibrated load time is in the state file
+        # Graphs up to batch 16 (the sweep runs 2 at once): a capture takes 2.16 s, not 4.56.
+        "extra_args": ["--cuda-graph-max-bs-decode", "16"],
         "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": "1"},
         "slots": [{"gpus": str(i), "port": port} for i, port in enumerate(free_ports(slots))],
     }
     inv = tmp / f"inv-{slots}.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim": {
         "ansible_connection": "local",
-        "ddtree": {"python": sys.executable, "run_dir": str(tmp / f"run-{slots}"), "gpu": "rtx-pro-6000",
+        "ddtree": {"python": deployed_python(), "run_dir": str(tmp / f"run-{slots}"), "gpu": "rtx-pro-6000",
                    "server": server}}}}}}}))
     return inv
 
 
-def sweep_doc() -> dict[str, object]:
+def sweep_doc(num_prompts: int = 2, max_new_tokens: int = 16) -> dict[str, object]:
     return {
         "name": "slots", "targets": ["local"], "repeats": 1, "warmup": 0,
         "grid": {"algorithm": ["ddtree"], "budget": [4, 8, 16, 32], "topk": [2, 4], "temperature": [0.0],
                  "concurrency": [2]},
-        "workload": {"prompt_set": "mixed", "num_prompts": 2, "max_new_tokens": 16},
+        "workload": {"prompt_set": "mixed", "num_prompts": num_prompts,
+                     "max_new_tokens": max_new_tokens},
     }
 
 
-def calibrate(tmp: Path, load_s: float, slots: int) -> float:
-    """Launch once, as a previous sweep would have, and record its times for every slot."""
-    host = load_inventory([write_inventory(tmp, 1, load_s)]).hosts["sim"].slot_hosts()[0]
-    state = StateStore()
-    with LocalTransport("sim") as t:
-        try:
-            result = lifecycle.restart(t, RestartRequest(host, RunConfig("DDTREE", budget=4, topk=2),
-                                                         LaunchFacts("0.5.23")), state=state)
-        finally:
-            lifecycle.stop(t, host, grace_s=5)
-    value = state.learned_restart_s(host.name, MODEL) or result.ready_s
-    for i in range(slots):
-        state.record_load_time(f"sim/{i}", MODEL, result.load_s, restart_s=value)
-    return value
+def calibrate(tmp: Path, load_s: float, slots: int, num_prompts: int, max_new_tokens: int) -> tuple[float, float]:
+    """Play a previous sweep of the same grid and prompts on ``slots`` slots, a quarter of
+    the tokens. Returns (launch s, step s) as it left them for slot 0."""
+    host = load_inventory([write_inventory(tmp / "calibration", slots, load_s)]).hosts["sim"]
+    spec = parse_sweep(sweep_doc(num_prompts, max(1, max_new_tokens // 4)), tmp / "calibration.yaml")
+    outcome = SweepRunner(prepare_sweep(spec, [host]), build_workload(spec.workload),
+                          ledger_path=tmp / "calibration.jsonl").run()
+    if outcome.failed:
+        raise SystemExit(f"the calibrating sweep failed: {outcome.hosts}")
+    place, state = host.slot_hosts()[0], StateStore()
+    restart, step = state.learned_restart_s(place.name, MODEL), state.learned_step_s(place.name, MODEL)
+    assert restart is not None and step is not None
+    return restart, step
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", default="1,2,4", help="comma-separated slot counts")
     ap.add_argument("--load-s", type=float, default=3.0, help="the simulated model load, seconds")
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per row (4 waves at concurrency 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=640, help="tokens per prompt")
     ap.add_argument("--json", action="store_true", help="print a JSON list of {slots, wall_s, estimated_s}")
     args = ap.parse_args()
     counts = [int(x) for x in args.slots.split(",")]
@@ -104,8 +123,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         os.environ[STATE_ENV] = str(tmp / "state.json")
-        load = calibrate(tmp, args.load_s, max(counts))
-        spec = parse_sweep(sweep_doc(), tmp / "slots.yaml")
+        (tmp / "calibration").mkdir()
+        load, step = calibrate(tmp, args.load_s, max(counts), args.num_prompts, args.max_new_tokens)
+        spec = parse_sweep(sweep_doc(args.num_prompts, args.max_new_tokens), tmp / "slots.yaml")
         workload = build_workload(spec.workload)
         for n in counts:
             host = load_inventory([write_inventory(tmp, n, args.load_s)]).hosts["sim"]
@@ -122,7 +142,8 @@ def main() -> int:
     if args.json:
         print(json.dumps([{k: r[k] for k in ("slots", "wall_s", "estimated_s")} for r in rows]))
         return 0 if all(r["failed_rows"] == 0 for r in rows) else 1
-    print(f"8 server configurations, calibrated launch (restart -> ready) {load:.2f} s, {os.cpu_count()} CPUs")
+    print(f"8 trees on one live launch, calibrated launch (restart -> ready) {load:.2f} s, "
+          f"step {step * 1000:.1f} ms, {os.cpu_count()} CPUs")
     print(f"{'slots':>5} {'wall s':>8} {'x 1-slot':>8} {'estimate s':>10} {'est. error':>10} {'rows ok/failed':>15}")
     for r in rows:
         ratio = f"{r['wall_s'] / base:.2f}" if base else "-"

@@ -127,6 +127,25 @@ class LoadRecord:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """How long a host's sweep rows took per decode step of their workload, recently: the
+    measured seconds of a row over its ``ceil(prompts / concurrency)`` waves x
+    ``max_new_tokens`` (``bench.plan.cell_steps``), averaged over the last
+    :data:`STEP_WINDOW` rows. What the dry run charges per run, like ``restart_s`` per
+    launch, instead of a guess (speculation emits several tokens per step)."""
+
+    host: str
+    model: str
+    s_per_step: float
+    rows: int
+    recorded_at: float
+
+
+# Rows a learned step time averages over (a running mean that forgets older sweeps).
+STEP_WINDOW = 20
+
+
+@dataclass(frozen=True)
 class PolicyRecord:
     """A tuned DDTREE policy deployed on a machine (``ddtree-ops tune --deploy``): what every
     later DDTREE restart of the machine's servers launches with, like an eager fallback is
@@ -214,7 +233,8 @@ class StateStore:
         data.setdefault("load_times", {})
         data.setdefault("fallbacks", {})
         data.setdefault("policies", {})
-        for key in ("load_times", "fallbacks", "policies"):
+        data.setdefault("step_times", {})
+        for key in ("load_times", "fallbacks", "policies", "step_times"):
             if not isinstance(data[key], dict):
                 raise ConfigError(f"{self.path}: key '{key}' must be an object")
         _check_records(self.path, data)
@@ -229,6 +249,29 @@ class StateStore:
         entry = self._load()["load_times"].get(_load_key(host, model))
         value = entry.get("restart_s") if isinstance(entry, dict) else None
         return float(value) if is_seconds(value) else None
+
+    def learned_step_s(self, host: str, model: str) -> float | None:
+        """Seconds per decode step of a sweep row on ``host`` (:class:`StepRecord`), or None."""
+        entry = self._load()["step_times"].get(_load_key(host, model))
+        value = entry.get("s_per_step") if isinstance(entry, dict) else None
+        return float(value) if is_seconds(value) else None
+
+    def record_step_time(self, host: str, model: str, s_per_step: float) -> None:
+        """Fold one measured row into the host's running mean (a time outside (0, a day] is
+        not remembered, as for load times)."""
+        if not is_seconds(s_per_step):
+            return
+
+        def fold(data: dict[str, Any]) -> None:
+            key = _load_key(host, model)
+            old = data["step_times"].get(key)
+            mean, rows = float(s_per_step), 1
+            if isinstance(old, dict) and is_seconds(old.get("s_per_step")) and isinstance(old.get("rows"), int):
+                rows = min(old["rows"] + 1, STEP_WINDOW)
+                mean = old["s_per_step"] + (s_per_step - old["s_per_step"]) / rows
+            data["step_times"][key] = asdict(StepRecord(host, model, mean, rows, time.time()))
+
+        self._update(fold)
 
     def fallback_for(self, key: FallbackKey) -> FallbackRecord | None:
         """The record that sends a launch at ``key`` eager: the one at the smallest budget
@@ -407,6 +450,9 @@ def _policy_text(value: Any) -> str | None:
 _LOAD_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
     "host": _text, "model": _text, "load_s": _seconds, "recorded_at": _time, "restart_s": _opt_seconds,
 }
+_STEP_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
+    "host": _text, "model": _text, "s_per_step": _seconds, "rows": _opt_int(1, STEP_WINDOW), "recorded_at": _time,
+}
 _KEY_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
     "host": _text, "gpu_arch": _text, "sglang_version": _text, "algorithm": _text,
     "budget": _opt_int(1, MAX_DFLASH_DRAFT_TOKENS), "topk": _opt_int(1, MAX_DDTREE_TOPK),
@@ -434,6 +480,9 @@ def _check_records(path: Path, data: Mapping[str, Any]) -> None:
     for name, entry in data["load_times"].items():
         if _own_fields(entry, LoadRecord):
             check(f"load_times[{name!r}]", entry, _LOAD_CHECKS)
+    for name, entry in data["step_times"].items():
+        if _own_fields(entry, StepRecord):
+            check(f"step_times[{name!r}]", entry, _STEP_CHECKS)
     for name, entry in data["fallbacks"].items():
         where = f"fallbacks[{name!r}]"
         if not isinstance(entry, dict) or not _own_fields(entry.get("key"), FallbackKey):
@@ -446,7 +495,7 @@ def _check_records(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def _empty() -> dict[str, Any]:
-    return {"version": SCHEMA_VERSION, "load_times": {}, "fallbacks": {}, "policies": {}}
+    return {"version": SCHEMA_VERSION, "load_times": {}, "fallbacks": {}, "policies": {}, "step_times": {}}
 
 
 def _load_key(host: str, model: str) -> str:

@@ -34,6 +34,9 @@ _ALGO_ORDER = {"autoregressive": 0, "dflash": 1, "ddtree": 2}
 # /set_internal_state request and the /server_info readback that proves it took (two
 # requests, on the host over its transport: well under a second).
 SWITCH_S = 0.5
+# What one decode step of a run is charged where no sweep measured the host before (the
+# state file's learned step time replaces it: ``StateStore.learned_step_s``).
+STEP_S = 0.02
 
 
 @dataclass(frozen=True, order=True)
@@ -323,13 +326,20 @@ def plan_sweep(
     return SweepPlan(groups=groups, repeats=spec.repeats, warmup=spec.warmup, relaunch=mode)
 
 
-def cell_seconds(
-    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = 0.02
-) -> float:
-    """Rough measuring time of one run of ``cell``: ``ceil(num_prompts / concurrency)``
-    waves of ``max_new_tokens`` decode steps, plus a warmup wave when there is one."""
+def cell_steps(cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int) -> int:
+    """The decode steps one run of ``cell`` is charged: ``ceil(num_prompts / concurrency)``
+    waves of ``max_new_tokens`` steps, plus a warmup wave when there is one. The unit the
+    runner learns a host's step time in (``StateStore.record_step_time``)."""
     waves = math.ceil(num_prompts / cell.concurrency) + (1 if warmup else 0)
-    return waves * max_new_tokens * s_per_step
+    return waves * max_new_tokens
+
+
+def cell_seconds(
+    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = STEP_S
+) -> float:
+    """Rough measuring time of one run of ``cell``: :func:`cell_steps` x ``s_per_step`` (the
+    host's learned step time where a sweep measured there before, else a guess)."""
+    return cell_steps(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=warmup) * s_per_step
 
 
 def estimate_seconds(
@@ -338,7 +348,7 @@ def estimate_seconds(
     load_s: float,
     num_prompts: int,
     max_new_tokens: int,
-    s_per_step: float = 0.02,
+    s_per_step: float = STEP_S,
     switch_s: float = SWITCH_S,
 ) -> float:
     """Rough wall time for one host with one server: every restart costs ``load_s``

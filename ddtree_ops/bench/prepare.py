@@ -3,7 +3,8 @@
 :func:`prepare_sweep` turns a sweep file and its target hosts into a
 :class:`PreparedSweep`: the cells and server launches (:func:`~.plan.plan_sweep`), and
 per host where its load comes from, what one launch is expected to cost there (learned
-from its last restarts, else the inventory's ``expected_load_s``), the estimate with one
+from its last restarts, else the inventory's ``expected_load_s``) and what one decode step
+of a run costs (learned from its last sweeps' rows, else a guess), the estimate with one
 server (with the sweep's ``relaunch`` mode, and with the other one beside it: live
 switching against a launch per tree) and, for a host with several GPU slots, which slot
 is expected to run which launch (:mod:`.schedule`). The runner queues a host's launches with :meth:`PreparedSweep.jobs`,
@@ -12,11 +13,12 @@ the same function over the runs that ``--resume`` left.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.bench.onhost import ClientMode, client_mode
-from ddtree_ops.bench.plan import SWITCH_S, Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
+from ddtree_ops.bench.plan import STEP_S, SWITCH_S, Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
 from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
 from ddtree_ops.bench.sweep import RELAUNCH_MODES, SweepSpec
 from ddtree_ops.inventory_types import Host
@@ -35,6 +37,16 @@ def expected_launch_s(host: Host) -> float:
     return host.ddtree.server.expected_load_s
 
 
+def expected_step_s(hosts: Sequence[Host]) -> float:
+    """Seconds per decode step of a run (``plan.cell_steps``) on these server places: the
+    mean of what their last sweeps measured (the state file), else the plan's guess."""
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    learned = [v for h in hosts if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "")) is not None]
+    return sum(learned) / len(learned) if learned else STEP_S
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """One target host's part of the sweep."""
@@ -50,6 +62,8 @@ class HostPlan:
     # The same estimate with one server for each ``relaunch`` mode (the sweep's among
     # them): what live switching saves here.
     estimate_by_mode: Mapping[str, float] | None = None
+    # Seconds per decode step of a run there (:func:`expected_step_s`).
+    step_s: float = STEP_S
 
 
 @dataclass(frozen=True)
@@ -60,18 +74,20 @@ class PreparedSweep:
     # The plan of every ``relaunch`` mode (``plan`` is the sweep's own): --dry-run shows both.
     plans: Mapping[str, SweepPlan] | None = None
 
-    def cell_s(self, cell: Cell) -> float:
+    def cell_s(self, cell: Cell, step_s: float = STEP_S) -> float:
         workload = self.spec.workload
         measure = cell_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
-                               warmup=self.plan.warmup)
+                               warmup=self.plan.warmup, s_per_step=step_s)
         return measure + (SWITCH_S if cell.switched else 0.0)
 
     def jobs(self, hp: HostPlan, runs: Sequence[tuple[Cell, int]]) -> list[Job]:
         """``runs`` of ``hp``'s host as server launches. One server: in plan order. Several
-        slots: repeats split where a slot would idle, longest expected first."""
+        slots: launches split where a slot would idle (the dry run's split, over what is
+        left), longest expected first."""
         if hp.schedule is None:
             return make_jobs(runs, cell_s=lambda _c: 0.0, load_s=0.0, slots=1)
-        return longest_first(make_jobs(runs, cell_s=self.cell_s, load_s=min(hp.launch_s), slots=len(hp.launch_s)))
+        return longest_first(make_jobs(runs, cell_s=lambda c: self.cell_s(c, hp.step_s), load_s=min(hp.launch_s),
+                                       slots=len(hp.launch_s)))
 
 
 def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
@@ -82,9 +98,10 @@ def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
     for host in hosts:
         places = host.slot_hosts()
         launch_s = tuple(expected_launch_s(place) for place in places)
+        step_s = expected_step_s(places)
         by_mode = {
             mode: estimate_seconds(p, load_s=launch_s[0], num_prompts=spec.workload.num_prompts,
-                                   max_new_tokens=spec.workload.max_new_tokens)
+                                   max_new_tokens=spec.workload.max_new_tokens, s_per_step=step_s)
             for mode, p in plans.items()
         }
         estimate = by_mode[spec.relaunch]
@@ -92,10 +109,11 @@ def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
         if len(places) > 1:
             loads = {Slot(host.name, i, place.slot.gpus if place.slot else ()): s
                      for i, (place, s) in enumerate(zip(places, launch_s, strict=True))}
-            jobs = make_jobs(plan_runs(plan), cell_s=prepared.cell_s, load_s=min(launch_s), slots=len(places))
+            jobs = make_jobs(plan_runs(plan), cell_s=functools.partial(prepared.cell_s, step_s=step_s),
+                             load_s=min(launch_s), slots=len(places))
             sched = schedule(jobs, list(loads), load_s=loads)
-        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode))
+        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode, step_s))
     return PreparedSweep(spec, plan, tuple(planned), plans)
 
 
-__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "prepare_sweep"]
+__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "expected_step_s", "prepare_sweep"]

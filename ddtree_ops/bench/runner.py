@@ -7,7 +7,9 @@ own server. A host's cells are grouped into launches by what cannot be switched
 lifecycle's ``restart``, which also decides eager fallback; every row records
 ``cuda_graph`` and ``fallback_reason``); with one server they run in plan order, with
 several slots each slot takes the next launch when it frees, longest expected first
-(:mod:`.schedule`). On a live DDTree launch (runtime states, ``relaunch: never``) each
+(:mod:`.schedule`; a launch split over idle slots is launched once by each, which measures
+its part). Each ok row teaches the state file what a decode step took on its slot, for the
+next dry run's estimate. On a live DDTree launch (runtime states, ``relaunch: never``) each
 cell's tree is switched through ``/set_internal_state`` and proven through
 ``/server_info`` before it is measured (:mod:`.livetree`); a switch that is refused or does
 not show is that cell's failed row, never a measurement of another tree. Every row records
@@ -58,7 +60,7 @@ from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
-from ddtree_ops.bench.plan import Cell, LaunchConfig
+from ddtree_ops.bench.plan import Cell, LaunchConfig, cell_steps
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
@@ -466,6 +468,7 @@ class SweepRunner:
     ) -> LedgerRow:
         self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
         started_at = now_iso()
+        began = time.monotonic()
         client.flush_cache()
         finished = [0]
         sent = sent_prompts(prompts)  # a multi-turn question is one request per turn
@@ -499,7 +502,20 @@ class SweepRunner:
         row = self._row(sr, prov, restart, cell, rep, started_at, error=error, metrics=metrics, live=live,
                         groups=groups, outputs=[r.output_hash for r in load.results])
         self._append(sr, row, cell)
+        if error is None:
+            self._learn_step(sr, cell, time.monotonic() - began)
         return row
+
+    def _learn_step(self, sr: _SlotRun, cell: Cell, seconds: float) -> None:
+        """Remember what a step of this run took here, for the next dry run's estimate
+        (``prepare.expected_step_s``), as a restart remembers its load time."""
+        from ddtree_ops.state import StateStore
+
+        workload = self.spec.workload
+        steps = cell_steps(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
+                           warmup=self.spec.warmup)
+        if steps:
+            StateStore().record_step_time(sr.host.name, sr.host.ddtree.server.model_path or "", seconds / steps)
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
              started_at: str, *, error: str | None, metrics: CellMetrics | None = None,

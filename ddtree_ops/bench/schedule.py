@@ -6,9 +6,15 @@ host: each goes to whichever slot frees first, longest expected first (LPT — w
 of the best possible wall time, and simple enough to predict in ``--dry-run``). The
 physical limit it works against is (configurations / slots) x (load + measure).
 
-A configuration whose repeats alone would keep one slot busy while others idle is split
-into several jobs (repeats spread across slots), but only while each half still measures
-for longer than the extra model load it costs; otherwise the load would eat the gain.
+A launch whose work would keep one slot busy while others idle is split into several jobs
+of the same launch configuration (the same command, the same runtime states: a cell
+measures the same server whatever slot serves it), one per slot, each loading once and
+measuring its share: a live launch's cells, a relaunched configuration's repeats. The
+split follows the schedule: a launch gets one more part only while that shortens the
+expected wall time (:func:`make_jobs`), so a part never costs more load than it saves.
+What is split is a launch's *work items*, in order (:func:`split_items`): today the
+(cell, repeat) runs; any other item a launch measures (a trace run, a round-time probe)
+splits the same way, given its expected seconds.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ddtree_ops.bench.plan import Cell, LaunchConfig, SweepPlan
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, order=True)
@@ -75,6 +84,24 @@ def plan_runs(plan: SweepPlan) -> list[tuple[Cell, int]]:
     return [(cell, r) for cell in plan.cells for r in range(plan.repeats)]
 
 
+def split_items(items: Sequence[T], cost: Callable[[T], float], parts: int) -> list[list[T]]:
+    """``items`` cut into at most ``parts`` consecutive pieces of about equal expected
+    seconds, order kept (an item goes to the piece its midpoint falls in); items of no
+    expected cost are never split off. Pure and deterministic: the runner cuts what
+    ``--resume`` left the same way the dry run cut the whole."""
+    costs = [cost(i) for i in items]
+    total = sum(costs)
+    parts = max(1, min(parts, len(items)))
+    pieces: list[list[T]] = [[]]
+    done = 0.0
+    for item, c in zip(items, costs, strict=True):
+        if pieces[-1] and len(pieces) < parts and done + c / 2 > total * len(pieces) / parts:
+            pieces.append([])
+        pieces[-1].append(item)
+        done += c
+    return pieces
+
+
 def make_jobs(
     runs: Sequence[tuple[Cell, int]],
     *,
@@ -82,9 +109,12 @@ def make_jobs(
     load_s: float,
     slots: int,
 ) -> list[Job]:
-    """One job per launch configuration (in the order ``runs`` first names them), then the
-    longest split by repeats while slots would otherwise idle and each part still
-    measures longer than a load."""
+    """One job per launch configuration (in the order ``runs`` first names them), then,
+    with several slots, launches split into parts (:func:`split_items`, repeat by repeat:
+    each part a whole repeat where the parts are as many as the repeats, so repeats land
+    on different GPUs) while that shortens the expected wall time of the schedule on
+    ``slots`` slots loading in ``load_s`` each. At most one part per slot and launch:
+    each slot loads a launch once."""
 
     def job(launch: LaunchConfig, part: Sequence[tuple[Cell, int]]) -> Job:
         return Job(launch, tuple(part), sum(cell_s(c) for c, _ in part))
@@ -92,18 +122,46 @@ def make_jobs(
     by_launch: dict[LaunchConfig, list[tuple[Cell, int]]] = {}
     for cell, rep in runs:
         by_launch.setdefault(cell.launch, []).append((cell, rep))
-    jobs = [job(launch, part) for launch, part in by_launch.items()]
-    while len(jobs) < slots:
-        longest = max(jobs, key=lambda j: j.measure_s, default=None)
-        if longest is None or len(longest.repeats) < 2 or longest.measure_s / 2 <= load_s:
+
+    def build(parts: Mapping[LaunchConfig, int]) -> list[Job]:
+        out: list[Job] = []
+        for launch, items in by_launch.items():
+            if parts[launch] == 1:
+                out.append(job(launch, items))
+            else:
+                by_repeat = sorted(items, key=lambda run: run[1])  # stable: plan order within a repeat
+                out += [job(launch, p) for p in split_items(by_repeat, lambda run: cell_s(run[0]), parts[launch])]
+        return out
+
+    parts = dict.fromkeys(by_launch, 1)
+    jobs = build(parts)
+    if slots < 2:
+        return jobs
+    places = [Slot("", i) for i in range(slots)]
+
+    def finish(candidate: Sequence[Job]) -> list[float]:
+        """The slots' finish times, latest first: the wall time, then what decides the next split."""
+        sched = schedule(candidate, places, load_s=dict.fromkeys(places, load_s))
+        return sorted((max((p.end_s for p in sched.on(s)), default=0.0) for s in places), reverse=True)
+
+    unsplit = best = finish(jobs)
+    while True:
+        trials = []
+        for launch, items in by_launch.items():
+            if parts[launch] >= min(slots, len(items)):
+                continue
+            trial = parts | {launch: parts[launch] + 1}
+            trial_jobs = build(trial)
+            if sum(1 for j in trial_jobs if j.launch == launch) <= parts[launch]:
+                continue  # nothing left to cut (items of no expected cost)
+            ends = finish(trial_jobs)
+            if ends[0] <= best[0] + 1e-9 and ends < best:
+                trials.append((ends, launch.sort_key(), trial, trial_jobs))
+        if not trials:
             break
-        first = set(longest.repeats[: len(longest.repeats) // 2])
-        at = jobs.index(longest)
-        jobs[at : at + 1] = [
-            job(longest.launch, [(c, r) for c, r in longest.runs if r in first]),
-            job(longest.launch, [(c, r) for c, r in longest.runs if r not in first]),
-        ]
-    return jobs
+        best, _, parts, jobs = min(trials, key=lambda t: (t[0], t[1]))
+    # Splits that only evened out the other slots cost loads without shortening the sweep.
+    return jobs if best[0] < unsplit[0] - 1e-9 else build(dict.fromkeys(by_launch, 1))
 
 
 def longest_first(jobs: Sequence[Job]) -> list[Job]:

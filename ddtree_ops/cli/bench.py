@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,8 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
         "wall_s": sched.wall_s,
         "slots": [
             {"slot": s.name, "gpus": list(s.gpus),
-             "jobs": [{"server": p.job.launch.key, "repeats": list(p.job.repeats), "start_s": p.start_s,
-                       "end_s": p.end_s} for p in sched.on(s)]}
+             "jobs": [{"server": p.job.launch.key, "repeats": list(p.job.repeats), "rows": len(p.job.runs),
+                       "start_s": p.start_s, "load_s": p.load_s, "end_s": p.end_s} for p in sched.on(s)]}
             for s in sched.slots
         ],
     }
@@ -197,10 +198,13 @@ def _render_plan(
             f"{sched.wall_s / 60:.1f} min (one server: {hp.estimate_s / 60:.1f} min{'; ' + modes if modes else ''})",
             markup=False, highlight=False,
         )
+        # A launch split over slots: each slot launches it once and measures its share of the rows.
+        shared = Counter(p.job.launch for p in sched.placements)
         for slot in sched.slots:
             placed = ", ".join(
-                p.job.launch.key + (f" (repeats {','.join(map(str, p.job.repeats))})"
-                                    if len(p.job.repeats) < plan.repeats else "")
+                p.job.launch.key + (f" ({len(p.job.runs)} rows" + (f", repeats {','.join(map(str, p.job.repeats))}"
+                                                                   if len(p.job.repeats) < plan.repeats else "") + ")"
+                                    if shared[p.job.launch] > 1 else "")
                 for p in sched.on(slot)
             )
             gpus = ",".join(map(str, slot.gpus))

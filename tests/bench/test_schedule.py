@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree_ops.bench.plan import Cell, LaunchConfig, Sampling, ServerConfig, ServerGroup, SweepPlan
-from ddtree_ops.bench.schedule import Job, Slot, make_jobs, plan_runs, schedule
+from ddtree_ops.bench.schedule import Job, Slot, make_jobs, plan_runs, schedule, split_items
 
 
 def group(budget: int, cells: int = 1) -> ServerGroup:
@@ -61,7 +64,7 @@ def test_a_slot_already_serving_a_configuration_takes_it_without_a_load() -> Non
     assert (by_budget[8].slot, by_budget[8].load_s) == (s2[0], 60.0)
 
 
-def test_repeats_spread_only_while_a_part_still_measures_longer_than_a_load() -> None:
+def test_repeats_spread_over_slots_that_would_idle_but_not_over_busy_ones() -> None:
     # Long measurement: 4 repeats x 100 s split across the idle slots.
     jobs = make_jobs(plan_runs(plan(8, repeats=4)), cell_s=measure(100), load_s=30, slots=4)
     assert sorted(j.repeats for j in jobs) == [(0,), (1,), (2,), (3,)]
@@ -69,9 +72,12 @@ def test_repeats_spread_only_while_a_part_still_measures_longer_than_a_load() ->
     sched = schedule(jobs, s4, load_s=dict.fromkeys(s4, 30.0))
     assert {p.slot for p in sched.placements} == set(s4)
     assert sched.wall_s == pytest.approx(130)
-    # Short measurement: a second load would cost more than it saves.
+    # Short measurement, slots idle: loading in parallel still ends sooner (30 + 10 < 30 + 40).
     short = make_jobs(plan_runs(plan(8, repeats=4)), cell_s=measure(10), load_s=30, slots=4)
-    assert [j.repeats for j in short] == [(0, 1, 2, 3)]
+    assert sorted(j.repeats for j in short) == [(0,), (1,), (2,), (3,)]
+    # Every slot busy with a launch of its own: a part would only add a load.
+    busy = make_jobs(plan_runs(plan(8, 16, 32, 64, repeats=4)), cell_s=measure(10), load_s=30, slots=4)
+    assert [j.repeats for j in busy] == [(0, 1, 2, 3)] * 4
 
 
 def test_per_slot_load_times_and_determinism() -> None:
@@ -118,3 +124,100 @@ def test_a_live_launch_is_one_job_for_all_its_trees() -> None:
     ar = Cell(ServerConfig("autoregressive"), Sampling(), 1)
     jobs = make_jobs([(c, 0) for c in [ar, *cells]], cell_s=measure(10), load_s=30, slots=2)
     assert [(j.launch, len(j.runs)) for j in jobs] == [(LaunchConfig("autoregressive"), 1), (live, 6)]
+
+
+def live_cells(budgets: tuple[int, ...] = (4, 8, 16, 32), topks: tuple[int, ...] = (2, 4)) -> list[Cell]:
+    live = LaunchConfig("ddtree", budgets[0], topks[0], budgets=budgets, topk_max=max(topks))
+    return [Cell(ServerConfig("ddtree", b, k), Sampling(), 2, via=live) for b in budgets for k in topks]
+
+
+def test_a_live_launchs_cells_split_over_the_slots_each_loading_the_same_launch_once() -> None:
+    cells = live_cells()
+    runs = [(c, 0) for c in cells]
+    jobs = make_jobs(runs, cell_s=measure(10), load_s=30, slots=4)
+    # Four parts of the one live launch (the same runtime states), two trees each, in plan order.
+    assert [j.launch for j in jobs] == [cells[0].launch] * 4
+    assert [[c.server.key for c, _ in j.runs] for j in jobs] == [
+        [c.server.key for c in cells[i:i + 2]] for i in range(0, 8, 2)]
+    assert [j.measure_s for j in jobs] == [20.0] * 4
+    s4 = slots(4)
+    sched = schedule(jobs, s4, load_s=dict.fromkeys(s4, 30.0))
+    assert [(p.slot, p.start_s, p.load_s) for p in sched.placements] == [(s, 0.0, 30.0) for s in s4]
+    assert sched.wall_s == pytest.approx(30 + 2 * 10)  # one server: 30 + 8 x 10
+    # What --resume left (the first three trees done) splits the same way over what is left.
+    left = make_jobs(runs[3:], cell_s=measure(10), load_s=30, slots=4)
+    assert sorted(len(j.runs) for j in left) == [1, 1, 1, 2]
+    assert sorted((c.key for j in left for c, _ in j.runs)) == sorted(c.key for c in cells[3:])
+
+
+def test_a_live_launch_splits_repeat_by_repeat_so_repeats_land_on_different_gpus() -> None:
+    cells = live_cells()
+    jobs = make_jobs([(c, r) for c in cells for r in range(2)], cell_s=measure(10), load_s=30, slots=2)
+    assert [j.repeats for j in jobs] == [(0,), (1,)]
+    assert all([c for c, _ in j.runs] == cells for j in jobs)
+
+
+def test_a_split_is_kept_only_where_the_schedule_ends_sooner() -> None:
+    # A live launch of 2 x 10 s beside a 40 s baseline on 2 slots: splitting the live launch
+    # would put a third load on a slot (30 + 10, then 30 + 10 + 30 + 40): it stays whole.
+    cells = live_cells(budgets=(4,))
+    ar = Cell(ServerConfig("autoregressive"), Sampling(), 2)
+    cost = {ar.key: 40.0} | {c.key: 10.0 for c in cells}
+    jobs = make_jobs([(c, 0) for c in [ar, *cells]], cell_s=lambda c: cost[c.key], load_s=30, slots=2)
+    assert [(j.launch.algorithm, len(j.runs)) for j in jobs] == [("autoregressive", 1), ("ddtree", 2)]
+    # One slot: never split.
+    assert len(make_jobs([(c, 0) for c in live_cells()], cell_s=measure(10), load_s=0, slots=1)) == 1
+
+
+def test_split_items_cuts_any_work_items_in_order_by_expected_seconds() -> None:
+    # Items of any kind (a predicted plan's trace runs and probes among them): consecutive
+    # pieces of about equal cost, order kept, never more pieces than asked.
+    items = ["trace-t0", "trace-t1", "probe-c1", "probe-c2", "probe-c4", "probe-c8"]
+    cost = {"trace-t0": 40.0, "trace-t1": 40.0}
+    assert split_items(items, lambda i: cost.get(i, 10.0), 2) == [items[:2], items[2:]]
+    assert split_items(items, lambda i: cost.get(i, 10.0), 3) == [items[:1], items[1:2], items[2:]]
+    assert split_items(items, lambda _i: 1.0, 4) == [items[:2], items[2:3], items[3:5], items[5:]]
+    assert split_items(items, lambda _i: 1.0, 10) == [[i] for i in items]
+    assert split_items(items, lambda _i: 0.0, 3) == [items]  # nothing to balance: one piece
+    assert split_items(items, lambda _i: 1.0, 1) == [items]
+
+
+def test_the_dry_run_estimate_charges_each_slot_one_launch_and_its_share_of_learned_steps(tmp_path: Path) -> None:
+    from ddtree_ops.bench.plan import SWITCH_S
+    from ddtree_ops.bench.prepare import prepare_sweep
+    from ddtree_ops.bench.sweep import parse_sweep
+    from ddtree_ops.inventory import load_inventory
+    from ddtree_ops.state import StateStore
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"h": {"ansible_connection": "local", "ddtree": {
+        "run_dir": str(tmp_path / "run"), "server": {"model_path": "m", "expected_load_s": 100, "port": 31000,
+                                                     "slots": {"count": 4, "gpus_per_slot": 1}}}}}}}))
+    host = load_inventory([inv]).hosts["h"]
+    state = StateStore()
+    for i in range(4):  # what each slot's last restart took
+        state.record_load_time(f"h/{i}", "m", 10.0, restart_s=20.0 + i)
+    for seconds in (0.01, 0.03):  # rows' seconds per decode step: a running mean per slot
+        state.record_step_time("h/0", "m", seconds)
+    state.record_step_time("h/1", "m", 0.04)
+    assert state.learned_step_s("h/0", "m") == pytest.approx(0.02)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    spec = parse_sweep({"name": "t", "targets": ["h"], "repeats": 1, "warmup": 0,
+                        "grid": {"budget": [4, 8, 16, 32], "topk": [2, 4], "temperature": [0.0], "concurrency": [2]},
+                        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 8, "max_new_tokens": 100}},
+                       tmp_path / "s.yaml")
+    prepared = prepare_sweep(spec, [host])
+    [hp] = prepared.hosts
+    assert hp.step_s == pytest.approx(0.03)  # the slots' learned step times, averaged
+    assert hp.launch_s == (20.0, 21.0, 22.0, 23.0)
+    run_s = 4 * 100 * 0.03 + SWITCH_S  # 4 waves of 100 steps, and the live switch before it
+    # One server: one launch, then all 8 trees.
+    assert hp.estimate_s == pytest.approx(20.0 + 8 * run_s)
+    # Four slots: each launches the same live server once and measures two trees.
+    assert hp.schedule is not None
+    placements = hp.schedule.placements
+    assert [(p.slot.index, p.load_s, len(p.job.runs)) for p in placements] == [(i, 20.0 + i, 2) for i in range(4)]
+    assert {p.job.launch for p in placements} == {prepared.plan.groups[0].launch}
+    assert hp.schedule.wall_s == pytest.approx(23.0 + 2 * run_s)
+    # The runner queues the same parts.
+    assert {j.runs for j in prepared.jobs(hp, plan_runs(prepared.plan))} == {p.job.runs for p in placements}

@@ -53,20 +53,24 @@ def test_dry_run_shows_the_slot_schedule_and_its_time_against_one_server(tmp_pat
     sched = plan["slot_schedules"]["sim-x"]
     assert [s["slot"] for s in sched["slots"]] == ["sim-x/0", "sim-x/1"]
     assert [s["gpus"] for s in sched["slots"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    placed = sorted(j["server"] for s in sched["slots"] for j in s["jobs"])
+    placed = sorted({j["server"] for s in sched["slots"] for j in s["jobs"]})
     assert placed == ["autoregressive", "ddtree-b4-topk2", "ddtree-b8-topk2"]
     assert all(s["jobs"] for s in sched["slots"])  # three launches on two slots: none idle
+    # Every row placed once (a launch split over both slots by repeats where that ends sooner).
+    assert sum(j["rows"] for s in sched["slots"] for j in s["jobs"]) == 3 * 2 * 2
     assert sched["wall_s"] < plan["estimated_s"]["sim-x"]
     text = cli("-i", str(inv), "bench", "--sweep", str(sweep), "--dry-run", cwd=tmp_path)
     assert text.returncode == 0, text.stderr
     assert "sim-x: client host, 2 GPU slots, estimated" in text.stdout and "(one server:" in text.stdout
     assert "sim-x/0 (GPUs 0,1,2,3): " in text.stdout and "sim-x/1 (GPUs 4,5,6,7): " in text.stdout
-    # Live switching (the default): the DDTree launch takes one slot, the baseline the other.
+    # Live switching (the default): both launches split by repeat over the two slots (10.3 s
+    # expected, against 11.8 s with the live launch on one slot): each slot launches each once.
     live = json_data(cli("--json", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)), "--dry-run",
                          cwd=tmp_path).stdout)["slot_schedules"]["sim-x"]
-    jobs = sorted(j["server"] for s in live["slots"] for j in s["jobs"])
-    assert jobs == ["autoregressive", "ddtree-states-b4,8-topk2"]
-    assert all(len(s["jobs"]) == 1 for s in live["slots"])
+    for s in live["slots"]:
+        assert sorted((j["server"], j["repeats"], j["rows"]) for j in s["jobs"]) in (
+            [("autoregressive", [r], 2), ("ddtree-states-b4,8-topk2", [r], 4)] for r in (0, 1))
+    assert live["wall_s"] < 0.95 * (2 + 2 * 2 * (0.96 + 0.48) + 8 * 0.5)
 
 
 def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) -> None:
@@ -75,8 +79,8 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep), "--out", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     [summary] = json_data(done.stdout)["hosts"]
-    # Two launches: the baseline on one slot, every DDTree tree switched live on the other.
-    assert (summary["host"], summary["ok_rows"], summary["failed_rows"], summary["restarts"]) == ("sim-x", 12, 0, 2)
+    # Each slot launches the baseline and the live DDTree launch once and measures one repeat of each.
+    assert (summary["host"], summary["ok_rows"], summary["failed_rows"], summary["restarts"]) == ("sim-x", 12, 0, 4)
     rows = ledger.read_ledger(out).rows
     assert len(rows) == 12 and {r["status"] for r in rows} == {"ok"}
     assert {r["host"] for r in rows} == {"sim-x"}  # the report groups by machine / GPU type, not slot
@@ -86,12 +90,12 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
         assert r["gpu_indices"] == ([0, 1, 2, 3] if r["slot"] == 0 else [4, 5, 6, 7])
         assert r["gpu_count"] == 4 and r["client"] == "host"
     assert {r["tree_switched"] for r in rows if r["algorithm"] == "DDTREE"} == {True}
-    assert len({r["launch_id"] for r in rows if r["algorithm"] == "DDTREE"}) == 1
-    # One server configuration is launched once, on one slot: its rows share a slot.
+    # One live launch per slot, each serving every tree; a repeat's rows share a slot, and
+    # the two repeats of a configuration ran on different GPUs.
+    assert len({(r["slot"], r["launch_id"]) for r in rows if r["algorithm"] == "DDTREE"}) == 2
     for config in ("AR", "DDTREE"):
-        for budget in {r["budget"] for r in rows if r["algorithm"] == config}:
-            slots = {r["slot"] for r in rows if r["algorithm"] == config and r["budget"] == budget}
-            assert len(slots) == 1, (config, budget, slots)
+        by_repeat = {n: {r["slot"] for r in rows if r["algorithm"] == config and r["repeat"] == n} for n in (0, 1)}
+        assert all(len(s) == 1 for s in by_repeat.values()) and by_repeat[0] != by_repeat[1], (config, by_repeat)
     # Both slots' servers were stopped at the end (no --keep-server): nothing listens.
     slots = yaml.safe_load(inv.read_text())["all"]["children"]["local"]["hosts"]["sim-x"]["ddtree"]["server"]["slots"]
     for slot in slots:
