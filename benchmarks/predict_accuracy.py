@@ -224,7 +224,7 @@ def real_part(tmp: Path, say: Any) -> dict[str, Any]:
     host = load_inventory([inv]).resolve("sglang-cpu")[0]
     grid = {"algorithm": ["ddtree"], "budget": [2, 4, 8, 16], "topk": [1, 2, 4], "temperature": [0.0, 1.0],
             "concurrency": [2]}
-    spec = _spec(tmp, grid, num_prompts=8, tokens=64, predict={"top": 3, "probe_tokens": 16}, target="cpu")
+    spec = _spec(tmp, grid, num_prompts=16, tokens=96, predict={"top": 3, "probe_tokens": 16}, target="cpu")
     return run_part("real_cpu", host, spec, tmp, say)
 
 
