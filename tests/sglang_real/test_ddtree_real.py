@@ -192,7 +192,8 @@ def test_server_info_reports_how_the_tree_is_verified(oracle_server):
         "dflash_utils.validate_dflash_request", "spec_sampling_mask.validate_spec_sampling_mask_request",
         "spec_utils.spec_need_hidden_states", "Scheduler.get_init_info",
         "SchedulerInternalStateController.set_internal_state", "SchedulerInternalStateController.get_internal_state",
-        "TokenizerControlMixin.set_internal_state",
+        "TokenizerControlMixin.set_internal_state", "Scheduler.get_output_streamer_class",
+        "TokenizerManager.update_request_meta_info",
     ], checks
     assert checks["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer"
     assert checks["verify_graphs"] == "none captured"
