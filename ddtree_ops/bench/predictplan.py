@@ -7,10 +7,11 @@ round-time probe per (concurrency, budget) of the grid, then one trace run per s
 setting and *trace group* -- a set of the grid's trees whose union fits the launch's
 largest runtime state (the bundle verifies a traced round's union in the smallest state
 that holds it: a grid of 256-node trees at three top-ks unites to more than the 256 the
-bundle serves, so it is traced in three runs, one per top-k, each union at most 256). Every DDTree cell is then predicted, and only the
-``top`` fastest predicted cells per (sampling, concurrency) are measured as today, with
-the baselines. :func:`predict_estimate` is the GPU time of that plan, which ``--dry-run``
-shows against the full grid's.
+bundle serves, so it is traced in three runs, one per top-k, each union at most 256).
+Every DDTree cell is then predicted, and only the ``top`` fastest predicted cells per
+(sampling, concurrency) are measured as today, with the baselines.
+:func:`predict_estimate` is the GPU time of that plan, which ``--dry-run`` shows against
+the full grid's.
 """
 
 from __future__ import annotations

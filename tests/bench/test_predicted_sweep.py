@@ -126,8 +126,8 @@ def test_dry_run_shows_the_predicted_plans_gpu_time_beside_the_full_grids() -> N
     # Budget 256 at three top-ks unites to more than the 256 nodes the bundle serves: one trace
     # run per top-k and temperature.
     assert predict["trace_runs_per_host"] == 9 and len(predict["trace_groups"]) == 3
-    for host, seconds in predict["estimated_s"].items():
-        assert 0 < seconds < predict["full_grid_estimated_s"][host]
+    for name, seconds in predict["estimated_s"].items():
+        assert 0 < seconds < predict["full_grid_estimated_s"][name]
     text = _cli("-i", str(repo / "inventories" / "local.yaml"), "bench", "--sweep",
                 str(repo / "bench_configs" / "demo.yaml"), "--predict", "--dry-run", env={"COLUMNS": "200"})
     assert "predicted plan" in text and "of GPU time against" in text and "for the full grid" in text
