@@ -32,6 +32,7 @@ __all__ = [
     "build_tree_batch",
     "tree_ancestor_masks",
     "tree_retrieve_batch",
+    "tree_batch_from_trees",
     "follow_verified_tree_batch",
     "accepted_paths_from_kernel",
     "TreeMaskBuffer",
