@@ -8,9 +8,11 @@ the predicted plan side by side, through the code ``bench`` runs (``SweepRunner`
   acceptance has real spread), at T = 0 and T = 1;
 * ``sim``: one simulated host (the simulator with the deployed bundle), at T = 0 and T = 1.
 
-Printed per cell: predicted acceptance (corrected, and naive), measured acceptance,
-predicted and measured tok/s. Then per part: the median and max absolute acceptance error
-(relative, corrected; the naive estimator's beside it: the correction's effect), how far the
+Printed per cell: predicted acceptance (as the ledger row has it, and naive), measured
+acceptance, predicted and measured tok/s. Then per part: the median and max absolute
+acceptance error (relative, the ledger row's; beside it each estimator's, recomputed from the
+plan's trace files: naive, per-request corrected, stream walk -- T = 0 only, the row's
+estimate there; T > 0 rows use the corrected one), how far the
 predicted plan's chosen tree per (temperature, concurrency) falls below the full grid's
 best measured tok/s (the chosen tree's tok/s as the full grid measured it, worst case), and
 the predicted plan's wall time over the full grid's. No baselines (they cost the same in
@@ -40,12 +42,14 @@ from typing import Any
 import yaml
 
 from ddtree_ops.bench import ledger
-from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells
+from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, traces_dir
 from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import SweepSpec, parse_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import DdtreeSettings, Host
+from ddtree_ops.predict.estimate import predict_acceptance, rounds_per_request
+from ddtree_ops.predict.trace import load_trace_file
 from ddtree_ops.service import lifecycle
 from ddtree_ops.state import STATE_ENV
 from ddtree_ops.transport.local import LocalTransport
@@ -103,6 +107,27 @@ def _ok(rows: list[dict[str, Any]], source: str) -> dict[Cell, dict[str, Any]]:
     return out
 
 
+def estimators(folder: Path, tokens: int) -> dict[tuple[float, int, int], dict[str, float | None]]:
+    """(temperature, budget, topk) -> each estimator's accept length (tokens over rounds, as the
+    ledger counts it) from the trace files of a predicted plan."""
+    out: dict[tuple[float, int, int], dict[str, float | None]] = {}
+    for path in sorted(folder.glob("*.ndjson")):
+        traces = load_trace_file(path)
+        temp = traces[0].sampling.temperature
+        for (b, k), a in predict_acceptance(traces, traces[0].grid, tokens=tokens).items():
+            out[(temp, b, k)] = {
+                "naive": tokens / rounds_per_request(a.naive, a.m2_naive, tokens),
+                "corrected": tokens / rounds_per_request(a.corrected, a.m2, tokens),
+                "walk": tokens * a.walk / (tokens - 1) if a.walk is not None else None,
+            }
+    return out
+
+
+def _errors(cells: list[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+    errs = [abs(c[key] - c["measured_accept"]) / c["measured_accept"] for c in cells if c.get(key) is not None]
+    return (statistics.median(errs), max(errs)) if errs else (None, None)
+
+
 def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dict[str, Any]:
     workload = build_workload(spec.workload)
     full_path, pred_path = tmp / f"{name}-full.jsonl", tmp / f"{name}-predicted.jsonl"
@@ -128,6 +153,11 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
         _stop(host)
     pred_wall = time.monotonic() - t0
     say(f"[{name}] predicted plan: {pred_wall:.0f} s")
+    return score(full_path, pred_path, spec.workload.max_new_tokens, full_wall, pred_wall)
+
+
+def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_wall: float) -> dict[str, Any]:
+    """A part's figures from its two ledgers and the predicted plan's trace files."""
     full = _ok(ledger.read_ledger(full_path).rows, "measured")
     pred_rows = ledger.read_ledger(pred_path).rows
     preds, measured_pred = _ok(pred_rows, "predicted"), _ok(pred_rows, "measured")
@@ -143,6 +173,11 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
             "predicted_tok_s_naive": p["predicted_tok_s_naive"], "measured_tok_s": m["output_tok_s"],
             "chosen": key in measured_pred,
         })
+    by_estimator = estimators(traces_dir(pred_path), tokens)
+    for c in cells:
+        est = by_estimator.get((c["temperature"], c["budget"], c["topk"]), {})
+        for k in ("naive", "corrected", "walk"):
+            c[f"accept_{k}"] = est.get(k)
     for c in cells:
         c["accept_error"] = (c["predicted_accept"] - c["measured_accept"]) / c["measured_accept"]
         c["accept_error_naive"] = (c["predicted_accept_naive"] - c["measured_accept"]) / c["measured_accept"]
@@ -167,6 +202,10 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
         "chosen_below_best": max(b["below"] for b in below), "wall_ratio": pred_wall / full_wall,
         "median_abs_accept_error_naive": statistics.median(naive), "max_abs_accept_error_naive": max(naive),
         "median_abs_tok_s_error": statistics.median(tok), "max_abs_tok_s_error": max(tok),
+        "estimators": {f"T={t:g}" if t is not None else "all": {
+            k: dict(zip(("median", "max"), _errors([c for c in cells if t is None or c["temperature"] == t],
+                                                   f"accept_{k}"), strict=True))
+            for k in ("naive", "corrected", "walk")} for t in [None, *sorted({c["temperature"] for c in cells})]},
         "full_wall_s": full_wall, "predicted_wall_s": pred_wall, "mean_measured_accept": mean_accept,
         "choices": below, "cells": cells,
     }
@@ -245,6 +284,10 @@ def _print(name: str, part: Mapping[str, Any]) -> None:
           f"chosen below best {part['chosen_below_best']:.2%}; wall {part['predicted_wall_s']:.0f} s / "
           f"{part['full_wall_s']:.0f} s = {part['wall_ratio']:.2f}x; mean measured accept "
           + ", ".join(f"T={t:g}: {a:.2f}" for t, a in part["mean_measured_accept"].items()))
+    for scope, ests in part["estimators"].items():
+        print(f"{name} {scope}: accept error median / max " + "; ".join(
+            f"{k} {v['median']:.2%} / {v['max']:.2%}" if v["median"] is not None else f"{k} -"
+            for k, v in ests.items()))
 
 
 def _plots(out: Mapping[str, Any], folder: Path) -> None:
@@ -264,6 +307,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--part", choices=("sim", "real_cpu", "both"), default="both")
     ap.add_argument("--keep", action="store_true", help="keep the working folder (ledgers, traces)")
+    ap.add_argument("--rescore", type=Path, help="score a --keep folder again (the current estimators; walls of 0)")
     ap.add_argument("--plots", type=Path, help="write predicted-vs-measured plots (every cell of the full grid) here")
     opts = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="predict-accuracy-"))
@@ -273,8 +317,17 @@ def main() -> None:
         print(msg, file=sys.stderr, flush=True)
 
     out: dict[str, Any] = {"cpus": os.cpu_count()}
+    if opts.rescore:
+        for name, sub in (("sim", "sim"), ("real_cpu", "real")):
+            if (opts.rescore / sub / f"{name}-full.jsonl").exists():
+                spec = parse_sweep(yaml.safe_load((opts.rescore / sub / "sweep.yaml").read_text()),
+                                   opts.rescore / sub / "sweep.yaml")
+                folder = opts.rescore / sub
+                out[name] = score(folder / f"{name}-full.jsonl", folder / f"{name}-predicted.jsonl",
+                                  spec.workload.max_new_tokens, 1.0, 0.0)
+        opts.part = "none"
     try:
-        if opts.part in ("sim", "both"):
+        if opts.part in ("sim", "both"):  # --rescore: neither
             (tmp / "sim").mkdir()
             out["sim"] = sim_part(tmp / "sim", say)
         if opts.part in ("real_cpu", "both"):
@@ -290,7 +343,7 @@ def main() -> None:
     if opts.json:
         keys = ("median_abs_accept_error", "max_abs_accept_error", "chosen_below_best", "wall_ratio",
                 "median_abs_accept_error_naive", "max_abs_accept_error_naive", "median_abs_tok_s_error",
-                "max_abs_tok_s_error", "full_wall_s", "predicted_wall_s", "mean_measured_accept")
+                "max_abs_tok_s_error", "estimators", "full_wall_s", "predicted_wall_s", "mean_measured_accept")
         print(json.dumps({k: ({kk: v[kk] for kk in keys} | {"cells": v["cells"], "choices": v["choices"]}
                               if isinstance(v, dict) else v) for k, v in out.items()}, indent=1))
         return

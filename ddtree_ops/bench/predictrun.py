@@ -249,7 +249,7 @@ class PredictPhase:
         tokens = self.workload.max_new_tokens
         for sampling, runs in by_sampling.items():
             for group, traces in runs:
-                accepts = predict_acceptance(traces, group)
+                accepts = predict_acceptance(traces, group, tokens=tokens)
                 for tree in group:
                     for c in pplan.concurrencies:
                         out.append(predict_cell(accepts[tree], times[(c, tree[0])], tokens=tokens,

@@ -34,6 +34,28 @@ What it does not model: variation inside a request (the stretch's rate is its me
 that a round's start follows the traced tree's own last rejection;
 ``benchmarks/predict_accuracy.py`` measures what is left.
 
+**The stream walk (T = 0).** Where acceptance depends on *where* a round starts (a target
+that continues text periodically accepts a whole period from one position and nothing
+from the next), the traced rounds start at the wrong places for a smaller tree S, and no
+reweighting of them fixes that. At T = 0 verification is lossless and deterministic: every
+tree commits the same greedy token stream, and the trace holds it (per round the root,
+then the ``accepted`` nodes along the argmax path; the next round's root is the bonus).
+So S's own rounds can be replayed along the stream (:func:`stream_walk`): start at the
+first traced round's position q; S commits ``a_S`` tokens there (at T = 0 an integer, 1 +
+the depth of the argmax path inside S) -- from the traced round that starts exactly at q
+if there is one, else from the traced rounds (of any request of the set) whose start has
+the longest matching context (the same last n stream tokens ending at the root, n in
+:data:`WALK_CONTEXT`), else the request's mean ``a_S``; q advances by ``a_S``; the walk
+counts S's rounds until the request's output is committed. What the server counts is
+tokens over rounds summed over requests, so ``walk = sum (M - 1) / sum rounds`` (M - 1
+tokens after the prefill's first; a truncated trace's rounds scaled up to M - 1). It
+assumes that matching context predicts the round's acceptance, which holds for a drafter
+whose proposals are determined by the context (DFlash's draft is); for the traced tree
+itself every start is exact and the walk reproduces its rounds. At T > 0 the stream
+differs per tree (and the trace does not say which branch was accepted), so the walk is
+not defined there and the renewal correction stands (:attr:`AcceptPrediction.walk` is
+None; :func:`predict_cell` then uses ``corrected``).
+
 **Round time and tok/s.** A request of M tokens gets its first token from the prefill and
 the rest from verify rounds; a renewal process with committed tokens c per round (mean μ,
 second moment m2) needs ``E[N] = (M - 1 + (m2 - μ) / (2 μ)) / μ`` rounds to reach M - 1
@@ -61,7 +83,8 @@ class AcceptPrediction:
     """One tree's per-round committed tokens (bonus included) from a set of traces:
     ``naive`` the plain mean over traced rounds, ``corrected`` the renewal-weighted one
     (module docstring); ``m2`` / ``m2_naive`` their second moments; ``traced`` the traced
-    tree's realised mean (accepted + 1 per round, as it ran)."""
+    tree's realised mean (accepted + 1 per round, as it ran); ``walk`` the stream walk's
+    tokens per round (T = 0 traces whose rounds chain; else None)."""
 
     budget: int
     topk: int
@@ -71,6 +94,99 @@ class AcceptPrediction:
     m2: float
     rounds: int
     traced: float
+    walk: float | None = None
+
+
+#: Context lengths (stream tokens ending at a round's root) the walk matches, longest first.
+WALK_CONTEXT: tuple[int, ...] = (32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+
+
+def greedy_stream(trace: RequestTrace) -> tuple[int, ...] | None:
+    """The committed token stream a T = 0 trace holds, from the first round's root (its
+    index 0 is position ``rounds[0].prefix``) to the last round's last accepted token (the
+    last bonus is not traced); None if a round does not start where the previous one's
+    commits ended or its accepted nodes are not an argmax chain."""
+    if not trace.rounds:
+        return None
+    start = trace.rounds[0].prefix
+    out: list[int] = []
+    for rnd in trace.rounds:
+        if rnd.prefix != start + len(out):
+            return None
+        out.append(rnd.root)
+        best = {par: i + 1 for i, (par, am) in enumerate(zip(rnd.parent, rnd.argmax, strict=True)) if am}
+        at = 0
+        for _ in range(rnd.accepted):
+            nxt = best.get(at)
+            if nxt is None:
+                return None
+            out.append(rnd.token[nxt - 1])
+            at = nxt
+    return tuple(out)
+
+
+def _context_index(
+    streams: Sequence[tuple[int, ...]], starts: Sequence[Sequence[int]]
+) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Context (last n stream tokens ending at a round's root, every n of WALK_CONTEXT) ->
+    the (request, round) that start after it."""
+    index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for req, (stream, offs) in enumerate(zip(streams, starts, strict=True)):
+        for rnd, j in enumerate(offs):
+            for n in WALK_CONTEXT:
+                if j - n + 1 >= 0:
+                    index.setdefault(stream[j - n + 1:j + 1], []).append((req, rnd))
+    return index
+
+
+def stream_walk(
+    traces: Sequence[RequestTrace], per_round: Sequence[Sequence[float]], *, tokens: int | None = None
+) -> float | None:
+    """One tree's stream-walk tokens per round (module docstring) over ``traces``, given its
+    expected committed tokens in every traced round (``per_round[request][round]``), for
+    requests of ``tokens`` output tokens (None: what each trace covered). None if a trace
+    is not T = 0 or its rounds do not chain."""
+    streams: list[tuple[int, ...]] = []
+    for trace in traces:
+        stream = greedy_stream(trace) if trace.sampling.temperature == 0 else None
+        if stream is None:
+            return None
+        streams.append(stream)
+    starts = [[r.prefix - t.rounds[0].prefix for r in t.rounds] for t in traces]
+    index = _context_index(streams, starts)
+    total_tokens = 0.0
+    total_rounds = 0.0
+    for req, (stream, offs) in enumerate(zip(streams, starts, strict=True)):
+        values = per_round[req]
+        exact = dict(zip(offs, values, strict=True))
+        mean = sum(values) / len(values)
+        covered = len(stream)  # tokens committed after the first root (the last bonus included)
+        need = covered if tokens is None else min(tokens - 1, covered)
+        q, rounds = 0.0, 0
+        while q < need:
+            j = round(q)
+            a = exact.get(j)
+            if a is None:
+                a = _matched(stream, j, index, per_round, mean)
+            q += max(a, 1.0)
+            rounds += 1
+        want = need if tokens is None else tokens - 1
+        total_tokens += want
+        total_rounds += rounds * want / need if need else 0.0
+    return total_tokens / total_rounds if total_rounds else None
+
+
+def _matched(
+    stream: tuple[int, ...], j: int, index: Mapping[tuple[int, ...], list[tuple[int, int]]],
+    per_round: Sequence[Sequence[float]], fallback: float,
+) -> float:
+    for n in WALK_CONTEXT:
+        if j - n + 1 < 0:
+            continue
+        hits = index.get(stream[j - n + 1:j + 1])
+        if hits:
+            return sum(per_round[r][k] for r, k in hits) / len(hits)
+    return fallback
 
 
 def _combine(
@@ -97,8 +213,11 @@ def _combine(
     return naive, corrected, m2_naive, m2
 
 
-def predict_acceptance(traces: Sequence[RequestTrace], trees: Iterable[Tree]) -> dict[Tree, AcceptPrediction]:
-    """(budget, topk) -> :class:`AcceptPrediction` over every round of ``traces``."""
+def predict_acceptance(
+    traces: Sequence[RequestTrace], trees: Iterable[Tree], *, tokens: int | None = None
+) -> dict[Tree, AcceptPrediction]:
+    """(budget, topk) -> :class:`AcceptPrediction` over every round of ``traces`` (the walk
+    for requests of ``tokens`` output tokens; None: what each trace covered)."""
     wanted = list(dict.fromkeys(trees))
     traced: list[list[RoundMoments]] = []
     per_tree: dict[Tree, list[list[RoundMoments]]] = {t: [] for t in wanted}
@@ -114,8 +233,10 @@ def predict_acceptance(traces: Sequence[RequestTrace], trees: Iterable[Tree]) ->
     out: dict[Tree, AcceptPrediction] = {}
     for (budget, topk), moments in per_tree.items():
         naive, corrected, m2_naive, m2 = _combine(traced, moments)
+        kept = [(t, [m.mean for m in ms]) for t, ms in zip(traces, moments, strict=True) if t.rounds]
+        walk = stream_walk([t for t, _ in kept], [v for _, v in kept], tokens=tokens)
         out[(budget, topk)] = AcceptPrediction(budget, topk, naive, corrected, m2_naive, m2, len(realised),
-                                               sum(realised) / len(realised))
+                                               sum(realised) / len(realised), walk)
     return out
 
 
@@ -196,8 +317,12 @@ def predict_cell(
     accept: AcceptPrediction, rt: RoundTime, *, tokens: int, temperature: float, top_p: float = 1.0,
     top_k: int = -1,
 ) -> CellPrediction:
-    """The cell (accept's tree, rt's concurrency) for requests of ``tokens`` output tokens."""
-    rounds = rounds_per_request(accept.corrected, accept.m2, tokens)
+    """The cell (accept's tree, rt's concurrency) for requests of ``tokens`` output tokens:
+    the stream walk's rounds where there is one (T = 0), else the corrected estimate's."""
+    if accept.walk is not None:
+        rounds = (tokens - 1) / accept.walk if tokens > 1 else 0.0
+    else:
+        rounds = rounds_per_request(accept.corrected, accept.m2, tokens)
     rounds_naive = rounds_per_request(accept.naive, accept.m2_naive, tokens)
     return CellPrediction(
         budget=accept.budget, topk=accept.topk, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -236,7 +361,10 @@ __all__ = [
     "measure_round_time",
     "predict_acceptance",
     "predict_cell",
+    "WALK_CONTEXT",
+    "greedy_stream",
     "round_time_for",
     "rounds_per_request",
+    "stream_walk",
     "top_cells",
 ]
