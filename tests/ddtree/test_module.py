@@ -83,7 +83,9 @@ def test_the_device_modules_all_is_exactly_what_the_worker_calls(du: ModuleType)
 
 def test_what_the_worker_takes_from_the_reference_is_public_there(ref: ModuleType) -> None:
     used = _worker_uses("ddtree_reference")
-    assert used == {"target_probs_from_logits", "min_p_renorm_probs", "reference_tree_speculative_sampling"}
+    # the per-request builder: the trace's union tree (trace mode only, ddtree_trace)
+    assert used == {"target_probs_from_logits", "min_p_renorm_probs", "reference_tree_speculative_sampling",
+                    "build_ddtree_tree_from_topk"}
     assert used <= set(ref.__all__)
     assert all(hasattr(ref, name) for name in ref.__all__)
 
