@@ -317,6 +317,9 @@ def main() -> None:
         print(msg, file=sys.stderr, flush=True)
 
     out: dict[str, Any] = {"cpus": os.cpu_count()}
+    # The real server's load-progress segments (SGLang names them at random per server and
+    # leaves them behind when stopped): the ones this run made go with it, as in the lane.
+    shm_before = set(Path("/dev/shm").glob("sglang_loads_*.shm"))
     if opts.rescore:
         for name, sub in (("sim", "sim"), ("real_cpu", "real")):
             if (opts.rescore / sub / f"{name}-full.jsonl").exists():
@@ -334,6 +337,8 @@ def main() -> None:
             (tmp / "real").mkdir()
             out["real_cpu"] = real_part(tmp / "real", say)
     finally:
+        for segment in set(Path("/dev/shm").glob("sglang_loads_*.shm")) - shm_before:
+            segment.unlink(missing_ok=True)
         if not opts.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
