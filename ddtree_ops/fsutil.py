@@ -75,6 +75,19 @@ def read_regular_text(path: Path) -> str:
     return data.decode("utf-8")
 
 
+def read_named_text(path: Path, error: type[Exception], *, what: str, form: str) -> str:
+    """:func:`read_regular_text` for a file the user named: every failure is one ``error``
+    naming the file (``what``: "sweep file"; ``form``: what such a file holds, "YAML")."""
+    try:
+        return read_regular_text(path)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not a UTF-8 text file (byte {exc.start}): a {what} is {form}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+
+
 def write_atomic_local(target: Path, data: bytes, *, mode: int | None = None) -> None:
     """Replace ``target`` with ``data`` atomically (parents created as needed)."""
     target.parent.mkdir(parents=True, exist_ok=True)

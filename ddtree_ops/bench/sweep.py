@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, SweepError
-from ddtree_ops.fsutil import read_regular_text
+from ddtree_ops.fsutil import read_named_text
 from ddtree_ops.limits import MAX_CONCURRENCY, MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
 from ddtree_ops.service.launch import parse_algorithm
 from ddtree_ops.workload.datasets import DATASETS
@@ -491,14 +491,7 @@ def load_sweep(path: Path) -> SweepSpec:
     of passing a sweep that fails once the first server is up.
     """
     path = Path(path)
-    try:
-        text = read_regular_text(path)
-    except FileNotFoundError:
-        raise SweepError(f"{path}: sweep file not found") from None
-    except UnicodeDecodeError as exc:
-        raise SweepError(f"{path}: not a UTF-8 text file (byte {exc.start}): a sweep file is YAML") from None
-    except OSError as exc:
-        raise SweepError(f"{path}: cannot read sweep file: {exc.strerror or exc}") from None
+    text = read_named_text(path, SweepError, what="sweep file", form="YAML")
     try:
         data = safe_load_unique(text, source=str(path), error=SweepError)
     except yaml.YAMLError as exc:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_ops.errors import ConfigError
-from ddtree_ops.fsutil import read_regular_text
+from ddtree_ops.fsutil import read_named_text
 from ddtree_ops.limits import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
 
 TRACE_VERSION = 1
@@ -239,14 +239,7 @@ def load_trace_file(path: Path | str) -> list[RequestTrace]:
     """A trace file (one request's trace per line), validated; ConfigError naming the
     file, line and round of the first bad entry, or an empty or unreadable file."""
     path = Path(path)
-    try:
-        text = read_regular_text(path)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: trace file not found") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}): a trace file is JSON lines") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the trace file: {exc.strerror or exc}") from None
+    text = read_named_text(path, ConfigError, what="trace file", form="JSON lines")
     traces = parse_trace_lines(text.splitlines(), source=str(path))
     if not traces:
         raise ConfigError(f"{path}: holds no trace (one request's meta_info.ddtree_trace per line)")
