@@ -109,16 +109,17 @@ def _ok(rows: list[dict[str, Any]], source: str) -> dict[Cell, dict[str, Any]]:
 
 def estimators(folder: Path, tokens: int) -> dict[tuple[float, int, int], dict[str, float | None]]:
     """(temperature, budget, topk) -> each estimator's accept length (tokens over rounds, as the
-    ledger counts it) from the trace files of a predicted plan."""
+    ledger counts it) from the trace files of a predicted plan: the walk (what the rows
+    hold), the walk counting path products, and the naive mean."""
     out: dict[tuple[float, int, int], dict[str, float | None]] = {}
     for path in sorted(folder.glob("*.ndjson")):
         traces = load_trace_file(path)
         temp = traces[0].sampling.temperature
-        for (b, k), a in predict_acceptance(traces, traces[0].grid, tokens=tokens).items():
+        for (b, k), a in predict_acceptance(traces, traces[0].grid).items():
             out[(temp, b, k)] = {
                 "naive": tokens / rounds_per_request(a.naive, a.m2_naive, tokens),
-                "corrected": tokens / rounds_per_request(a.corrected, a.m2, tokens),
-                "walk": tokens * a.walk / (tokens - 1) if a.walk is not None else None,
+                "walk": tokens / rounds_per_request(a.walk, a.m2, tokens),
+                "expected": tokens / rounds_per_request(a.expected, a.m2, tokens),
             }
     return out
 
@@ -176,7 +177,7 @@ def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_
     by_estimator = estimators(traces_dir(pred_path), tokens)
     for c in cells:
         est = by_estimator.get((c["temperature"], c["budget"], c["topk"]), {})
-        for k in ("naive", "corrected", "walk"):
+        for k in ("naive", "walk", "expected"):
             c[f"accept_{k}"] = est.get(k)
     for c in cells:
         c["accept_error"] = (c["predicted_accept"] - c["measured_accept"]) / c["measured_accept"]
@@ -205,7 +206,7 @@ def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_
         "estimators": {f"T={t:g}" if t is not None else "all": {
             k: dict(zip(("median", "max"), _errors([c for c in cells if t is None or c["temperature"] == t],
                                                    f"accept_{k}"), strict=True))
-            for k in ("naive", "corrected", "walk")} for t in [None, *sorted({c["temperature"] for c in cells})]},
+            for k in ("naive", "walk", "expected")} for t in [None, *sorted({c["temperature"] for c in cells})]},
         "full_wall_s": full_wall, "predicted_wall_s": pred_wall, "mean_measured_accept": mean_accept,
         "choices": below, "cells": cells,
     }

@@ -6,7 +6,7 @@ restricted to those cells and the baselines (``SweepRunner(only=...)``).
 Rows, like every other row, go to the sweep's ledger: ``source: probe`` (one per
 (concurrency, budget): ``round_ms``, ``overhead_ms``, the probed state's graph mode and the
 host's GPU) and ``source: predicted`` (one per DDTree cell: ``accept_length`` and
-``output_tok_s`` predicted, corrected; the naive ones beside them). The traces go beside
+``output_tok_s`` predicted by the walk; the naive ones beside them). The traces go beside
 the ledger, one file per (host, sampling, trace group): ``<ledger>.traces/*.ndjson``
 (not ``.jsonl``: the report reads those as ledgers). A host whose predict phase fails
 says why and is measured in full, never guessed.
@@ -249,7 +249,7 @@ class PredictPhase:
         tokens = self.workload.max_new_tokens
         for sampling, runs in by_sampling.items():
             for group, traces in runs:
-                accepts = predict_acceptance(traces, group, tokens=tokens)
+                accepts = predict_acceptance(traces, group)
                 for tree in group:
                     for c in pplan.concurrencies:
                         out.append(predict_cell(accepts[tree], times[(c, tree[0])], tokens=tokens,

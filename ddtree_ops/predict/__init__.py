@@ -7,8 +7,9 @@ trace file reader, no clock.
 - :mod:`.acceptance`: per round, the expected accepted length of any (budget, top-k) tree,
   rebuilt with the bundle's own builder from the round's draft table (path products of the
   target's probabilities, summed).
-- :mod:`.estimate`: the estimator across rounds (naive, and corrected for where the traced
-  tree's rounds start), round times from probes, tok/s per cell, and the cells to measure.
+- :mod:`.estimate`: the estimator across rounds (the walk: each tree's own rounds replayed
+  along the traced responses, where a naive mean over positions is biased), round times
+  from probes, tok/s per cell, and the cells to measure.
 
 It sits below ``bench`` and ``report`` (both import it) and imports neither.
 """

@@ -6,7 +6,7 @@ server verifies the union of the grid's best-first trees (per top-k K, the build
 the largest grid budget for K, united by token path), and each response carries
 ``meta_info["ddtree_trace"]``::
 
-    {"version": 1, "grid": [[b, k], ...], "block": draft block size,
+    {"version": 2, "grid": [[b, k], ...], "block": draft block size,
      "sampling": {"temperature", "top_k", "top_p", "min_p"}, "truncated": bool,
      "rounds": [{"prefix": committed length at the round's start, "root": root token id,
                  "draft_ids": D x Kmax ints, "draft_logp": D x Kmax floats (rows by
@@ -14,7 +14,11 @@ the largest grid budget for K, united by token path), and each response carries
                  "parent": [n] parent of verified nodes 1..n (0 = the root),
                  "token": [n], "p": [n] target probability of the node's token at its
                  parent under the request's sampling (T = 0: 1.0 for the argmax, else 0.0),
-                 "argmax": [n] 0/1, "accepted": nodes accepted this round}, ...]}
+                 "argmax": [n] 0/1, "accepted": nodes the verifier accepted}, ...]}
+
+A recorded round commits one token (the first of the accepted path, or the bonus): a
+request's rounds sit at consecutive positions, their roots spell its output, and the
+trace holds the draft at every position (version 2; version 1 committed whole paths).
 
 The bench client writes one such object per line (``.ndjson``, not ``.jsonl``: the report
 reads every ``*.jsonl`` under a folder as a ledger) beside the ledger. :func:`load_trace_file`
@@ -35,7 +39,7 @@ from ddtree_ops.errors import ConfigError
 from ddtree_ops.fsutil import read_named_text
 from ddtree_ops.limits import MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 #: Suffix of a trace file (one request's trace per line).
 TRACE_SUFFIX = ".ndjson"
 # Draft log-probs are floats on the device: a row may be out of order by rounding only.

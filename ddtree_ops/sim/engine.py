@@ -431,8 +431,15 @@ class Engine:
             self.total_verify_ct += 1
             outputs.append(list(proposed))
         if trace is not None:
+            # A version-2 trace (the deployed bundle's ddtree_trace.py) commits one token per
+            # recorded round, as the real worker does: rounds at consecutive positions.
+            dense = getattr(self.trace_core, "VERSION", 1) >= 2
             for b, req in enumerate(batch):
+                recording = dense and (req.trace is None or req.trace.recording())
                 self._record_round(req, trace, table[b], trees[b], logits[b], len(outputs[b]) - 1)
+                if recording:
+                    req.correct_drafts -= len(outputs[b]) - 1
+                    outputs[b] = outputs[b][:1]
             # The real round pads the union to the state's verify width.
             n = max(n, trace.width)
         return outputs, n, graph

@@ -172,12 +172,14 @@ def test_a_request_trace_is_bounded_and_returned_once_at_the_end(tr, ref):
         tr.record_rounds([req], config, prefix_lens=[prefix], roots=[9], draft_ids=[ids], draft_logp=[lps],
                          trees=[tree], p=[[1.0] * n], argmax=[[True] * n], accepted=[2])
     assert tr.finished_payload(req, 100) is None  # not finished yet
+    # Two rounds recorded (max_rounds 2): the next one is not, so it commits its whole path.
+    assert tr.recording_rows([req, _Req(_Params(1.0, 1))]) == [False, True]
     req.done = True
     payload = tr.finished_payload(req, 100)
     assert tr.finished_payload(req, 100) is None  # returned once
     assert payload["truncated"] and [r["prefix"] for r in payload["rounds"]] == [10, 13]
     assert payload["sampling"] == {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
-    assert (payload["version"], payload["grid"], payload["block"]) == (1, [[4, 2]], BLOCK)
+    assert (payload["version"], payload["grid"], payload["block"]) == (2, [[4, 2]], BLOCK)
     first = payload["rounds"][0]
     assert set(first) == {"prefix", "root", "draft_ids", "draft_logp", "parent", "token", "p", "argmax", "accepted"}
     assert len(first["parent"]) == len(first["token"]) == len(first["p"]) == n - 1
@@ -193,3 +195,20 @@ def test_a_request_trace_is_bounded_and_returned_once_at_the_end(tr, ref):
     late = tr.finished_payload(req2, 20)
     assert [r["prefix"] for r in late["rounds"]] == [10] and not late["truncated"]
     assert late["sampling"] == {"temperature": 0.7, "top_k": -1, "top_p": 0.9, "min_p": 0.05}
+
+
+def test_a_recorded_row_commits_only_its_first_token(tr):
+    """commit_first_only keeps entry 0 of a recorded row (the root and the token emitted
+    after it) and repeats it along the row, as AcceptedPaths wants past its length; the
+    other rows are untouched."""
+    from ddtree_ops.ddtree_core import load_module_file as load
+
+    utils = load(BUNDLE_SPECULATIVE_DIR / "ddtree_utils.py")
+    paths = utils.AcceptedPaths(nodes=torch.tensor([[0, 2, 5, 5], [0, 1, 3, 4]]),
+                                tokens=torch.tensor([[7, 8, 9, 9], [4, 5, 6, 7]]),
+                                commit_lens=torch.tensor([3, 4]))
+    cut = tr.commit_first_only(paths, [True, False])
+    assert isinstance(cut, utils.AcceptedPaths)
+    assert cut.commit_lens.tolist() == [1, 4]
+    assert cut.nodes.tolist() == [[0, 0, 0, 0], [0, 1, 3, 4]]
+    assert cut.tokens.tolist() == [[7, 7, 7, 7], [4, 5, 6, 7]]

@@ -1,5 +1,6 @@
 """The predictor's per-round acceptance against the rejection-sampling walk, enumerated
-exactly, and the estimator's correction on hand-computed rounds (pure, no server)."""
+exactly, what a tree holds of the stream, round times and tok/s (pure, no server; the walk
+across rounds: test_walk.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ from ddtree_ops.predict.estimate import (
     ProbeRequest,
     RoundTime,
     measure_round_time,
-    predict_acceptance,
     predict_cell,
     rounds_per_request,
     top_cells,
 )
-from ddtree_ops.predict.trace import TraceRound, load_trace_file, parse_trace, trace_line
+from ddtree_ops.predict.trace import TRACE_VERSION, TraceRound, load_trace_file, trace_line
 
 BUILD = load_ddtree_reference().build_ddtree_tree_from_topk
 
@@ -159,7 +159,7 @@ def test_a_tree_the_trace_did_not_verify_is_refused() -> None:
 
 
 def _trace_obj(rounds: list[dict[str, Any]], **top: Any) -> dict[str, Any]:
-    return {"version": 1, "grid": [[2, 2]], "block": 4,
+    return {"version": TRACE_VERSION, "grid": [[2, 2]], "block": 4,
             "sampling": {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0},
             "truncated": False, "rounds": rounds} | top
 
@@ -193,7 +193,7 @@ def test_the_loader_refuses_a_bad_round_naming_file_line_and_round(
 @pytest.mark.parametrize(("text", "why"), [
     ("", "holds no trace"),
     ("{not json\n", ":1: not valid JSON"),
-    (json.dumps(_trace_obj([GOOD_ROUND], version=2)) + "\n", ":1: version 2 is not 1"),
+    (json.dumps(_trace_obj([GOOD_ROUND], version=1)) + "\n", f":1: version 1 is not {TRACE_VERSION}"),
     (json.dumps(_trace_obj([GOOD_ROUND], grid=[[0, 2]])) + "\n", ":1: grid[0] budget must be an integer in 1..256"),
     (json.dumps(_trace_obj([GOOD_ROUND], truncated="no")) + "\n", ":1: truncated must be true or false"),
 ])
@@ -214,34 +214,30 @@ def test_a_good_trace_loads_and_its_greedy_round_accepts_the_argmax_path(tmp_pat
     assert round_moments(trace.rounds[0], [(2, 2), (1, 1)], block=trace.block)[(2, 2)].mean == 2.0
 
 
-def _round_with(reach_first: float, depth: int) -> dict[str, Any]:
-    """A greedy chain round of ``depth`` nodes: the first node's p ``reach_first``, the others 1."""
-    return {"prefix": 0, "root": 1, "draft_ids": [[10 + d, 50 + d] for d in range(depth)],
-            "draft_logp": [[-0.1, -3.0] for _ in range(depth)], "parent": list(range(depth)),
-            "token": [10 + d for d in range(depth)], "p": [reach_first] + [1.0] * (depth - 1),
-            "argmax": [1] * depth, "accepted": depth if reach_first else 0}
+def test_matched_follows_the_stream_inside_each_budget() -> None:
+    """``matched``: how deep a tree holds the stream's next tokens. The union of (2, 2) here
+    holds 4 -> 6 (the argmax path); a stream 4 6 is matched 2 deep by the budget-2 tree, 1
+    deep by the budget-1 tree (its one node is 4), 0 deep where the stream goes 5."""
+    rnd = load_round(GOOD_ROUND | {"parent": [0, 1], "token": [4, 6], "p": [1.0, 1.0], "argmax": [1, 1]})
+    moments = round_moments(rnd, [(2, 2), (1, 2)], block=4, ahead=(4, 6, 9))
+    assert (moments[(2, 2)].matched, moments[(1, 2)].matched) == (2, 1)
+    assert round_moments(rnd, [(2, 2)], block=4, ahead=(5, 6))[(2, 2)].matched == 0
+    # A stream that stops is followed as far as it goes.
+    assert round_moments(rnd, [(2, 2)], block=4, ahead=(4,))[(2, 2)].matched == 1
 
 
-def test_the_correction_weights_rounds_by_the_stretch_the_traced_tree_covered() -> None:
-    """Two requests of one round each: the traced chain of 3 commits 1 token in the first (a
-    rejection at once) and 4 in the second. A chain of 1 commits 1 and 2. Naive: (1 + 2) / 2
-    = 1.5 tokens per round. But the requests stand for 1 and 4 tokens of output; the short
-    chain spends 1 round on the first and 2 on the second: 5 tokens in 3 rounds."""
-    hard = parse_trace(_trace_obj([_round_with(0.0, 3)], grid=[[3, 1]]))
-    easy = parse_trace(_trace_obj([_round_with(1.0, 3)], grid=[[3, 1]]))
-    got = predict_acceptance([hard, easy], [(1, 1), (3, 1)])
-    assert got[(1, 1)].naive == pytest.approx(1.5)
-    assert got[(1, 1)].corrected == pytest.approx(5 / 3)
-    # The traced tree itself: both are its own mean.
-    assert got[(3, 1)].naive == pytest.approx(2.5) and got[(3, 1)].corrected == pytest.approx(2.5)
-    assert got[(3, 1)].traced == pytest.approx(2.5)
+def load_round(raw: dict[str, Any]) -> TraceRound:
+    from ddtree_ops.predict.trace import parse_trace
+
+    return parse_trace(_trace_obj([raw])).rounds[0]
 
 
 def test_rounds_per_request_and_tok_s() -> None:
     # Every round commits exactly 4 tokens: 47 tokens after the prefill's first take 11.75
     # rounds plus the last round's mean overshoot (4 - 1) / 2 / 4.
     assert rounds_per_request(4.0, 16.0, 48) == pytest.approx((47 + 1.5) / 4)
-    accept = AcceptPrediction(8, 2, naive=3.0, corrected=4.0, m2_naive=9.0, m2=16.0, rounds=10, traced=4.0)
+    accept = AcceptPrediction(8, 2, walk=4.0, m2=16.0, expected=4.0, naive=3.0, m2_naive=9.0, rounds=10,
+                              walk_rounds=8, traced=4.0)
     rt = RoundTime(concurrency=4, budget=8, round_s=0.02, overhead_s=0.05)
     cell = predict_cell(accept, rt, tokens=48, temperature=0.0)
     rounds = (47 + 1.5) / 4

@@ -1,7 +1,7 @@
 """The simulator's tree trace (issue 43): the same switch, validation and record code as the
 deployed bundle (``ddtree_trace.py``), from the simulator's own drafter and target; off by
 default and absent from responses while off; each round's verdicts agree with the round's
-own verification."""
+own verification; a recorded round commits one token."""
 
 from __future__ import annotations
 
@@ -61,8 +61,14 @@ def test_the_trace_is_off_by_default_and_on_gives_rounds_that_agree_with_the_ver
         # At T = 0 a round's path products are the greedy walk: exactly what it accepted.
         assert traced_moments(rnd).mean == rnd.accepted + 1
         assert round_moments(rnd, GRID, block=trace.block)[(8, 4)].mean <= rnd.accepted + 1
-    # Each round starts where the last one's commits ended.
-    assert all(b.prefix - a.prefix == a.accepted + 1 for a, b in zip(trace.rounds, trace.rounds[1:], strict=False))
+    # A recorded round commits one token: a round at every position, the roots the stream,
+    # and the greedy path of each round the stream ahead of it.
+    assert [r.prefix - trace.rounds[0].prefix for r in trace.rounds] == list(range(len(trace.rounds)))
+    assert [r.root for r in trace.rounds] == greedy["output_ids"][: len(trace.rounds)]
+    for i, rnd in enumerate(trace.rounds[:-1]):
+        if rnd.accepted:
+            assert trace.rounds[i + 1].root == rnd.token[[j for j, par in enumerate(rnd.parent)
+                                                           if par == 0 and rnd.argmax[j]][0]]
 
     sampled = parse_trace(_generate(sim.url, 1.0)["meta_info"]["ddtree_trace"])
     assert sampled.sampling.temperature == 1.0

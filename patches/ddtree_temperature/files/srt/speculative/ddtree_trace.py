@@ -12,6 +12,17 @@ grid budget for ``K``: best-first trees are nested in the budget at a fixed top-
 united by token path, and records the draft's top-k table and, per verified node, the
 target's probability of its token under the request's own sampling distribution.
 
+A recorded round commits one token: the first of the path the verifier accepted (the
+depth-1 node it accepted, else the bonus it drew), so a request's recorded rounds start
+at consecutive positions and the trace holds the draft at *every* position of its
+stream. A smaller tree's rounds start where its own accepts ended, which the union's
+rounds would skip; with a round at every position a predictor replays the smaller tree
+along the stream exactly. The first token of the verifier's path is distributed as the
+target's next token (the walk's first step is lossless on its own), so the tokens a
+traced request returns follow the same distribution as any other; at temperature 0
+they are the same tokens. Once a request's record is full (``max_rounds``) its rounds
+commit the whole path again.
+
 Off by default. While off the worker's round never calls into this module (one
 attribute test per round); while on, building is host-side with the per-request
 reference builder: a trace run is a measurement, its speed is not what is measured.
@@ -32,7 +43,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 TRACE_KEY = "ddtree_trace"
-VERSION = 1
+# 2: a recorded round commits one token (rounds at consecutive positions).
+VERSION = 2
 DEFAULT_MAX_ROUNDS = 64
 MAX_ROUNDS_LIMIT = 4096
 _GRID_PREFIX = TRACE_KEY + "_grid_"
@@ -352,9 +364,13 @@ class RequestTrace:
     rounds: List[Dict[str, Any]] = field(default_factory=list)
     truncated: bool = False
 
+    def recording(self) -> bool:
+        """Whether the request's next round is recorded (and commits one token)."""
+        return len(self.rounds) < self.config.max_rounds
+
     def wants_round(self) -> bool:
         """Whether the next round is recorded (else the trace is marked truncated)."""
-        if len(self.rounds) < self.config.max_rounds:
+        if self.recording():
             return True
         self.truncated = True
         return False
@@ -436,6 +452,36 @@ def record_rounds(
                 accepted=accepted[b],
             )
         )
+
+
+def recording_rows(reqs: Sequence[Any]) -> List[bool]:
+    """Per request of a traced round: whether this round is recorded (a request's first
+    traced round always is; ``max_rounds`` >= 1)."""
+    out = []
+    for req in reqs:
+        trace = getattr(req, TRACE_KEY, None)
+        out.append(trace is None or trace.recording())
+    return out
+
+
+def commit_first_only(paths: Any, rows: Sequence[bool]) -> Any:
+    """``paths`` (``ddtree_utils.AcceptedPaths``) with the recorded rows cut to their
+    first emitted token: entry 0 (the root, and the token the verifier emitted after
+    it), repeated along the row as the type wants past its length."""
+    keep = torch.tensor(list(rows), dtype=torch.bool, device=paths.commit_lens.device)
+    first = keep.unsqueeze(1)
+    return dataclasses.replace(
+        paths,
+        nodes=torch.where(
+            first, paths.nodes[:, :1].expand_as(paths.nodes), paths.nodes
+        ),
+        tokens=torch.where(
+            first, paths.tokens[:, :1].expand_as(paths.tokens), paths.tokens
+        ),
+        commit_lens=torch.where(
+            keep, torch.ones_like(paths.commit_lens), paths.commit_lens
+        ),
+    )
 
 
 def finished_payload(req: Any, end: Optional[int]) -> Optional[Dict[str, Any]]:

@@ -771,6 +771,12 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 logits, batch.sampling_info, draft_input, bs, width
             )
             paths = self._sample(trees, retrieve, logits, batch, draft_input)
+        # What the union accepted is recorded; a recorded request commits only the
+        # first token, so its next round starts one position on (ddtree_trace.py).
+        accepted = (paths.commit_lens - 1).tolist()
+        paths = ddtree_trace.commit_first_only(
+            paths, ddtree_trace.recording_rows(batch.reqs)
+        )
         self._sync_paths(paths, all_greedy)
         p, is_argmax = ddtree_trace.node_probabilities(
             trees.tokens, trees.parents, argmax, probs
@@ -785,7 +791,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
             trees=union,
             p=p.tolist(),
             argmax=is_argmax.tolist(),
-            accepted=(paths.commit_lens - 1).tolist(),
+            accepted=accepted,
         )
         return self._commit(
             batch, draft, paths, logits_output, target_out, prefix_lens, on_publish
