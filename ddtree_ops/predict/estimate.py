@@ -27,7 +27,8 @@ walk reproduces each tree's rounds exactly; at T > 0 the stream is one sample of
 target's, which every tree's output follows (lossless verification), so the walk is an
 unbiased replay with that sample's noise. ``expected`` is the same walk counting
 ``a_S(q)`` (the path products) at the starts instead of the realised c: also consistent
-(``c - a_S(q)`` has mean zero given the walk so far), usually with less noise at T > 0.
+(``c - a_S(q)`` has mean zero given the walk so far), with less noise at T > 0 (the
+coins of the walk's own rounds averaged out); :func:`predict_cell` uses it.
 
 **Round time and tok/s.** A request of M tokens gets its first token from the prefill and
 the rest from verify rounds; a renewal process with committed tokens c per round (mean μ,
@@ -54,8 +55,8 @@ Tree = tuple[int, int]
 @dataclass(frozen=True)
 class AcceptPrediction:
     """One tree's committed tokens per round (bonus token included) from a set of traces:
-    ``walk`` the walk's rate (module docstring; what :func:`predict_cell` uses), ``m2``
-    its E[c^2]; ``expected`` the walk counting the path products; ``naive`` / ``m2_naive``
+    ``walk`` the walk's rate (module docstring), ``m2`` its E[c^2]; ``expected`` the walk
+    counting the path products (what :func:`predict_cell` uses); ``naive`` / ``m2_naive``
     the plain mean over the traced rounds; ``rounds`` traced rounds, ``walk_rounds`` the
     tree's rounds in the walks; ``traced``: the union's expected committed tokens per
     traced round."""
@@ -216,12 +217,12 @@ def predict_cell(
 ) -> CellPrediction:
     """The cell (accept's tree, rt's concurrency) for requests of ``tokens`` output tokens
     (the walk's estimate, module docstring; the naive one beside it)."""
-    rounds = rounds_per_request(accept.walk, accept.m2, tokens)
+    rounds = rounds_per_request(accept.expected, accept.m2, tokens)
     rounds_naive = rounds_per_request(accept.naive, accept.m2_naive, tokens)
     return CellPrediction(
         budget=accept.budget, topk=accept.topk, temperature=temperature, top_p=top_p, top_k=top_k,
         concurrency=rt.concurrency,
-        accept_length=tokens / rounds if rounds else accept.walk,
+        accept_length=tokens / rounds if rounds else accept.expected,
         accept_length_naive=tokens / rounds_naive if rounds_naive else accept.naive,
         output_tok_s=_tok_s(rt.concurrency, tokens, rounds, rt),
         output_tok_s_naive=_tok_s(rt.concurrency, tokens, rounds_naive, rt),
