@@ -140,6 +140,8 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
         _stop(host)
     full_wall = time.monotonic() - t0
     say(f"[{name}] full grid: {full_wall:.0f} s; predicted plan")
+    from ddtree_ops.bench.predictrun import kept_servers
+
     t0 = time.monotonic()
     try:
         prepared = prepare_sweep(spec, [host])
@@ -148,7 +150,8 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
         errors = [p.error for p in predicted.values() if p.error]
         if errors:
             raise SystemExit(f"[{name}] predict phase failed: {errors}")
-        runner.only = chosen_cells(predicted)
+        # As `bench --predict`: the chosen cells measured on the predict phase's server (one load).
+        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
         runner.run()
     finally:
         _stop(host)

@@ -7,8 +7,16 @@ holder's lease is taken over; a live one's raises LeaseHeld at once). :meth:`res
 launches a server through the one restart policy (``lifecycle.prepare_restart``) with
 the smoke at the settings about to be measured; a live DDTree launch first writes its
 runtime-state file into the place's run dir (atomically, through the transport).
-Leaving, however the block ended, stops the server it started (unless the sweep keeps it
-and was not interrupted) and gives the lease back.
+Leaving, however the block ended, stops the server it started (unless the sweep keeps it,
+or the block handed it over to the next phase, and was not interrupted) and gives the lease
+back.
+
+A server can outlive one block for the next (``bench --predict``: the predict phase's
+launch serves the measured part, so a host loads the DDTree model once): the first block
+:meth:`~SweepServer.hand_over` s it as a :class:`KeptServer`, and the next one
+:meth:`~SweepServer.adopt` s it, which takes it on only where it is still the same process:
+the lease is not held between the two blocks, so another sweep or a ``restart`` may have
+replaced it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from ddtree_ops.transport.base import Transport
 
 if TYPE_CHECKING:
     from ddtree_ops.probe import HostFacts
-    from ddtree_ops.service.lifecycle import RestartResult
+    from ddtree_ops.service.lifecycle import RestartResult, ServiceStatus
     from ddtree_ops.service.manager import LeasePass
 
 
@@ -48,6 +56,17 @@ class SweepOptions:
     smoke: bool = True
 
 
+@dataclass(frozen=True)
+class KeptServer:
+    """A server one block left running for the next (see the module docstring): the
+    server place it runs on (``Host.name``: the machine, or one of its GPU slots), the
+    launch it serves and how that launch went (its rows' launch identity and smoke)."""
+
+    place: str
+    launch: LaunchConfig
+    restart: RestartResult
+
+
 class SweepServer:
     """The servers of one server place (``host``: a machine, or one of its GPU slots, of
     ``machine``) over a sweep; see the module docstring."""
@@ -61,6 +80,7 @@ class SweepServer:
         self._on_takeover = on_takeover
         self.lease: str | None = None
         self.started = False
+        self._handed_over = False
 
     def lease_pass(self) -> LeasePass:
         from ddtree_ops.service.manager import LeasePass
@@ -86,7 +106,8 @@ class SweepServer:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.started and (self._cancel.is_set() or not self._options.keep_server):
+            keep = self._options.keep_server or self._handed_over
+            if self.started and (self._cancel.is_set() or not keep):
                 try:
                     self.services.stop(self.transport, self.host, lease=self.lease_pass())
                 except DdtreeOpsError:
@@ -134,13 +155,39 @@ class SweepServer:
         self.started = True
         return result
 
+    def hand_over(self, launch: LaunchConfig, restart: RestartResult) -> KeptServer:
+        """Leave the server ``restart`` launched running when the block ends, for the next
+        phase to :meth:`adopt` (an interrupted sweep still stops it). Called once the
+        block's work succeeded: a failed phase stops its server, and the next launches its own."""
+        self._handed_over = True
+        return KeptServer(self.host.name, launch, restart)
+
+    def adopt(self, kept: KeptServer) -> bool:
+        """Take ``kept`` on as this place's server, where it still serves as launched: then
+        leaving the block stops it as one this block started (unless the sweep keeps it).
+        False where it is another place's, is gone, or is another process now (another
+        sweep or a ``restart`` replaced it between the blocks): launch as usual."""
+        # The pid, not the argv: a relaunch of the same launch (another run of this sweep,
+        # systemd reviving its unit) has the same argv, but is another process whose rows
+        # must not carry this launch's identity and smoke.
+        answering = self._answering() if kept.place == self.host.name else None
+        if answering is None or answering.pid != kept.restart.pid:
+            return False
+        self.started = True
+        return True
+
     def serving(self) -> bool:
         """The server answers (after a failed row: is it still there?)."""
+        return self._answering() is not None
+
+    def _answering(self) -> ServiceStatus | None:
+        """The status of this place's server where it runs and answers; None where it does
+        not, or the host cannot say."""
         try:
             st = self.services.status(self.transport, self.host)
         except DdtreeOpsError:
-            return False
-        return st.running and st.health == 200
+            return None
+        return st if st.running and st.health == 200 else None
 
 
-__all__ = ["SweepOptions", "SweepServer"]
+__all__ = ["KeptServer", "SweepOptions", "SweepServer"]

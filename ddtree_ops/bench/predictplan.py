@@ -9,7 +9,9 @@ largest runtime state (the bundle verifies a traced round's union in the smalles
 that holds it: a grid of 256-node trees at three top-ks unites to more than the 256 the
 bundle serves, so it is traced in three runs, one per top-k, each union at most 256).
 Every DDTree cell is then predicted, and only the ``top`` fastest predicted cells per
-(sampling, concurrency) are measured as today, with the baselines.
+(sampling, concurrency) are measured as today, with the baselines: the DDTree cells on the
+same launch, left running (each of its budgets is a runtime state there, so they are
+switched to live as ever), so a host loads the DDTree model once.
 :func:`predict_estimate` is the GPU time of that plan, which ``--dry-run`` shows against
 the full grid's.
 """
@@ -108,8 +110,9 @@ def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float, num_
     """Rough wall time of the predicted plan on one host with one server: the predict
     phase's launch, its probes (a switch and ``probe_waves`` waves of ``probe_tokens`` steps
     each) and trace runs (the whole workload once per sampling and trace group, at the
-    trace concurrency), then the measured part (its launches, the baselines' and at most
-    ``top`` DDTree cells per sampling and concurrency, every repeat)."""
+    trace concurrency), then the measured part: the baselines' launches and their cells,
+    and at most ``top`` DDTree cells per sampling and concurrency, every repeat, on the
+    predict phase's launch (no load of their own: it is left running for them)."""
     spec = pplan.spec
     total = load_s
     total += len(pplan.probes) * (SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step)
@@ -118,8 +121,7 @@ def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float, num_
                              s_per_step=s_per_step)
     total += len(pplan.trace_groups) * len(pplan.samplings) * (2 * SWITCH_S + per_trace)
     baselines = [c for c in plan.cells if c.baseline]
-    launches = len({c.launch for c in baselines}) + 1
-    total += launches * load_s
+    total += len({c.launch for c in baselines}) * load_s
     measured = list(baselines)
     per_group = min(spec.top, len(pplan.trees))
     measured += [Cell(plan.cells[-1].server, s, c) for s in pplan.samplings for c in pplan.concurrencies

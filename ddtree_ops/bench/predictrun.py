@@ -1,7 +1,11 @@
 """The predict phase of ``bench --predict`` (issue 43): per host, on the sweep's live DDTree
 launch, round-time probes and trace runs, every DDTree cell predicted into the ledger, and
 the cells worth measuring chosen. The measuring that follows is the ordinary runner's,
-restricted to those cells and the baselines (``SweepRunner(only=...)``).
+restricted to those cells and the baselines (``SweepRunner(only=...)``), and its DDTree
+cells are measured on the predict phase's server, left running for it
+(``SweepRunner(kept=...)``): every budget of the grid is a runtime state of that launch
+too, so a host loads the DDTree model once for the whole predicted plan (a model load on
+a GPU host is minutes).
 
 Rows, like every other row, go to the sweep's ledger: ``source: probe`` (one per
 (concurrency, budget): ``round_ms``, ``overhead_ms``, the probed state's graph mode and the
@@ -9,7 +13,7 @@ host's GPU) and ``source: predicted`` (one per DDTree cell: ``accept_length`` an
 ``output_tok_s`` predicted by the walk; the naive ones beside them). The traces go beside
 the ledger, one file per (host, sampling, trace group): ``<ledger>.traces/*.ndjson``
 (not ``.jsonl``: the report reads those as ledgers). A host whose predict phase fails
-says why and is measured in full, never guessed.
+says why, stops its server and is measured in full on the sweep's own launch, never guessed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec
-from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
+from ddtree_ops.bench.lifetime import KeptServer, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
@@ -55,7 +59,8 @@ from ddtree_ops.workload.prompt import Prompt
 @dataclass(frozen=True)
 class HostPrediction:
     """One host's predict phase: the DDTree cell keys to measure (None: every cell, the
-    phase failed and ``error`` says why), and what it wrote."""
+    phase failed and ``error`` says why), what it wrote, and the server it left running
+    for the measuring (None where it failed: its server was stopped)."""
 
     host: str
     chosen: frozenset[str] | None
@@ -63,6 +68,7 @@ class HostPrediction:
     probe_rows: int = 0
     traces: tuple[Path, ...] = ()
     error: str | None = None
+    kept: KeptServer | None = None
 
 
 def traces_dir(ledger_path: Path) -> Path:
@@ -111,6 +117,8 @@ class PredictPhase:
         assert pplan is not None
         place = hp.host.slot_hosts()[0]
         steps = len(pplan.probes) + len(pplan.samplings) * len(pplan.trace_groups)
+        # Not kept by --keep-server: a phase that fails stops its server (the measuring
+        # launches the sweep's own); one that succeeds hands it over to the measuring.
         with self.services.open_transport(place) as transport, SweepServer(
             self.services, transport, place, hp.host, sweep=self.prepared.spec.name, run_id=self.run_id,
             options=dataclasses.replace(self.options, keep_server=False), cancel=self.cancel,
@@ -174,7 +182,8 @@ class PredictPhase:
             chosen = frozenset(keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)].key
                                for p in top_cells(predictions, pplan.spec.top))
             self._say(hp, steps, steps, f"{len(predictions)} cells predicted, {len(chosen)} to measure")
-            return HostPrediction(hp.host.name, chosen, len(predictions), probes, tuple(files))
+            kept = server.hand_over(pplan.launch, restart)
+            return HostPrediction(hp.host.name, chosen, len(predictions), probes, tuple(files), kept=kept)
 
     def _check_cancel(self) -> None:
         if self.cancel.is_set():
@@ -264,4 +273,10 @@ def chosen_cells(outcome: Mapping[str, HostPrediction]) -> dict[str, frozenset[s
     return {host: p.chosen for host, p in outcome.items() if p.chosen is not None}
 
 
-__all__ = ["HostPrediction", "PredictPhase", "chosen_cells", "traces_dir"]
+def kept_servers(outcome: Mapping[str, HostPrediction]) -> dict[str, KeptServer]:
+    """``SweepRunner(kept=...)``: the servers the hosts whose prediction worked left
+    running, whose launch measures their chosen cells."""
+    return {host: p.kept for host, p in outcome.items() if p.kept is not None}
+
+
+__all__ = ["HostPrediction", "PredictPhase", "chosen_cells", "kept_servers", "traces_dir"]

@@ -15,6 +15,13 @@ cell's tree is switched through ``/set_internal_state`` and proven through
 not show is that cell's failed row, never a measurement of another tree. Every row records
 its launch (``launch_argv_hash``, ``launch_id``) and whether its tree was switched live.
 
+A server left running for the measuring (``kept``: a predicted sweep's predict phase,
+:mod:`.predictrun`) is taken on by the slot it runs on without loading again, where it is
+still the same process (:meth:`~.lifetime.SweepServer.adopt`); its host's DDTree cells
+are then measured on its launch (the predict phase's runtime states, a superset of the
+sweep's), by every slot of the host alike, so a cell measures the same server whatever
+slot serves it.
+
 Failures are rows, not exceptions: a host that cannot be reached, a server that crashes
 or never gets ready, a server killed mid-cell — each is written as ``status: failed`` with
 its error on the affected rows, and the other hosts carry on. After a cell with failed
@@ -56,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec, sent_prompts
 from ddtree_ops.bench.ledger import LedgerRow
-from ddtree_ops.bench.lifetime import SweepOptions, SweepServer
+from ddtree_ops.bench.lifetime import KeptServer, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
@@ -175,13 +182,36 @@ class _SlotRun:
 class _JobQueue:
     """A host's server launches still to run, shared by its slots: each slot takes the
     next when it frees (longest expected first, see :mod:`.schedule`), preferring one of
-    the launch it already serves, which needs no restart."""
+    the launch it already serves, which needs no restart.
 
-    def __init__(self, jobs: Sequence[Job]) -> None:
+    ``first``: the slot that takes a job before the others take any: the one a kept server
+    runs on, so that it takes that launch's job (first in line, the longest, another slot
+    would take it and load the launch again). The others wait until it has taken its job or
+    given up (its lease and probe: well under a second)."""
+
+    def __init__(self, jobs: Sequence[Job], *, first: str | None = None) -> None:
         self._jobs = list(jobs)
         self._lock = threading.Lock()
+        self._first = first
+        self._first_took = threading.Event()
+        if first is None:
+            self._first_took.set()
 
-    def take(self, serving: LaunchConfig | None) -> Job | None:
+    def take(self, serving: LaunchConfig | None, place: str) -> Job | None:
+        if place == self._first:
+            try:
+                return self._take(serving)
+            finally:
+                self._first_took.set()
+        self._first_took.wait()
+        return self._take(serving)
+
+    def done(self, place: str) -> None:
+        """``place`` takes no more jobs (whether or not it took one): the others need not wait."""
+        if place == self._first:
+            self._first_took.set()
+
+    def _take(self, serving: LaunchConfig | None) -> Job | None:
         with self._lock:
             if not self._jobs:
                 return None
@@ -217,10 +247,14 @@ class SweepRunner:
         cancel: threading.Event | None = None,
         run_id: str | None = None,
         only: Mapping[str, Collection[str]] | None = None,
+        kept: Mapping[str, KeptServer] | None = None,
     ) -> None:
         """``only``: per host, the DDTree cell keys to measure (a predicted sweep's chosen
-        cells; baselines always run); a host it leaves out, or None: every cell."""
+        cells; baselines always run); a host it leaves out, or None: every cell. ``kept``:
+        per host, a live DDTree server a phase before left running (the predict phase's),
+        whose launch measures the host's DDTree cells (see the module docstring)."""
         self.only = only
+        self.kept: Mapping[str, KeptServer] = kept or {}
         self.prepared = prepared
         self.spec = prepared.spec
         self.workload = workload
@@ -241,12 +275,20 @@ class SweepRunner:
     def pending_runs(self, host: str, done: set[str]) -> list[Run]:
         plan = self.prepared.plan
         return [
-            (cell, r)
+            (self._launched_by(host, cell), r)
             for cell in plan.cells
             for r in range(plan.repeats)
             if ledger.row_key(self.rows.key_fields(host, cell, r)) not in done
             and (self.only is None or host not in self.only or cell.baseline or cell.key in self.only[host])
         ]
+
+    def _launched_by(self, host: str, cell: Cell) -> Cell:
+        """``cell`` with the launch that measures it on ``host``: the kept server's where it
+        can switch to the cell's tree (so the rows record that launch), else the plan's."""
+        kept = self.kept.get(host)
+        if kept is None or not cell.switched or not kept.launch.serves(cell.server):
+            return cell
+        return dataclasses.replace(cell, via=kept.launch)
 
     def prepare(self, *, dry_run: bool = False) -> None:
         """Check the ledger before any host is touched (idempotent; :meth:`run` calls it).
@@ -323,11 +365,14 @@ class SweepRunner:
 
     def _run_host(self, hr: _HostRun) -> HostSummary:
         host = hr.host
-        if not hr.pending:
+        # A kept server with nothing left to measure is still taken on, to be stopped.
+        if not hr.pending and host.name not in self.kept:
             self._emit(hr, "finished", message="nothing left to run")
             return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
         slots = host.slot_hosts()
-        queue = _JobQueue(self.prepared.jobs(hr.plan, hr.pending))
+        kept = self.kept.get(host.name)
+        first = kept.place if kept is not None and len(slots) > 1 and kept.place in {s.name for s in slots} else None
+        queue = _JobQueue(self.prepared.jobs(hr.plan, hr.pending), first=first)
         if len(slots) == 1:
             errors = [self._run_slot(_SlotRun(hr, slots[0]), queue)]
         else:
@@ -358,17 +403,27 @@ class SweepRunner:
                 options=self.options, cancel=self.cancel,
                 on_takeover=lambda message: self._emit(sr.hr, "restarting", slot=sr.label, message=message),
             ) as server:
+                # Taken on first, under the lease: from here an interrupt or a failure stops it.
+                # Only the slot the predict phase ran on has one (that phase runs on a host's
+                # first slot), and it takes its launch's first job before the other slots take
+                # any (:class:`_JobQueue`); they load the same launch where the schedule gives
+                # them a part of its cells, each once (the split does not count the load the
+                # kept server saves).
+                kept = self.kept.get(sr.hr.host.name)
+                adopted = kept if kept is not None and server.adopt(kept) else None
                 # The lease came first: a host another sweep holds is refused without
                 # probing it (the probe and bundle status cost ~0.13 s per host).
                 self._emit(sr.hr, "probing", slot=sr.label)
                 prov = for_slot(probe_provenance(transport, sr.host, self.services), sr.host)
-                error = self._run_jobs(sr, server, prov, queue)
+                error = self._run_jobs(sr, server, prov, queue, adopted)
         except DdtreeOpsError as exc:
             # No lease, no connection: the queue's jobs wait for another slot, or fail at
             # the host's end with this reason.
             error = str(exc)
             with sr.hr.lock:
                 sr.hr.error_types.add(type(exc).__name__)
+        finally:
+            queue.done(sr.host.name)
         if error:
             self._emit(sr.hr, "failed", slot=sr.label, message=error)
         return error
@@ -394,17 +449,25 @@ class SweepRunner:
             self._fail_rest(sr, prov, None, rest, f"server did not {'restart' if again else 'start'}: {exc}")
             return None
 
-    def _run_jobs(self, sr: _SlotRun, server: SweepServer, prov: Provenance, queue: _JobQueue) -> str | None:
-        """Take jobs from ``queue`` until it is empty: launch each job's server, measure its
-        runs. Returns the error that ended this slot (a failure past the rows' own handling
-        fails the runs of the job in hand with it)."""
+    def _run_jobs(self, sr: _SlotRun, server: SweepServer, prov: Provenance, queue: _JobQueue,
+                  adopted: KeptServer | None = None) -> str | None:
+        """Take jobs from ``queue`` until it is empty: launch each job's server (unless the
+        slot serves its launch already: ``adopted``, or the job before's), measure its runs.
+        Returns the error that ended this slot (a failure past the rows' own handling fails
+        the runs of the job in hand with it)."""
         client = make_client(sr.hr.plan.client, server.transport, sr.host)
         serving: LaunchConfig | None = None
+        restart: RestartResult | None = None  # the server measuring ``left``; None: launch one
         left: list[Run] = []
         try:
-            while not self._stopping() and (job := queue.take(serving)) is not None:
+            if adopted is not None:
+                serving, restart = adopted.launch, adopted.restart
+                served = with_server_info(prov, client.server_info())
+                prompts = self._render(sr, client)
+            while not self._stopping() and (job := queue.take(serving, sr.host.name)) is not None:
                 left = list(job.runs)
-                restart: RestartResult | None = None  # the server measuring ``left``; None: launch one
+                if job.launch != serving:
+                    restart = None
                 why = ""  # why it is launched again
                 while left:
                     if restart is None:

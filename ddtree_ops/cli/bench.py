@@ -414,7 +414,7 @@ def bench(
         def work() -> None:
             try:
                 if spec.predict is not None:
-                    from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells
+                    from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, kept_servers
 
                     phase = PredictPhase(prepared, workload, ledger_path=ledger_path, run_id=runner.run_id,
                                          options=runner.options, services=runner.services, on_progress=forward,
@@ -423,7 +423,8 @@ def bench(
                     for p in predicted.values():
                         if p.error:
                             err_console.print(f"{p.host}: {p.error}", style="yellow", markup=False, highlight=False)
-                    runner.only = chosen_cells(predicted)
+                    # The chosen cells, measured on the predict phase's server where it worked.
+                    runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
                     holder["predicted"] = predicted
                 holder["outcome"] = runner.run()
             except BaseException as exc:  # re-raised in the main thread

@@ -5,6 +5,7 @@ measured ranking."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,17 +14,20 @@ from pathlib import Path
 import pytest
 from cli_json import json_data
 
+from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, trace_groups
-from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, traces_dir
+from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, kept_servers, traces_dir
 from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.predict.trace import load_trace_file, union_bound
 from ddtree_ops.report.loading import load_ledgers
 from ddtree_ops.workload.draw import build_workload
 
+from .test_cli_bench import cli
 from .test_live_sweep import host
 from .test_runner import rows_of, stop_all, sweep
+from .test_slots_sweep import assert_slots_stopped, write_inventory, write_sweep
 
 GRID = {"algorithm": ["ddtree"], "budget": [4, 8, 16], "topk": [2, 4], "temperature": [0.0, 0.6],
         "concurrency": [2]}
@@ -60,11 +64,13 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
         predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
         (one,) = predicted.values()
         assert one.error is None, one.error
-        runner.only = chosen_cells(predicted)
+        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
         outcome = runner.run()
     finally:
         stop_all([h])
     assert not outcome.failed
+    # The DDTree model loaded once: the measuring launched only the baseline.
+    assert [h.restarts for h in outcome.hosts] == [1]
     rows = rows_of(out)
     probes = [r for r in rows if r["source"] == "probe"]
     preds = [r for r in rows if r["source"] == "predicted"]
@@ -81,6 +87,14 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
         best = max(same, key=lambda p: p["output_tok_s"])
         assert (best["budget"], best["topk"]) == (r["budget"], r["topk"])
     assert [r["algorithm"] for r in measured if r["algorithm"] != "DDTREE"] == ["AR", "AR"]
+    # ... on the predict phase's server (its probes' launch id: the same process), whose
+    # runtime states (with the union's 32) the measured rows' argv names.
+    (launch_id,) = {r["launch_id"] for r in probes + preds + ddtree}
+    assert launch_id not in {r["launch_id"] for r in measured if r["algorithm"] == "AR"}
+    assert all(r["tree_switched"] is True and r["status"] == "ok" for r in ddtree)
+    argv = ddtree[0]["server_argv"]
+    states = json.loads((Path(h.ddtree.run_dir) / argv[argv.index("--speculative-adaptive-config") + 1]).read_text())
+    assert states["ddtree"]["budgets"] == [4, 8, 16, 32]
     # Traces lie beside the ledger, loadable, never where the report reads ledgers.
     files = sorted(traces_dir(out).iterdir())
     assert len(files) == 2 and all(f.suffix == ".ndjson" for f in files)
@@ -108,6 +122,77 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert len(tuned["predicted_only"]) == 5  # T = 0: six trees predicted, one measured
     measured_t0 = {(r["budget"], r["topk"]) for r in ddtree if r["temperature"] == 0.0}
     assert policy["entries"] and {(e["budget"], e["topk"]) for e in policy["entries"]} <= measured_t0, policy
+
+
+@pytest.mark.slow
+def test_with_gpu_slots_the_predict_phases_slot_measures_on_its_server_and_the_other_loads_once(
+        tmp_path: Path) -> None:
+    inv, sweep_file = write_inventory(tmp_path), write_sweep(tmp_path)
+    out = tmp_path / "ledger.jsonl"
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict", "--out", str(out),
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [summary] = json_data(done.stdout)["hosts"]
+    rows = ledger.read_ledger(out).rows
+    probes = [r for r in rows if r["source"] == "probe"]
+    ddtree = [r for r in rows if r["source"] in (None, "measured") and r["algorithm"] == "DDTREE"]
+    # Both trees are in the top 3: every DDTree cell measured, split by repeat over the slots.
+    assert len(ddtree) == 8 and {r["status"] for r in ddtree} == {"ok"} and {r["slot"] for r in ddtree} == {0, 1}
+    # The predict phase ran on slot 0, which measures its DDTree share on that very server;
+    # slot 1 loads the same launch once for its share. Every slot launches a launch at most
+    # once, and the kept server is no launch of the measuring's.
+    assert {r["slot"] for r in probes} == {0}
+    (predict_launch,) = {r["launch_id"] for r in probes}
+    assert {r["launch_id"] for r in ddtree if r["slot"] == 0} == {predict_launch}
+    assert len({r["launch_id"] for r in ddtree if r["slot"] == 1} - {predict_launch}) == 1
+    measured = [r for r in rows if r["source"] in (None, "measured")]
+    launches = {(r["slot"], r["launch_id"]) for r in measured}
+    assert len(launches) == len({(r["slot"], r["algorithm"]) for r in measured})
+    assert summary["restarts"] == len(launches) - 1 and summary["failed_rows"] == 0
+    # Both slots' servers were stopped at the end, the handed-over one too (no --keep-server).
+    assert_slots_stopped(inv)
+
+
+@pytest.mark.slow
+def test_a_kept_server_replaced_between_the_phases_is_launched_again_not_measured(tmp_path: Path) -> None:
+    h = host(tmp_path, "sim-r", "h200")
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4], "temperature": [0.0]}, baselines=[],
+                 predict={"top": 1, "probe_tokens": 8},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24})
+    prepared = prepare_sweep(spec, [h])
+    workload = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    runner = SweepRunner(prepared, workload, ledger_path=out)
+    try:
+        predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
+        (kept,) = kept_servers(predicted).values()
+        stop_all([h])  # as `ddtree-ops stop` would, while no sweep holds the host
+        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
+        outcome = runner.run()
+    finally:
+        stop_all([h])
+    assert [(s.restarts, s.ok_rows, s.failed_rows) for s in outcome.hosts] == [(1, 1, 0)]
+    rows = rows_of(out)
+    (probe_launch,) = {r["launch_id"] for r in rows if r["source"] == "probe"}
+    (row,) = [r for r in rows if r["source"] in (None, "measured")]
+    # A new process of the same launch (the predict phase's states): its own launch id.
+    assert row["launch_id"] != probe_launch and row["server_argv"] == list(kept.restart.argv)
+
+
+def test_the_predicted_plans_estimate_loads_the_ddtree_model_once(tmp_path: Path) -> None:
+    spec = sweep(tmp_path, grid=GRID, baselines=["autoregressive", "dflash"], predict={"top": 1})
+    plan = prepare_sweep(spec, []).plan
+    pplan = plan_predict(spec, plan)
+    assert pplan is not None
+
+    def estimate(load_s: float) -> float:
+        return predict_estimate(pplan, plan, load_s=load_s, num_prompts=4, max_new_tokens=16)
+
+    # One load per baseline launch (AR, DFlash chains of 5, 9 and 16) and one for DDTree,
+    # whose measured cells run on the predict phase's launch.
+    baselines = {c.launch for c in plan.cells if c.baseline}
+    assert len(baselines) == 4
+    assert estimate(100.0) - estimate(0.0) == pytest.approx(100.0 * (len(baselines) + 1))
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> str:

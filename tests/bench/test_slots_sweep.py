@@ -97,6 +97,11 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
         by_repeat = {n: {r["slot"] for r in rows if r["algorithm"] == config and r["repeat"] == n} for n in (0, 1)}
         assert all(len(s) == 1 for s in by_repeat.values()) and by_repeat[0] != by_repeat[1], (config, by_repeat)
     # Both slots' servers were stopped at the end (no --keep-server): nothing listens.
+    assert_slots_stopped(inv)
+
+
+def assert_slots_stopped(inv: Path) -> None:
+    """Nothing listens on the ports of ``inv``'s slots (from :func:`write_inventory`)."""
     slots = yaml.safe_load(inv.read_text())["all"]["children"]["local"]["hosts"]["sim-x"]["ddtree"]["server"]["slots"]
     for slot in slots:
         with socket.socket() as s, pytest.raises(ConnectionRefusedError):
