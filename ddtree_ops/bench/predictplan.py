@@ -56,8 +56,9 @@ class PredictPlan:
 
     @property
     def trace_concurrency(self) -> int:
-        """Trace runs go at the grid's largest concurrency (acceptance does not depend on it)."""
-        return max(self.concurrencies)
+        """Trace runs go at ``predict.trace_concurrency``, else the grid's largest
+        concurrency (acceptance does not depend on it)."""
+        return self.spec.trace_concurrency or max(self.concurrencies)
 
     def max_rounds(self, max_new_tokens: int) -> int:
         return min(_MAX_TRACE_ROUNDS, max_new_tokens)

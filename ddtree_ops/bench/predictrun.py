@@ -258,7 +258,10 @@ class PredictPhase:
         tokens = self.workload.max_new_tokens
         for sampling, runs in by_sampling.items():
             for group, traces in runs:
-                accepts = predict_acceptance(traces, group)
+                try:
+                    accepts = predict_acceptance(traces, group)
+                except ValueError as exc:  # too short to walk, or a tree the union missed
+                    raise BenchError(f"trace run {sampling.key}: {exc}") from None
                 for tree in group:
                     for c in pplan.concurrencies:
                         out.append(predict_cell(accepts[tree], times[(c, tree[0])], tokens=tokens,

@@ -79,7 +79,7 @@ RELAUNCH_MODES = ("never", "always")
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
              "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
              "relaunch", "dflash_block", "predict"}
-_PREDICT_KEYS = ("top", "probe_tokens", "probe_waves")
+_PREDICT_KEYS = ("top", "probe_tokens", "probe_waves", "trace_concurrency")
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
 _DATASET_KEYS = ("name", "path")  # of one entry of workload.datasets
@@ -110,11 +110,15 @@ class PredictSpec:
     one trace run per sampling setting and the round-time probes, the whole DDTree grid
     predicted, then only the ``top`` fastest predicted cells per (temperature, concurrency)
     measured (plus the baselines). ``probe_tokens``/``probe_waves``: the length of a probe's
-    requests and how many waves of ``concurrency`` requests it sends."""
+    requests and how many waves of ``concurrency`` requests it sends. ``trace_concurrency``:
+    the requests a trace run keeps in flight (None: the grid's largest concurrency); what a
+    tree accepts does not depend on it, and a traced request runs one round per token, so a
+    larger batch makes the trace runs cheaper where the union's verify fits it."""
 
     top: int = 3
     probe_tokens: int = 32
     probe_waves: int = 2
+    trace_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,8 @@ def _parse_predict(path: Path, raw: Any) -> PredictSpec | None:
         top=_int(path, "predict.top", raw.get("top", 3), minimum=1, maximum=MAX_CELLS),
         probe_tokens=_int(path, "predict.probe_tokens", raw.get("probe_tokens", 32), minimum=2, maximum=MAX_NEW_TOKENS),
         probe_waves=_int(path, "predict.probe_waves", raw.get("probe_waves", 2), minimum=1, maximum=MAX_REPEATS),
+        trace_concurrency=None if raw.get("trace_concurrency") is None else _int(
+            path, "predict.trace_concurrency", raw["trace_concurrency"], minimum=1, maximum=MAX_CONCURRENCY),
     )
 
 

@@ -216,3 +216,31 @@ def test_dry_run_shows_the_predicted_plans_gpu_time_beside_the_full_grids() -> N
     text = _cli("-i", str(repo / "inventories" / "local.yaml"), "bench", "--sweep",
                 str(repo / "bench_configs" / "demo.yaml"), "--predict", "--dry-run", env={"COLUMNS": "200"})
     assert "predicted plan" in text and "of GPU time against" in text and "for the full grid" in text
+
+
+@pytest.mark.slow
+def test_responses_too_short_to_walk_fail_the_predict_phase_and_the_host_is_measured_in_full(tmp_path: Path) -> None:
+    """The walk needs more traced positions per response than the draft block is deep (16 on
+    the simulator): 8-token responses cannot be predicted, so the host says why and its
+    cells are measured in full, never guessed; the trace ran at predict.trace_concurrency."""
+    h = host(tmp_path, "sim-s", "h200")
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4], "temperature": [0.0]}, baselines=[],
+                 predict={"top": 1, "probe_tokens": 8, "trace_concurrency": 1},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 8})
+    prepared = prepare_sweep(spec, [h])
+    pplan = plan_predict(spec, prepared.plan)
+    assert pplan is not None and pplan.trace_concurrency == 1 and max(pplan.concurrencies) == 2
+    workload = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    runner = SweepRunner(prepared, workload, ledger_path=out)
+    try:
+        predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
+        (one,) = predicted.values()
+        assert one.chosen is None and one.kept is None
+        assert one.error is not None and "too short to walk" in one.error and "measuring every cell" in one.error
+        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
+        outcome = runner.run()
+    finally:
+        stop_all([h])
+    measured = [r for r in rows_of(out) if r["source"] in (None, "measured")]
+    assert not outcome.failed and len(measured) == 2  # both top-ks of the one budget
