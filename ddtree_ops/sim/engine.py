@@ -370,6 +370,10 @@ class Engine:
             trees = [core.build_ddtree_tree_from_topk(ids[b], lps[b], budget, int(lasts[b]))
                      for b in range(len(batch))]
         n = max(len(t.parents) for t in trees)
+        if self.states is not None:
+            # The real worker verifies the state's full width (budget + 1, padded with
+            # unreachable nodes): a top-k 1 tree capped by the draft depth costs the same.
+            n = max(n, budget + 1)
         # Target logits after every node: (position of the node's child, node token).
         row_keys: list[int] = []
         row_pos: list[int] = []
