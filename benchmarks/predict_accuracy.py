@@ -231,7 +231,7 @@ def sim_part(tmp: Path, say: Any) -> dict[str, Any]:
         "ddtree": {"python": deployed_python(), "gpu": "h200", "run_dir": str(tmp / "sim-run"), "server": server},
     }}}}}}))
     host = load_inventory([inv]).resolve("sim-h200")[0]
-    grid = {"algorithm": ["ddtree"], "budget": [2, 4, 8, 16, 32, 64], "topk": [1, 2, 4, 8],
+    grid = {"algorithm": ["ddtree"], "budget": [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "topk": [1, 2, 4, 8],
             "temperature": [0.0, 1.0], "concurrency": [1, 4]}
     spec = _spec(tmp, grid, num_prompts=12, tokens=128, predict={"top": 3, "probe_tokens": 32, "trace_concurrency": 12},
                  target="sim")
