@@ -25,7 +25,7 @@ number of requests (128 x 48 tokens: the same cell measured twice differed by up
 
     .venv/bin/python benchmarks/predict_accuracy.py [--json] [--part sim|real_cpu|both]
 
-About 15 minutes on a 2-core machine (the real server's part is most of it).
+About 40 minutes on a 2-core machine (the real server's part is most of it).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def real_part(tmp: Path, say: Any) -> dict[str, Any]:
             "bind_host": "127.0.0.1", "expected_load_s": 60, "extra_args": args, "env": env}},
     }}}}}}))
     host = load_inventory([inv]).resolve("sglang-cpu")[0]
-    grid = {"algorithm": ["ddtree"], "budget": [2, 3, 4, 6, 8, 12, 16], "topk": [1, 2, 3, 4],
+    grid = {"algorithm": ["ddtree"], "budget": [2, 3, 4, 5, 6, 8, 10, 12, 16], "topk": [1, 2, 3, 4],
             "temperature": [0.0, 1.0], "concurrency": [8]}
     spec = _spec(tmp, grid, num_prompts=512, tokens=32, target="cpu",
                  predict={"top": 3, "probe_tokens": 16, "trace_concurrency": 16})
