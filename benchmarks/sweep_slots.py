@@ -19,14 +19,22 @@ takes (the runner learns both into a private state file). The estimate of each r
 then the prepared sweep's: one server's sum with 1 slot, the slot schedule with more —
 the dry run's; each run updates the state file as any sweep does.
 
-Printed per slot count: measured wall time, its ratio to the 1-slot time, the estimate and
-the estimate's error. The simulator's own CPU work (several servers on few cores) slows
-loads and steps beyond the model; the CPU count is printed with the results.
+Then the same sweep as a predicted plan (``bench --predict``: round-time probes and a
+trace run, the top 3 trees measured) on 1 slot and on the most slots: every slot launches
+the predict launch once and runs its share of the probes and trace runs, then measures its
+share of the chosen trees on that server. Its estimate is the dry run's
+(``predict_estimate``, as ``bench --predict --dry-run`` prints it).
+
+Printed per slot count: measured wall time, its ratio to the 1-slot time (of the same
+plan), the estimate and the estimate's error. The simulator's own CPU work (several
+servers on few cores) slows loads and steps beyond the model; the CPU count is printed
+with the results. ``--json``: a list of ``{plan, slots, wall_s, estimated_s}``, ``plan``
+``full`` (the grid) or ``predicted``.
 
     .venv/bin/python benchmarks/sweep_slots.py [--slots 1,2,4] [--load-s 3] [--num-prompts 8]
-        [--max-new-tokens 640] [--json]
+        [--max-new-tokens 640] [--no-predicted] [--json]
 
-About 10 minutes on a 2-core machine.
+About 15 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, predict_phase_estimate
+from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, kept_servers
 from ddtree_ops.bench.prepare import prepare_sweep
 from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import parse_sweep
@@ -68,7 +79,7 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def write_inventory(tmp: Path, slots: int, load_s: float) -> Path:
+def write_inventory(tmp: Path, slots: int, load_s: float, tag: str = "") -> Path:
     server = {
         "command": "{python} -m ddtree_ops.sim", "model_path": MODEL, "draft_model_path": "sim/qwen3-8b-dflash",
         "expected_load_s": 600,  # never used: the calibrated load time is in the state file
@@ -77,10 +88,10 @@ def write_inventory(tmp: Path, slots: int, load_s: float) -> Path:
         "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": "1"},
         "slots": [{"gpus": str(i), "port": port} for i, port in enumerate(free_ports(slots))],
     }
-    inv = tmp / f"inv-{slots}.yaml"
+    inv = tmp / f"inv-{tag}{slots}.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim": {
         "ansible_connection": "local",
-        "ddtree": {"python": deployed_python(), "run_dir": str(tmp / f"run-{slots}"), "gpu": "rtx-pro-6000",
+        "ddtree": {"python": deployed_python(), "run_dir": str(tmp / f"run-{tag}{slots}"), "gpu": "rtx-pro-6000",
                    "server": server}}}}}}}))
     return inv
 
@@ -110,16 +121,57 @@ def calibrate(tmp: Path, load_s: float, slots: int, num_prompts: int, max_new_to
     return restart, step
 
 
+def run_predicted(tmp: Path, doc: dict[str, object], slots: int, load_s: float) -> dict[str, Any]:
+    """The sweep as ``bench --predict`` runs it on ``slots`` slots: its wall time, the dry
+    run's estimate, and the measured rows (a failed predict phase counts as a failed row)."""
+    host = load_inventory([write_inventory(tmp, slots, load_s, tag="predicted-")]).hosts["sim"]
+    spec = parse_sweep({**doc, "predict": {}}, tmp / "predicted.yaml")
+    workload = build_workload(spec.workload)
+    prepared = prepare_sweep(spec, [host])
+    (hp,) = prepared.hosts
+    pplan = plan_predict(spec, prepared.plan)
+    assert pplan is not None
+    wl = spec.workload
+    estimated = predict_estimate(pplan, prepared.plan, load_s=hp.launch_s, num_prompts=wl.num_prompts,
+                                 max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s)
+    phase_estimated = predict_phase_estimate(pplan, load_s=hp.launch_s, num_prompts=wl.num_prompts,
+                                             max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s)
+    out = tmp / f"ledger-predicted-{slots}.jsonl"
+    started = time.monotonic()
+    runner = SweepRunner(prepared, workload, ledger_path=out)
+    predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
+    phase = time.monotonic() - started
+    runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
+    outcome = runner.run()
+    wall = time.monotonic() - started
+    (summary,) = outcome.hosts
+    failed = summary.failed_rows + sum(1 for p in predicted.values() if p.error)
+    return {"plan": "predicted", "slots": slots, "wall_s": round(wall, 2), "estimated_s": round(estimated, 2),
+            "predict_phase_s": round(phase, 2), "predict_phase_estimated_s": round(phase_estimated, 2),
+            "ok_rows": summary.ok_rows, "failed_rows": failed}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    base = next((r["wall_s"] for r in rows if r["slots"] == 1), None)
+    print(f"{'slots':>5} {'wall s':>8} {'x 1-slot':>8} {'estimate s':>10} {'est. error':>10} {'rows ok/failed':>15}")
+    for r in rows:
+        ratio = f"{r['wall_s'] / base:.2f}" if base else "-"
+        err = (r["estimated_s"] - r["wall_s"]) / r["wall_s"] * 100
+        print(f"{r['slots']:>5} {r['wall_s']:>8.1f} {ratio:>8} {r['estimated_s']:>10.1f} {err:>+9.1f}% "
+              f"{r['ok_rows']:>7}/{r['failed_rows']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", default="1,2,4", help="comma-separated slot counts")
     ap.add_argument("--load-s", type=float, default=3.0, help="the simulated model load, seconds")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per row (4 waves at concurrency 2)")
     ap.add_argument("--max-new-tokens", type=int, default=640, help="tokens per prompt")
-    ap.add_argument("--json", action="store_true", help="print a JSON list of {slots, wall_s, estimated_s}")
+    ap.add_argument("--no-predicted", action="store_true", help="skip the predicted plan (bench --predict) runs")
+    ap.add_argument("--json", action="store_true", help="print a JSON list of {plan, slots, wall_s, estimated_s}")
     args = ap.parse_args()
     counts = [int(x) for x in args.slots.split(",")]
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         os.environ[STATE_ENV] = str(tmp / "state.json")
@@ -136,21 +188,30 @@ def main() -> int:
             outcome = SweepRunner(prepared, workload, ledger_path=tmp / f"ledger-{n}.jsonl").run()
             wall = time.monotonic() - started
             (summary,) = outcome.hosts
-            rows.append({"slots": n, "wall_s": round(wall, 2), "estimated_s": round(estimated, 2),
+            rows.append({"plan": "full", "slots": n, "wall_s": round(wall, 2), "estimated_s": round(estimated, 2),
                          "ok_rows": summary.ok_rows, "failed_rows": summary.failed_rows})
-    base = next((r["wall_s"] for r in rows if r["slots"] == 1), None)
+        if not args.no_predicted:
+            doc = sweep_doc(args.num_prompts, args.max_new_tokens)
+            for n in sorted({1, max(counts)}):
+                rows.append(run_predicted(tmp, doc, n, args.load_s))
+    ok = all(r["failed_rows"] == 0 for r in rows)
     if args.json:
-        print(json.dumps([{k: r[k] for k in ("slots", "wall_s", "estimated_s")} for r in rows]))
-        return 0 if all(r["failed_rows"] == 0 for r in rows) else 1
+        keys = ("plan", "slots", "wall_s", "estimated_s", "predict_phase_s", "predict_phase_estimated_s")
+        print(json.dumps([{k: r[k] for k in keys if k in r} for r in rows]))
+        return 0 if ok else 1
     print(f"8 trees on one live launch, calibrated launch (restart -> ready) {load:.2f} s, "
           f"step {step * 1000:.1f} ms, {os.cpu_count()} CPUs")
-    print(f"{'slots':>5} {'wall s':>8} {'x 1-slot':>8} {'estimate s':>10} {'est. error':>10} {'rows ok/failed':>15}")
-    for r in rows:
-        ratio = f"{r['wall_s'] / base:.2f}" if base else "-"
-        err = (r["estimated_s"] - r["wall_s"]) / r["wall_s"] * 100
-        print(f"{r['slots']:>5} {r['wall_s']:>8.1f} {ratio:>8} {r['estimated_s']:>10.1f} {err:>+9.1f}% "
-              f"{r['ok_rows']:>7}/{r['failed_rows']}")
-    return 0 if all(r["failed_rows"] == 0 for r in rows) else 1
+    print_table([r for r in rows if r["plan"] == "full"])
+    predicted = [r for r in rows if r["plan"] == "predicted"]
+    if predicted:
+        print("predicted plan (bench --predict: 4 probes and a trace run split over the slots, the top 3 trees "
+              "measured on the slots' predict launches)")
+        print_table(predicted)
+        for r in predicted:
+            print(f"{r['slots']} slot(s): predict phase {r['predict_phase_s']:.1f} s (estimate "
+                  f"{r['predict_phase_estimated_s']:.1f} s), measuring {r['wall_s'] - r['predict_phase_s']:.1f} s "
+                  f"(estimate {r['estimated_s'] - r['predict_phase_estimated_s']:.1f} s)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

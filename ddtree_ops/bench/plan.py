@@ -342,6 +342,16 @@ def cell_seconds(
     return cell_steps(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=warmup) * s_per_step
 
 
+def run_seconds(
+    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = STEP_S
+) -> float:
+    """Rough time of one run of ``cell`` on a server that serves its launch: its
+    :func:`cell_seconds`, and the live switch before it where its tree is switched."""
+    measure = cell_seconds(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=warmup,
+                           s_per_step=s_per_step)
+    return measure + (SWITCH_S if cell.switched else 0.0)
+
+
 def estimate_seconds(
     plan: SweepPlan,
     *,

@@ -12,16 +12,33 @@ Every DDTree cell is then predicted, and only the ``top`` fastest predicted cell
 (sampling, concurrency) are measured as today, with the baselines: the DDTree cells on the
 same launch, left running (each of its budgets is a runtime state there, so they are
 switched to live as ever), so a host loads the DDTree model once.
-:func:`predict_estimate` is the GPU time of that plan, which ``--dry-run`` shows against
-the full grid's.
+
+On a host with several GPU slots every slot launches that launch once, and the phase's
+work items -- each probe and each trace run -- are split over them (:func:`split_work`,
+the schedule's own :func:`~.schedule.split_items`, each item weighted by its expected
+seconds); the predictions need every slot's results, and each slot's server then
+measures that slot's share of the chosen cells. :func:`predict_estimate` is the wall time
+of that plan, which ``--dry-run`` shows against the full grid's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddtree_ops.bench.plan import SWITCH_S, Cell, LaunchConfig, Sampling, SweepPlan, cell_seconds
+from ddtree_ops.bench.plan import (
+    STEP_S,
+    SWITCH_S,
+    Cell,
+    LaunchConfig,
+    Sampling,
+    ServerConfig,
+    SweepPlan,
+    cell_seconds,
+    run_seconds,
+)
+from ddtree_ops.bench.schedule import Slot, make_jobs, schedule, split_items
 from ddtree_ops.bench.sweep import PredictSpec, SweepSpec
 from ddtree_ops.limits import MAX_DDTREE_BUDGET
 from ddtree_ops.predict.trace import union_bound
@@ -29,6 +46,26 @@ from ddtree_ops.predict.trace import union_bound
 Tree = tuple[int, int]
 # A trace round commits at least one token: a request of M tokens needs at most M rounds.
 _MAX_TRACE_ROUNDS = 4096
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """One round-time probe: ``probe_waves`` waves of ``probe_tokens`` at (concurrency, budget)."""
+
+    concurrency: int
+    budget: int
+
+
+@dataclass(frozen=True)
+class TraceRun:
+    """One trace run: the whole workload once at ``sampling``, tracing the trees of
+    ``trace_groups[group]``."""
+
+    sampling: Sampling
+    group: int
+
+
+WorkItem = ProbeRun | TraceRun
 
 
 @dataclass(frozen=True)
@@ -62,6 +99,13 @@ class PredictPlan:
 
     def max_rounds(self, max_new_tokens: int) -> int:
         return min(_MAX_TRACE_ROUNDS, max_new_tokens)
+
+    @property
+    def work(self) -> tuple[WorkItem, ...]:
+        """The predict phase's work items: every probe, then every trace run (by sampling,
+        then trace group)."""
+        traces = tuple(TraceRun(s, g) for s in self.samplings for g in range(len(self.trace_groups)))
+        return tuple(ProbeRun(c, b) for c, b in self.probes) + traces
 
     @property
     def measured_cells(self) -> int:
@@ -106,36 +150,85 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
     return PredictPlan(spec.predict or PredictSpec(), launch, trees, samplings, concurrencies, groups, block)
 
 
-def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float, num_prompts: int, max_new_tokens: int,
-                     s_per_step: float = 0.02) -> float:
-    """Rough wall time of the predicted plan on one host with one server: the predict
-    phase's launch, its probes (a switch and ``probe_waves`` waves of ``probe_tokens`` steps
-    each) and trace runs (the whole workload once per sampling and trace group, at the
-    trace concurrency), then the measured part: the baselines' launches and their cells,
-    and at most ``top`` DDTree cells per sampling and concurrency, every repeat, on the
-    predict phase's launch (no load of their own: it is left running for them)."""
+def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_new_tokens: int,
+                 s_per_step: float = STEP_S) -> float:
+    """Expected seconds of one work item: a probe is a switch and ``probe_waves`` waves of
+    ``probe_tokens`` steps; a trace run is the whole workload once at the trace concurrency
+    (a traced request runs one round per token: a step per token), with the switches
+    turning the trace on and off."""
     spec = pplan.spec
-    total = load_s
-    total += len(pplan.probes) * (SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step)
-    trace_cell = Cell(plan.cells[0].server, Sampling(), pplan.trace_concurrency)
-    per_trace = cell_seconds(trace_cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=0,
-                             s_per_step=s_per_step)
-    total += len(pplan.trace_groups) * len(pplan.samplings) * (2 * SWITCH_S + per_trace)
-    baselines = [c for c in plan.cells if c.baseline]
-    total += len({c.launch for c in baselines}) * load_s
-    measured = list(baselines)
-    per_group = min(spec.top, len(pplan.trees))
-    measured += [Cell(plan.cells[-1].server, s, c) for s in pplan.samplings for c in pplan.concurrencies
-                 for _ in range(per_group)]
-    for cell in measured:
-        total += plan.repeats * cell_seconds(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                                             warmup=plan.warmup, s_per_step=s_per_step)
-    total += plan.repeats * per_group * len(pplan.samplings) * len(pplan.concurrencies) * SWITCH_S
-    return total
+    if isinstance(item, ProbeRun):
+        return SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step
+    trace_cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
+    return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=0,
+                                       s_per_step=s_per_step)
+
+
+def split_work(pplan: PredictPlan, slots: int, *, num_prompts: int, max_new_tokens: int,
+               s_per_step: float = STEP_S) -> tuple[tuple[WorkItem, ...], ...]:
+    """:attr:`PredictPlan.work` over ``slots`` GPU slots: one share per slot, in slot order
+    (empty where there are fewer items worth a slot), cut like a launch's runs
+    (:func:`~.schedule.split_items`). Pure: every slot of a run, and the dry run, cut the
+    same way."""
+    pieces = split_items(pplan.work, lambda item: work_seconds(pplan, item, num_prompts=num_prompts,
+                                                               max_new_tokens=max_new_tokens, s_per_step=s_per_step),
+                         max(1, slots))
+    return tuple(tuple(p) for p in pieces) + ((),) * (max(1, slots) - len(pieces))
+
+
+def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float], num_prompts: int,
+                           max_new_tokens: int, s_per_step: float = STEP_S) -> float:
+    """Rough wall time of the predict phase on one host. ``load_s``: what a launch costs on
+    each of its server places (its GPU slots; a bare figure: one server). Every place
+    launches the predict launch (in parallel) and runs its share of the probes and trace
+    runs (:func:`split_work`); the phase ends with its slowest place (the predictions need
+    every result)."""
+    loads = _loads(load_s)
+    shares = split_work(pplan, len(loads), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                        s_per_step=s_per_step)
+    return max(
+        load + sum(work_seconds(pplan, item, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                s_per_step=s_per_step) for item in share)
+        for load, share in zip(loads, shares, strict=True)
+    )
+
+
+def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Sequence[float], num_prompts: int,
+                     max_new_tokens: int, s_per_step: float = STEP_S) -> float:
+    """Rough wall time of the predicted plan on one host (``load_s`` as for
+    :func:`predict_phase_estimate`): the predict phase, then the measuring, scheduled as
+    the full grid's is with slots (:func:`~.schedule.schedule`, so the two figures
+    compare): the baselines' launches and their cells, and at most ``top`` DDTree cells
+    per sampling and concurrency, every repeat, on the predict launch that every place
+    still serves (no load of their own)."""
+    loads = _loads(load_s)
+    predict_s = predict_phase_estimate(pplan, load_s=loads, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                       s_per_step=s_per_step)
+    # The chosen trees are not known before the phase: any DDTree cell costs the same.
+    ddtree = [Cell(ServerConfig("ddtree", b, k), s, c, via=pplan.launch) for s in pplan.samplings
+              for c in pplan.concurrencies for b, k in pplan.trees[:min(pplan.spec.top, len(pplan.trees))]]
+    runs = [(cell, r) for cell in [c for c in plan.cells if c.baseline] + ddtree for r in range(plan.repeats)]
+
+    def cell_s(cell: Cell) -> float:
+        return run_seconds(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=plan.warmup,
+                           s_per_step=s_per_step)
+
+    places = [Slot("", i) for i in range(len(loads))]
+    jobs = make_jobs(runs, cell_s=cell_s, load_s=min(loads), slots=len(places), running=pplan.launch)
+    measured = schedule(jobs, places, load_s=dict(zip(places, loads, strict=True)),
+                        running=dict.fromkeys(places, pplan.launch))
+    return predict_s + measured.wall_s
+
+
+def _loads(load_s: float | Sequence[float]) -> tuple[float, ...]:
+    return (float(load_s),) if isinstance(load_s, int | float) else tuple(load_s)
 
 
 def probe_requests(concurrency: int, waves: int) -> int:
     return max(1, concurrency * waves)
 
 
-__all__ = ["PredictPlan", "plan_predict", "predict_estimate", "probe_requests", "trace_groups"]
+__all__ = [
+    "PredictPlan", "ProbeRun", "TraceRun", "WorkItem", "plan_predict", "predict_estimate", "predict_phase_estimate",
+    "probe_requests", "split_work", "trace_groups", "work_seconds",
+]

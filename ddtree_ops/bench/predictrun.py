@@ -2,18 +2,26 @@
 launch, round-time probes and trace runs, every DDTree cell predicted into the ledger, and
 the cells worth measuring chosen. The measuring that follows is the ordinary runner's,
 restricted to those cells and the baselines (``SweepRunner(only=...)``), and its DDTree
-cells are measured on the predict phase's server, left running for it
+cells are measured on the predict phase's servers, left running for it
 (``SweepRunner(kept=...)``): every budget of the grid is a runtime state of that launch
-too, so a host loads the DDTree model once for the whole predicted plan (a model load on
-a GPU host is minutes).
+too, so a server place loads the DDTree model once for the whole predicted plan (a model
+load on a GPU host is minutes).
+
+On a host with several GPU slots every slot launches that launch once, all at once, and
+the probes and trace runs are split over them (:func:`~.predictplan.split_work`, the cut
+``--dry-run`` estimates with): the phase takes its slowest slot's share rather than the
+sum. The predictions need every slot's results, so they are made once all have returned;
+every slot then hands its server over, and measures its share of the chosen cells on it.
+A slot that fails fails the host's phase: the others stop at their next item.
 
 Rows, like every other row, go to the sweep's ledger: ``source: probe`` (one per
-(concurrency, budget): ``round_ms``, ``overhead_ms``, the probed state's graph mode and the
-host's GPU) and ``source: predicted`` (one per DDTree cell: ``accept_length`` and
-``output_tok_s`` predicted by the walk; the naive ones beside them). The traces go beside
-the ledger, one file per (host, sampling, trace group): ``<ledger>.traces/*.ndjson``
-(not ``.jsonl``: the report reads those as ledgers). A host whose predict phase fails
-says why, stops its server and is measured in full on the sweep's own launch, never guessed.
+(concurrency, budget), from the slot that probed it: ``round_ms``, ``overhead_ms``, the
+probed state's graph mode and the host's GPU) and ``source: predicted`` (one per DDTree
+cell: ``accept_length`` and ``output_tok_s`` predicted by the walk; the naive ones beside
+them). The traces go beside the ledger, one file per (server place, sampling, trace
+group): ``<ledger>.traces/*.ndjson`` (not ``.jsonl``: the report reads those as ledgers).
+A host whose predict phase fails says why, stops its servers and is measured in full on
+the sweep's own launch, never guessed.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ import math
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec
@@ -34,14 +44,24 @@ from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
 from ddtree_ops.bench.plan import Cell, Sampling, ServerConfig
-from ddtree_ops.bench.predictplan import PredictPlan, plan_predict, probe_requests, trace_groups
+from ddtree_ops.bench.predictplan import (
+    PredictPlan,
+    ProbeRun,
+    TraceRun,
+    WorkItem,
+    plan_predict,
+    probe_requests,
+    split_work,
+    trace_groups,
+)
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
-from ddtree_ops.bench.provenance import for_slot, probe_provenance, with_server_info
+from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.runner import Progress
 from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
 from ddtree_ops.errors import BenchError, DdtreeOpsError
+from ddtree_ops.inventory_types import Host
 from ddtree_ops.predict.estimate import (
     CellPrediction,
     ProbeRequest,
@@ -55,12 +75,18 @@ from ddtree_ops.predict.trace import TRACE_OFF, RequestTrace, TraceProblem, pars
 from ddtree_ops.workload.draw import WorkloadPrompts
 from ddtree_ops.workload.prompt import Prompt
 
+if TYPE_CHECKING:
+    from ddtree_ops.service.lifecycle import RestartResult
+
+T = TypeVar("T")
+R = TypeVar("R")
+
 
 @dataclass(frozen=True)
 class HostPrediction:
     """One host's predict phase: the DDTree cell keys to measure (None: every cell, the
-    phase failed and ``error`` says why), what it wrote, and the server it left running
-    for the measuring (None where it failed: its server was stopped)."""
+    phase failed and ``error`` says why), what it wrote, and the servers it left running
+    for the measuring, one per server place (none where it failed: they were stopped)."""
 
     host: str
     chosen: frozenset[str] | None
@@ -68,7 +94,55 @@ class HostPrediction:
     probe_rows: int = 0
     traces: tuple[Path, ...] = ()
     error: str | None = None
-    kept: KeptServer | None = None
+    kept: tuple[KeptServer, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Place:
+    """One server place of a host (the host itself, or one of its GPU slots) with the
+    predict launch serving there: what its work and its rows need."""
+
+    host: Host
+    server: SweepServer
+    client: LoadClient
+    prov: Provenance
+    restart: RestartResult
+    prompts: tuple[Prompt, ...]
+
+    @property
+    def label(self) -> str:
+        return self.host.name if self.host.slot is not None else ""
+
+
+@dataclass(frozen=True)
+class _ShareDone:
+    """What one place's share of the work measured: round times and the states they were
+    probed at, by (concurrency, budget) and budget; trace runs' traces and files."""
+
+    times: Mapping[tuple[int, int], RoundTime]
+    lives: Mapping[int, LiveTree]
+    traces: Mapping[TraceRun, tuple[list[RequestTrace], Path]]
+
+
+class _Stopped(BenchError):
+    """A place stopped because another place of the host failed (not the cause to report)."""
+
+
+class _Steps:
+    """The host's progress over its places' threads: work items done of the phase's."""
+
+    def __init__(self, phase: PredictPhase, hp: HostPlan, total: int) -> None:
+        self._phase, self._hp, self.total = phase, hp, total
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def say(self, message: str, *, slot: str = "", finished: bool = False) -> None:
+        with self._lock:
+            if finished:
+                self._done += 1
+            done = self._done
+        self._phase.on_progress(Progress(host=self._hp.host.name, done=done, total=self.total, phase="predicting",
+                                         message=message, slot=slot))
 
 
 def traces_dir(ledger_path: Path) -> Path:
@@ -103,9 +177,6 @@ class PredictPhase:
             done = list(pool.map(self._host, self.prepared.hosts))
         return {d.host: d for d in done}
 
-    def _say(self, hp: HostPlan, step: int, total: int, message: str) -> None:
-        self.on_progress(Progress(host=hp.host.name, done=step, total=total, phase="predicting", message=message))
-
     def _host(self, hp: HostPlan) -> HostPrediction:
         try:
             return self._predict(hp)
@@ -113,81 +184,144 @@ class PredictPhase:
             return HostPrediction(hp.host.name, None, error=f"predict phase: {exc}; measuring every cell")
 
     def _predict(self, hp: HostPlan) -> HostPrediction:
-        pplan = self.plan
-        assert pplan is not None
-        place = hp.host.slot_hosts()[0]
-        steps = len(pplan.probes) + len(pplan.samplings) * len(pplan.trace_groups)
-        # Not kept by --keep-server: a phase that fails stops its server (the measuring
-        # launches the sweep's own); one that succeeds hands it over to the measuring.
-        with self.services.open_transport(place) as transport, SweepServer(
-            self.services, transport, place, hp.host, sweep=self.prepared.spec.name, run_id=self.run_id,
-            options=dataclasses.replace(self.options, keep_server=False), cancel=self.cancel,
-            on_takeover=lambda message: self._say(hp, 0, steps, message),
-        ) as server:
-            prov = for_slot(probe_provenance(transport, place, self.services), place)
-            self._say(hp, 0, steps, f"launching {pplan.launch.key}")
-            restart = server.restart(pplan.launch, pplan.samplings, prov.facts)
-            client = make_client(hp.client, server.transport, place)
-            prov = with_server_info(prov, client.server_info())
-            if prov.draft_block_size and prov.draft_block_size != pplan.block:
-                groups = trace_groups(pplan.trees, prov.draft_block_size, max(pplan.launch.budgets))
-                pplan = dataclasses.replace(pplan, block=prov.draft_block_size, trace_groups=groups)
-            prompts = self._prompts(client)
-
-            def row(cell: Cell, live: LiveTree | None, **fields: object) -> ledger.LedgerRow:
-                made = self.rows.row(machine=hp.host.name, server_host=place, client=hp.client, prov=prov,
-                                     restart=restart, cell=cell, repeat=0, started_at=now_iso(), error=None, live=live,
-                                     metrics=fields.pop("metrics", None))  # type: ignore[arg-type]
-                return dataclasses.replace(made, **fields)  # type: ignore[arg-type]
-
-            times: dict[tuple[int, int], RoundTime] = {}
-            lives: dict[int, LiveTree] = {}
-            probes = 0
-            for step, (c, b) in enumerate(pplan.probes):
-                self._check_cancel()
-                self._say(hp, step, steps, f"probe concurrency {c} budget {b}")
-                live = judge_switch(client.switch_tree(b, pplan.probe_topk), b, pplan.probe_topk)
-                if isinstance(live, str):
-                    raise BenchError(live)
-                rt, metrics = self._probe(client, prompts, pplan, c, b, live)
-                times[(c, b)] = rt
-                lives[b] = live
-                cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), Sampling(), c, via=pplan.launch)
-                ledger.append_row(self.ledger_path, row(cell, live, metrics=metrics, source="probe",
-                                                        round_ms=rt.round_s * 1000, overhead_ms=rt.overhead_s * 1000))
-                probes += 1
-            files: list[Path] = []
-            by_sampling: dict[Sampling, list[tuple[tuple[tuple[int, int], ...], list[RequestTrace]]]] = {}
-            step = len(pplan.probes)
-            for sampling in pplan.samplings:
-                for gi, group in enumerate(pplan.trace_groups):
-                    self._check_cancel()
-                    self._say(hp, step, steps, f"trace run {sampling.key} group {gi + 1}/{len(pplan.trace_groups)}")
-                    traces, path = self._trace(hp, client, prompts, pplan, sampling, group, gi)
-                    by_sampling.setdefault(sampling, []).append((group, traces))
-                    files.append(path)
-                    step += 1
+        planned = self.plan
+        assert planned is not None
+        steps = _Steps(self, hp, len(planned.work))
+        failed = threading.Event()
+        with ExitStack() as stack:
+            servers = [self._enter(stack, hp, place, steps) for place in hp.host.slot_hosts()]
+            # Entered last, left first: every thread has returned before a server is stopped.
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=len(servers),
+                                                          thread_name_prefix=f"predict-{hp.host.name}"))
+            places = self._each(pool, failed, lambda server: self._launch(hp, server, planned, steps, failed), servers)
+            pplan = self._replan(planned, places)
+            wl = self.prepared.spec.workload
+            shares = split_work(pplan, len(places), num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens,
+                                s_per_step=hp.step_s)
+            done = self._each(pool, failed, lambda job: self._run_share(hp, job[0], pplan, job[1], steps, failed),
+                              list(zip(places, shares, strict=True)))
+            times = {k: v for d in done for k, v in d.times.items()}
+            lives = {k: v for d in done for k, v in d.lives.items()}
+            traced = {k: v for d in done for k, v in d.traces.items()}
+            by_sampling = {s: [(group, traced[TraceRun(s, gi)][0]) for gi, group in enumerate(pplan.trace_groups)]
+                           for s in pplan.samplings}
+            files = [traced[item][1] for item in pplan.work if isinstance(item, TraceRun)]
             predictions = self._predictions(pplan, by_sampling, times)
             keys = {(c.server.budget, c.server.topk, c.sampling.temperature, c.sampling.top_p, c.sampling.top_k,
                      c.concurrency): c
                     for c in self.prepared.plan.cells if c.server.algorithm == "ddtree" and c.switched}
+            # Predicted rows were measured on no one slot: they carry the first's launch, as
+            # one server's did (every slot serves the same launch).
             for p in predictions:
                 cell = keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)]
-                ledger.append_row(self.ledger_path, row(
-                    cell, lives.get(p.budget), source="predicted", accept_length=p.accept_length,
+                ledger.append_row(self.ledger_path, self._row(
+                    hp, places[0], cell, lives.get(p.budget), source="predicted", accept_length=p.accept_length,
                     output_tok_s=p.output_tok_s, round_ms=p.round_s * 1000,
                     overhead_ms=times[(p.concurrency, p.budget)].overhead_s * 1000,
                     predicted_accept_naive=p.accept_length_naive, predicted_tok_s_naive=p.output_tok_s_naive,
                 ))
             chosen = frozenset(keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)].key
                                for p in top_cells(predictions, pplan.spec.top))
-            self._say(hp, steps, steps, f"{len(predictions)} cells predicted, {len(chosen)} to measure")
-            kept = server.hand_over(pplan.launch, restart)
-            return HostPrediction(hp.host.name, chosen, len(predictions), probes, tuple(files), kept=kept)
+            steps.say(f"{len(predictions)} cells predicted, {len(chosen)} to measure")
+            kept = tuple(place.server.hand_over(pplan.launch, place.restart) for place in places)
+            return HostPrediction(hp.host.name, chosen, len(predictions), len(times), tuple(files), kept=kept)
 
-    def _check_cancel(self) -> None:
+    def _each(self, pool: ThreadPoolExecutor, failed: threading.Event, fn: Callable[[T], R],
+              items: Sequence[T]) -> list[R]:
+        """``fn`` over ``items`` (one per server place) at once, results in order. The first
+        failure sets ``failed``, which stops the others at their next item, and is raised
+        once all have returned (the cause, not another place's :class:`_Stopped`)."""
+
+        def guarded(item: T) -> R:
+            try:
+                return fn(item)
+            except BaseException:
+                failed.set()
+                raise
+
+        futures = [pool.submit(guarded, item) for item in items]
+        wait(futures)
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+        return [f.result() for f in futures]
+
+    def _enter(self, stack: ExitStack, hp: HostPlan, place: Host, steps: _Steps) -> SweepServer:
+        """``place``'s transport and server over the phase, left with ``stack``."""
+        transport = stack.enter_context(self.services.open_transport(place))
+
+        def on_takeover(message: str) -> None:
+            steps.say(message, slot=place.name if place.slot is not None else "")
+
+        # Not kept by --keep-server: a phase that fails stops its servers (the measuring
+        # launches the sweep's own); one that succeeds hands them over to the measuring.
+        return stack.enter_context(SweepServer(
+            self.services, transport, place, hp.host, sweep=self.prepared.spec.name, run_id=self.run_id,
+            options=dataclasses.replace(self.options, keep_server=False), cancel=self.cancel, on_takeover=on_takeover,
+        ))
+
+    def _launch(self, hp: HostPlan, server: SweepServer, pplan: PredictPlan, steps: _Steps,
+                failed: threading.Event) -> _Place:
+        """Launch the predict launch on ``server``'s place, once for the whole plan."""
+        place = server.host
+        prov = for_slot(probe_provenance(server.transport, place, self.services), place)
+        self._check(failed)
+        steps.say(f"launching {pplan.launch.key}", slot=place.name if place.slot is not None else "")
+        restart = server.restart(pplan.launch, pplan.samplings, prov.facts)
+        client = make_client(hp.client, server.transport, place)
+        prov = with_server_info(prov, client.server_info())
+        return _Place(place, server, client, prov, restart, self._prompts(client))
+
+    def _replan(self, pplan: PredictPlan, places: Sequence[_Place]) -> PredictPlan:
+        """``pplan`` with the draft block the servers report (the trace groups follow it);
+        every slot must report the same (the work is split by one plan)."""
+        blocks = sorted({p.prov.draft_block_size for p in places if p.prov.draft_block_size})
+        if len(blocks) > 1:
+            raise BenchError(f"the slots' servers of one launch report different draft blocks {blocks}")
+        if not blocks or blocks[0] == pplan.block:
+            return pplan
+        groups = trace_groups(pplan.trees, blocks[0], max(pplan.launch.budgets))
+        return dataclasses.replace(pplan, block=blocks[0], trace_groups=groups)
+
+    def _run_share(self, hp: HostPlan, place: _Place, pplan: PredictPlan, share: Sequence[WorkItem],
+                   steps: _Steps, failed: threading.Event) -> _ShareDone:
+        """One place's probes (each written to the ledger as it is measured) and trace runs."""
+        times: dict[tuple[int, int], RoundTime] = {}
+        lives: dict[int, LiveTree] = {}
+        traces: dict[TraceRun, tuple[list[RequestTrace], Path]] = {}
+        for item in share:
+            self._check(failed)
+            if isinstance(item, ProbeRun):
+                c, b = item.concurrency, item.budget
+                steps.say(f"probe concurrency {c} budget {b}", slot=place.label)
+                live = judge_switch(place.client.switch_tree(b, pplan.probe_topk), b, pplan.probe_topk)
+                if isinstance(live, str):
+                    raise BenchError(live)
+                rt, metrics = self._probe(place.client, place.prompts, pplan, c, b, live)
+                times[(c, b)], lives[b] = rt, live
+                cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), Sampling(), c, via=pplan.launch)
+                ledger.append_row(self.ledger_path, self._row(
+                    hp, place, cell, live, metrics=metrics, source="probe", round_ms=rt.round_s * 1000,
+                    overhead_ms=rt.overhead_s * 1000))
+            else:
+                groups = len(pplan.trace_groups)
+                steps.say(f"trace run {item.sampling.key} group {item.group + 1}/{groups}", slot=place.label)
+                traces[item] = self._trace(place, pplan, item.sampling, pplan.trace_groups[item.group], item.group)
+            steps.say("", slot=place.label, finished=True)
+        return _ShareDone(times, lives, traces)
+
+    def _row(self, hp: HostPlan, place: _Place, cell: Cell, live: LiveTree | None,
+             **fields: object) -> ledger.LedgerRow:
+        made = self.rows.row(machine=hp.host.name, server_host=place.host, client=hp.client, prov=place.prov,
+                             restart=place.restart, cell=cell, repeat=0, started_at=now_iso(), error=None, live=live,
+                             metrics=fields.pop("metrics", None))  # type: ignore[arg-type]
+        return dataclasses.replace(made, **fields)  # type: ignore[arg-type]
+
+    def _check(self, failed: threading.Event) -> None:
         if self.cancel.is_set():
             raise BenchError("interrupted")
+        if failed.is_set():
+            raise _Stopped("stopped: another slot of the host failed")
 
     def _prompts(self, client: LoadClient) -> tuple[Prompt, ...]:
         """The workload for ``/generate`` (the route that returns ``meta_info``): chat
@@ -221,8 +355,9 @@ class PredictPhase:
             raise BenchError(f"round-time probe at concurrency {c} budget {b} measured no round ({errors})")
         return rt, calculate_metrics(load.results, duration_s=load.duration_s)
 
-    def _trace(self, hp: HostPlan, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan,
-               sampling: Sampling, group: tuple[tuple[int, int], ...], index: int) -> tuple[list[RequestTrace], Path]:
+    def _trace(self, place: _Place, pplan: PredictPlan, sampling: Sampling, group: tuple[tuple[int, int], ...],
+               index: int) -> tuple[list[RequestTrace], Path]:
+        client, prompts = place.client, place.prompts
         tokens = self.workload.max_new_tokens
         answer = client.set_state(trace_switch(group, max_rounds=pplan.max_rounds(tokens)))
         if answer.status != 200:
@@ -233,7 +368,8 @@ class PredictPhase:
                                               concurrency=pplan.trace_concurrency))
         finally:
             client.set_state(TRACE_OFF)
-        out = traces_dir(self.ledger_path) / _slug(f"{self.run_id}-{hp.host.name}-{sampling.key}-g{index}.ndjson")
+        # The place's name: the host's, or its slot's ("h/1"), as the rows name where they ran.
+        out = traces_dir(self.ledger_path) / _slug(f"{self.run_id}-{place.host.name}-{sampling.key}-g{index}.ndjson")
         out.parent.mkdir(parents=True, exist_ok=True)
         traces: list[RequestTrace] = []
         with open(out, "w", encoding="utf-8") as fh:
@@ -243,7 +379,7 @@ class PredictPhase:
                 try:
                     traces.append(parse_trace(result.trace))
                 except TraceProblem as exc:
-                    raise BenchError(f"{hp.host.name}: request {i}'s trace: {exc}") from None
+                    raise BenchError(f"{place.host.name}: request {i}'s trace: {exc}") from None
                 fh.write(trace_line(result.trace))
         if not traces:
             raise BenchError(f"trace run {sampling.key}: no request came back with a trace (meta_info.ddtree_trace)")
@@ -276,10 +412,10 @@ def chosen_cells(outcome: Mapping[str, HostPrediction]) -> dict[str, frozenset[s
     return {host: p.chosen for host, p in outcome.items() if p.chosen is not None}
 
 
-def kept_servers(outcome: Mapping[str, HostPrediction]) -> dict[str, KeptServer]:
-    """``SweepRunner(kept=...)``: the servers the hosts whose prediction worked left
-    running, whose launch measures their chosen cells."""
-    return {host: p.kept for host, p in outcome.items() if p.kept is not None}
+def kept_servers(outcome: Mapping[str, HostPrediction]) -> dict[str, tuple[KeptServer, ...]]:
+    """``SweepRunner(kept=...)``: the servers (one per server place) the hosts whose
+    prediction worked left running, whose launch measures their chosen cells."""
+    return {host: p.kept for host, p in outcome.items() if p.kept}
 
 
 __all__ = ["HostPrediction", "PredictPhase", "chosen_cells", "kept_servers", "traces_dir"]

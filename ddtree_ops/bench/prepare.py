@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.bench.onhost import ClientMode, client_mode
-from ddtree_ops.bench.plan import STEP_S, SWITCH_S, Cell, SweepPlan, cell_seconds, estimate_seconds, plan_sweep
+from ddtree_ops.bench.plan import STEP_S, Cell, LaunchConfig, SweepPlan, estimate_seconds, plan_sweep, run_seconds
 from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
 from ddtree_ops.bench.sweep import RELAUNCH_MODES, SweepSpec
 from ddtree_ops.inventory_types import Host
@@ -76,18 +76,18 @@ class PreparedSweep:
 
     def cell_s(self, cell: Cell, step_s: float = STEP_S) -> float:
         workload = self.spec.workload
-        measure = cell_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
-                               warmup=self.plan.warmup, s_per_step=step_s)
-        return measure + (SWITCH_S if cell.switched else 0.0)
+        return run_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
+                           warmup=self.plan.warmup, s_per_step=step_s)
 
-    def jobs(self, hp: HostPlan, runs: Sequence[tuple[Cell, int]]) -> list[Job]:
+    def jobs(self, hp: HostPlan, runs: Sequence[tuple[Cell, int]], *, running: LaunchConfig | None = None) -> list[Job]:
         """``runs`` of ``hp``'s host as server launches. One server: in plan order. Several
         slots: launches split where a slot would idle (the dry run's split, over what is
-        left), longest expected first."""
+        left), longest expected first; ``running``: a launch every slot serves already (a
+        predicted sweep's kept servers), whose parts cost no load."""
         if hp.schedule is None:
             return make_jobs(runs, cell_s=lambda _c: 0.0, load_s=0.0, slots=1)
         return longest_first(make_jobs(runs, cell_s=lambda c: self.cell_s(c, hp.step_s), load_s=min(hp.launch_s),
-                                       slots=len(hp.launch_s)))
+                                       slots=len(hp.launch_s), running=running))
 
 
 def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:

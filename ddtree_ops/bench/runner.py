@@ -15,12 +15,12 @@ cell's tree is switched through ``/set_internal_state`` and proven through
 not show is that cell's failed row, never a measurement of another tree. Every row records
 its launch (``launch_argv_hash``, ``launch_id``) and whether its tree was switched live.
 
-A server left running for the measuring (``kept``: a predicted sweep's predict phase,
-:mod:`.predictrun`) is taken on by the slot it runs on without loading again, where it is
-still the same process (:meth:`~.lifetime.SweepServer.adopt`); its host's DDTree cells
-are then measured on its launch (the predict phase's runtime states, a superset of the
-sweep's), by every slot of the host alike, so a cell measures the same server whatever
-slot serves it.
+Servers left running for the measuring (``kept``: a predicted sweep's predict phase,
+:mod:`.predictrun`, leaves one on every slot of a host) are taken on by the slots they
+run on without loading again, where each is still the same process
+(:meth:`~.lifetime.SweepServer.adopt`); its host's DDTree cells are then measured on
+their launch (the predict phase's runtime states, a superset of the sweep's), by every
+slot of the host alike, so a cell measures the same server whatever slot serves it.
 
 Failures are rows, not exceptions: a host that cannot be reached, a server that crashes
 or never gets ready, a server killed mid-cell — each is written as ``status: failed`` with
@@ -184,32 +184,39 @@ class _JobQueue:
     next when it frees (longest expected first, see :mod:`.schedule`), preferring one of
     the launch it already serves, which needs no restart.
 
-    ``first``: the slot that takes a job before the others take any: the one a kept server
-    runs on, so that it takes that launch's job (first in line, the longest, another slot
-    would take it and load the launch again). The others wait until it has taken its job or
-    given up (its lease and probe: well under a second)."""
+    ``first``: the slots that take a job before the others take any: those a kept server
+    runs on, so that each takes a job of that launch (first in line, the longest, a slot
+    without one would take it and load the launch again). The others wait until each of
+    them has taken its job or given up (its lease and probe: well under a second)."""
 
-    def __init__(self, jobs: Sequence[Job], *, first: str | None = None) -> None:
+    def __init__(self, jobs: Sequence[Job], *, first: Collection[str] = ()) -> None:
         self._jobs = list(jobs)
         self._lock = threading.Lock()
-        self._first = first
+        self._first = frozenset(first)
+        self._waiting = set(self._first)
         self._first_took = threading.Event()
-        if first is None:
+        if not self._waiting:
             self._first_took.set()
 
     def take(self, serving: LaunchConfig | None, place: str) -> Job | None:
-        if place == self._first:
+        if place in self._first:
             try:
                 return self._take(serving)
             finally:
-                self._first_took.set()
+                self._took(place)
         self._first_took.wait()
         return self._take(serving)
 
     def done(self, place: str) -> None:
         """``place`` takes no more jobs (whether or not it took one): the others need not wait."""
-        if place == self._first:
-            self._first_took.set()
+        if place in self._first:
+            self._took(place)
+
+    def _took(self, place: str) -> None:
+        with self._lock:
+            self._waiting.discard(place)
+            if not self._waiting:
+                self._first_took.set()
 
     def _take(self, serving: LaunchConfig | None) -> Job | None:
         with self._lock:
@@ -247,14 +254,15 @@ class SweepRunner:
         cancel: threading.Event | None = None,
         run_id: str | None = None,
         only: Mapping[str, Collection[str]] | None = None,
-        kept: Mapping[str, KeptServer] | None = None,
+        kept: Mapping[str, Sequence[KeptServer]] | None = None,
     ) -> None:
         """``only``: per host, the DDTree cell keys to measure (a predicted sweep's chosen
         cells; baselines always run); a host it leaves out, or None: every cell. ``kept``:
-        per host, a live DDTree server a phase before left running (the predict phase's),
-        whose launch measures the host's DDTree cells (see the module docstring)."""
+        per host, the live DDTree servers a phase before left running on its server places
+        (the predict phase's, all of one launch), whose launch measures the host's DDTree
+        cells (see the module docstring)."""
         self.only = only
-        self.kept: Mapping[str, KeptServer] = kept or {}
+        self.kept: Mapping[str, Sequence[KeptServer]] = kept or {}
         self.prepared = prepared
         self.spec = prepared.spec
         self.workload = workload
@@ -286,9 +294,9 @@ class SweepRunner:
         """``cell`` with the launch that measures it on ``host``: the kept server's where it
         can switch to the cell's tree (so the rows record that launch), else the plan's."""
         kept = self.kept.get(host)
-        if kept is None or not cell.switched or not kept.launch.serves(cell.server):
+        if not kept or not cell.switched or not kept[0].launch.serves(cell.server):
             return cell
-        return dataclasses.replace(cell, via=kept.launch)
+        return dataclasses.replace(cell, via=kept[0].launch)
 
     def prepare(self, *, dry_run: bool = False) -> None:
         """Check the ledger before any host is touched (idempotent; :meth:`run` calls it).
@@ -366,13 +374,15 @@ class SweepRunner:
     def _run_host(self, hr: _HostRun) -> HostSummary:
         host = hr.host
         # A kept server with nothing left to measure is still taken on, to be stopped.
-        if not hr.pending and host.name not in self.kept:
+        if not hr.pending and not self.kept.get(host.name):
             self._emit(hr, "finished", message="nothing left to run")
             return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
         slots = host.slot_hosts()
-        kept = self.kept.get(host.name)
-        first = kept.place if kept is not None and len(slots) > 1 and kept.place in {s.name for s in slots} else None
-        queue = _JobQueue(self.prepared.jobs(hr.plan, hr.pending), first=first)
+        kept = self.kept.get(host.name, ())
+        first = {k.place for k in kept} & {s.name for s in slots} if len(slots) > 1 else set()
+        # The kept launch costs its slots no load: its cells split over them for free.
+        queue = _JobQueue(self.prepared.jobs(hr.plan, hr.pending, running=kept[0].launch if kept else None),
+                          first=first)
         if len(slots) == 1:
             errors = [self._run_slot(_SlotRun(hr, slots[0]), queue)]
         else:
@@ -404,12 +414,10 @@ class SweepRunner:
                 on_takeover=lambda message: self._emit(sr.hr, "restarting", slot=sr.label, message=message),
             ) as server:
                 # Taken on first, under the lease: from here an interrupt or a failure stops it.
-                # Only the slot the predict phase ran on has one (that phase runs on a host's
-                # first slot), and it takes its launch's first job before the other slots take
-                # any (:class:`_JobQueue`); they load the same launch where the schedule gives
-                # them a part of its cells, each once (the split does not count the load the
-                # kept server saves).
-                kept = self.kept.get(sr.hr.host.name)
+                # The predict phase leaves one on every slot of the host; each takes a job of
+                # its launch before the slots without one take any (:class:`_JobQueue`), so
+                # no slot loads that launch again.
+                kept = next((k for k in self.kept.get(sr.hr.host.name, ()) if k.place == sr.host.name), None)
                 adopted = kept if kept is not None and server.adopt(kept) else None
                 # The lease came first: a host another sweep holds is refused without
                 # probing it (the probe and bundle status cost ~0.13 s per host).

@@ -12,9 +12,13 @@ measures the same server whatever slot serves it), one per slot, each loading on
 measuring its share: a live launch's cells, a relaunched configuration's repeats. The
 split follows the schedule: a launch gets one more part only while that shortens the
 expected wall time (:func:`make_jobs`), so a part never costs more load than it saves.
-What is split is a launch's *work items*, in order (:func:`split_items`): today the
-(cell, repeat) runs; any other item a launch measures (a trace run, a round-time probe)
-splits the same way, given its expected seconds.
+What is split is a launch's *work items*, in order (:func:`split_items`): the (cell,
+repeat) runs here; a predicted sweep's trace runs and round-time probes the same way
+(:func:`~.predictplan.split_work`), given their expected seconds.
+
+A slot may already serve a launch when the schedule starts (``running``: a predicted
+sweep's predict phase leaves its launch running on every slot): it measures that
+launch's part first, without a load, as the runner's queue gives it.
 """
 
 from __future__ import annotations
@@ -108,13 +112,15 @@ def make_jobs(
     cell_s: Callable[[Cell], float],
     load_s: float,
     slots: int,
+    running: LaunchConfig | None = None,
 ) -> list[Job]:
     """One job per launch configuration (in the order ``runs`` first names them), then,
     with several slots, launches split into parts (:func:`split_items`, repeat by repeat:
     each part a whole repeat where the parts are as many as the repeats, so repeats land
     on different GPUs) while that shortens the expected wall time of the schedule on
-    ``slots`` slots loading in ``load_s`` each. At most one part per slot and launch:
-    each slot loads a launch once."""
+    ``slots`` slots loading in ``load_s`` each (``running``: a launch every slot serves
+    already, whose parts cost no load). At most one part per slot and launch: each slot
+    loads a launch once."""
 
     def job(launch: LaunchConfig, part: Sequence[tuple[Cell, int]]) -> Job:
         return Job(launch, tuple(part), sum(cell_s(c) for c, _ in part))
@@ -141,7 +147,8 @@ def make_jobs(
 
     def finish(candidate: Sequence[Job]) -> list[float]:
         """The slots' finish times, latest first: the wall time, then what decides the next split."""
-        sched = schedule(candidate, places, load_s=dict.fromkeys(places, load_s))
+        sched = schedule(candidate, places, load_s=dict.fromkeys(places, load_s),
+                         running=dict.fromkeys(places, running) if running is not None else None)
         return sorted((max((p.end_s for p in sched.on(s)), default=0.0) for s in places), reverse=True)
 
     unsplit = best = finish(jobs)
@@ -155,7 +162,11 @@ def make_jobs(
             if sum(1 for j in trial_jobs if j.launch == launch) <= parts[launch]:
                 continue  # nothing left to cut (items of no expected cost)
             ends = finish(trial_jobs)
-            if ends[0] <= best[0] + 1e-9 and ends < best:
+            # A part of the launch every slot serves loads nothing: taken even where it
+            # only moves work (the wall unchanged), which can free a slot for another
+            # launch's part to shorten the schedule next.
+            free = launch == running and ends <= best
+            if ends[0] <= best[0] + 1e-9 and (ends < best or free):
                 trials.append((ends, launch.sort_key(), trial, trial_jobs))
         if not trials:
             break
@@ -179,18 +190,27 @@ def schedule(
     """Longest expected first, each to the slot that frees first.
 
     ``load_s`` is each slot's learned (or expected) load time; a slot already serving a
-    job's configuration (``running``) takes it without a load. Ties go to a slot already
-    serving that configuration, then to a slot that has not run it yet (repeats land on
-    different GPUs), then to slot order — so the same inputs always give the same schedule.
+    job's configuration (``running``) takes the longest job of it first, without a load
+    (the runner's queue gives a slot a job of the launch it serves before any other: a
+    running server is not replaced while it has work). Ties go to a slot already serving
+    that configuration, then to a slot that has not run it yet (repeats land on different
+    GPUs), then to slot order — so the same inputs always give the same schedule.
     """
     if not slots:
         raise ValueError("no slots to schedule on")
     current: dict[Slot, LaunchConfig | None] = {s: (running or {}).get(s) for s in slots}
     ran: dict[Slot, set[LaunchConfig]] = {s: set() for s in slots}
-    free: list[tuple[float, int, Slot]] = [(0.0, i, s) for i, s in enumerate(slots)]
-    heapq.heapify(free)
     order = longest_first(jobs)
     placements: list[Placement] = []
+    free: list[tuple[float, int, Slot]] = []
+    for i, slot in enumerate(slots):
+        own = next((j for j in order if j.launch == current[slot]), None)
+        if own is not None:
+            order.remove(own)
+            placements.append(Placement(slot, own, 0.0, 0.0, own.measure_s))
+            ran[slot].add(own.launch)
+        free.append((own.measure_s if own is not None else 0.0, i, slot))
+    heapq.heapify(free)
     for job in order:
         t = free[0][0]
         tied = [entry for entry in free if entry[0] == t]

@@ -217,8 +217,10 @@ def _render_plan(
 
 
 def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
-    """The predicted plan's shape and GPU time per host against the full grid's (None:
-    the sweep does not predict)."""
+    """The predicted plan's shape and time per host against the full grid's (None: the
+    sweep does not predict). A host with GPU slots: both are wall times on its slots (the
+    full grid's its slot schedule), the predicted plan's probes and trace runs split over
+    them as its cells are."""
     from ddtree_ops.bench.predictplan import plan_predict, predict_estimate
 
     spec = prepared.spec
@@ -232,10 +234,13 @@ def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
         "trace_groups": [[list(t) for t in g] for g in pplan.trace_groups],
         "predicted_cells_per_host": len(pplan.trees) * len(pplan.samplings) * len(pplan.concurrencies),
         "measured_ddtree_cells_per_host": pplan.measured_cells,
-        "estimated_s": {hp.host.name: predict_estimate(pplan, prepared.plan, load_s=hp.launch_s[0],
-                                                       num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens)
+        "estimated_s": {hp.host.name: predict_estimate(pplan, prepared.plan, load_s=hp.launch_s,
+                                                       num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens,
+                                                       s_per_step=hp.step_s)
                         for hp in prepared.hosts},
-        "full_grid_estimated_s": {hp.host.name: hp.estimate_s for hp in prepared.hosts},
+        "full_grid_estimated_s": {hp.host.name: hp.schedule.wall_s if hp.schedule is not None else hp.estimate_s
+                                  for hp in prepared.hosts},
+        "slots": {hp.host.name: len(hp.launch_s) for hp in prepared.hosts},
     }
 
 
@@ -247,8 +252,9 @@ def _predict_lines(prepared: PreparedSweep) -> list[str]:
              f"run(s) per host predict {data['predicted_cells_per_host']} DDTree cells; the top {data['top']} per "
              f"(temperature, concurrency) are measured: {data['measured_ddtree_cells_per_host']} cells, plus baselines"]
     for host, seconds in data["estimated_s"].items():
-        full = data["full_grid_estimated_s"][host]
-        lines.append(f"{host}: predicted plan {seconds / 60:.1f} min of GPU time against {full / 60:.1f} min for the "
+        full, slots = data["full_grid_estimated_s"][host], data["slots"][host]
+        time = f"wall time on {slots} GPU slots" if slots > 1 else "GPU time"
+        lines.append(f"{host}: predicted plan {seconds / 60:.1f} min of {time} against {full / 60:.1f} min for the "
                      f"full grid ({seconds / full:.2f}x)")
     return lines
 

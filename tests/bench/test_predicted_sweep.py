@@ -6,20 +6,26 @@ measured ranking."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_json import json_data
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
-from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, trace_groups
-from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, kept_servers, traces_dir
-from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.runner import SweepRunner
+from ddtree_ops.bench.plan import SWITCH_S
+from ddtree_ops.bench.predictplan import ProbeRun, TraceRun, plan_predict, predict_estimate, split_work, trace_groups
+from ddtree_ops.bench.predictrun import HostPrediction, PredictPhase, chosen_cells, kept_servers, traces_dir
+from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
+from ddtree_ops.bench.rows import launch_identity
+from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
+from ddtree_ops.inventory import load_inventory
 from ddtree_ops.predict.trace import load_trace_file, union_bound
 from ddtree_ops.report.loading import load_ledgers
 from ddtree_ops.workload.draw import build_workload
@@ -45,6 +51,21 @@ def test_trace_groups_fit_the_largest_state_and_the_bound_is_the_bundles() -> No
     assert all(union_bound(g, 16) <= 256 for g in trace_groups(trees, 16, 256))
 
 
+def predict_then_measure(prepared: PreparedSweep, out: Path) -> tuple[HostPrediction, SweepRunner, SweepOutcome]:
+    """``bench --predict`` on the one host of ``prepared``: the predict phase (which must
+    work), then the chosen cells measured on its servers; every server stopped after."""
+    workload = build_workload(prepared.spec.workload)
+    runner = SweepRunner(prepared, workload, ledger_path=out, options=SweepOptions())
+    try:
+        predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
+        (one,) = predicted.values()
+        assert one.error is None, one.error
+        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
+        return one, runner, runner.run()
+    finally:
+        stop_all([place for hp in prepared.hosts for place in hp.host.slot_hosts()])
+
+
 @pytest.mark.slow
 def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_path: Path) -> None:
     h = host(tmp_path, "sim-h", "h200")
@@ -57,17 +78,8 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert pplan is not None and pplan.launch.budgets == (4, 8, 16, 32) and len(pplan.trace_groups) == 1
     full = prepared.hosts[0].estimate_s
     assert predict_estimate(pplan, prepared.plan, load_s=2.0, num_prompts=4, max_new_tokens=24) < full
-    workload = build_workload(spec.workload)
     out = tmp_path / "ledger.jsonl"
-    runner = SweepRunner(prepared, workload, ledger_path=out, options=SweepOptions())
-    try:
-        predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
-        (one,) = predicted.values()
-        assert one.error is None, one.error
-        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
-        outcome = runner.run()
-    finally:
-        stop_all([h])
+    _one, _runner, outcome = predict_then_measure(prepared, out)
     assert not outcome.failed
     # The DDTree model loaded once: the measuring launched only the baseline.
     assert [h.restarts for h in outcome.hosts] == [1]
@@ -125,8 +137,7 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
 
 
 @pytest.mark.slow
-def test_with_gpu_slots_the_predict_phases_slot_measures_on_its_server_and_the_other_loads_once(
-        tmp_path: Path) -> None:
+def test_with_gpu_slots_every_slot_predicts_its_share_and_measures_on_its_own_predict_launch(tmp_path: Path) -> None:
     inv, sweep_file = write_inventory(tmp_path), write_sweep(tmp_path)
     out = tmp_path / "ledger.jsonl"
     done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict", "--out", str(out),
@@ -135,22 +146,61 @@ def test_with_gpu_slots_the_predict_phases_slot_measures_on_its_server_and_the_o
     [summary] = json_data(done.stdout)["hosts"]
     rows = ledger.read_ledger(out).rows
     probes = [r for r in rows if r["source"] == "probe"]
-    ddtree = [r for r in rows if r["source"] in (None, "measured") and r["algorithm"] == "DDTREE"]
-    # Both trees are in the top 3: every DDTree cell measured, split by repeat over the slots.
-    assert len(ddtree) == 8 and {r["status"] for r in ddtree} == {"ok"} and {r["slot"] for r in ddtree} == {0, 1}
-    # The predict phase ran on slot 0, which measures its DDTree share on that very server;
-    # slot 1 loads the same launch once for its share. Every slot launches a launch at most
-    # once, and the kept server is no launch of the measuring's.
-    assert {r["slot"] for r in probes} == {0}
-    (predict_launch,) = {r["launch_id"] for r in probes}
-    assert {r["launch_id"] for r in ddtree if r["slot"] == 0} == {predict_launch}
-    assert len({r["launch_id"] for r in ddtree if r["slot"] == 1} - {predict_launch}) == 1
     measured = [r for r in rows if r["source"] in (None, "measured")]
-    launches = {(r["slot"], r["launch_id"]) for r in measured}
-    assert len(launches) == len({(r["slot"], r["algorithm"]) for r in measured})
-    assert summary["restarts"] == len(launches) - 1 and summary["failed_rows"] == 0
-    # Both slots' servers were stopped at the end, the handed-over one too (no --keep-server).
+    ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
+    # Four probes (concurrency 1 and 2 x budget 4 and 8) and one trace run over two slots:
+    # two probes each, the trace run on slot 1 (its file named after the slot).
+    assert sorted(Counter(r["slot"] for r in probes).items()) == [(0, 2), (1, 2)]
+    (trace_file,) = traces_dir(out).iterdir()
+    assert "-sim-x_1-t0-" in trace_file.name
+    # Both trees are in the top 3: every DDTree cell measured, on both slots, each slot on
+    # the very server it probed on (its launch id): no slot loaded the DDTree model twice,
+    # and the measuring launched only the baseline, at most once per slot.
+    assert len(ddtree) == 8 and {r["status"] for r in ddtree} == {"ok"}
+    for slot in (0, 1):
+        (launch_id,) = {r["launch_id"] for r in probes if r["slot"] == slot}
+        assert {r["launch_id"] for r in ddtree if r["slot"] == slot} == {launch_id}
+    baseline_launches = {(r["slot"], r["launch_id"]) for r in measured if r["algorithm"] == "AR"}
+    assert summary["restarts"] == len(baseline_launches) <= 2 and summary["failed_rows"] == 0
+    # Both slots' servers were stopped at the end, the handed-over ones too (no --keep-server).
     assert_slots_stopped(inv)
+
+
+@pytest.mark.slow
+def test_with_gpu_slots_trace_runs_split_over_the_slots_as_planned_and_each_kept_server_is_adopted(
+        tmp_path: Path) -> None:
+    write_sweep(tmp_path)  # its prompts
+    h = load_inventory([write_inventory(tmp_path)]).hosts["sim-x"]
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2]}, baselines=[],
+                 predict={"top": 1, "probe_tokens": 8, "trace_concurrency": 1},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24})
+    prepared = prepare_sweep(spec, [h])
+    [hp] = prepared.hosts
+    pplan = plan_predict(spec, prepared.plan)
+    assert pplan is not None
+    # Two probes, then a trace run per temperature, each longer than both probes: the cut
+    # gives slot 0 the probes and one trace run, slot 1 the other.
+    shares = split_work(pplan, 2, num_prompts=2, max_new_tokens=24, s_per_step=hp.step_s)
+    assert [[type(i).__name__ for i in share] for share in shares] == [["ProbeRun", "ProbeRun", "TraceRun"],
+                                                                        ["TraceRun"]]
+    out = tmp_path / "ledger.jsonl"
+    one, runner, outcome = predict_then_measure(prepared, out)
+    assert not outcome.failed
+    # Each slot ran its share: slot 0's probes, a trace file from each slot.
+    rows = rows_of(out)
+    assert {(r["slot"], r["budget"]) for r in rows if r["source"] == "probe"} == {(0, 4), (0, 8)}
+    names = {f.name for f in one.traces}
+    assert names == {f"{runner.run_id}-sim-x_{slot}-{item.sampling.key}-g0.ndjson"
+                     for slot, share in enumerate(shares) for item in share if isinstance(item, TraceRun)}
+    assert all(load_trace_file(f) for f in one.traces) and len(one.traces) == 2
+    # Every slot handed its server over and measured its share of the chosen cells (top 1
+    # per temperature: one each) on it: the measuring launched nothing.
+    assert [k.place for k in one.kept] == ["sim-x/0", "sim-x/1"]
+    measured = [r for r in rows if r["source"] in (None, "measured")]
+    for slot, kept in enumerate(one.kept):
+        mine = [r for r in measured if r["slot"] == slot]
+        assert len(mine) == 1 and mine[0]["launch_id"] == launch_identity(kept.restart)[1], (slot, mine)
+    assert outcome.hosts[0].restarts == 0 and outcome.hosts[0].ok_rows == 2
 
 
 @pytest.mark.slow
@@ -165,7 +215,7 @@ def test_a_kept_server_replaced_between_the_phases_is_launched_again_not_measure
     runner = SweepRunner(prepared, workload, ledger_path=out)
     try:
         predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
-        (kept,) = kept_servers(predicted).values()
+        ((kept,),) = kept_servers(predicted).values()
         stop_all([h])  # as `ddtree-ops stop` would, while no sweep holds the host
         runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
         outcome = runner.run()
@@ -193,6 +243,64 @@ def test_the_predicted_plans_estimate_loads_the_ddtree_model_once(tmp_path: Path
     baselines = {c.launch for c in plan.cells if c.baseline}
     assert len(baselines) == 4
     assert estimate(100.0) - estimate(0.0) == pytest.approx(100.0 * (len(baselines) + 1))
+
+
+def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest_share(tmp_path: Path) -> None:
+    spec = sweep(tmp_path, grid=GRID, baselines=[], predict={"top": 1, "probe_tokens": 8},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 24})
+    plan = prepare_sweep(spec, []).plan
+    pplan = plan_predict(spec, plan)
+    assert pplan is not None
+    step = 0.01
+    probes = [ProbeRun(2, b) for b in (4, 8, 16)]
+    traces = [TraceRun(s, 0) for s in pplan.samplings]
+    assert pplan.work == (*probes, *traces)
+    # A probe: a switch and 2 waves of 8 tokens; a trace run: the workload once at concurrency
+    # 2 (2 waves of 24 tokens, a round per token) between two switches; a measured cell: the
+    # same waves after its switch.
+    probe_s, trace_s, run_s = SWITCH_S + 2 * 8 * step, 2 * SWITCH_S + 2 * 24 * step, SWITCH_S + 2 * 24 * step
+
+    def split(slots: int) -> tuple[tuple[object, ...], ...]:
+        return split_work(pplan, slots, num_prompts=4, max_new_tokens=24, s_per_step=step)
+
+    def estimate(load_s: float | tuple[float, ...]) -> float:
+        return predict_estimate(pplan, plan, load_s=load_s, num_prompts=4, max_new_tokens=24, s_per_step=step)
+
+    # In order, each item once; a share per slot, empty where the items run out.
+    assert split(1) == (pplan.work,)
+    assert split(2) == (tuple(probes), tuple(traces))
+    eight = split(8)
+    assert len(eight) == 8 and tuple(i for share in eight for i in share) == pplan.work and eight[-1] == ()
+    # One server: everything in a row, the load once. Two slots: the longest share, the load
+    # once (in parallel), then the two measured cells (top 1 per temperature) one per slot,
+    # on the predict launch each slot still serves.
+    assert estimate(0.0) == pytest.approx(3 * probe_s + 2 * trace_s + 2 * run_s)
+    assert estimate((0.0, 0.0)) == pytest.approx(max(3 * probe_s, 2 * trace_s) + run_s)
+    for loads in ((100.0,), (100.0, 100.0), (100.0,) * 4):
+        zero = estimate(tuple(0.0 for _ in loads))
+        assert estimate(loads) - zero == pytest.approx(100.0), loads
+    # Four slots: each trace run on a slot of its own, the probes on the other two.
+    assert split(4) == ((probes[0], probes[1]), (probes[2],), (traces[0],), (traces[1],))
+    assert estimate((0.0,) * 4) == pytest.approx(max(trace_s, 2 * probe_s) + run_s)
+    assert math.isclose(estimate(7.0), estimate((7.0,)))
+
+
+def test_dry_run_with_gpu_slots_compares_the_predicted_plans_wall_time_with_the_slot_schedule(tmp_path: Path) -> None:
+    inv, sweep_file = write_inventory(tmp_path), write_sweep(tmp_path)
+    # Eight trees, the top one measured: a grid worth predicting.
+    doc = yaml.safe_load(sweep_file.read_text())
+    doc["grid"] |= {"budget": [4, 8, 16, 32], "topk": [2, 4]}
+    doc |= {"predict": {"top": 1, "probe_tokens": 8}, "workload": {**doc["workload"], "max_new_tokens": 256}}
+    sweep_file.write_text(yaml.safe_dump(doc))
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    data = json_data(done.stdout)
+    predict = data["predict"]
+    assert predict["slots"] == {"sim-x": 2}
+    assert predict["full_grid_estimated_s"]["sim-x"] == data["slot_schedules"]["sim-x"]["wall_s"]
+    assert 0 < predict["estimated_s"]["sim-x"] < predict["full_grid_estimated_s"]["sim-x"]
+    text = cli("-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict", "--dry-run", cwd=tmp_path)
+    assert "sim-x: predicted plan" in text.stdout and "of wall time on 2 GPU slots against" in text.stdout
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> str:
@@ -236,7 +344,7 @@ def test_responses_too_short_to_walk_fail_the_predict_phase_and_the_host_is_meas
     try:
         predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
         (one,) = predicted.values()
-        assert one.chosen is None and one.kept is None
+        assert one.chosen is None and one.kept == ()
         assert one.error is not None and "too short to walk" in one.error and "measuring every cell" in one.error
         runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
         outcome = runner.run()
@@ -244,3 +352,27 @@ def test_responses_too_short_to_walk_fail_the_predict_phase_and_the_host_is_meas
         stop_all([h])
     measured = [r for r in rows_of(out) if r["source"] in (None, "measured")]
     assert not outcome.failed and len(measured) == 2  # both top-ks of the one budget
+
+
+@pytest.mark.slow
+def test_with_gpu_slots_a_failed_predict_phase_stops_every_slots_server(tmp_path: Path) -> None:
+    """Responses too short to walk fail the phase once both slots have run their share:
+    no server is handed over, both are stopped before the host is measured in full."""
+    write_sweep(tmp_path)  # its prompts
+    inv = write_inventory(tmp_path)
+    h = load_inventory([inv]).hosts["sim-x"]
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2]}, baselines=[],
+                 predict={"top": 1, "probe_tokens": 8, "trace_concurrency": 1},
+                 workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 8})
+    prepared = prepare_sweep(spec, [h])
+    workload = build_workload(spec.workload)
+    out = tmp_path / "ledger.jsonl"
+    try:
+        (one,) = PredictPhase(prepared, workload, ledger_path=out, run_id="r").run().values()
+        assert one.chosen is None and one.kept == () and "too short to walk" in (one.error or "")
+        # Both slots ran their share (the probes on slot 0, the two short trace runs on slot 1).
+        assert {r["slot"] for r in rows_of(out) if r["source"] == "probe"} == {0}
+        assert sorted("-sim-x_1-" in f.name for f in traces_dir(out).iterdir()) == [True, True]
+        assert_slots_stopped(inv)
+    finally:
+        stop_all(list(h.slot_hosts()))

@@ -221,3 +221,30 @@ def test_the_dry_run_estimate_charges_each_slot_one_launch_and_its_share_of_lear
     assert hp.schedule.wall_s == pytest.approx(23.0 + 2 * run_s)
     # The runner queues the same parts.
     assert {j.runs for j in prepared.jobs(hp, plan_runs(prepared.plan))} == {p.job.runs for p in placements}
+
+
+def test_a_launch_every_slot_serves_already_splits_for_free_and_is_measured_first() -> None:
+    # A predicted sweep's measuring: the predict launch runs on both slots (kept servers),
+    # its cells (2 repeats) beside a baseline's. Its parts load nothing, so it splits even
+    # where that alone only moves work, which lets the baseline split too: each slot
+    # measures a repeat of each, loading only the baseline.
+    cells = live_cells(budgets=(4, 8), topks=(2,))
+    live = cells[0].launch
+    ar = Cell(ServerConfig("autoregressive"), Sampling(), 2)
+    runs = [(c, r) for c in [ar, *cells] for r in range(2)]
+    cost = {ar.key: 1.0} | {c.key: 2.0 for c in cells}
+    jobs = make_jobs(runs, cell_s=lambda c: cost[c.key], load_s=2, slots=2, running=live)
+    assert sorted((j.launch.algorithm, j.repeats) for j in jobs) == [
+        ("autoregressive", (0,)), ("autoregressive", (1,)), ("ddtree", (0,)), ("ddtree", (1,))]
+    s2 = slots(2)
+    sched = schedule(jobs, s2, load_s=dict.fromkeys(s2, 2.0), running=dict.fromkeys(s2, live))
+    assert [(p.slot.index, p.job.launch.algorithm, p.start_s, p.load_s) for p in sched.placements] == [
+        (0, "ddtree", 0.0, 0.0), (1, "ddtree", 0.0, 0.0), (0, "autoregressive", 4.0, 2.0),
+        (1, "autoregressive", 4.0, 2.0)]
+    # Unknown to the split, the kept servers would leave one slot the whole live launch.
+    assert len(make_jobs(runs, cell_s=lambda c: cost[c.key], load_s=2, slots=2)) == 2
+    # One slot serving it: its job first, though not the longest, without a load.
+    one = slots(1)
+    order = schedule([Job(ar.launch, ((ar, 0),), 50.0), Job(live, ((cells[0], 0),), 1.0)], one,
+                     load_s={one[0]: 2.0}, running={one[0]: live})
+    assert [(p.job.launch, p.load_s) for p in order.placements] == [(live, 0.0), (ar.launch, 2.0)]
