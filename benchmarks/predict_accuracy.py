@@ -84,12 +84,12 @@ def _prompts(path: Path, n: int) -> Path:
 
 
 def _spec(tmp: Path, grid: Mapping[str, Any], *, num_prompts: int, tokens: int, predict: Mapping[str, Any],
-          target: str) -> SweepSpec:
+          target: str, repeats: int = 1) -> SweepSpec:
     doc = {
         "name": "predict-accuracy", "targets": [target], "baselines": [], "grid": dict(grid),
         "workload": {"prompt_files": [str(_prompts(tmp / "prompts.jsonl", num_prompts))], "num_prompts": num_prompts,
                      "max_new_tokens": tokens, "ignore_eos": True, "seed": 0},
-        "repeats": 1, "warmup": 1, "request_timeout_s": 600, "predict": dict(predict),
+        "repeats": repeats, "warmup": 1, "request_timeout_s": 600, "predict": dict(predict),
     }
     (tmp / "sweep.yaml").write_text(yaml.safe_dump(doc))
     return parse_sweep(doc, tmp / "sweep.yaml")
@@ -104,11 +104,14 @@ def _stop(host: Host) -> None:
 
 
 def _ok(rows: list[dict[str, Any]], source: str) -> dict[Cell, dict[str, Any]]:
-    out = {}
+    """Per cell its row, with accept_length and output_tok_s the mean over its repeats (as
+    ``report`` and ``tune`` take them)."""
+    by: dict[Cell, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "ok" and r["algorithm"] == "DDTREE" and (r.get("source") or "measured") == source:
-            out[(r["temperature"], r["concurrency"], r["budget"], r["topk"])] = r
-    return out
+            by.setdefault((r["temperature"], r["concurrency"], r["budget"], r["topk"]), []).append(r)
+    return {key: {**reps[-1], **{k: statistics.mean(r[k] for r in reps) for k in ("accept_length", "output_tok_s")}}
+            for key, reps in by.items()}
 
 
 def estimators(folder: Path, tokens: int) -> dict[tuple[float, int, int], dict[str, float | None]]:
@@ -272,8 +275,10 @@ def real_part(tmp: Path, say: Any) -> dict[str, Any]:
     host = load_inventory([inv]).resolve("sglang-cpu")[0]
     grid = {"algorithm": ["ddtree"], "budget": [2, 3, 4, 5, 6, 8, 10, 12, 16], "topk": [1, 2, 3, 4],
             "temperature": [0.0, 1.0], "concurrency": [8]}
-    spec = _spec(tmp, grid, num_prompts=512, tokens=32, target="cpu",
-                 predict={"top": 3, "probe_tokens": 16, "trace_concurrency": 16})
+    # Two repeats a cell: the best trees here lie within 2-3 % of each other, about what one
+    # CPU run of a cell scatters by (two cores shared by the server and the client).
+    spec = _spec(tmp, grid, num_prompts=512, tokens=32, target="cpu", repeats=2,
+                 predict={"top": 3, "probe_tokens": 32, "probe_waves": 4, "trace_concurrency": 16})
     return run_part("real_cpu", host, spec, tmp, say)
 
 

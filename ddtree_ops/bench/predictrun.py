@@ -69,6 +69,7 @@ from ddtree_ops.predict.estimate import (
     measure_round_time,
     predict_acceptance,
     predict_cell,
+    smooth_round_times,
     top_cells,
 )
 from ddtree_ops.predict.trace import TRACE_OFF, RequestTrace, TraceProblem, parse_trace, trace_line, trace_switch
@@ -200,7 +201,8 @@ class PredictPhase:
                                 s_per_step=hp.step_s)
             done = self._each(pool, failed, lambda job: self._run_share(hp, job[0], pplan, job[1], steps, failed),
                               list(zip(places, shares, strict=True)))
-            times = {k: v for d in done for k, v in d.times.items()}
+            # The probes pooled (estimate.smooth_round_times): the raw ones are in the ledger.
+            times = smooth_round_times({k: v for d in done for k, v in d.times.items()})
             lives = {k: v for d in done for k, v in d.lives.items()}
             traced = {k: v for d in done for k, v in d.traces.items()}
             by_sampling = {s: [(group, traced[TraceRun(s, gi)][0]) for gi, group in enumerate(pplan.trace_groups)]

@@ -117,7 +117,7 @@ class PredictSpec:
 
     top: int = 3
     probe_tokens: int = 32
-    probe_waves: int = 2
+    probe_waves: int = 4
     trace_concurrency: int | None = None
 
 
@@ -161,7 +161,7 @@ def _parse_predict(path: Path, raw: Any) -> PredictSpec | None:
     return PredictSpec(
         top=_int(path, "predict.top", raw.get("top", 3), minimum=1, maximum=MAX_CELLS),
         probe_tokens=_int(path, "predict.probe_tokens", raw.get("probe_tokens", 32), minimum=2, maximum=MAX_NEW_TOKENS),
-        probe_waves=_int(path, "predict.probe_waves", raw.get("probe_waves", 2), minimum=1, maximum=MAX_REPEATS),
+        probe_waves=_int(path, "predict.probe_waves", raw.get("probe_waves", 4), minimum=1, maximum=MAX_REPEATS),
         trace_concurrency=None if raw.get("trace_concurrency") is None else _int(
             path, "predict.trace_concurrency", raw["trace_concurrency"], minimum=1, maximum=MAX_CONCURRENCY),
     )

@@ -38,6 +38,15 @@ server counts, ``M / N``. The round time comes from a probe at the cell's concur
 verify width (:class:`RoundTime`: seconds per round, and the per-request overhead its
 prefill and admission cost), so ``tok/s = c * M / (overhead + E[N] * round)`` -- for long
 outputs ``concurrency x acceptance / round time``.
+
+**Probes pooled before use** (:func:`smooth_round_times`). The best trees of a grid are
+often within a few per cent of each other, less than one short probe's scatter (on the
+CPU server a probe's round time moves +-15 % from budget to budget, not in order). Two
+facts of the server remove most of it: a wider verify does not run faster (the round time
+is non-decreasing in the budget at one concurrency and graph mode), and the per-request
+overhead (prefill, admission) does not depend on the tree. So the round times of one
+(concurrency, graph mode) are fitted non-decreasing in budget (isotonic least squares),
+and every probe at a concurrency gets their median overhead.
 """
 
 from __future__ import annotations
@@ -243,6 +252,35 @@ def top_cells(predictions: Iterable[CellPrediction], n: int) -> list[CellPredict
     return out
 
 
+def _nondecreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators). Written
+    out: a dozen lines, where scipy's ``isotonic_regression`` would be a new dependency."""
+    blocks: list[tuple[float, int]] = []  # (mean, count), means non-decreasing
+    for v in values:
+        mean, count = float(v), 1
+        while blocks and blocks[-1][0] > mean:
+            prev, n = blocks.pop()
+            mean, count = (prev * n + mean * count) / (n + count), n + count
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
+def smooth_round_times(times: Mapping[tuple[int, int], RoundTime]) -> dict[tuple[int, int], RoundTime]:
+    """The probes as the predictor uses them (module docstring): per (concurrency, graph
+    mode) the round time fitted non-decreasing in budget; per concurrency the median
+    overhead. Keys as given."""
+    out: dict[tuple[int, int], RoundTime] = {}
+    for c in {rt.concurrency for rt in times.values()}:
+        mine = {key: rt for key, rt in times.items() if rt.concurrency == c}
+        overhead = statistics.median(rt.overhead_s for rt in mine.values())
+        for graph in {rt.cuda_graph for rt in mine.values()}:
+            ordered = sorted((key for key, rt in mine.items() if rt.cuda_graph == graph), key=lambda k: mine[k].budget)
+            fitted = _nondecreasing([mine[key].round_s for key in ordered])
+            for key, round_s in zip(ordered, fitted, strict=True):
+                out[key] = RoundTime(c, mine[key].budget, round_s, overhead, graph)
+    return out
+
+
 def round_time_for(times: Mapping[tuple[int, int], RoundTime], concurrency: int, budget: int) -> RoundTime | None:
     """The probe at (concurrency, budget), else None."""
     return times.get((concurrency, budget))
@@ -258,5 +296,6 @@ __all__ = [
     "predict_cell",
     "round_time_for",
     "rounds_per_request",
+    "smooth_round_times",
     "top_cells",
 ]

@@ -22,6 +22,7 @@ from ddtree_ops.predict.estimate import (
     measure_round_time,
     predict_cell,
     rounds_per_request,
+    smooth_round_times,
     top_cells,
 )
 from ddtree_ops.predict.trace import TRACE_VERSION, TraceRound, load_trace_file, trace_line
@@ -256,3 +257,27 @@ def test_a_probe_measures_round_time_and_overhead() -> None:
     assert rt is not None
     assert rt.round_s == pytest.approx(0.02) and rt.overhead_s == pytest.approx(0.05)
     assert measure_round_time([ProbeRequest(0.1, 0.1, 0)], concurrency=1, budget=8, duration_s=1.0) is None
+
+
+def test_probes_are_fitted_non_decreasing_in_budget_with_one_overhead_per_concurrency() -> None:
+    # The CPU server's probes at concurrency 8 (one predict_accuracy run): out of order by
+    # budget, overheads 40-90 ms. Graph-replayed and eager probes are fitted apart.
+    raw = {8: [(2, 9.03, 54.0), (3, 8.74, 39.6), (4, 9.66, 55.6), (5, 10.03, 48.7), (6, 10.02, 72.0),
+               (8, 7.84, 89.7), (10, 9.46, 50.6), (12, 9.95, 53.2), (16, 12.91, 60.6)]}
+    times = {(8, b): RoundTime(8, b, r / 1000, o / 1000) for b, r, o in raw[8]}
+    times |= {(1, 4): RoundTime(1, 4, 0.005, 0.01), (1, 8): RoundTime(1, 8, 0.004, 0.03),
+              (1, 64): RoundTime(1, 64, 0.009, 0.02, cuda_graph=False)}
+    smooth = smooth_round_times(times)
+    assert smooth.keys() == times.keys()
+    fitted = [smooth[(8, b)].round_s * 1000 for b, _, _ in raw[8]]
+    # Pool adjacent violators by hand: (9.03, 8.74) -> 8.885; (9.66, 10.03, 10.02, 7.84) -> 9.3875.
+    assert fitted == pytest.approx([8.885, 8.885, 9.3875, 9.3875, 9.3875, 9.3875, 9.46, 9.95, 12.91])
+    assert all(a <= b for a, b in zip(fitted, fitted[1:], strict=False))
+    # The fit keeps the probes' total (least squares with a free level does).
+    assert sum(fitted) == pytest.approx(sum(r for _, r, _ in raw[8]))
+    assert [smooth[(8, b)].overhead_s for b, _, _ in raw[8]] == pytest.approx([0.054] * 9)  # the median
+    # Concurrency 1: 5 ms then 4 ms pooled to 4.5 ms; the eager probe stands alone.
+    assert smooth[(1, 4)].round_s == smooth[(1, 8)].round_s == pytest.approx(0.0045)
+    assert smooth[(1, 64)].round_s == pytest.approx(0.009) and smooth[(1, 64)].cuda_graph is False
+    assert [smooth[(1, b)].overhead_s for b in (4, 8, 64)] == pytest.approx([0.02] * 3)
+    assert smooth_round_times({}) == {}
