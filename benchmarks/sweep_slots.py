@@ -21,8 +21,9 @@ the dry run's; each run updates the state file as any sweep does.
 
 Then the same sweep as a predicted plan (``bench --predict``: round-time probes and a
 trace run, the top 3 trees measured) on 1 slot and on the most slots: every slot launches
-the predict launch once and runs its share of the probes and trace runs, then measures its
-share of the chosen trees on that server. Its estimate is the dry run's
+the predict launch once and runs its share of the probes and trace runs (the one trace run
+cut into parts of its prompts over the slots), then measures its share of the chosen trees
+on that server. Its estimate is the dry run's
 (``predict_estimate``, as ``bench --predict --dry-run`` prints it).
 
 Printed per slot count: measured wall time, its ratio to the 1-slot time (of the same
@@ -133,9 +134,11 @@ def run_predicted(tmp: Path, doc: dict[str, object], slots: int, load_s: float) 
     assert pplan is not None
     wl = spec.workload
     estimated = predict_estimate(pplan, prepared.plan, load_s=hp.launch_s, num_prompts=wl.num_prompts,
-                                 max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s)
+                                 max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s,
+                                 trace_s_per_step=hp.trace_step_s)
     phase_estimated = predict_phase_estimate(pplan, load_s=hp.launch_s, num_prompts=wl.num_prompts,
-                                             max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s)
+                                             max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s,
+                                             trace_s_per_step=hp.trace_step_s)
     out = tmp / f"ledger-predicted-{slots}.jsonl"
     started = time.monotonic()
     runner = SweepRunner(prepared, workload, ledger_path=out)

@@ -132,7 +132,9 @@ class StepRecord:
     measured seconds of a row over its ``ceil(prompts / concurrency)`` waves x
     ``max_new_tokens`` (``bench.plan.cell_steps``), averaged over the last
     :data:`STEP_WINDOW` rows. What the dry run charges per run, like ``restart_s`` per
-    launch, instead of a guess (speculation emits several tokens per step)."""
+    launch, instead of a guess (speculation emits several tokens per step). A predicted
+    sweep's trace runs are kept apart (``trace``: the key's ``|trace`` suffix): a traced
+    request runs one round per token, over the grid's union, several times a run's step."""
 
     host: str
     model: str
@@ -250,20 +252,21 @@ class StateStore:
         value = entry.get("restart_s") if isinstance(entry, dict) else None
         return float(value) if is_seconds(value) else None
 
-    def learned_step_s(self, host: str, model: str) -> float | None:
-        """Seconds per decode step of a sweep row on ``host`` (:class:`StepRecord`), or None."""
-        entry = self._load()["step_times"].get(_load_key(host, model))
+    def learned_step_s(self, host: str, model: str, *, trace: bool = False) -> float | None:
+        """Seconds per decode step of a sweep row on ``host`` (:class:`StepRecord`; ``trace``:
+        of a predicted sweep's trace run), or None."""
+        entry = self._load()["step_times"].get(_step_key(host, model, trace))
         value = entry.get("s_per_step") if isinstance(entry, dict) else None
         return float(value) if is_seconds(value) else None
 
-    def record_step_time(self, host: str, model: str, s_per_step: float) -> None:
-        """Fold one measured row into the host's running mean (a time outside (0, a day] is
-        not remembered, as for load times)."""
+    def record_step_time(self, host: str, model: str, s_per_step: float, *, trace: bool = False) -> None:
+        """Fold one measured row (``trace``: one trace run) into the host's running mean (a
+        time outside (0, a day] is not remembered, as for load times)."""
         if not is_seconds(s_per_step):
             return
 
         def fold(data: dict[str, Any]) -> None:
-            key = _load_key(host, model)
+            key = _step_key(host, model, trace)
             old = data["step_times"].get(key)
             mean, rows = float(s_per_step), 1
             if isinstance(old, dict) and is_seconds(old.get("s_per_step")) and isinstance(old.get("rows"), int):
@@ -500,3 +503,7 @@ def _empty() -> dict[str, Any]:
 
 def _load_key(host: str, model: str) -> str:
     return f"{host}|{model}"
+
+
+def _step_key(host: str, model: str, trace: bool) -> str:
+    return _load_key(host, model) + ("|trace" if trace else "")

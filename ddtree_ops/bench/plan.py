@@ -37,6 +37,11 @@ SWITCH_S = 0.5
 # What one decode step of a run is charged where no sweep measured the host before (the
 # state file's learned step time replaces it: ``StateStore.learned_step_s``).
 STEP_S = 0.02
+# A predicted sweep's trace run per step, over a run's, where no trace run was timed on the
+# host before (``StateStore.learned_step_s(trace=True)`` replaces it): a traced request
+# commits one token a round where a DDTree run commits its acceptance (2-4), and verifies
+# the grid's union. The simulator's trace runs took 2.6-2.8x (benchmarks/sweep_slots.py).
+TRACE_STEP_FACTOR = 3.0
 
 
 @dataclass(frozen=True, order=True)

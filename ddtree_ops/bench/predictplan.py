@@ -14,22 +14,24 @@ same launch, left running (each of its budgets is a runtime state there, so they
 switched to live as ever), so a host loads the DDTree model once.
 
 On a host with several GPU slots every slot launches that launch once, and the phase's
-work items -- each probe and each trace run -- are split over them (:func:`split_work`,
-the schedule's own :func:`~.schedule.split_items`, each item weighted by its expected
-seconds); the predictions need every slot's results, and each slot's server then
-measures that slot's share of the chosen cells. :func:`predict_estimate` is the wall time
-of that plan, which ``--dry-run`` shows against the full grid's.
+work items -- each probe and each trace run, a trace run in parts of its prompts where the
+slots outnumber the trace runs -- are split over them (:func:`split_work`: longest first,
+each to the least loaded slot, by expected seconds); the predictions need every slot's
+results, and each slot's server then measures that slot's share of the chosen cells.
+:func:`predict_estimate` is the wall time of that plan, which ``--dry-run`` shows against
+the full grid's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.bench.plan import (
     STEP_S,
     SWITCH_S,
+    TRACE_STEP_FACTOR,
     Cell,
     LaunchConfig,
     Sampling,
@@ -38,7 +40,7 @@ from ddtree_ops.bench.plan import (
     cell_seconds,
     run_seconds,
 )
-from ddtree_ops.bench.schedule import Slot, make_jobs, schedule, split_items
+from ddtree_ops.bench.schedule import Slot, make_jobs, schedule
 from ddtree_ops.bench.sweep import PredictSpec, SweepSpec
 from ddtree_ops.limits import MAX_DDTREE_BUDGET
 from ddtree_ops.predict.trace import union_bound
@@ -59,10 +61,22 @@ class ProbeRun:
 @dataclass(frozen=True)
 class TraceRun:
     """One trace run: the whole workload once at ``sampling``, tracing the trees of
-    ``trace_groups[group]``."""
+    ``trace_groups[group]``; or, split over GPU slots (:func:`split_work`), its ``shard``-th
+    of ``shards`` parts: the workload's prompts ``shard::shards`` (requests are walked one
+    by one, so the parts' traces together are the whole run's)."""
 
     sampling: Sampling
     group: int
+    shard: int = 0
+    shards: int = 1
+
+    def prompts(self, num_prompts: int) -> range:
+        """Which of the workload's prompts this run (or part) sends, by index."""
+        return range(self.shard, num_prompts, self.shards)
+
+    @property
+    def whole(self) -> TraceRun:
+        return TraceRun(self.sampling, self.group)
 
 
 WorkItem = ProbeRun | TraceRun
@@ -151,33 +165,75 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
 
 
 def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_new_tokens: int,
-                 s_per_step: float = STEP_S) -> float:
+                 s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
     """Expected seconds of one work item: a probe is a switch and ``probe_waves`` waves of
-    ``probe_tokens`` steps; a trace run is the whole workload once at the trace concurrency
-    (a traced request runs one round per token: a step per token), with the switches
-    turning the trace on and off."""
+    ``probe_tokens`` steps; a trace run is its prompts (the workload's, or its part's) once
+    at the trace concurrency, charged ``trace_s_per_step`` a step (a traced request runs one round per token; None:
+    ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
+    on and off."""
     spec = pplan.spec
     if isinstance(item, ProbeRun):
         return SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step
     trace_cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
-    return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=0,
-                                       s_per_step=s_per_step)
+    per_step = s_per_step * TRACE_STEP_FACTOR if trace_s_per_step is None else trace_s_per_step
+    return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=len(item.prompts(num_prompts)),
+                                       max_new_tokens=max_new_tokens, warmup=0, s_per_step=per_step)
+
+
+def sharded_work(pplan: PredictPlan, shards: int) -> tuple[WorkItem, ...]:
+    """:attr:`PredictPlan.work` with each trace run cut into ``shards`` parts of its prompts."""
+    out: list[WorkItem] = []
+    for item in pplan.work:
+        if isinstance(item, TraceRun):
+            out.extend(TraceRun(item.sampling, item.group, i, shards) for i in range(shards))
+        else:
+            out.append(item)
+    return tuple(out)
 
 
 def split_work(pplan: PredictPlan, slots: int, *, num_prompts: int, max_new_tokens: int,
-               s_per_step: float = STEP_S) -> tuple[tuple[WorkItem, ...], ...]:
-    """:attr:`PredictPlan.work` over ``slots`` GPU slots: one share per slot, in slot order
-    (empty where there are fewer items worth a slot), cut like a launch's runs
-    (:func:`~.schedule.split_items`). Pure: every slot of a run, and the dry run, cut the
-    same way."""
-    pieces = split_items(pplan.work, lambda item: work_seconds(pplan, item, num_prompts=num_prompts,
-                                                               max_new_tokens=max_new_tokens, s_per_step=s_per_step),
-                         max(1, slots))
-    return tuple(tuple(p) for p in pieces) + ((),) * (max(1, slots) - len(pieces))
+               s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> tuple[tuple[WorkItem, ...], ...]:
+    """:attr:`PredictPlan.work` over ``slots`` GPU slots: one share per slot, in slot order,
+    each item (longest expected first) to the share that is shortest so far, a share's
+    items in the plan's order (probes, then trace runs); empty shares last. Where slots
+    outnumber the trace runs, each trace run is cut into parts of its prompts
+    (:func:`sharded_work`; none with fewer prompts than the trace concurrency keeps in
+    flight) so that a grid traced in one or two runs does not leave the other slots idle --
+    as many parts as shorten the longest share most (each part pays its own switches).
+    Pure: every slot of a run, and the dry run, cut the same way."""
+
+    def seconds(item: WorkItem) -> float:
+        return work_seconds(pplan, item, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                            s_per_step=s_per_step, trace_s_per_step=trace_s_per_step)
+
+    slots = max(1, slots)
+    runs = sum(1 for item in pplan.work if isinstance(item, TraceRun))
+    most = max(1, min(slots // max(1, runs), num_prompts // pplan.trace_concurrency))
+    best: tuple[float, list[list[WorkItem]]] | None = None
+    for shards in range(1, most + 1):
+        shares = _longest_first(sharded_work(pplan, shards), seconds, slots)
+        longest = max(sum(seconds(item) for item in share) for share in shares)
+        if best is None or longest < best[0]:
+            best = (longest, shares)
+    assert best is not None
+    return tuple(tuple(share) for share in sorted(best[1], key=lambda share: not share))
+
+
+def _longest_first(items: Sequence[WorkItem], seconds: Callable[[WorkItem], float],
+                   slots: int) -> list[list[WorkItem]]:
+    """LPT: each item, longest first (ties in plan order), to the least loaded share (ties
+    to the first); each share in plan order."""
+    loads, picked = [0.0] * slots, [list[int]() for _ in range(slots)]
+    for i in sorted(range(len(items)), key=lambda i: -seconds(items[i])):
+        share = min(range(slots), key=lambda s: loads[s])
+        picked[share].append(i)
+        loads[share] += seconds(items[i])
+    return [[items[i] for i in sorted(share)] for share in picked]
 
 
 def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float], num_prompts: int,
-                           max_new_tokens: int, s_per_step: float = STEP_S) -> float:
+                           max_new_tokens: int, s_per_step: float = STEP_S,
+                           trace_s_per_step: float | None = None) -> float:
     """Rough wall time of the predict phase on one host. ``load_s``: what a launch costs on
     each of its server places (its GPU slots; a bare figure: one server). Every place
     launches the predict launch (in parallel) and runs its share of the probes and trace
@@ -185,16 +241,16 @@ def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float
     every result)."""
     loads = _loads(load_s)
     shares = split_work(pplan, len(loads), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                        s_per_step=s_per_step)
+                        s_per_step=s_per_step, trace_s_per_step=trace_s_per_step)
     return max(
         load + sum(work_seconds(pplan, item, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                                s_per_step=s_per_step) for item in share)
+                                s_per_step=s_per_step, trace_s_per_step=trace_s_per_step) for item in share)
         for load, share in zip(loads, shares, strict=True)
     )
 
 
 def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Sequence[float], num_prompts: int,
-                     max_new_tokens: int, s_per_step: float = STEP_S) -> float:
+                     max_new_tokens: int, s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
     """Rough wall time of the predicted plan on one host (``load_s`` as for
     :func:`predict_phase_estimate`): the predict phase, then the measuring, scheduled as
     the full grid's is with slots (:func:`~.schedule.schedule`, so the two figures
@@ -203,7 +259,7 @@ def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Seq
     still serves (no load of their own)."""
     loads = _loads(load_s)
     predict_s = predict_phase_estimate(pplan, load_s=loads, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                                       s_per_step=s_per_step)
+                                       s_per_step=s_per_step, trace_s_per_step=trace_s_per_step)
     # The chosen trees are not known before the phase: any DDTree cell costs the same.
     ddtree = [Cell(ServerConfig("ddtree", b, k), s, c, via=pplan.launch) for s in pplan.samplings
               for c in pplan.concurrencies for b, k in pplan.trees[:min(pplan.spec.top, len(pplan.trees))]]
@@ -230,5 +286,5 @@ def probe_requests(concurrency: int, waves: int) -> int:
 
 __all__ = [
     "PredictPlan", "ProbeRun", "TraceRun", "WorkItem", "plan_predict", "predict_estimate", "predict_phase_estimate",
-    "probe_requests", "split_work", "trace_groups", "work_seconds",
+    "probe_requests", "sharded_work", "split_work", "trace_groups", "work_seconds",
 ]

@@ -43,7 +43,7 @@ from ddtree_ops.bench.lifetime import KeptServer, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
-from ddtree_ops.bench.plan import Cell, Sampling, ServerConfig
+from ddtree_ops.bench.plan import Cell, Sampling, ServerConfig, cell_steps
 from ddtree_ops.bench.predictplan import (
     PredictPlan,
     ProbeRun,
@@ -187,7 +187,11 @@ class PredictPhase:
     def _predict(self, hp: HostPlan) -> HostPrediction:
         planned = self.plan
         assert planned is not None
-        steps = _Steps(self, hp, len(planned.work))
+        wl = self.prepared.spec.workload
+        planned_shares = split_work(planned, len(hp.host.slot_hosts()), num_prompts=wl.num_prompts,
+                                    max_new_tokens=wl.max_new_tokens, s_per_step=hp.step_s,
+                                    trace_s_per_step=hp.trace_step_s)
+        steps = _Steps(self, hp, sum(map(len, planned_shares)))
         failed = threading.Event()
         with ExitStack() as stack:
             servers = [self._enter(stack, hp, place, steps) for place in hp.host.slot_hosts()]
@@ -196,18 +200,20 @@ class PredictPhase:
                                                           thread_name_prefix=f"predict-{hp.host.name}"))
             places = self._each(pool, failed, lambda server: self._launch(hp, server, planned, steps, failed), servers)
             pplan = self._replan(planned, places)
-            wl = self.prepared.spec.workload
             shares = split_work(pplan, len(places), num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens,
-                                s_per_step=hp.step_s)
+                                s_per_step=hp.step_s, trace_s_per_step=hp.trace_step_s)
             done = self._each(pool, failed, lambda job: self._run_share(hp, job[0], pplan, job[1], steps, failed),
                               list(zip(places, shares, strict=True)))
             # The probes pooled (estimate.smooth_round_times): the raw ones are in the ledger.
             times = smooth_round_times({k: v for d in done for k, v in d.times.items()})
             lives = {k: v for d in done for k, v in d.lives.items()}
             traced = {k: v for d in done for k, v in d.traces.items()}
-            by_sampling = {s: [(group, traced[TraceRun(s, gi)][0]) for gi, group in enumerate(pplan.trace_groups)]
+            # A trace run split over slots: its parts' requests together, in prompt order of parts.
+            parts = sorted(traced, key=lambda item: item.shard)
+            by_sampling = {s: [(group, [t for item in parts if item.whole == TraceRun(s, gi) for t in traced[item][0]])
+                               for gi, group in enumerate(pplan.trace_groups)]
                            for s in pplan.samplings}
-            files = [traced[item][1] for item in pplan.work if isinstance(item, TraceRun)]
+            files = [traced[item][1] for share in shares for item in share if isinstance(item, TraceRun)]
             predictions = self._predictions(pplan, by_sampling, times)
             keys = {(c.server.budget, c.server.topk, c.sampling.temperature, c.sampling.top_p, c.sampling.top_k,
                      c.concurrency): c
@@ -307,8 +313,9 @@ class PredictPhase:
                     overhead_ms=rt.overhead_s * 1000))
             else:
                 groups = len(pplan.trace_groups)
-                steps.say(f"trace run {item.sampling.key} group {item.group + 1}/{groups}", slot=place.label)
-                traces[item] = self._trace(place, pplan, item.sampling, pplan.trace_groups[item.group], item.group)
+                part = f" part {item.shard + 1}/{item.shards}" if item.shards > 1 else ""
+                steps.say(f"trace run {item.sampling.key} group {item.group + 1}/{groups}{part}", slot=place.label)
+                traces[item] = self._trace(place, pplan, item)
             steps.say("", slot=place.label, finished=True)
         return _ShareDone(times, lives, traces)
 
@@ -357,9 +364,10 @@ class PredictPhase:
             raise BenchError(f"round-time probe at concurrency {c} budget {b} measured no round ({errors})")
         return rt, calculate_metrics(load.results, duration_s=load.duration_s)
 
-    def _trace(self, place: _Place, pplan: PredictPlan, sampling: Sampling, group: tuple[tuple[int, int], ...],
-               index: int) -> tuple[list[RequestTrace], Path]:
-        client, prompts = place.client, place.prompts
+    def _trace(self, place: _Place, pplan: PredictPlan, run: TraceRun) -> tuple[list[RequestTrace], Path]:
+        sampling, group, index = run.sampling, pplan.trace_groups[run.group], run.group
+        client = place.client
+        prompts = tuple(place.prompts[i] for i in run.prompts(len(place.prompts)))
         tokens = self.workload.max_new_tokens
         answer = client.set_state(trace_switch(group, max_rounds=pplan.max_rounds(tokens)))
         if answer.status != 200:
@@ -370,8 +378,12 @@ class PredictPhase:
                                               concurrency=pplan.trace_concurrency))
         finally:
             client.set_state(TRACE_OFF)
+        if load.results and all(r.ok for r in load.results):
+            self._learn_trace_step(place.host, pplan, len(prompts), tokens, load.duration_s)
         # The place's name: the host's, or its slot's ("h/1"), as the rows name where they ran.
-        out = traces_dir(self.ledger_path) / _slug(f"{self.run_id}-{place.host.name}-{sampling.key}-g{index}.ndjson")
+        part = f"-p{run.shard}" if run.shards > 1 else ""
+        out = traces_dir(self.ledger_path) / _slug(
+            f"{self.run_id}-{place.host.name}-{sampling.key}-g{index}{part}.ndjson")
         out.parent.mkdir(parents=True, exist_ok=True)
         traces: list[RequestTrace] = []
         with open(out, "w", encoding="utf-8") as fh:
@@ -386,6 +398,16 @@ class PredictPhase:
         if not traces:
             raise BenchError(f"trace run {sampling.key}: no request came back with a trace (meta_info.ddtree_trace)")
         return traces, out
+
+    def _learn_trace_step(self, host: Host, pplan: PredictPlan, num_prompts: int, tokens: int, seconds: float) -> None:
+        """Remember what a step of a trace run took on this place, for the next dry run's
+        trace charge (``prepare.expected_trace_step_s``), as the runner does for a run."""
+        from ddtree_ops.state import StateStore
+
+        cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
+        steps = cell_steps(cell, num_prompts=num_prompts, max_new_tokens=tokens, warmup=0)
+        if steps:
+            StateStore().record_step_time(host.name, host.ddtree.server.model_path or "", seconds / steps, trace=True)
 
     def _predictions(
         self, pplan: PredictPlan,

@@ -18,7 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.bench.onhost import ClientMode, client_mode
-from ddtree_ops.bench.plan import STEP_S, Cell, LaunchConfig, SweepPlan, estimate_seconds, plan_sweep, run_seconds
+from ddtree_ops.bench.plan import (
+    STEP_S,
+    TRACE_STEP_FACTOR,
+    Cell,
+    LaunchConfig,
+    SweepPlan,
+    estimate_seconds,
+    plan_sweep,
+    run_seconds,
+)
 from ddtree_ops.bench.schedule import Job, Schedule, Slot, longest_first, make_jobs, plan_runs, schedule
 from ddtree_ops.bench.sweep import RELAUNCH_MODES, SweepSpec
 from ddtree_ops.inventory_types import Host
@@ -47,6 +56,17 @@ def expected_step_s(hosts: Sequence[Host]) -> float:
     return sum(learned) / len(learned) if learned else STEP_S
 
 
+def expected_trace_step_s(hosts: Sequence[Host], step_s: float) -> float:
+    """Seconds per step (the same unit) of a predicted sweep's trace run on these places:
+    what their last trace runs took, else ``step_s`` x :data:`~.plan.TRACE_STEP_FACTOR`."""
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    learned = [v for h in hosts
+               if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "", trace=True)) is not None]
+    return sum(learned) / len(learned) if learned else step_s * TRACE_STEP_FACTOR
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """One target host's part of the sweep."""
@@ -64,6 +84,8 @@ class HostPlan:
     estimate_by_mode: Mapping[str, float] | None = None
     # Seconds per decode step of a run there (:func:`expected_step_s`).
     step_s: float = STEP_S
+    # ... of a predicted sweep's trace run there (:func:`expected_trace_step_s`).
+    trace_step_s: float = STEP_S * TRACE_STEP_FACTOR
 
 
 @dataclass(frozen=True)
@@ -112,8 +134,10 @@ def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
             jobs = make_jobs(plan_runs(plan), cell_s=functools.partial(prepared.cell_s, step_s=step_s),
                              load_s=min(launch_s), slots=len(places))
             sched = schedule(jobs, list(loads), load_s=loads)
-        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode, step_s))
+        planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode, step_s,
+                                expected_trace_step_s(places, step_s)))
     return PreparedSweep(spec, plan, tuple(planned), plans)
 
 
-__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "expected_step_s", "prepare_sweep"]
+__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "expected_step_s", "expected_trace_step_s",
+           "prepare_sweep"]

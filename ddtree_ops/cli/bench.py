@@ -236,7 +236,7 @@ def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
         "measured_ddtree_cells_per_host": pplan.measured_cells,
         "estimated_s": {hp.host.name: predict_estimate(pplan, prepared.plan, load_s=hp.launch_s,
                                                        num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens,
-                                                       s_per_step=hp.step_s)
+                                                       s_per_step=hp.step_s, trace_s_per_step=hp.trace_step_s)
                         for hp in prepared.hosts},
         "full_grid_estimated_s": {hp.host.name: hp.schedule.wall_s if hp.schedule is not None else hp.estimate_s
                                   for hp in prepared.hosts},

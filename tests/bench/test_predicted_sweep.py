@@ -19,8 +19,16 @@ from cli_json import json_data
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
-from ddtree_ops.bench.plan import SWITCH_S
-from ddtree_ops.bench.predictplan import ProbeRun, TraceRun, plan_predict, predict_estimate, split_work, trace_groups
+from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR
+from ddtree_ops.bench.predictplan import (
+    ProbeRun,
+    TraceRun,
+    plan_predict,
+    predict_estimate,
+    split_work,
+    trace_groups,
+    work_seconds,
+)
 from ddtree_ops.bench.predictrun import HostPrediction, PredictPhase, chosen_cells, kept_servers, traces_dir
 from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
 from ddtree_ops.bench.rows import launch_identity
@@ -28,6 +36,7 @@ from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.predict.trace import load_trace_file, union_bound
 from ddtree_ops.report.loading import load_ledgers
+from ddtree_ops.state import StateStore
 from ddtree_ops.workload.draw import build_workload
 
 from .test_cli_bench import cli
@@ -78,9 +87,17 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert pplan is not None and pplan.launch.budgets == (4, 8, 16, 32) and len(pplan.trace_groups) == 1
     full = prepared.hosts[0].estimate_s
     assert predict_estimate(pplan, prepared.plan, load_s=2.0, num_prompts=4, max_new_tokens=24) < full
+    # No trace run timed here yet: the dry run charges a run's step x the factor.
+    assert prepared.hosts[0].trace_step_s == pytest.approx(prepared.hosts[0].step_s * TRACE_STEP_FACTOR)
     out = tmp_path / "ledger.jsonl"
     _one, _runner, outcome = predict_then_measure(prepared, out)
     assert not outcome.failed
+    # The trace runs' step time is learned apart from the runs' (2 of them: a running mean).
+    state = StateStore()
+    traced = state.learned_step_s("sim-h", h.ddtree.server.model_path or "", trace=True)
+    run = state.learned_step_s("sim-h", h.ddtree.server.model_path or "")
+    assert traced is not None and run is not None and traced > run  # a round per token, the union verified
+    assert prepare_sweep(spec, [h]).hosts[0].trace_step_s == pytest.approx(traced)
     # The DDTree model loaded once: the measuring launched only the baseline.
     assert [h.restarts for h in outcome.hosts] == [1]
     rows = rows_of(out)
@@ -148,11 +165,12 @@ def test_with_gpu_slots_every_slot_predicts_its_share_and_measures_on_its_own_pr
     probes = [r for r in rows if r["source"] == "probe"]
     measured = [r for r in rows if r["source"] in (None, "measured")]
     ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
-    # Four probes (concurrency 1 and 2 x budget 4 and 8) and one trace run over two slots:
-    # two probes each, the trace run on slot 1 (its file named after the slot).
+    # Four probes (concurrency 1 and 2 x budget 4 and 8; 4 waves of 32 tokens) and one trace
+    # run (a wave of 24 tokens) over two slots, longest first to the least loaded: two probes
+    # each, the trace run on slot 0 (its file named after the slot).
     assert sorted(Counter(r["slot"] for r in probes).items()) == [(0, 2), (1, 2)]
     (trace_file,) = traces_dir(out).iterdir()
-    assert "-sim-x_1-t0-" in trace_file.name
+    assert "-sim-x_0-t0-" in trace_file.name
     # Both trees are in the top 3: every DDTree cell measured, on both slots, each slot on
     # the very server it probed on (its launch id): no slot loaded the DDTree model twice,
     # and the measuring launched only the baseline, at most once per slot.
@@ -178,17 +196,17 @@ def test_with_gpu_slots_trace_runs_split_over_the_slots_as_planned_and_each_kept
     [hp] = prepared.hosts
     pplan = plan_predict(spec, prepared.plan)
     assert pplan is not None
-    # Two probes, then a trace run per temperature, each longer than both probes: the cut
-    # gives slot 0 the probes and one trace run, slot 1 the other.
-    shares = split_work(pplan, 2, num_prompts=2, max_new_tokens=24, s_per_step=hp.step_s)
-    assert [[type(i).__name__ for i in share] for share in shares] == [["ProbeRun", "ProbeRun", "TraceRun"],
-                                                                        ["TraceRun"]]
+    # Two probes, then a trace run per temperature (as many as the slots: none cut in parts),
+    # each longer than a probe: longest first, each slot a trace run and a probe.
+    shares = split_work(pplan, 2, num_prompts=2, max_new_tokens=24, s_per_step=hp.step_s,
+                        trace_s_per_step=hp.trace_step_s)
+    assert [[type(i).__name__ for i in share] for share in shares] == [["ProbeRun", "TraceRun"]] * 2
     out = tmp_path / "ledger.jsonl"
     one, runner, outcome = predict_then_measure(prepared, out)
     assert not outcome.failed
-    # Each slot ran its share: slot 0's probes, a trace file from each slot.
+    # Each slot ran its share: a probe and a trace file from each slot.
     rows = rows_of(out)
-    assert {(r["slot"], r["budget"]) for r in rows if r["source"] == "probe"} == {(0, 4), (0, 8)}
+    assert {(r["slot"], r["budget"]) for r in rows if r["source"] == "probe"} == {(0, 4), (1, 8)}
     names = {f.name for f in one.traces}
     assert names == {f"{runner.run_id}-sim-x_{slot}-{item.sampling.key}-g0.ndjson"
                      for slot, share in enumerate(shares) for item in share if isinstance(item, TraceRun)}
@@ -251,38 +269,55 @@ def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest
     plan = prepare_sweep(spec, []).plan
     pplan = plan_predict(spec, plan)
     assert pplan is not None
-    step = 0.01
+    step, trace_step = 0.01, 0.02  # a run's step; a trace run's (learned: a round per token)
     probes = [ProbeRun(2, b) for b in (4, 8, 16)]
     traces = [TraceRun(s, 0) for s in pplan.samplings]
     assert pplan.work == (*probes, *traces)
-    # A probe: a switch and 2 waves of 8 tokens; a trace run: the workload once at concurrency
-    # 2 (2 waves of 24 tokens, a round per token) between two switches; a measured cell: the
-    # same waves after its switch.
-    probe_s, trace_s, run_s = SWITCH_S + 2 * 8 * step, 2 * SWITCH_S + 2 * 24 * step, SWITCH_S + 2 * 24 * step
+    # A probe: a switch and 4 waves of 8 tokens; a trace run: the workload once at concurrency
+    # 2 (2 waves of 24 steps, at the trace's step time) between two switches; a measured cell:
+    # the same waves at a run's step time after its switch.
+    probe_s, trace_s, run_s = SWITCH_S + 4 * 8 * step, 2 * SWITCH_S + 2 * 24 * trace_step, SWITCH_S + 2 * 24 * step
 
     def split(slots: int) -> tuple[tuple[object, ...], ...]:
-        return split_work(pplan, slots, num_prompts=4, max_new_tokens=24, s_per_step=step)
+        return split_work(pplan, slots, num_prompts=4, max_new_tokens=24, s_per_step=step,
+                          trace_s_per_step=trace_step)
 
     def estimate(load_s: float | tuple[float, ...]) -> float:
-        return predict_estimate(pplan, plan, load_s=load_s, num_prompts=4, max_new_tokens=24, s_per_step=step)
+        return predict_estimate(pplan, plan, load_s=load_s, num_prompts=4, max_new_tokens=24, s_per_step=step,
+                                trace_s_per_step=trace_step)
 
-    # In order, each item once; a share per slot, empty where the items run out.
+    # No trace run timed on the host yet: a run's step x TRACE_STEP_FACTOR.
+    assert work_seconds(pplan, traces[0], num_prompts=4, max_new_tokens=24, s_per_step=step) == pytest.approx(
+        2 * SWITCH_S + 2 * 24 * step * TRACE_STEP_FACTOR)
+
+    # One slot: everything in the plan's order. Two: longest first, each to the least loaded
+    # share (ties to the first), a share in the plan's order.
     assert split(1) == (pplan.work,)
-    assert split(2) == (tuple(probes), tuple(traces))
-    eight = split(8)
-    assert len(eight) == 8 and tuple(i for share in eight for i in share) == pplan.work and eight[-1] == ()
+    assert split(2) == ((probes[0], probes[2], traces[0]), (probes[1], traces[1]))
     # One server: everything in a row, the load once. Two slots: the longest share, the load
     # once (in parallel), then the two measured cells (top 1 per temperature) one per slot,
     # on the predict launch each slot still serves.
     assert estimate(0.0) == pytest.approx(3 * probe_s + 2 * trace_s + 2 * run_s)
-    assert estimate((0.0, 0.0)) == pytest.approx(max(3 * probe_s, 2 * trace_s) + run_s)
+    assert estimate((0.0, 0.0)) == pytest.approx(2 * probe_s + trace_s + run_s)
     for loads in ((100.0,), (100.0, 100.0), (100.0,) * 4):
         zero = estimate(tuple(0.0 for _ in loads))
         assert estimate(loads) - zero == pytest.approx(100.0), loads
-    # Four slots: each trace run on a slot of its own, the probes on the other two.
-    assert split(4) == ((probes[0], probes[1]), (probes[2],), (traces[0],), (traces[1],))
+    # Four slots: a trace run could be cut in two parts (2 prompts each, the trace
+    # concurrency), but each part pays two switches: 1.48 s a part beside 0.82 s a probe is a
+    # longest share of 2.30 s against 1.96 s whole. Whole runs, each on a slot of its own.
+    part_s = 2 * SWITCH_S + 1 * 24 * trace_step
+    assert 2 * part_s > trace_s and part_s + probe_s > trace_s
+    assert split(4) == ((traces[0],), (traces[1],), (probes[0], probes[2]), (probes[1],))
     assert estimate((0.0,) * 4) == pytest.approx(max(trace_s, 2 * probe_s) + run_s)
     assert math.isclose(estimate(7.0), estimate((7.0,)))
+    # Eight slots: in parts, every item on a slot of its own; the slot left over is last.
+    parts = [TraceRun(t.sampling, 0, i, 2) for t in traces for i in range(2)]
+    assert split(8) == (*((p,) for p in parts), *((p,) for p in probes), ())
+    assert {t.prompts(4) for t in parts} == {range(0, 4, 2), range(1, 4, 2)}
+    # Sixteen prompts (8 waves a trace run): parts pay off on four slots, 2.92 s a part and a
+    # probe beside three of them, against 4.84 s a whole run.
+    long = split_work(pplan, 4, num_prompts=16, max_new_tokens=24, s_per_step=step, trace_s_per_step=trace_step)
+    assert long == ((probes[0], parts[0]), (probes[1], parts[1]), (probes[2], parts[2]), (parts[3],))
 
 
 def test_dry_run_with_gpu_slots_compares_the_predicted_plans_wall_time_with_the_slot_schedule(tmp_path: Path) -> None:
@@ -370,9 +405,9 @@ def test_with_gpu_slots_a_failed_predict_phase_stops_every_slots_server(tmp_path
     try:
         (one,) = PredictPhase(prepared, workload, ledger_path=out, run_id="r").run().values()
         assert one.chosen is None and one.kept == () and "too short to walk" in (one.error or "")
-        # Both slots ran their share (the probes on slot 0, the two short trace runs on slot 1).
-        assert {r["slot"] for r in rows_of(out) if r["source"] == "probe"} == {0}
-        assert sorted("-sim-x_1-" in f.name for f in traces_dir(out).iterdir()) == [True, True]
+        # Both slots ran their share (a probe and a short trace run each).
+        assert sorted(r["slot"] for r in rows_of(out) if r["source"] == "probe") == [0, 1]
+        assert sorted(f.name.split("-sim-x_")[1][0] for f in traces_dir(out).iterdir()) == ["0", "1"]
         assert_slots_stopped(inv)
     finally:
         stop_all(list(h.slot_hosts()))
