@@ -208,7 +208,7 @@ class PredictPhase:
             times = smooth_round_times({k: v for d in done for k, v in d.times.items()})
             lives = {k: v for d in done for k, v in d.lives.items()}
             traced = {k: v for d in done for k, v in d.traces.items()}
-            # A trace run split over slots: its parts' requests together, in prompt order of parts.
+            # A trace run cut into parts over slots: its parts' requests together (walked one by one).
             parts = sorted(traced, key=lambda item: item.shard)
             by_sampling = {s: [(group, [t for item in parts if item.whole == TraceRun(s, gi) for t in traced[item][0]])
                                for gi, group in enumerate(pplan.trace_groups)]
