@@ -168,9 +168,9 @@ def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_ne
                  s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
     """Expected seconds of one work item: a probe is a switch and ``probe_waves`` waves of
     ``probe_tokens`` steps; a trace run is its prompts (the workload's, or its part's) once
-    at the trace concurrency, charged ``trace_s_per_step`` a step (a traced request runs one round per token; None:
-    ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
-    on and off."""
+    at the trace concurrency, charged ``trace_s_per_step`` a step (a traced request runs
+    one round per token; None: ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the
+    switches turning the trace on and off."""
     spec = pplan.spec
     if isinstance(item, ProbeRun):
         return SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step
@@ -216,7 +216,8 @@ def split_work(pplan: PredictPlan, slots: int, *, num_prompts: int, max_new_toke
         if best is None or longest < best[0]:
             best = (longest, shares)
     assert best is not None
-    return tuple(tuple(share) for share in sorted(best[1], key=lambda share: not share))
+    # Every item costs a switch at least, so the shares fill in slot order: empty ones last.
+    return tuple(tuple(share) for share in best[1])
 
 
 def _longest_first(items: Sequence[WorkItem], seconds: Callable[[WorkItem], float],

@@ -112,7 +112,12 @@ class _Place:
 
     @property
     def label(self) -> str:
-        return self.host.name if self.host.slot is not None else ""
+        return _slot_label(self.host)
+
+
+def _slot_label(place: Host) -> str:
+    """What progress names a place by: its slot's name, nothing for a host without slots."""
+    return place.name if place.slot is not None else ""
 
 
 @dataclass(frozen=True)
@@ -259,7 +264,7 @@ class PredictPhase:
         transport = stack.enter_context(self.services.open_transport(place))
 
         def on_takeover(message: str) -> None:
-            steps.say(message, slot=place.name if place.slot is not None else "")
+            steps.say(message, slot=_slot_label(place))
 
         # Not kept by --keep-server: a phase that fails stops its servers (the measuring
         # launches the sweep's own); one that succeeds hands them over to the measuring.
@@ -274,7 +279,7 @@ class PredictPhase:
         place = server.host
         prov = for_slot(probe_provenance(server.transport, place, self.services), place)
         self._check(failed)
-        steps.say(f"launching {pplan.launch.key}", slot=place.name if place.slot is not None else "")
+        steps.say(f"launching {pplan.launch.key}", slot=_slot_label(place))
         restart = server.restart(pplan.launch, pplan.samplings, prov.facts)
         client = make_client(hp.client, server.transport, place)
         prov = with_server_info(prov, client.server_info())

@@ -49,22 +49,25 @@ def expected_launch_s(host: Host) -> float:
 def expected_step_s(hosts: Sequence[Host]) -> float:
     """Seconds per decode step of a run (``plan.cell_steps``) on these server places: the
     mean of what their last sweeps measured (the state file), else the plan's guess."""
-    from ddtree_ops.state import StateStore
-
-    state = StateStore()
-    learned = [v for h in hosts if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "")) is not None]
-    return sum(learned) / len(learned) if learned else STEP_S
+    learned = _learned_step_s(hosts, trace=False)
+    return STEP_S if learned is None else learned
 
 
 def expected_trace_step_s(hosts: Sequence[Host], step_s: float) -> float:
     """Seconds per step (the same unit) of a predicted sweep's trace run on these places:
     what their last trace runs took, else ``step_s`` x :data:`~.plan.TRACE_STEP_FACTOR`."""
+    learned = _learned_step_s(hosts, trace=True)
+    return step_s * TRACE_STEP_FACTOR if learned is None else learned
+
+
+def _learned_step_s(hosts: Sequence[Host], *, trace: bool) -> float | None:
+    """The mean of the places' learned step times (the state file), None where none has one."""
     from ddtree_ops.state import StateStore
 
     state = StateStore()
     learned = [v for h in hosts
-               if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "", trace=True)) is not None]
-    return sum(learned) / len(learned) if learned else step_s * TRACE_STEP_FACTOR
+               if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "", trace=trace)) is not None]
+    return sum(learned) / len(learned) if learned else None
 
 
 @dataclass(frozen=True)
