@@ -71,7 +71,7 @@ from ddtree_ops.bench.plan import Cell, LaunchConfig, cell_steps
 from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
-from ddtree_ops.bench.schedule import Job
+from ddtree_ops.bench.schedule import Job, plan_runs
 from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
 from ddtree_ops.errors import AuthError, ConfigError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
@@ -284,8 +284,7 @@ class SweepRunner:
         plan = self.prepared.plan
         return [
             (self._launched_by(host, cell), r)
-            for cell in plan.cells
-            for r in range(plan.repeats)
+            for cell, r in plan_runs(plan)
             if ledger.row_key(self.rows.key_fields(host, cell, r)) not in done
             and (self.only is None or host not in self.only or cell.baseline or cell.key in self.only[host])
         ]
