@@ -133,6 +133,18 @@ class Sampling:
         """SGLang ``sampling_params`` entries (top_k -1 = disabled, as SGLang spells it)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
+    @property
+    def verify_path(self) -> str:
+        """Which verify branch a batch of this sampling takes, which sets what a round costs:
+        ``greedy`` (SGLang's ``is_all_greedy``: temperature 0 or top_k 1, an argmax walk) or
+        ``sampled`` (target probabilities and tree rejection sampling), with the filters
+        that add work to it (``+top_k``, ``+top_p``: SGLang's ``need_top_k_sampling`` /
+        ``need_top_p_sampling``). The temperature's value only scales the logits: every
+        sampled temperature costs the same."""
+        if self.temperature <= 0 or self.top_k == 1:
+            return "greedy"
+        return "sampled" + ("+top_k" if self.top_k > 1 else "") + ("+top_p" if self.top_p < 1 else "")
+
 
 @dataclass(frozen=True)
 class Cell:

@@ -3,7 +3,8 @@ measuring every DDTree cell. Pure: no I/O, no clock.
 
 Per host, on the sweep's live DDTree launch (its runtime states, plus one state as big as
 the grid's union where that is larger than the largest budget, up to the bundle's 256): a
-round-time probe per (concurrency, budget) of the grid, then one trace run per sampling
+round-time probe per (verify path, concurrency, budget) of the grid -- greedy and sampled
+rounds cost differently (:attr:`PredictPlan.probe_samplings`) --, then one trace run per sampling
 setting and *trace group* -- a set of the grid's trees whose union fits the launch's
 largest runtime state (the bundle verifies a traced round's union in the smallest state
 that holds it: a grid of 256-node trees at three top-ks unites to more than the 256 the
@@ -52,10 +53,12 @@ _MAX_TRACE_ROUNDS = 4096
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """One round-time probe: ``probe_waves`` waves of ``probe_tokens`` at (concurrency, budget)."""
+    """One round-time probe: ``probe_waves`` waves of ``probe_tokens`` at (concurrency,
+    budget), sampled as ``sampling`` (one of :attr:`PredictPlan.probe_samplings`)."""
 
     concurrency: int
     budget: int
+    sampling: Sampling = Sampling()
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,24 @@ class PredictPlan:
     block: int
 
     @property
-    def probes(self) -> tuple[tuple[int, int], ...]:
-        """(concurrency, budget) of every round-time probe (at the launch's largest top-k)."""
+    def probe_samplings(self) -> tuple[Sampling, ...]:
+        """The samplings the probes run at: one per verify path of the grid's samplings
+        (:attr:`~.plan.Sampling.verify_path`), the first of the grid's on that path. A
+        sampled round costs more than a greedy one (target probabilities, the rejection
+        walk), and more so the wider the verify: on the CPU server T = 1 rounds took 11 %
+        longer than T = 0 at budget 2 and 15 % at budget 16, so T = 0 probes alone
+        over-predict the sampled cells, the big trees most."""
+        paths: dict[str, Sampling] = {}
+        for s in self.samplings:
+            paths.setdefault(s.verify_path, s)
+        return tuple(paths.values())
+
+    @property
+    def probes(self) -> tuple[ProbeRun, ...]:
+        """Every round-time probe: per probe sampling, concurrency and budget (at the
+        launch's largest top-k)."""
         budgets = sorted({b for b, _ in self.trees})
-        return tuple((c, b) for c in self.concurrencies for b in budgets)
+        return tuple(ProbeRun(c, b, s) for s in self.probe_samplings for c in self.concurrencies for b in budgets)
 
     @property
     def probe_topk(self) -> int:
@@ -119,7 +136,7 @@ class PredictPlan:
         """The predict phase's work items: every probe, then every trace run (by sampling,
         then trace group)."""
         traces = tuple(TraceRun(s, g) for s in self.samplings for g in range(len(self.trace_groups)))
-        return tuple(ProbeRun(c, b) for c, b in self.probes) + traces
+        return self.probes + traces
 
     @property
     def measured_cells(self) -> int:

@@ -15,13 +15,13 @@ every slot then hands its server over, and measures its share of the chosen cell
 A slot that fails fails the host's phase: the others stop at their next item.
 
 Rows, like every other row, go to the sweep's ledger: ``source: probe`` (one per
-(concurrency, budget), from the slot that probed it: ``round_ms``, ``overhead_ms``, the
-probed state's graph mode and the host's GPU) and ``source: predicted`` (one per DDTree
-cell: ``accept_length`` and ``output_tok_s`` predicted by the walk; the naive ones beside
-them). The traces go beside the ledger, one file per (server place, sampling, trace
-group): ``<ledger>.traces/*.ndjson`` (not ``.jsonl``: the report reads those as ledgers).
-A host whose predict phase fails says why, stops its servers and is measured in full on
-the sweep's own launch, never guessed.
+(verify path, concurrency, budget), from the slot that probed it, at the probe's sampling:
+``round_ms``, ``overhead_ms``, the probed state's graph mode and the host's GPU) and
+``source: predicted`` (one per DDTree cell: ``accept_length`` and ``output_tok_s``
+predicted by the walk; the naive ones beside them). The traces go beside the ledger, one
+file per (server place, sampling, trace group): ``<ledger>.traces/*.ndjson`` (not
+``.jsonl``: the report reads those as ledgers). A host whose predict phase fails says
+why, stops its servers and is measured in full on the sweep's own launch, never guessed.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from ddtree_ops.errors import BenchError, DdtreeOpsError
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.predict.estimate import (
     CellPrediction,
+    ProbeKey,
     ProbeRequest,
     RoundTime,
     measure_round_time,
@@ -123,9 +124,9 @@ def _slot_label(place: Host) -> str:
 @dataclass(frozen=True)
 class _ShareDone:
     """What one place's share of the work measured: round times and the states they were
-    probed at, by (concurrency, budget) and budget; trace runs' traces and files."""
+    probed at, by budget; trace runs' traces and files."""
 
-    times: Mapping[tuple[int, int], RoundTime]
+    times: tuple[RoundTime, ...]
     lives: Mapping[int, LiveTree]
     traces: Mapping[TraceRun, tuple[list[RequestTrace], Path]]
 
@@ -210,7 +211,7 @@ class PredictPhase:
             done = self._each(pool, failed, lambda job: self._run_share(hp, job[0], pplan, job[1], steps, failed),
                               list(zip(places, shares, strict=True)))
             # The probes pooled (estimate.smooth_round_times): the raw ones are in the ledger.
-            times = smooth_round_times({k: v for d in done for k, v in d.times.items()})
+            times = smooth_round_times(rt for d in done for rt in d.times)
             lives = {k: v for d in done for k, v in d.lives.items()}
             traced = {k: v for d in done for k, v in d.traces.items()}
             # A trace run cut into parts over slots: its parts' requests together (walked one by one).
@@ -229,8 +230,7 @@ class PredictPhase:
                 cell = keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)]
                 ledger.append_row(self.ledger_path, self._row(
                     hp, places[0], cell, lives.get(p.budget), source="predicted", accept_length=p.accept_length,
-                    output_tok_s=p.output_tok_s, round_ms=p.round_s * 1000,
-                    overhead_ms=times[(p.concurrency, p.budget)].overhead_s * 1000,
+                    output_tok_s=p.output_tok_s, round_ms=p.round_s * 1000, overhead_ms=p.overhead_s * 1000,
                     predicted_accept_naive=p.accept_length_naive, predicted_tok_s_naive=p.output_tok_s_naive,
                 ))
             chosen = frozenset(keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)].key
@@ -299,20 +299,21 @@ class PredictPhase:
     def _run_share(self, hp: HostPlan, place: _Place, pplan: PredictPlan, share: Sequence[WorkItem],
                    steps: _Steps, failed: threading.Event) -> _ShareDone:
         """One place's probes (each written to the ledger as it is measured) and trace runs."""
-        times: dict[tuple[int, int], RoundTime] = {}
+        times: list[RoundTime] = []
         lives: dict[int, LiveTree] = {}
         traces: dict[TraceRun, tuple[list[RequestTrace], Path]] = {}
         for item in share:
             self._check(failed)
             if isinstance(item, ProbeRun):
                 c, b = item.concurrency, item.budget
-                steps.say(f"probe concurrency {c} budget {b}", slot=place.label)
+                steps.say(f"probe {item.sampling.verify_path} concurrency {c} budget {b}", slot=place.label)
                 live = judge_switch(place.client.switch_tree(b, pplan.probe_topk), b, pplan.probe_topk)
                 if isinstance(live, str):
                     raise BenchError(live)
-                rt, metrics = self._probe(place.client, place.prompts, pplan, c, b, live)
-                times[(c, b)], lives[b] = rt, live
-                cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), Sampling(), c, via=pplan.launch)
+                rt, metrics = self._probe(place.client, place.prompts, pplan, item, live)
+                times.append(rt)
+                lives[b] = live
+                cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), item.sampling, c, via=pplan.launch)
                 ledger.append_row(self.ledger_path, self._row(
                     hp, place, cell, live, metrics=metrics, source="probe", round_ms=rt.round_s * 1000,
                     overhead_ms=rt.overhead_s * 1000))
@@ -322,7 +323,7 @@ class PredictPhase:
                 steps.say(f"trace run {item.sampling.key} group {item.group + 1}/{groups}{part}", slot=place.label)
                 traces[item] = self._trace(place, pplan, item)
             steps.say("", slot=place.label, finished=True)
-        return _ShareDone(times, lives, traces)
+        return _ShareDone(tuple(times), lives, traces)
 
     def _row(self, hp: HostPlan, place: _Place, cell: Cell, live: LiveTree | None,
              **fields: object) -> ledger.LedgerRow:
@@ -356,17 +357,21 @@ class PredictPhase:
                         concurrency=concurrency, warmup=0, seed=self.prepared.spec.workload.seed, api="generate",
                         timeout_s=self.prepared.spec.request_timeout_s)
 
-    def _probe(self, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan, c: int, b: int,
+    def _probe(self, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun,
                live: LiveTree) -> tuple[RoundTime, object]:
+        c, b = probe.concurrency, probe.budget
         n = probe_requests(c, pplan.spec.probe_waves)
         sent = (tuple(prompts) * math.ceil(n / len(prompts)))[:n]
         client.flush_cache()
-        load = client.run_load(self._load(sent, tokens=pplan.spec.probe_tokens, sampling=Sampling(), concurrency=c))
+        load = client.run_load(self._load(sent, tokens=pplan.spec.probe_tokens, sampling=probe.sampling,
+                                          concurrency=c))
         reqs = [ProbeRequest(r.e2e, r.ttft or 0.0, r.spec_verify_ct or 0) for r in load.results if r.ok]
-        rt = measure_round_time(reqs, concurrency=c, budget=b, duration_s=load.duration_s, cuda_graph=live.graph)
+        rt = measure_round_time(reqs, concurrency=c, budget=b, duration_s=load.duration_s, cuda_graph=live.graph,
+                                verify_path=probe.sampling.verify_path)
         if rt is None:
             errors = "; ".join(sorted({r.error or "" for r in load.results if not r.ok}))[:300]
-            raise BenchError(f"round-time probe at concurrency {c} budget {b} measured no round ({errors})")
+            raise BenchError(f"round-time probe ({probe.sampling.verify_path}) at concurrency {c} budget {b} "
+                             f"measured no round ({errors})")
         return rt, calculate_metrics(load.results, duration_s=load.duration_s)
 
     def _trace(self, place: _Place, pplan: PredictPlan, run: TraceRun) -> tuple[list[RequestTrace], Path]:
@@ -417,7 +422,7 @@ class PredictPhase:
     def _predictions(
         self, pplan: PredictPlan,
         by_sampling: Mapping[Sampling, Sequence[tuple[tuple[tuple[int, int], ...], list[RequestTrace]]]],
-        times: Mapping[tuple[int, int], RoundTime],
+        times: Mapping[ProbeKey, RoundTime],
     ) -> list[CellPrediction]:
         out: list[CellPrediction] = []
         tokens = self.workload.max_new_tokens
@@ -429,7 +434,8 @@ class PredictPhase:
                     raise BenchError(f"trace run {sampling.key}: {exc}") from None
                 for tree in group:
                     for c in pplan.concurrencies:
-                        out.append(predict_cell(accepts[tree], times[(c, tree[0])], tokens=tokens,
+                        rt = times[(sampling.verify_path, c, tree[0])]
+                        out.append(predict_cell(accepts[tree], rt, tokens=tokens,
                                                 temperature=sampling.temperature, top_p=sampling.top_p,
                                                 top_k=sampling.top_k))
         return out

@@ -34,31 +34,36 @@ coins of the walk's own rounds averaged out); :func:`predict_cell` uses it.
 the rest from verify rounds; a renewal process with committed tokens c per round (mean μ,
 second moment m2) needs ``E[N] = (M - 1 + (m2 - μ) / (2 μ)) / μ`` rounds to reach M - 1
 tokens (the lattice renewal's mean overshoot). The ledger's accept length is what the
-server counts, ``M / N``. The round time comes from a probe at the cell's concurrency and
-verify width (:class:`RoundTime`: seconds per round, and the per-request overhead its
-prefill and admission cost), so ``tok/s = c * M / (overhead + E[N] * round)`` -- for long
+server counts, ``M / N``. The round time comes from a probe at the cell's concurrency,
+verify width and verify path -- greedy or sampled: a sampled round computes the target's
+probabilities and walks the tree by rejection, work that grows with the verify width
+(:class:`RoundTime`: seconds per round, and the per-request overhead its prefill and
+admission cost), so ``tok/s = c * M / (overhead + E[N] * round)`` -- for long
 outputs ``concurrency x acceptance / round time``.
 
 **Probes pooled before use** (:func:`smooth_round_times`). The best trees of a grid are
 often within a few per cent of each other, less than one short probe's scatter (on the
 CPU server a probe's round time moves +-15 % from budget to budget, not in order). Two
 facts of the server remove most of it: a wider verify does not run faster (the round time
-is non-decreasing in the budget at one concurrency and graph mode), and the per-request
-overhead (prefill, admission) does not depend on the tree. So the round times of one
-(concurrency, graph mode) are fitted non-decreasing in budget (isotonic least squares),
-and every probe at a concurrency gets their median overhead.
+is non-decreasing in the budget at one verify path, concurrency and graph mode), and the
+per-request overhead (prefill, admission) does not depend on the tree. So the round times
+of one (verify path, concurrency, graph mode) are fitted non-decreasing in budget (isotonic
+least squares), and every probe at a (verify path, concurrency) gets their median overhead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.predict.acceptance import RoundMoments, moments_table
 from ddtree_ops.predict.trace import RequestTrace, TraceRound
 
 Tree = tuple[int, int]
+# A probe's identity: (verify path, concurrency, budget).
+ProbeKey = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -158,15 +163,21 @@ def rounds_per_request(mean: float, m2: float, tokens: int) -> float:
 
 @dataclass(frozen=True)
 class RoundTime:
-    """A probe's result at one (concurrency, budget): seconds per verify round, and the
-    per-request seconds beyond its rounds (prefill, admission); ``cuda_graph``: whether the
-    probed state replayed its verify graph."""
+    """A probe's result at one (verify path, concurrency, budget): seconds per verify round,
+    and the per-request seconds beyond its rounds (prefill, admission); ``cuda_graph``:
+    whether the probed state replayed its verify graph; ``verify_path``: the sampling's
+    verify branch (``greedy``, ``sampled``...: ``bench.plan.Sampling.verify_path``)."""
 
     concurrency: int
     budget: int
     round_s: float
     overhead_s: float
     cuda_graph: bool = True
+    verify_path: str = "greedy"
+
+    @property
+    def key(self) -> ProbeKey:
+        return (self.verify_path, self.concurrency, self.budget)
 
     @property
     def verify_width(self) -> int:
@@ -183,7 +194,8 @@ class ProbeRequest:
 
 
 def measure_round_time(
-    requests: Sequence[ProbeRequest], *, concurrency: int, budget: int, duration_s: float, cuda_graph: bool = True
+    requests: Sequence[ProbeRequest], *, concurrency: int, budget: int, duration_s: float, cuda_graph: bool = True,
+    verify_path: str = "greedy",
 ) -> RoundTime | None:
     """A probe's :class:`RoundTime` from its requests (all at ``concurrency``): the median
     decode time per round, and what each request slot's share of the wall time exceeds its
@@ -194,7 +206,8 @@ def measure_round_time(
     round_s = statistics.median((r.e2e_s - r.ttft_s) / r.verify_ct for r in good)
     per_slot = duration_s * concurrency / len(good)
     mean_rounds = sum(r.verify_ct for r in good) / len(good)
-    return RoundTime(concurrency, budget, round_s, max(0.0, per_slot - mean_rounds * round_s), cuda_graph)
+    return RoundTime(concurrency, budget, round_s, max(0.0, per_slot - mean_rounds * round_s), cuda_graph,
+                     verify_path)
 
 
 @dataclass(frozen=True)
@@ -213,6 +226,7 @@ class CellPrediction:
     output_tok_s: float
     output_tok_s_naive: float
     round_s: float
+    overhead_s: float
     cuda_graph: bool
 
 
@@ -235,7 +249,7 @@ def predict_cell(
         accept_length_naive=tokens / rounds_naive if rounds_naive else accept.naive,
         output_tok_s=_tok_s(rt.concurrency, tokens, rounds, rt),
         output_tok_s_naive=_tok_s(rt.concurrency, tokens, rounds_naive, rt),
-        round_s=rt.round_s, cuda_graph=rt.cuda_graph,
+        round_s=rt.round_s, overhead_s=rt.overhead_s, cuda_graph=rt.cuda_graph,
     )
 
 
@@ -265,36 +279,33 @@ def _nondecreasing(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def smooth_round_times(times: Mapping[tuple[int, int], RoundTime]) -> dict[tuple[int, int], RoundTime]:
-    """The probes as the predictor uses them (module docstring): per (concurrency, graph
-    mode) the round time fitted non-decreasing in budget; per concurrency the median
-    overhead. Keys as given."""
-    out: dict[tuple[int, int], RoundTime] = {}
-    for c in {rt.concurrency for rt in times.values()}:
-        mine = {key: rt for key, rt in times.items() if rt.concurrency == c}
-        overhead = statistics.median(rt.overhead_s for rt in mine.values())
-        for graph in {rt.cuda_graph for rt in mine.values()}:
-            ordered = sorted((key for key, rt in mine.items() if rt.cuda_graph == graph), key=lambda k: mine[k].budget)
-            fitted = _nondecreasing([mine[key].round_s for key in ordered])
-            for key, round_s in zip(ordered, fitted, strict=True):
-                out[key] = RoundTime(c, mine[key].budget, round_s, overhead, graph)
+def smooth_round_times(times: Iterable[RoundTime]) -> dict[ProbeKey, RoundTime]:
+    """The probes as the predictor uses them (module docstring), by :attr:`RoundTime.key`:
+    per (verify path, concurrency, graph mode) the round time fitted non-decreasing in
+    budget; per (verify path, concurrency) the median overhead."""
+    out: dict[ProbeKey, RoundTime] = {}
+    groups: dict[tuple[str, int], list[RoundTime]] = {}
+    for rt in times:
+        groups.setdefault((rt.verify_path, rt.concurrency), []).append(rt)
+    for mine in groups.values():
+        overhead = statistics.median(rt.overhead_s for rt in mine)
+        for graph in {rt.cuda_graph for rt in mine}:
+            ordered = sorted((rt for rt in mine if rt.cuda_graph == graph), key=lambda rt: rt.budget)
+            fitted = _nondecreasing([rt.round_s for rt in ordered])
+            for rt, round_s in zip(ordered, fitted, strict=True):
+                out[rt.key] = dataclasses.replace(rt, round_s=round_s, overhead_s=overhead)
     return out
-
-
-def round_time_for(times: Mapping[tuple[int, int], RoundTime], concurrency: int, budget: int) -> RoundTime | None:
-    """The probe at (concurrency, budget), else None."""
-    return times.get((concurrency, budget))
 
 
 __all__ = [
     "AcceptPrediction",
     "CellPrediction",
+    "ProbeKey",
     "ProbeRequest",
     "RoundTime",
     "measure_round_time",
     "predict_acceptance",
     "predict_cell",
-    "round_time_for",
     "rounds_per_request",
     "smooth_round_times",
     "top_cells",

@@ -47,13 +47,16 @@ def predicted_vs_measured(predicted: pd.DataFrame | None, measured: pd.DataFrame
 
 
 def probes(predicted: pd.DataFrame | None) -> pd.DataFrame:
-    """The round-time probes: host, GPU, concurrency, budget (verify width budget + 1), graph
-    mode, round and overhead times."""
-    cols = ["host", "gpu_name", "concurrency", "budget", "cuda_graph", "round_ms", "overhead_ms"]
+    """The round-time probes: host, GPU, the sampling probed at (one per verify path: greedy
+    and sampled rounds cost differently), concurrency, budget (verify width budget + 1),
+    graph mode, round and overhead times."""
+    cols = ["host", "gpu_name", "temperature", "top_p", "top_k", "concurrency", "budget", "cuda_graph", "round_ms",
+            "overhead_ms"]
     if predicted is None or predicted.empty:
         return pd.DataFrame(columns=cols)
     rows = predicted.loc[predicted["source"] == "probe", cols]
-    return rows.sort_values(["host", "concurrency", "budget"], kind="stable").reset_index(drop=True)
+    return rows.sort_values(["host", "temperature", "top_p", "top_k", "concurrency", "budget"],
+                            kind="stable").reset_index(drop=True)
 
 
 __all__ = ["COLUMNS", "predicted_vs_measured", "probes"]

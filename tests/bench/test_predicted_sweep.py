@@ -19,7 +19,7 @@ from cli_json import json_data
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
-from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR
+from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR, Sampling
 from ddtree_ops.bench.predictplan import (
     ProbeRun,
     TraceRun,
@@ -34,6 +34,7 @@ from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
 from ddtree_ops.bench.rows import launch_identity
 from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
 from ddtree_ops.inventory import load_inventory
+from ddtree_ops.predict.estimate import RoundTime, smooth_round_times
 from ddtree_ops.predict.trace import load_trace_file, union_bound
 from ddtree_ops.report.loading import load_ledgers
 from ddtree_ops.state import StateStore
@@ -58,6 +59,20 @@ def test_trace_groups_fit_the_largest_state_and_the_bound_is_the_bundles() -> No
     trees = ((4, 2), (16, 2), (4, 4), (16, 4), (256, 8))
     assert trace_groups(trees, 16, 256) == (((4, 2), (4, 4), (16, 2), (16, 4)), ((256, 8),))
     assert all(union_bound(g, 16) <= 256 for g in trace_groups(trees, 16, 256))
+
+
+def test_probes_run_once_per_verify_path_at_the_first_sampling_on_it(tmp_path: Path) -> None:
+    # SGLang's branches: greedy when the temperature is 0 or top_k is 1; sampled otherwise,
+    # with top-k / top-p filtering where they are on. The temperature's value is no branch.
+    assert [Sampling(t, p, k).verify_path for t, p, k in (
+        (0.0, 0.9, 20), (0.7, 1.0, 1), (0.7, 1.0, -1), (1.0, 1.0, 40), (1.0, 0.95, -1), (0.6, 0.9, 20))] == [
+        "greedy", "greedy", "sampled", "sampled+top_k", "sampled+top_p", "sampled+top_k+top_p"]
+    spec = sweep(tmp_path, grid={**GRID, "temperature": [0.0, 0.6, 1.0], "top_p": [1.0, 0.9]}, baselines=[],
+                 predict={"top": 1})
+    pplan = plan_predict(spec, prepare_sweep(spec, []).plan)
+    assert pplan is not None and len(pplan.samplings) == 6
+    assert pplan.probe_samplings == (Sampling(0.0, 0.9), Sampling(0.6, 0.9), Sampling(0.6, 1.0))
+    assert len(pplan.probes) == 3 * 3 and {p.sampling for p in pplan.probes} == set(pplan.probe_samplings)
 
 
 def predict_then_measure(prepared: PreparedSweep, out: Path) -> tuple[HostPrediction, SweepRunner, SweepOutcome]:
@@ -106,9 +121,21 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     probes = [r for r in rows if r["source"] == "probe"]
     preds = [r for r in rows if r["source"] == "predicted"]
     measured = [r for r in rows if r["source"] in (None, "measured")]
-    assert {(r["budget"], r["concurrency"]) for r in probes} == {(4, 2), (8, 2), (16, 2)}
+    # A probe per verify path (T = 0 greedy, T = 0.6 sampled), concurrency and budget, each
+    # at its path's sampling.
+    assert sorted((r["temperature"], r["budget"], r["concurrency"]) for r in probes) == [
+        (t, b, 2) for t in (0.0, 0.6) for b in (4, 8, 16)]
     assert all(r["round_ms"] > 0 and r["topk"] == 4 and r["gpu_name"] for r in probes)
     assert len(preds) == 12 and all(r["accept_length"] > 1 and r["output_tok_s"] > 0 for r in preds)
+    # Each predicted cell's round time is its own path's probes, pooled (smooth_round_times).
+    raw = [RoundTime(r["concurrency"], r["budget"], r["round_ms"] / 1000, r["overhead_ms"] / 1000,
+                     r["cuda_graph"], Sampling(r["temperature"]).verify_path) for r in probes]
+    pooled = smooth_round_times(raw)
+    for r in preds:
+        rt = pooled[(Sampling(r["temperature"]).verify_path, r["concurrency"], r["budget"])]
+        assert (r["round_ms"], r["overhead_ms"]) == pytest.approx((rt.round_s * 1000, rt.overhead_s * 1000)), r
+    assert {pooled[("greedy", 2, b)].round_s for b in (4, 8, 16)} != {pooled[("sampled", 2, b)].round_s
+                                                                       for b in (4, 8, 16)}
     assert all(r["predicted_accept_naive"] is not None for r in preds)
     # top 1 per (temperature, concurrency): two DDTree cells measured, each the fastest predicted.
     ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
@@ -143,7 +170,7 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert {(c["budget"], c["topk"]) for c in report["best"] if c["algorithm"] == "DDTREE"} <= {
         (r["budget"], r["topk"]) for r in ddtree}
     assert len(report["predicted"]) == 12 and sum(p["measured"] for p in report["predicted"]) == 2
-    assert len(report["probes"]) == 3
+    assert len(report["probes"]) == 6 and {p["temperature"] for p in report["probes"]} == {0.0, 0.6}
     text = _cli("report", str(out), "--min-repeats", "1", env={"COLUMNS": "200"})
     assert "Predicted vs measured" in text and text.count("predicted only") == 10 + 1  # 10 cells, the title
     _cli("report", str(out), "--min-repeats", "1", "--plots", str(tmp_path / "plots"))
@@ -192,13 +219,14 @@ def test_with_gpu_slots_trace_runs_split_over_the_slots_as_planned_and_each_kept
         tmp_path: Path) -> None:
     write_sweep(tmp_path)  # its prompts
     h = load_inventory([write_inventory(tmp_path)]).hosts["sim-x"]
-    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2]}, baselines=[],
+    # Two sampled temperatures: one verify path, probed once per budget.
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2], "temperature": [0.6, 1.0]}, baselines=[],
                  predict={"top": 1, "probe_tokens": 8, "trace_concurrency": 1},
                  workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 24})
     prepared = prepare_sweep(spec, [h])
     [hp] = prepared.hosts
     pplan = plan_predict(spec, prepared.plan)
-    assert pplan is not None
+    assert pplan is not None and pplan.probe_samplings == (Sampling(0.6),)
     # Two probes, then a trace run per temperature (as many as the slots: none cut in parts),
     # each longer than a probe: longest first, each slot a trace run and a probe.
     shares = split_work(pplan, 2, num_prompts=2, max_new_tokens=24, s_per_step=hp.step_s,
@@ -267,13 +295,15 @@ def test_the_predicted_plans_estimate_loads_the_ddtree_model_once(tmp_path: Path
 
 
 def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest_share(tmp_path: Path) -> None:
-    spec = sweep(tmp_path, grid=GRID, baselines=[], predict={"top": 1, "probe_tokens": 8},
+    # Two sampled temperatures: one verify path, one probe per budget.
+    spec = sweep(tmp_path, grid={**GRID, "temperature": [0.6, 1.0]}, baselines=[],
+                 predict={"top": 1, "probe_tokens": 8},
                  workload={"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 24})
     plan = prepare_sweep(spec, []).plan
     pplan = plan_predict(spec, plan)
     assert pplan is not None
     step, trace_step = 0.01, 0.02  # a run's step; a trace run's (learned: a round per token)
-    probes = [ProbeRun(2, b) for b in (4, 8, 16)]
+    probes = [ProbeRun(2, b, Sampling(0.6)) for b in (4, 8, 16)]
     traces = [TraceRun(s, 0) for s in pplan.samplings]
     assert pplan.work == (*probes, *traces)
     # A probe: a switch and 4 waves of 8 tokens; a trace run: the workload once at concurrency
@@ -399,7 +429,7 @@ def test_with_gpu_slots_a_failed_predict_phase_stops_every_slots_server(tmp_path
     write_sweep(tmp_path)  # its prompts
     inv = write_inventory(tmp_path)
     h = load_inventory([inv]).hosts["sim-x"]
-    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2]}, baselines=[],
+    spec = sweep(tmp_path, grid={**GRID, "budget": [4, 8], "topk": [2], "temperature": [0.6, 1.0]}, baselines=[],
                  predict={"top": 1, "probe_tokens": 8, "trace_concurrency": 1},
                  workload={"prompt_files": ["p.jsonl"], "num_prompts": 2, "max_new_tokens": 8})
     prepared = prepare_sweep(spec, [h])

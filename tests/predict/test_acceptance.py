@@ -261,23 +261,33 @@ def test_a_probe_measures_round_time_and_overhead() -> None:
 
 def test_probes_are_fitted_non_decreasing_in_budget_with_one_overhead_per_concurrency() -> None:
     # The CPU server's probes at concurrency 8 (one predict_accuracy run): out of order by
-    # budget, overheads 40-90 ms. Graph-replayed and eager probes are fitted apart.
+    # budget, overheads 40-90 ms. Graph-replayed and eager probes are fitted apart, and so
+    # are the greedy and the sampled verify paths.
     raw = {8: [(2, 9.03, 54.0), (3, 8.74, 39.6), (4, 9.66, 55.6), (5, 10.03, 48.7), (6, 10.02, 72.0),
                (8, 7.84, 89.7), (10, 9.46, 50.6), (12, 9.95, 53.2), (16, 12.91, 60.6)]}
-    times = {(8, b): RoundTime(8, b, r / 1000, o / 1000) for b, r, o in raw[8]}
-    times |= {(1, 4): RoundTime(1, 4, 0.005, 0.01), (1, 8): RoundTime(1, 8, 0.004, 0.03),
-              (1, 64): RoundTime(1, 64, 0.009, 0.02, cuda_graph=False)}
+    times = [RoundTime(8, b, r / 1000, o / 1000) for b, r, o in raw[8]]
+    times += [RoundTime(1, 4, 0.005, 0.01), RoundTime(1, 8, 0.004, 0.03),
+              RoundTime(1, 64, 0.009, 0.02, cuda_graph=False)]
+    # Sampled rounds at concurrency 8: slower, and not pooled with the greedy ones (whose
+    # fit at budget 2-3 is 8.885 ms: pooled together they would pull each other).
+    times += [RoundTime(8, 2, 0.0102, 0.07, verify_path="sampled"),
+              RoundTime(8, 3, 0.0100, 0.09, verify_path="sampled")]
     smooth = smooth_round_times(times)
-    assert smooth.keys() == times.keys()
-    fitted = [smooth[(8, b)].round_s * 1000 for b, _, _ in raw[8]]
+    assert smooth.keys() == {rt.key for rt in times}
+    fitted = [smooth[("greedy", 8, b)].round_s * 1000 for b, _, _ in raw[8]]
     # Pool adjacent violators by hand: (9.03, 8.74) -> 8.885; (9.66, 10.03, 10.02, 7.84) -> 9.3875.
     assert fitted == pytest.approx([8.885, 8.885, 9.3875, 9.3875, 9.3875, 9.3875, 9.46, 9.95, 12.91])
     assert all(a <= b for a, b in zip(fitted, fitted[1:], strict=False))
     # The fit keeps the probes' total (least squares with a free level does).
     assert sum(fitted) == pytest.approx(sum(r for _, r, _ in raw[8]))
-    assert [smooth[(8, b)].overhead_s for b, _, _ in raw[8]] == pytest.approx([0.054] * 9)  # the median
+    assert [smooth[("greedy", 8, b)].overhead_s for b, _, _ in raw[8]] == pytest.approx([0.054] * 9)  # the median
     # Concurrency 1: 5 ms then 4 ms pooled to 4.5 ms; the eager probe stands alone.
-    assert smooth[(1, 4)].round_s == smooth[(1, 8)].round_s == pytest.approx(0.0045)
-    assert smooth[(1, 64)].round_s == pytest.approx(0.009) and smooth[(1, 64)].cuda_graph is False
-    assert [smooth[(1, b)].overhead_s for b in (4, 8, 64)] == pytest.approx([0.02] * 3)
-    assert smooth_round_times({}) == {}
+    assert smooth[("greedy", 1, 4)].round_s == smooth[("greedy", 1, 8)].round_s == pytest.approx(0.0045)
+    assert smooth[("greedy", 1, 64)].round_s == pytest.approx(0.009) and smooth[("greedy", 1, 64)].cuda_graph is False
+    assert [smooth[("greedy", 1, b)].overhead_s for b in (4, 8, 64)] == pytest.approx([0.02] * 3)
+    # The sampled path: its own fit (10.2, 10.0 -> 10.1 ms) and its own overhead (80 ms).
+    sampled = [smooth[("sampled", 8, b)] for b in (2, 3)]
+    assert [rt.round_s for rt in sampled] == pytest.approx([0.0101] * 2)
+    assert [rt.overhead_s for rt in sampled] == pytest.approx([0.08] * 2)
+    assert all(rt.verify_path == "sampled" for rt in sampled)
+    assert smooth_round_times([]) == {}
