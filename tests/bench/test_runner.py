@@ -183,6 +183,8 @@ def test_runner_sigkilled_during_a_restart_then_resume_completes_only_missing_ro
         first = [r for r in before.rows if r["status"] == "ok"]
         assert len(before.rows) == len(first) == per_server
         assert {r["algorithm"] for r in first} == {"AR"}  # only the first server configuration
+        # Its repeats ran as passes over its cells (schedule.plan_runs): both temperatures, then again.
+        assert [(r["repeat"], r["temperature"]) for r in first] == [(0, 0.0), (0, 0.6), (1, 0.0), (1, 0.6)]
         done = subprocess.run(cli + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert f"{out}:{per_server + 1}: removed a truncated last line" in done.stderr
