@@ -30,7 +30,7 @@ floor under ``chosen_below_best``.
     .venv/bin/python benchmarks/predict_accuracy.py [--json] [--keep] [--part sim|real_cpu|both]
     .venv/bin/python benchmarks/predict_accuracy.py --compare A.json B.json [--json]
 
-About 56 minutes on a 2-core machine (the real server's full grid is most of it).
+About 70 minutes on a 2-core machine (the real server's full grid is most of it).
 """
 
 from __future__ import annotations

@@ -102,9 +102,9 @@ class PredictPlan:
         """The samplings the probes run at: one per verify path of the grid's samplings
         (:attr:`~.plan.Sampling.verify_path`), the first of the grid's on that path. A
         sampled round costs more than a greedy one (target probabilities, the rejection
-        walk), and more so the wider the verify: on the CPU server T = 1 rounds took 11 %
-        longer than T = 0 at budget 2 and 15 % at budget 16, so T = 0 probes alone
-        over-predict the sampled cells, the big trees most."""
+        walk), and more so the wider the verify: on the CPU server sampled rounds took 15 %
+        longer than greedy ones at budget 2 and 22-25 % at budgets 12-16, so T = 0 probes
+        alone over-predict the sampled cells, the big trees most."""
         paths: dict[str, Sampling] = {}
         for s in self.samplings:
             paths.setdefault(s.verify_path, s)
