@@ -58,7 +58,7 @@ class ProbeRun:
 
     concurrency: int
     budget: int
-    sampling: Sampling = Sampling()
+    sampling: Sampling
 
 
 @dataclass(frozen=True)

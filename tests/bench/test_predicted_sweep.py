@@ -129,10 +129,10 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert len(preds) == 12 and all(r["accept_length"] > 1 and r["output_tok_s"] > 0 for r in preds)
     # Each predicted cell's round time is its own path's probes, pooled (smooth_round_times).
     raw = [RoundTime(r["concurrency"], r["budget"], r["round_ms"] / 1000, r["overhead_ms"] / 1000,
-                     r["cuda_graph"], Sampling(r["temperature"]).verify_path) for r in probes]
+                     r["cuda_graph"], Sampling(r["temperature"], r["top_p"], r["top_k"]).verify_path) for r in probes]
     pooled = smooth_round_times(raw)
     for r in preds:
-        rt = pooled[(Sampling(r["temperature"]).verify_path, r["concurrency"], r["budget"])]
+        rt = pooled[(Sampling(r["temperature"], r["top_p"], r["top_k"]).verify_path, r["concurrency"], r["budget"])]
         assert (r["round_ms"], r["overhead_ms"]) == pytest.approx((rt.round_s * 1000, rt.overhead_s * 1000)), r
     assert {pooled[("greedy", 2, b)].round_s for b in (4, 8, 16)} != {pooled[("sampled", 2, b)].round_s
                                                                        for b in (4, 8, 16)}
