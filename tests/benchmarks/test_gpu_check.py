@@ -98,10 +98,14 @@ def test_finished_phases_survive_a_run_killed_mid_way(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         jsonl = tmp_path / "gpu_check.jsonl"
         while time.monotonic() < deadline:
-            if jsonl.exists() and '"kernel_load"' in jsonl.read_text():
+            # Whole lines only, by phase: the start line names kernel_load too (its estimate).
+            if jsonl.exists() and any(json.loads(line)["phase"] == "kernel_load"
+                                      for line in jsonl.read_text().splitlines(keepends=True) if line.endswith("\n")):
                 break
             assert proc.poll() is None, "the run ended before it was killed"
             time.sleep(0.2)
+        else:
+            pytest.fail("kernel_load was not on disk within 120 s")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
