@@ -28,14 +28,15 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-def write_inventory(tmp_path: Path, port: int) -> Path:
+def write_inventory(tmp_path: Path, port: int, **env: str) -> Path:
+    """One local simulated host; ``env`` adds to the simulator's environment."""
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {"sim-x": {
         "ansible_connection": "local",
         "ddtree": {"python": deployed_python(), "run_dir": str(tmp_path / "run"), "server": {
             "command": "{python} -m ddtree_ops.sim", "model_path": "sim/m", "draft_model_path": "sim/d",
             "port": port, "expected_load_s": 2,
-            "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5"}}}}}}}}}))
+            "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.5", **env}}}}}}}}}))
     return inv
 
 
@@ -108,11 +109,11 @@ def test_bad_prompt_line_names_file_and_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and f"{tmp_path / 'p.jsonl'}:2: not valid JSON" in done.stderr
 
 
-def _interrupted_bench(tmp_path: Path, *, ctrl_c: int) -> tuple[subprocess.Popen[str], str, str, int, Path]:
+def _interrupted_bench(tmp_path: Path, *, ctrl_c: int, **env: str) -> tuple[subprocess.Popen[str], str, str, int, Path]:
     """A real `bench` process, Ctrl-C'd ``ctrl_c`` times (half a second apart) once its first
     row is written: (process, stdout, stderr, the server port, the ledger)."""
     port = free_port()
-    inv = write_inventory(tmp_path, port)
+    inv = write_inventory(tmp_path, port, **env)
     out = tmp_path / "ledger.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)),
@@ -305,6 +306,9 @@ def test_resume_after_an_edited_sweep_says_what_changed(tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_aborts_at_once_with_130_and_says_so(tmp_path: Path) -> None:
-    proc, stdout, err, _, _ = _interrupted_bench(tmp_path, ctrl_c=2)
+    # The server takes 4 s to stop (the simulator's shutdown drain), so the second Ctrl-C
+    # lands in the first one's wind-down. Without it the wind-down can end before the second
+    # arrives on a loaded machine, and the run exits "interrupted" instead.
+    proc, stdout, err, _, _ = _interrupted_bench(tmp_path, ctrl_c=2, SIM_SHUTDOWN_DRAIN_S="4")
     assert proc.returncode == 130, (stdout[-2000:], err[-2000:])
     assert "Traceback" not in err and "aborted" in err and "--resume" in err
