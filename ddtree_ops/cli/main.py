@@ -250,19 +250,8 @@ def _warnings_on_err_console() -> Iterator[None]:
 
 def run() -> None:
     """Console-script entry point."""
-    try:
-        with _sigterm_as_ctrl_c(), _warnings_on_err_console():
-            _run()
-    except KeyboardInterrupt:
-        # A Ctrl-C that lands while the command is already on its way out (its report printed,
-        # its exit raised): uncaught, Python ends the process by the signal itself (status -2).
-        # The user asked it to stop and it is stopping: 130, as every interrupted command.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.exit(Interrupted.exit_code)
-    finally:
-        # The exit status is decided: a Ctrl-C during the interpreter's shutdown (atexit, thread
-        # joins) would still turn it into death by the signal, so none is taken from here on.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _sigterm_as_ctrl_c(), _warnings_on_err_console():
+        _run()
 
 
 def _run() -> None:
