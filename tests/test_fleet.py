@@ -35,19 +35,23 @@ def test_results_in_host_order_with_failures_as_values() -> None:
 
 @pytest.mark.parametrize("limit", [1, 3, 8])
 def test_never_more_than_max_parallel_at_once(limit: int) -> None:
-    lock = threading.Lock()
+    cond = threading.Condition()
     active = 0
     peak = 0
+    target = min(limit, len(HOSTS))
 
     def fn(h: Host) -> None:
         nonlocal active, peak
-        with lock:
+        with cond:
             active += 1
             peak = max(peak, active)
-        # Long enough that every worker the pool allows has started on a loaded CI machine
-        # (20 ms was not: a peak of 6 of 7 once).
+            cond.notify_all()
+            # Until as many run at once as the pool should allow, however late a loaded
+            # machine starts its workers (a fixed 20 ms gave a peak of 6 of 7 once) ...
+            cond.wait_for(lambda: peak >= target, timeout=60)
+        # ... then a while longer, so that a pool that let more run at once would show it.
         time.sleep(0.2)
-        with lock:
+        with cond:
             active -= 1
 
     run_on_hosts(HOSTS, fn, max_parallel=limit)

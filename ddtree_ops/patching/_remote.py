@@ -338,19 +338,60 @@ def drop_pyc(full):
 # ---------------------------------------------------------------------------- steps
 
 
+# How many times a gather reads the state directory again when it changed under it (a
+# deploy's lock came or went while the files were hashed); each further pass most likely
+# finds the next transaction's lock, which ends the reading.
+GATHER_PASSES = 50
+
+
+def dir_stamp(path):
+    """What changes whenever an entry of ``path`` is created, removed or replaced: the lock
+    directory taken or dropped, the journal or the state record written. None: no directory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def do_gather(p):
+    """Everything a plan needs, as one consistent snapshot.
+
+    The lock and the journal are read first, then the state record and the hashes, then
+    the lock and the journal again together with the state directory's stamp. A snapshot
+    with no lock nor journal is answered only when nothing changed in the state directory
+    while it was read: otherwise another deploy took or dropped its lock meanwhile (it may
+    have committed between the state record and the hashes), and everything is read again.
+    A snapshot that shows a lock or a journal is answered as it is: the plan refuses it
+    ("recover") and the controller waits for the lock or recovers the journal first.
+    The prepare step checks the snapshot again under the lock (``expect_state``,
+    ``expect_files``), so nothing read here is acted on once it no longer holds.
+    """
     pkg = Package(p["package"])
     sd = state_dir()
-    state = read_json(os.path.join(sd, "state.json"))
-    paths = list(p.get("paths", []))
-    if isinstance(state, dict):
-        for rel in (state.get("files") or {}):
-            if rel not in paths:
-                paths.append(rel)
-    files = {}
-    if pkg.dir is not None:
-        for rel in paths:
-            files[rel] = file_sha(pkg, rel)
+    jpath = os.path.join(sd, "journal.json")
+    for _pass in range(GATHER_PASSES):
+        stamp = dir_stamp(sd)
+        lock = lock_info()
+        journal = read_json(jpath)
+        state = read_json(os.path.join(sd, "state.json"))
+        paths = list(p.get("paths", []))
+        if isinstance(state, dict):
+            for rel in (state.get("files") or {}):
+                if rel not in paths:
+                    paths.append(rel)
+        files = {}
+        if pkg.dir is not None:
+            for rel in paths:
+                files[rel] = file_sha(pkg, rel)
+        if lock is not None or journal is not None:
+            break
+        if dir_stamp(sd) == stamp and lock_info() is None and not os.path.exists(jpath):
+            break
+        time.sleep(0.02)
+    else:
+        raise Refused("busy", "the state directory %s kept changing while it was read (%d passes)"
+                      % (sd, GATHER_PASSES))
     writable = bool(pkg.dir and os.access(pkg.dir, os.W_OK))
     site_dir = None
     if pkg.dir is not None and any(is_site_key(rel) for rel in paths):
@@ -371,9 +412,26 @@ def do_gather(p):
         "writable": writable,
         "files": files,
         "state": state,
-        "journal": read_json(os.path.join(sd, "journal.json")),
-        "lock": lock_info(),
+        "journal": journal,
+        "lock": lock,
     }
+
+
+def check_snapshot(pkg, p):
+    """Under the lock: is the host still what the plan was made from? The state record as
+    gathered (``expect_state``) and every hash gathered (``expect_files``), the files the
+    plan leaves alone included: a plan made before another deploy's commit would otherwise
+    write its state record over that deploy's (and lose its backups of the originals)."""
+    if "expect_state" not in p:
+        return
+    state = read_json(os.path.join(state_dir(), "state.json"))
+    if state != p["expect_state"]:
+        raise Refused("stale", "the state record changed since the plan was made (another deploy or rollback "
+                               "committed meanwhile)")
+    for rel, sha in sorted((p.get("expect_files") or {}).items()):
+        current = file_sha(pkg, rel)
+        if current != sha:
+            raise Refused("stale", "%s changed since the plan was made (now %s)" % (rel, current))
 
 
 def _cleanup_prepared(entries, txn):
@@ -399,6 +457,7 @@ def do_prepare(p):
     try:
         if os.path.exists(os.path.join(sd, "journal.json")):
             raise Refused("journal", "a journal from an interrupted deploy is present; recover first")
+        check_snapshot(pkg, p)
         backup_root = os.path.join(sd, "backups", txn)
         for f in p["files"]:
             rel = f["path"]
@@ -676,6 +735,13 @@ def do_recover(p):
 PLACED_DIR = "placed"
 
 
+def _refuse_without_bundle(sd):
+    state = read_json(os.path.join(sd, "state.json"))
+    if not isinstance(state, dict) or "unreadable" in state or not state.get("name"):
+        raise Refused("no_bundle", "no bundle is applied for %s (no state record in %s); `ddtree-ops deploy` first"
+                      % (sys.executable, sd))
+
+
 def do_place(p):
     """Put one file of ours into ``<state_dir>/placed/``, or remove it: atomic and checksummed
     like a bundle's files (temp beside the target, its sha256 checked, os.replace, fsync).
@@ -692,14 +758,12 @@ def do_place(p):
     name = p["name"]
     if not name or "/" in name or name.startswith("."):
         raise Refused("escape", "%r is not a plain file name" % (name,))
-    state = read_json(os.path.join(sd, "state.json"))
-    if not isinstance(state, dict) or "unreadable" in state or not state.get("name"):
-        raise Refused("no_bundle", "no bundle is applied for %s (no state record in %s); `ddtree-ops deploy` first"
-                      % (sys.executable, sd))
+    _refuse_without_bundle(sd)  # before the lock too: a host without a bundle is refused untouched
     acquire_lock(p["holder"], None)
     try:
         if os.path.exists(os.path.join(sd, "journal.json")):
             raise Refused("journal", "a journal from an interrupted deploy is present; recover first")
+        _refuse_without_bundle(sd)  # again under the lock: a rollback may have committed meanwhile
         folder = os.path.join(sd, PLACED_DIR)
         os.makedirs(folder, exist_ok=True)
         target = os.path.join(folder, name)

@@ -16,6 +16,12 @@ its holder (controller host, pid and its start time, boot id, run id:
 whose process is gone, or whose run in this process has ended, is provably dead and its
 lock is taken over (with its journal recovered); a holder elsewhere can only be
 overridden with ``break_lock``, because we cannot see whether it still runs.
+
+A plan is made from a gather, outside the lock; the prepare step checks under the lock
+that the state record and every gathered hash are still what the plan was made from.
+Where another run committed in between, nothing is changed: the run gathers and plans
+again (it then finds, say, the bundle applied: noop), instead of writing its state record
+over the other run's.
 """
 
 from __future__ import annotations
@@ -252,8 +258,12 @@ class _Run:
             self.step("prepare", {
                 "package": rs.package, "txn": self.txn, "holder": self.holder, "files": payload_files,
                 "new_state": new_state, "keep_backups": keep_backups, "drop_backups": drop_backups,
+                # What the plan was made from, checked again under the lock.
+                "expect_state": rs.raw.get("state"), "expect_files": dict(rs.files),
             })
         except RemoteRefusal as exc:
+            if exc.kind == "stale":
+                raise _StalePlan(exc.message, host=self.t.host) from exc
             if exc.kind == "locked":
                 raise LockError(f"locked by {describe_lock(exc.extra.get('holder') or {})}", host=self.t.host) from exc
             raise PatchError(exc.message, host=self.t.host) from exc
@@ -277,6 +287,16 @@ class _Run:
                               host=self.t.host) from exc
         raise Interrupted("interrupted before commit; the prepared files were removed, nothing was changed",
                           host=self.t.host)
+
+
+class _StalePlan(DriftError):
+    """The prepare step found the host no longer as gathered (another deploy or rollback
+    committed between this run's gather and its lock): nothing was changed; gather and plan
+    again. Raised to the caller only when that keeps happening."""
+
+
+# How many times one run gathers and plans again after a stale plan.
+_PLAN_ATTEMPTS = 5
 
 
 def _backup_path(rs: RemoteState, txn: str, path: str) -> str:
@@ -307,19 +327,28 @@ def deploy(transport: Transport, host: Host, bundle: Bundle | Callable[[RemoteSt
     package = bundle.package if isinstance(bundle, Bundle) else "sglang"
     want = [f.path for f in bundle.files] if isinstance(bundle, Bundle) else list(paths or [])
     with _Run(transport, host, opts, "deploy", cancel) as run:
-        rs, recovered = run.settle(package, want) if not opts.dry_run else (run.gather(package, want), None)
-        b = bundle if isinstance(bundle, Bundle) else bundle(rs)
-        plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version, replace=opts.replace)
-        if opts.dry_run:
-            return HostOutcome(host.name, "deploy", _dry_run_outcome(plan), plan,
-                               recovered=recovered, notes=plan.notes, state=rs)
-        _raise_for_plan(plan, transport.host)
-        if plan.outcome == "noop":
-            return HostOutcome(
-                host.name, "deploy", RunOutcome.NOOP, plan, recovered=recovered, notes=plan.notes, state=rs
-            )
-        payload, new_state, keep, drop = _deploy_payload(b, plan, rs, run.txn, run.holder)
-        result = run.execute(plan, rs, payload, new_state, [list(v) for v in b.verify], keep, drop)
+        recovered: str | None = None
+        for attempt in range(1, _PLAN_ATTEMPTS + 1):
+            rs, settled = run.settle(package, want) if not opts.dry_run else (run.gather(package, want), None)
+            recovered = recovered or settled
+            b = bundle if isinstance(bundle, Bundle) else bundle(rs)
+            plan = plan_deploy(b, rs, force=opts.force, force_version=opts.force_version, replace=opts.replace)
+            if opts.dry_run:
+                return HostOutcome(host.name, "deploy", _dry_run_outcome(plan), plan,
+                                   recovered=recovered, notes=plan.notes, state=rs)
+            _raise_for_plan(plan, transport.host)
+            if plan.outcome == "noop":
+                return HostOutcome(
+                    host.name, "deploy", RunOutcome.NOOP, plan, recovered=recovered, notes=plan.notes, state=rs
+                )
+            payload, new_state, keep, drop = _deploy_payload(b, plan, rs, run.txn, run.holder)
+            try:
+                result = run.execute(plan, rs, payload, new_state, [list(v) for v in b.verify], keep, drop)
+            except _StalePlan:
+                if attempt == _PLAN_ATTEMPTS:
+                    raise
+                continue
+            break
         files = dict(result.get("files") or {})
         for a in plan.changes:
             if files.get(a.path) != a.new_sha256:
@@ -380,27 +409,36 @@ def rollback(
 ) -> HostOutcome:
     """Put every recorded file back to its original and clear the state record."""
     with _Run(transport, host, opts, "rollback", cancel) as run:
-        rs, recovered = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
-        plan = plan_rollback(rs, force=opts.force)
-        if opts.dry_run:
-            return HostOutcome(host.name, "rollback", _dry_run_outcome(plan), plan,
-                               recovered=recovered, state=rs)
-        _raise_for_plan(plan, transport.host)
-        if plan.outcome == "noop":
-            return HostOutcome(host.name, "rollback", RunOutcome.NOOP, plan, recovered=recovered, state=rs)
-        payload: list[dict[str, Any]] = []
-        drop: list[str] = []
-        for a in plan.actions:
-            if a.original_backup:
-                drop.append(a.original_backup)
-            if not a.changes:
+        recovered: str | None = None
+        for attempt in range(1, _PLAN_ATTEMPTS + 1):
+            rs, settled = run.settle(package, []) if not opts.dry_run else (run.gather(package, []), None)
+            recovered = recovered or settled
+            plan = plan_rollback(rs, force=opts.force)
+            if opts.dry_run:
+                return HostOutcome(host.name, "rollback", _dry_run_outcome(plan), plan,
+                                   recovered=recovered, state=rs)
+            _raise_for_plan(plan, transport.host)
+            if plan.outcome == "noop":
+                return HostOutcome(host.name, "rollback", RunOutcome.NOOP, plan, recovered=recovered, state=rs)
+            payload: list[dict[str, Any]] = []
+            drop: list[str] = []
+            for a in plan.actions:
+                if a.original_backup:
+                    drop.append(a.original_backup)
+                if not a.changes:
+                    continue
+                item: dict[str, Any] = {"path": a.path, "expect_sha": a.current_sha256, "new_sha": a.new_sha256}
+                if a.kind == "restore":
+                    item["from_backup"] = a.original_backup
+                payload.append(item)
+            keep = [_backup_path(rs, run.txn, a.path) for a in plan.actions if a.forced and a.current_sha256]
+            try:
+                result = run.execute(plan, rs, payload, None, [], keep, drop)
+            except _StalePlan:
+                if attempt == _PLAN_ATTEMPTS:
+                    raise
                 continue
-            item: dict[str, Any] = {"path": a.path, "expect_sha": a.current_sha256, "new_sha": a.new_sha256}
-            if a.kind == "restore":
-                item["from_backup"] = a.original_backup
-            payload.append(item)
-        keep = [_backup_path(rs, run.txn, a.path) for a in plan.actions if a.forced and a.current_sha256]
-        result = run.execute(plan, rs, payload, None, [], keep, drop)
+            break
         files = dict(result.get("files") or {})
         placed = tuple(str(p) for p in result.get("placed_removed") or ())
         for a in plan.changes:

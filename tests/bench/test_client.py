@@ -120,7 +120,7 @@ def test_a_run_ends_at_its_last_response_not_after_reporting_it() -> None:
     end, as AIPerf times a benchmark: reporting the results on the client's loop (here a
     slow on_done, in a sweep the ledger and progress) is not the server's time. The run
     used to end after gather, with every report inside it."""
-    state = FakeState(step_s=0.02)
+    state = FakeState(step_s=0.002)  # ~0.01 s of server time: far below the report's 0.5 s on any machine
     with serve(state) as url:
         client = LocalClient(url)
         load = client.run_load(LoadSpec(prompts=prompts(1), max_new_tokens=7),
@@ -141,6 +141,16 @@ def test_responses_that_arrived_together_end_together_however_late_the_client_re
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
+    # The slow responses are sent once the client is reporting the fast one, and its report
+    # goes on until they were sent: they arrive while the loop is busy however slow the
+    # machine (a fixed 0.1 s wait for the report to start was a guess).
+    reporting, sent = threading.Event(), threading.Event()
+
+    def report(r: object) -> None:
+        if not reporting.is_set():
+            reporting.set()
+            assert sent.wait(30)
+        time.sleep(0.3)
     frame = b'data: {"text": "x", "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}}\n\ndata: [DONE]\n\n'
     response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n" % len(frame)
                 + frame)
@@ -161,10 +171,11 @@ def test_responses_that_arrived_together_end_together_however_late_the_client_re
         for fast, conn in conns:
             if fast:
                 conn.sendall(response)
-        time.sleep(0.1)  # the client is now reporting the fast one (0.3 s): both arrive meanwhile
+        reporting.wait(30)  # the client is now reporting the fast one (0.3 s): both arrive meanwhile
         for fast, conn in conns:
             if not fast:
                 conn.sendall(response)
+        sent.set()
         time.sleep(1.0)
         for _, conn in conns:
             conn.close()
@@ -174,7 +185,7 @@ def test_responses_that_arrived_together_end_together_however_late_the_client_re
     try:
         load = LocalClient(f"http://127.0.0.1:{port}").run_load(
             LoadSpec(prompts=(Prompt("fast"), Prompt("slow a"), Prompt("slow b")), max_new_tokens=1, concurrency=3),
-            on_done=lambda r: time.sleep(0.3))
+            on_done=report)
     finally:
         server.join(5)
         listener.close()

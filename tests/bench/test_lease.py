@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +64,8 @@ def stop_server(inv: Path) -> None:
 
 def test_second_sweep_and_a_restart_are_refused_while_the_first_completes_untouched(tmp_path: Path) -> None:
     inv = write_inventory(tmp_path, free_port())
-    first_sweep = write_sweep(tmp_path, "first", repeats=3, max_new_tokens=96)
+    # (Long enough to outlast the refusals no more: it is held while they run, below.)
+    first_sweep = write_sweep(tmp_path, "first", repeats=3)
     second_sweep = write_sweep(tmp_path, "second")
     first_out, second_out = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first = subprocess.Popen(
@@ -80,13 +82,20 @@ def test_second_sweep_and_a_restart_are_refused_while_the_first_completes_untouc
         assert holder["pid"] == first.pid and holder["sweep"] == "first"
         who = f"sweep first (run {holder['run_id']}): {lockholder.describe_holder(holder)} for "
 
-        second = cli("--json", "-i", str(inv), "bench", "--sweep", str(second_sweep), "--out", str(second_out),
-                     cwd=tmp_path)
-        restart = cli("--json", "-i", str(inv), "restart", "sim-x", "--algorithm", "AR", "--timeout", "60",
-                      cwd=tmp_path)
-        stop = cli("--json", "-i", str(inv), "stop", "sim-x", cwd=tmp_path)
-        # Refused at once: the first sweep is still measuring when all three have answered.
-        assert first.poll() is None, "the refusals waited for the first sweep to end"
+        # The first sweep is held (SIGSTOP) while the others try, so that it cannot end
+        # meanwhile however slowly a busy machine runs them: an answer from each proves it did
+        # not wait for the first sweep to end (one that waited would never answer).
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = cli("--json", "-i", str(inv), "bench", "--sweep", str(second_sweep), "--out",
+                         str(second_out), cwd=tmp_path)
+            restart = cli("--json", "-i", str(inv), "restart", "sim-x", "--algorithm", "AR", "--timeout", "60",
+                          cwd=tmp_path)
+            stop = cli("--json", "-i", str(inv), "stop", "sim-x", cwd=tmp_path)
+            # Refused at once: the first sweep is still measuring when all three have answered.
+            assert first.poll() is None, "the refusals waited for the first sweep to end"
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
 
         # The lease's own code (a held host, not a failed measurement), and what a sweep can do:
         # it has no --force, its rows wait for --resume.

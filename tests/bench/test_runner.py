@@ -100,15 +100,14 @@ def test_server_killed_mid_cell_fails_that_row_and_is_restarted(tmp_path: Path) 
     workload = build_workload(spec.workload)
     killed = threading.Event()
 
-    def kill_soon() -> None:
-        time.sleep(0.4)
-        st = lifecycle.service_status(LocalTransport(host.name), host)
-        os.kill(st.pid, signal.SIGKILL)
-        killed.set()
-
     def on_progress(p: Progress) -> None:
-        if p.phase == "running" and p.done == 0 and not killed.is_set():
-            threading.Thread(target=kill_soon, daemon=True).start()
+        # Once the first cell's first request has come back (its others still to come): the
+        # kill lands mid-cell however fast or slow the machine (a kill 0.4 s after the cell
+        # began could land after a fast cell, or before a slow one sent anything).
+        if p.phase == "running" and p.done == 0 and p.message == "1/4 requests" and not killed.is_set():
+            st = lifecycle.service_status(LocalTransport(host.name), host)
+            os.kill(st.pid, signal.SIGKILL)
+            killed.set()
 
     out = tmp_path / "ledger.jsonl"
     try:

@@ -30,13 +30,13 @@ from ddtree_ops.errors import (
 )
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 from ddtree_ops.patching.bundle import Bundle, load_bundle
-from ddtree_ops.patching.executor import RunOptions, deploy, rollback
+from ddtree_ops.patching.executor import HostOutcome, RunOptions, deploy, rollback
 from ddtree_ops.patching.remote import run_step
 from ddtree_ops.patching.status import host_status
 from ddtree_ops.transport.base import RoundTripCounter
 from ddtree_ops.transport.local import LocalTransport
 from patching.conftest import BUNDLES, PLUGIN_GROUP, MiniHost, entry_points_on_host
-from patching.faults import CuttingTransport, PausingTransport
+from patching.faults import CuttingTransport, HoldInsideGather, PausingTransport
 
 
 @pytest.fixture
@@ -344,6 +344,56 @@ def test_concurrent_deploys_never_interleave(mini: MiniHost, basic: Bundle) -> N
     assert results["first"].outcome == "applied"  # type: ignore[attr-defined]
     assert results["second"].outcome == "noop"  # type: ignore[attr-defined]
     assert _assert_not_mixed(mini, basic) == "patched"
+
+
+@pytest.mark.parametrize("held", ["inside its gather", "between its gather and its prepare"])
+def test_a_deploy_never_acts_on_what_it_read_before_another_deploy_committed(
+    mini: MiniHost, basic: Bundle, tmp_path: Path, held: str
+) -> None:
+    """Two deploys of one bundle, interleaved deterministically: the second is held after
+    reading the host's state record but before hashing its files (or after its whole
+    gather, before its prepare), the first runs from start to end meanwhile, then the
+    second goes on. What it read before the first one's commit must not be acted on: it
+    finds the bundle applied (noop), and the first one's state record, with its backups
+    of the originals, stands (a rollback still restores them)."""
+    inside = HoldInsideGather(_t(mini), hold_at=0, tmp=tmp_path)
+    paused = PausingTransport(_t(mini), pause_at=1)  # gather (0), prepare (1)
+    second_t = inside if held == "inside its gather" else paused
+
+    def reached() -> bool:
+        return inside.wait_reached(60) if second_t is inside else paused.reached.wait(60)
+
+    def release() -> None:
+        inside.release() if second_t is inside else paused.release.set()
+
+    box: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            box["out"] = deploy(second_t, mini.host, basic, RunOptions(lock_wait_s=60))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it below
+            box["exc"] = exc
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    try:
+        assert reached()
+        assert _file_states(mini, basic) == {"original"} and not (mini.state_dir / "state.json").exists()
+        first = deploy(_t(mini), mini.host, basic)
+        assert first.outcome == "applied"
+        record = json.loads((mini.state_dir / "state.json").read_text())
+    finally:
+        release()
+        worker.join(60)
+    assert not worker.is_alive()
+    assert "exc" not in box, box["exc"]
+    out = box["out"]
+    assert isinstance(out, HostOutcome) and out.outcome == "noop", out
+    assert json.loads((mini.state_dir / "state.json").read_text()) == record
+    assert all(f["backup"] for f in record["files"].values() if f["original_sha256"])
+    _assert_clean(mini)
+    rollback(_t(mini), mini.host)
+    assert _assert_not_mixed(mini, basic) == "original"
 
 
 @pytest.mark.parametrize("what", ["deploy", "rollback"])

@@ -112,8 +112,10 @@ def test_tune_deploys_the_policy_and_later_restarts_keep_it(tmp_path: Path, mini
 
 @pytest.mark.slow
 def test_a_failed_tune_deploy_leaves_the_host_as_it_was(tmp_path: Path, mini: MiniHost) -> None:
-    # A load of a few seconds, so that a 1 s readiness deadline fails the new launch.
-    inv = sim_inventory(tmp_path, mini, load_s=3.0)
+    # A load of 1.5 s (15 simulated seconds at the inventory's time scale 0.1), slept by the
+    # simulator: no launch is ready within the 1 s deadline, however fast the machine, while
+    # the launches that must succeed have the load-aware deadline (60 s).
+    inv = sim_inventory(tmp_path, mini, load_s=15.0)
     state = tmp_path / "state.json"
     host = load_inventory([inv]).hosts["b1"]
     first = _ledger(tmp_path / "first.jsonl", {(8, 4, 1): 400.0, (4, 2, 1): 300.0})

@@ -229,14 +229,17 @@ def test_port_never_freed_is_port_busy_and_nothing_launched(make_sim_host) -> No
 def test_drain_race_is_never_reported_ready(sim_target) -> None:
     """The old process (same flags) answers 200 while draining; the new one was launched
     next to it. Every 200 before the new process owns the port must read as stale."""
+    # A drain of 300 s (scaled): it outlasts the test on any machine, and ends once the new
+    # process's wait has seen it answer (a 3 s drain could end, on a busy machine, before
+    # the first poll: the race would not happen).
     host = sim_target.host(
-        extra_env={"SIM_SHUTDOWN_DRAIN_S": "30", "SGLANG_WAIT_PORT_TIMEOUT": "300"}, load_s=0.5
+        extra_env={"SIM_SHUTDOWN_DRAIN_S": "3000", "SGLANG_WAIT_PORT_TIMEOUT": "300"}, load_s=0.5
     )
     state = StateStore()
     t = sim_target.transport
     old = lifecycle.restart(t, req(host, RunConfig("AR")), state=state)
     old_info = sim_target.server_info(host)
-    sim_target.signal_group(old.pid, "TERM")  # starts the 3 s (scaled) drain; port keeps answering 200
+    sim_target.signal_group(old.pid, "TERM")  # starts the drain; port keeps answering 200
     time.sleep(0.3)
     assert sim_target.http_get(host, "/health_generate")[0] == 200
     # Forget the old process so that start() does not refuse; launch next to it.
@@ -245,9 +248,16 @@ def test_drain_race_is_never_reported_ready(sim_target) -> None:
     assert spec.launch_command == old.launch_command  # identical flags: only identity tells them apart
     launched = ProcessManager(t, host).start(spec, check_port=False)
     seen: list[tuple[dict, str]] = []
+    ended: list[bool] = []
+
+    def watch(poll: dict, detail: str) -> None:
+        seen.append((poll, detail))
+        if poll.get("health") == 200 and detail.startswith("stale") and not ended:
+            ended.append(True)
+            sim_target.signal_group(old.pid, "KILL")  # the race was seen: the drain may end now
+
     outcome, _attempt = lifecycle.wait_ready(
-        t, host, spec, launched, window=LoadWindow.fixed(60), poll_interval_s=0.2,
-        on_poll=lambda p, d: seen.append((p, d)),
+        t, host, spec, launched, window=LoadWindow.fixed(60), poll_interval_s=0.2, on_poll=watch,
     )
     assert outcome.reason == "ready"
     stale = [d for p, d in seen if p.get("health") == 200 and d != "ready"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -65,9 +66,16 @@ def test_a_request_is_created_when_its_bytes_arrived_not_when_its_handler_ran() 
     busy): b and c arrive meanwhile, are read in the same pass of the loop, and c's handler
     runs only after b's has held the loop another 0.2 s; c is still created when it
     arrived, with b. (Stamped as its handler started, c was created 0.2 s late.)"""
+    holding, sent = threading.Event(), threading.Event()
+
     async def stamp(request: Request) -> JSONResponse:
         arrived, started = _arrived(request), time.monotonic()
-        time.sleep(float(request.query_params.get("hold", 0)))  # holds the loop, as a busy server's is held
+        # Holds the loop, as a busy server's is held: a's handler until b and c were sent
+        # (on a busy machine a fixed hold could end before they are), b's for 0.2 s.
+        if request.query_params.get("until_sent"):
+            holding.set()
+            assert sent.wait(30)
+        time.sleep(float(request.query_params.get("hold", 0)))
         return JSONResponse({"arrived": arrived, "started": started})
 
     def send(port: int, path: bytes) -> socket.socket:
@@ -85,9 +93,10 @@ def test_a_request_is_created_when_its_bytes_arrived_not_when_its_handler_ran() 
     with serve_in_thread(Starlette(routes=[Route("/stamp", stamp)]), http=_StampingH11Protocol) as url:
         port = urlsplit(url).port
         assert port is not None
-        a = send(port, b"/stamp?hold=0.3")
-        time.sleep(0.1)  # a's handler holds the loop now
+        a = send(port, b"/stamp?until_sent=1")
+        assert holding.wait(30)  # a's handler holds the loop now
         b, c = send(port, b"/stamp?hold=0.2"), send(port, b"/stamp")
+        sent.set()
         read(a)
         got_b, got_c = read(b), read(c)
     assert got_c["started"] - got_b["started"] > 0.15, (got_b, got_c)  # c's handler waited for b's
