@@ -35,6 +35,14 @@ def report_command(
         help="Refuse cells with fewer ok repeats (default: the repeats each ledger's sweep planned).",
     ),
     mix_modes: bool = typer.Option(False, "--mix-modes", help="Rank eager and CUDA-graph cells together (flagged)."),
+    pool_runs: bool = typer.Option(
+        False, "--pool-runs",
+        help="Pool the ledgers' runs: the same cell of two runs becomes one cell, its repeats pooled (said). "
+        "Default: each run its own cells and best picks.",
+    ),
+    run: list[str] | None = typer.Option(
+        None, "--run", help="Only this run: its id, or a --resume's run id (repeatable; --json lists the runs).",
+    ),
     traffic_mix: str | None = typer.Option(
         None, "--mix", help="Also pick the best configuration for a traffic mix: data-set weights, "
         "e.g. humaneval=0.7,mtbench=0.3 (speedup per user over AR, weighted).",
@@ -69,4 +77,5 @@ def report_command(
         obj, ledgers=ledgers, csv=csv, csv_best=csv_best, csv_categories=csv_categories, plots=plots,
         group_by=group_by, min_repeats=min_repeats, weights=weights,
         mix_modes=mix_modes, compare_with=compare_with, show_cells=show_cells, wide=wide, as_json=as_json,
+        pool_runs=pool_runs, runs=run or [],
     )

@@ -76,10 +76,42 @@ def _machine(value: Any) -> str:
     return text.replace(" (simulated)", " (sim)")
 
 
-def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Table, Table | None]]:
-    """One table of picks per machine (so no column is spent on long GPU names), each with
-    a grid below it of one line per pick for its runner-up and notes, kept out of the table
-    so that it fits an ordinary terminal."""
+def _by_machine_run(frame: pd.DataFrame, *, sort: bool = True) -> list[tuple[Any, str | None, pd.DataFrame]]:
+    """``frame``'s rows per (machine, run) (report.runs; run None where runs were pooled),
+    sorted by machine then run (a run id starts with its start time), or in order of first
+    appearance."""
+    runs = frame["run"].astype(object).where(frame["run"].notna(), None) if "run" in frame else \
+        pd.Series(None, index=frame.index, dtype=object)
+    keys = list(dict.fromkeys(zip(frame["machine"].tolist(), runs.tolist(), strict=True)))
+    if sort:
+        keys.sort(key=lambda mr: (str(mr[0]), mr[1] or ""))
+    return [(machine, run, frame[(frame["machine"] == machine) & (runs.isna() if run is None else runs == run)])
+            for machine, run in keys]
+
+
+def _apart(frame: pd.DataFrame) -> set[str]:
+    """Machines of ``frame`` with rows of more than one run: their tables are named by run."""
+    if "run" not in frame:
+        return set()
+    pairs = frame[["machine", "run"]].dropna().drop_duplicates()
+    return {str(m) for m, n in pairs["machine"].value_counts().items() if n > 1}
+
+
+def _named(machine: Any, run: str | None, apart: set[str], labels: dict[str, str]) -> str:
+    """A table's machine as titles show it, with its run where the machine holds several."""
+    text = _machine(machine)
+    if run is not None and str(machine) in apart:
+        text += f" — {labels.get(run, f'run {run}')}"
+    return printable(text)
+
+
+def _best_tables(
+    best: pd.DataFrame, *, width: int, wide: bool, labels: dict[str, str] | None = None
+) -> list[tuple[Table, Table | None]]:
+    """One table of picks per machine (so no column is spent on long GPU names) and run
+    (where a machine holds several: report.runs), each with a grid below it of one line per
+    pick for its runner-up and notes, kept out of the table so that it fits an ordinary
+    terminal."""
     out: list[tuple[Table, Table | None]] = []
     # Ledgers of several workloads give a pick per workload: the table says whose, or two
     # rows of one temperature and concurrency would read as a contradiction.
@@ -96,7 +128,8 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
         TableColumn("vs AR", "right"),
         TableColumn("vs DFlash", "right", drop=1),
     )
-    for machine, rows in best.groupby("machine", sort=True):
+    apart = _apart(best)
+    for machine, run, rows in _by_machine_run(best):
         cells: list[list[str | Text]] = []
         details = Table.grid(padding=(0, 1))
         details.add_column(no_wrap=True)
@@ -133,20 +166,23 @@ def _best_tables(best: pd.DataFrame, *, width: int, wide: bool) -> list[tuple[Ta
         for note in shared:
             details.add_row(Text("  every pick:"), Text(note))
         table = fitted_table(
-            columns, cells, width=width, wide=wide, title=f"Best configuration — {_machine(machine)}"
+            columns, cells, width=width, wide=wide,
+            title=f"Best configuration — {_named(machine, run, apart, labels or {})}",
         )
         out.append((table, details if details.row_count else None))
     return out
 
 
-def _category_tables(best: pd.DataFrame, cats: pd.DataFrame, *, width: int, wide: bool) -> list[Table]:
+def _category_tables(
+    best: pd.DataFrame, cats: pd.DataFrame, *, width: int, wide: bool, labels: dict[str, str] | None = None
+) -> list[Table]:
     """Per machine, each best pick broken down by data set / category: accept length and
     speedup over AR for that kind of traffic (a mixed workload's cell figure hides it)."""
     picks = best[best["algorithm"].notna()]
     if cats.empty or picks.empty:
         return []
     # The best table names its workload, not its hash.
-    keys = ["machine", "workload_name", *(k for k in rep.CELL_KEYS if k != "workload_hash")]
+    keys = ["machine", "run", "workload_name", *(k for k in rep.CELL_KEYS if k != "workload_hash")]
     joined = picks[keys].merge(cats, on=keys, how="inner")
     if joined.empty:
         return []
@@ -160,19 +196,22 @@ def _category_tables(best: pd.DataFrame, cats: pd.DataFrame, *, width: int, wide
         TableColumn("user vs AR", "right"),
     )
     tables = []
-    for machine, rows in joined.groupby("machine", sort=True):
+    apart = _apart(joined)
+    for machine, run, rows in _by_machine_run(joined):
         cells: list[list[str | Text]] = []
         for _, row in rows.iterrows():
             cells.append([
                 _fmt(row["temperature"], 2), _fmt(row["concurrency"]), _cell(row), printable(str(row["category"])),
                 _fmt(row["requests"]), _fmt(row["accept_length_median"], 2), _ratio(row["speedup_vs_ar"]),
             ])
-        title = f"Best configurations per category — {_machine(machine)}"
+        title = f"Best configurations per category — {_named(machine, run, apart, labels or {})}"
         tables.append(fitted_table(columns, cells, width=width, wide=wide, title=title))
     return tables
 
 
-def _mix_tables(mixed: pd.DataFrame, weights: dict[str, float], *, width: int, wide: bool) -> list[Table]:
+def _mix_tables(
+    mixed: pd.DataFrame, weights: dict[str, float], *, width: int, wide: bool, labels: dict[str, str] | None = None
+) -> list[Table]:
     columns = (
         TableColumn("temp", "right"),
         TableColumn("conc", "right"),
@@ -183,13 +222,14 @@ def _mix_tables(mixed: pd.DataFrame, weights: dict[str, float], *, width: int, w
     )
     mix = ", ".join(f"{name} {w:.0%}" for name, w in weights.items())
     tables = []
-    for machine, rows in mixed.groupby("machine", sort=True):
+    apart = _apart(mixed)
+    for machine, run, rows in _by_machine_run(mixed):
         cells: list[list[str | Text]] = [
             [_fmt(r["temperature"], 2), _fmt(r["concurrency"]), _cell(r), _ratio(r["mix_speedup"]),
              printable(str(r["per_set"])), _fmt(r["candidates"])]
             for _, r in rows.iterrows()
         ]
-        title = f"Best for the traffic mix {mix} — {_machine(machine)}"
+        title = f"Best for the traffic mix {mix} — {_named(machine, run, apart, labels or {})}"
         tables.append(fitted_table(columns, cells, width=width, wide=wide, title=title))
     return tables
 
@@ -233,8 +273,11 @@ def _graph(row: Any) -> str | Text:
     return "yes"
 
 
-def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: bool) -> list[Table]:
-    """The per-(host, cell) table, one per host (its name is the title, not a column).
+def _tidy_tables(
+    tidy: pd.DataFrame, limit: int | None, *, width: int, wide: bool, labels: dict[str, str] | None = None
+) -> list[Table]:
+    """The per-(host, cell) table, one per host (its name is the title, not a column) and
+    run (where a host holds several: report.runs).
     ``limit`` rows in all when given; each title says how many of its rows it shows.
     min–max and every percentile are in --csv; the terminal keeps what fits."""
     shown = tidy if limit is None else tidy.head(limit)
@@ -254,14 +297,18 @@ def _tidy_tables(tidy: pd.DataFrame, limit: int | None, *, width: int, wide: boo
             _ratio(row["speedup_vs_dflash"]),
             _t0(row),
         ])
-    machines = list(shown["machine"])
+    runs = tidy["run"].astype(object).where(tidy["run"].notna(), None) if "run" in tidy else \
+        pd.Series(None, index=tidy.index, dtype=object)
+    places = list(zip(tidy["machine"].tolist(), runs.tolist(), strict=True))
+    shown_places = places[: len(shown)]
     columns = _tidy_columns(_tok_s_column(shown["n"]))
     tables = []
-    for machine in dict.fromkeys(machines):
-        rows = [c for m, c in zip(machines, cells, strict=True) if m == machine]
-        total = int((tidy["machine"] == machine).sum())
+    apart = _apart(tidy)
+    for machine, run in dict.fromkeys(shown_places):
+        rows = [c for place, c in zip(shown_places, cells, strict=True) if place == (machine, run)]
+        total = places.count((machine, run))
         count = f"{len(rows)} rows" if len(rows) == total else f"first {len(rows)} of {total} rows"
-        title = f"Cells — {_machine(machine)} ({count})"
+        title = f"Cells — {_named(machine, run, apart, labels or {})} ({count})"
         # Sized by every host's rows: the tables show the same columns, equally wide.
         tables.append(fitted_table(columns, rows, width=width, wide=wide, title=title, sized_by=cells))
     return tables
@@ -279,6 +326,7 @@ def _compare_table(cmp: pd.DataFrame, *, width: int, wide: bool) -> Table:
         TableColumn("change"),
     )
     cells: list[list[str | Text]] = []
+    several_runs = any(cmp[side].dropna().nunique() > 1 for side in ("run_a", "run_b") if side in cmp)
     for _, row in cmp.iterrows():
         graph = row["cuda_graph_b"] if row["cuda_graph_b"] is not pd.NA else row["cuda_graph_a"]
         label = rep.describe_cell({**row.to_dict(), "cuda_graph": bool(graph) if graph is not pd.NA else True})
@@ -289,8 +337,11 @@ def _compare_table(cmp: pd.DataFrame, *, width: int, wide: bool) -> Table:
             change = Text(str(row["direction"]), style="green" if row["direction"] == "faster" else "red")
         else:
             change = ""
+        machine = _machine(row["machine"])
+        if several_runs:  # a side with cells of several runs: each row names its pair of runs
+            machine += f" (run {row['run_a'] or '—'} / {row['run_b'] or '—'})"
         cells.append([
-            _machine(row["machine"]), _fmt(row["temperature"], 2), _fmt(row["concurrency"]), label,
+            printable(machine), _fmt(row["temperature"], 2), _fmt(row["concurrency"]), label,
             _fmt(row["output_tok_s_a"]), _fmt(row["output_tok_s_b"]), _fmt(row["ratio"], 3), change,
         ])
     return fitted_table(
@@ -343,6 +394,27 @@ def _print_skipped(console: Console, loaded: rep.LoadedLedgers) -> None:
             console.print(f"  … and {len(loaded.bad_lines) - 10} more (see --json)", highlight=False)
 
 
+def _print_runs(console: Console, result: rep.Report) -> None:
+    """Said once, before the tables, where runs decide what a table means: the runs a machine
+    holds shown apart (each its own cells, baselines and best picks, its tables named by
+    run), or pooled as repeats (``--pool-runs``). One run per machine needs no word."""
+    runs = result.loaded.runs
+    apart = result.runs_apart()
+    if result.pooled_runs:
+        console.print(f"[yellow]Pooled {len(runs)} runs as repeats of their cells (--pool-runs):[/]", highlight=False)
+    elif apart:
+        machines = escape(printable(", ".join(_machine(m) for m in apart)))
+        console.print(f"[yellow]{len(runs)} runs in these ledgers; several measured {machines}:[/] each run is shown "
+                      "apart (its own cells, baselines and best picks); --pool-runs pools them as repeats, --run RUN "
+                      "shows one.", highlight=False)
+    else:
+        return
+    for run in runs[:10]:
+        console.print(f"  {printable(run.describe())}", highlight=False, markup=False, soft_wrap=True)
+    if len(runs) > 10:
+        console.print(f"  … and {len(runs) - 10} more (see --json)", highlight=False)
+
+
 def run_report(
     obj: AppContext,
     *,
@@ -359,12 +431,16 @@ def run_report(
     show_cells: int | None,
     wide: bool,
     as_json: bool,
+    pool_runs: bool = False,
+    runs: list[str] | None = None,
 ) -> None:
     """The report once its options are checked (see cli/report.py)."""
-    result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes)  # type: ignore[arg-type]
+    result = rep.build_report(list(ledgers or []), group_by=group_by, min_repeats=min_repeats, mix_modes=mix_modes,  # type: ignore[arg-type]
+                              pool_runs=pool_runs, runs=runs or ())
+    labels = dict(result.run_labels())
     cmp = None
     if compare_with:
-        other = rep.load_tidy(list(compare_with))
+        other = rep.load_tidy(list(compare_with), pool_runs=pool_runs)
         cmp = rep.compare(other, result.tidy)
     if csv:
         _write_csv(result.tidy, csv)
@@ -372,7 +448,7 @@ def run_report(
         _write_csv(result.best.best, csv_best)
     from ddtree_ops.report.categories import category_table
 
-    cats = category_table(list(result.loaded.files), by=result.group_by)
+    cats = category_table(list(result.loaded.files), by=result.group_by, run_of=result.loaded.run_of())
     if csv_categories:
         _write_csv(cats, csv_categories)
     mixed = None
@@ -384,7 +460,7 @@ def run_report(
     if plots:
         from ddtree_ops.report.plots import write_plots
 
-        written = write_plots(result.grouped, plots)
+        written = write_plots(result.grouped, plots, run_labels=labels)
         from ddtree_ops.report.plots import write_predicted_plots
         from ddtree_ops.report.predicted import predicted_vs_measured as _pvm
 
@@ -411,6 +487,11 @@ def run_report(
             "categories": _records(cats),
             "min_repeats": result.min_repeats,
             "plots": [str(p) for p in written],
+            # The runs read (report.runs; "run" in cells, best and refusals names one), whether
+            # --pool-runs pooled them (cells' run null), and per machine the runs shown apart.
+            "runs": [run.as_json() for run in loaded.runs],
+            "pool_runs": loaded.pooled,
+            "runs_apart": result.runs_apart(),
         }
         if cmp is not None:
             payload["compare"] = _records(cmp)
@@ -425,9 +506,10 @@ def run_report(
     console = obj.console
     console.print(f"Read {len(loaded.frame):,} rows from {len(loaded.files)} ledger(s).", highlight=False)
     _print_skipped(console, loaded)
+    _print_runs(console, result)
     width = console.width
     if show_cells != 0:
-        for table in _tidy_tables(result.tidy, show_cells, width=width, wide=wide):
+        for table in _tidy_tables(result.tidy, show_cells, width=width, wide=wide, labels=labels):
             print_table(console, table)
         if show_cells is not None and show_cells < len(result.tidy):
             console.print(
@@ -453,9 +535,12 @@ def run_report(
     refusals = result.best.refusals
     if len(refusals):
         console.print(f"[yellow]{len(refusals)} cell(s) not eligible for best config:[/]", highlight=False)
+        apart = _apart(result.grouped)
         for _, refusal in refusals.head(10).iterrows():
+            where = _named(refusal["machine"], refusal["run"] if isinstance(refusal["run"], str) else None, apart,
+                           labels)
             console.print(
-                f"  {refusal['machine']} T={refusal['temperature']:g} c={refusal['concurrency']} {refusal['cell']}:"
+                f"  {where} T={refusal['temperature']:g} c={refusal['concurrency']} {refusal['cell']}:"
                 f" {refusal['reason']}",
                 highlight=False, markup=False,
             )
@@ -476,14 +561,17 @@ def run_report(
         console.print(f"[yellow]These ledgers measured {len(workloads)} workloads[/] ({escape(', '.join(workloads))}): "
                       "each is picked for on its own (the workload column); pass one sweep's ledger to compare "
                       "within it only.", highlight=False)
-    for table, details in _best_tables(result.best.best, width=width, wide=wide):
+    for table, details in _best_tables(result.best.best, width=width, wide=wide, labels=labels):
         print_table(console, table)
         if details is not None:
             console.print(details)
-    for table in _category_tables(result.best.best, cats, width=width, wide=wide):
+    if result.pooled_runs:  # said under the picks too: they are what a reader acts on
+        console.print(f"[yellow]These picks pool {len(loaded.runs)} runs as repeats of one cell (--pool-runs; the "
+                      "runs are listed above).[/]", highlight=False)
+    for table in _category_tables(result.best.best, cats, width=width, wide=wide, labels=labels):
         print_table(console, table)
     if mixed is not None and weights is not None:
-        for table in _mix_tables(mixed, weights, width=width, wide=wide):
+        for table in _mix_tables(mixed, weights, width=width, wide=wide, labels=labels):
             print_table(console, table)
     _raise_if_all_refused(result)
 

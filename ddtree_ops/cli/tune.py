@@ -25,6 +25,7 @@ from ddtree_ops.cli.common import (
     fleet_json,
     load_hosts,
     print_table,
+    printable,
     set_json_data,
     tok_s_column,
     with_spread,
@@ -73,6 +74,14 @@ def tune_command(
         None, "--min-repeats",
         help="Refuse cells with fewer ok repeats (default: the repeats each ledger's sweep planned).",
     ),
+    pool_runs: bool = typer.Option(
+        False, "--pool-runs",
+        help="Pool the ledgers' runs: the same cell of two runs becomes one cell. Default: a machine type's cells "
+        "of two runs are refused.",
+    ),
+    run: list[str] | None = typer.Option(
+        None, "--run", help="Only this run: its id, or a --resume's run id (repeatable; `report` lists the runs).",
+    ),
     out: Path | None = typer.Option(None, "--out", help="Write one policy file per machine type into this folder."),
     deploy: str | None = typer.Option(
         None, "--deploy",
@@ -108,7 +117,7 @@ def tune_command(
     from ddtree_ops.report.policy import tune_ledgers
 
     tuning = tune_ledgers(list(ledgers or []), temperature=temperature, machines=machine or (),
-                          min_repeats=min_repeats)
+                          min_repeats=min_repeats, pool_runs=pool_runs, runs=run or ())
     hosts = load_hosts(obj, deploy) if deploy is not None else []
     plan = args.plan([h.name for h in hosts])
     gate = args.gate(plan, hosts, _canary_launch(tuning, hosts, plan.canary))
@@ -119,6 +128,7 @@ def tune_command(
         "policies": [_policy_json(p) for p in tuning.policies], "dry_run": dry_run,
         "out": str(out) if out is not None else None, "written": [str(p) for p in written],
         "predicted_only": [dict(c) for c in tuning.predicted_only],
+        "runs": [r.as_json() for r in tuning.runs], "pool_runs": tuning.pooled,
     }
     if not as_json:
         _render_policies(obj, tuning, wide=wide)
@@ -198,6 +208,7 @@ def _policy_json(policy: Policy) -> dict[str, Any]:
         "machine": policy.machine, "temperature": policy.temperature, "cuda_graph": policy.cuda_graph,
         "hosts": list(policy.hosts), "notes": list(policy.notes), "file_name": policy.file_name,
         "sha256": policy.sha256, "launch": {"budget": policy.launch.budget, "topk": policy.launch.topk},
+        "run": policy.run,
         "entries": [vars(e) for e in policy.entries], "config": policy.config(),
     }
 
@@ -220,6 +231,10 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
     )
     if tuning.bad_lines:
         console.print(f"[yellow]Skipped {tuning.bad_lines} bad line(s)[/] (`report` lists them).", highlight=False)
+    if tuning.pooled_runs:
+        console.print(f"Pooled {len(tuning.runs)} runs as repeats of their cells (--pool-runs): "
+                      + "; ".join(printable(r.label) for r in tuning.runs), highlight=False, markup=False)
+    labels = {r.run: r.label for r in tuning.runs}
     columns = (
         TableColumn("batch ≥", "right"), TableColumn("tree"),
         tok_s_column(e.n for p in tuning.policies for e in p.entries),
@@ -240,6 +255,9 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
             console.print(f"  note: {note}", highlight=False, markup=False)
         console.print(f"  launch state: b={policy.launch.budget} k={policy.launch.topk} (the smallest batch's tree)",
                       highlight=False, markup=False)
+        if policy.run is not None and len(tuning.runs) > 1:  # which of the ledgers' runs it comes from
+            console.print(f"  from {printable(labels.get(policy.run, f'run {policy.run}'))}", highlight=False,
+                          markup=False)
         console.print(f"  {policy.file_name} (sha256 {policy.sha256[:12]}):", highlight=False, markup=False)
         console.print(policy.render().rstrip(), highlight=False, markup=False)
 

@@ -5,7 +5,8 @@ algorithm/budget/top-k is fastest, by how much over autoregressive decoding and 
 plain DFlash, and how sure are we. The steps, one module each, in data-flow order:
 
 - :mod:`.loading`: ledger files -> one frame of the columns the report reads (the
-  costly part: memory-mapped, parsed by pyarrow, bad lines counted, never fatal);
+  costly part: memory-mapped, parsed by pyarrow, bad lines counted, never fatal), each
+  row with its run (:mod:`.runs`: two runs are never repeats of one cell unless pooled);
 - :mod:`.aggregation`: rows -> the tidy table, one row per (machine, cell);
 - :mod:`.best`: the best-configuration rule over that table, with refusals;
 - :mod:`.comparison`: two tidy tables -> the changes larger than the noise;
@@ -37,17 +38,20 @@ from ddtree_ops.report.best import (
 from ddtree_ops.report.build import Report, build_report, load_tidy
 from ddtree_ops.report.comparison import COMPARE_KEYS, compare
 from ddtree_ops.report.loading import (
+    FRAME_COLUMNS,
     LOAD_COLUMNS,
     LoadedLedgers,
     find_ledgers,
     load_ledgers,
 )
+from ddtree_ops.report.runs import Run
 
 __all__ = [
     "BEST_COLUMNS",
     "CELL_KEYS",
     "COMPARE_KEYS",
     "DEFAULT_MIN_REPEATS",
+    "FRAME_COLUMNS",
     "LOAD_COLUMNS",
     "MAD_TO_SIGMA",
     "TIDY_DTYPES",
@@ -56,6 +60,7 @@ __all__ = [
     "GroupBy",
     "LoadedLedgers",
     "Report",
+    "Run",
     "aggregate",
     "aggregate_levels",
     "best_configs",

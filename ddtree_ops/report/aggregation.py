@@ -1,7 +1,9 @@
-"""Loaded ledger rows -> the tidy table: one row per (machine, cell), repeats pooled.
+"""Loaded ledger rows -> the tidy table: one row per (machine, run, cell), repeats pooled.
 
 A cell is one benchmarked configuration (:data:`CELL_KEYS`); a machine is a host or a
-GPU type (:data:`GroupBy`). Each tidy row holds the median and MAD of output tok/s over
+GPU type (:data:`GroupBy`); a run is the rows' ``run`` (:mod:`.runs`): the same cell of two
+runs is two tidy rows, each with its own baselines, unless the rows' runs were pooled
+(``--pool-runs``: every row's run None). Each tidy row holds the median and MAD of output tok/s over
 the cell's ``ok`` repeats, the robust ``score`` that ranks cells, latency medians, and
 the speedup over the same machine's AR and DFlash cells. Its columns and dtypes
 (:data:`TIDY_DTYPES`) are the CSV contract.
@@ -35,6 +37,9 @@ CELL_KEYS: tuple[str, ...] = ("algorithm", "budget", "topk", "cuda_graph", *COND
 #: Tidy table columns and dtypes, in order — the CSV contract (tested).
 TIDY_DTYPES: dict[str, str] = {
     "machine": "object",
+    # The run that measured the cell (report.runs: its first invocation's run_id); None
+    # where runs were pooled (--pool-runs).
+    "run": "object",
     "hosts": "object",
     "gpu_name": "object",
     "gpu_arch": "object",
@@ -96,7 +101,7 @@ TIDY_DTYPES: dict[str, str] = {
 }
 
 #: The finest grouping: every coarser machine grouping is a function of these keys.
-_FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", *CELL_KEYS)
+_FINE_KEYS: tuple[str, ...] = ("host", "gpu_name", "run", *CELL_KEYS)
 #: Descriptive columns a cell takes from its first row that has a value (file order).
 _FIRST_COLS: tuple[str, ...] = (
     "gpu_name", "gpu_arch", "gpu_count", "workload_name", "workload_prompt_format", "workload_ignore_eos",
@@ -151,6 +156,8 @@ def aggregate_levels(frame: pd.DataFrame, levels: Sequence[GroupBy]) -> dict[Gro
     if frame.empty:
         empty = {name: pd.Series(dtype=dtype) for name, dtype in TIDY_DTYPES.items()}
         return {by: pd.DataFrame(empty) for by in levels}
+    if "run" not in frame:  # rows that name no run (a frame built by hand) are one run
+        frame = frame.assign(run=None)
     fine = _group_finely(frame)
     return {by: _aggregate_level(fine, by) for by in levels}
 
@@ -193,7 +200,7 @@ def _first_position(positions: np.ndarray, group_ids: np.ndarray, n_groups: int,
 
 
 def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
-    keys = ["machine", *CELL_KEYS]
+    keys = ["machine", "run", *CELL_KEYS]
     fine_keys = fine.keys.assign(machine=machine_column(fine.keys, by))
     # Same sorted, NA-keeping grouping as over the rows: the distinct key tuples are the same.
     cell_of_group = fine_keys.groupby(keys, dropna=False, sort=True).ngroup().to_numpy()
@@ -249,13 +256,14 @@ def _aggregate_level(fine: _FineGroups, by: GroupBy) -> pd.DataFrame:
 
 
 def _add_speedups(cells: pd.DataFrame) -> pd.DataFrame:
-    """Speedup vs the machine's AR and DFLASH cells under the same sampling/workload.
+    """Speedup vs the machine's AR and DFLASH cells of the same run under the same
+    sampling/workload (a baseline of another run ran under other conditions).
 
     A baseline in the same CUDA-graph mode is used when there is one; otherwise the
     other mode's, and ``modes_mixed`` says so (eager never silently meets graph). The
     DFLASH baseline of a DDTree cell is the chain of its verify width (:func:`_baseline_tok_s`).
     """
-    match_keys = ["machine", *CONDITION_KEYS]
+    match_keys = ["machine", "run", *CONDITION_KEYS]
     mode_keys = [*match_keys, "cuda_graph"]
     flipped = cells[match_keys].assign(cuda_graph=~cells["cuda_graph"].astype(bool))
     mixed = pd.Series(False, index=cells.index)

@@ -1,7 +1,8 @@
 """The best-configuration rule: which cell to recommend in each situation, and why not others.
 
-A situation is one machine under one sampling setting, concurrency, request rate and
-workload (and one CUDA-graph mode unless modes are mixed on purpose). Its candidates
+A situation is one machine in one run (:mod:`.runs`; all runs pooled into one with
+``--pool-runs``) under one sampling setting, concurrency, request rate and workload (and
+one CUDA-graph mode unless modes are mixed on purpose). Its candidates
 are the cells of the per-machine tidy table; the recommendation is the cheapest cell
 whose robust score is within a tolerance of the best, because a bigger tree that is not
 measurably faster is not worth deploying. Cells that cannot be trusted (failures, too
@@ -25,6 +26,7 @@ ONE_REPEAT_NOISE = 0.05
 
 BEST_COLUMNS: tuple[str, ...] = (
     "machine",
+    "run",
     "temperature",
     "top_p",
     "top_k",
@@ -62,13 +64,14 @@ _BEST_DTYPES: dict[str, str] = {
     "runner_up": "object",
     "note": "object",
     "algorithm": "object",
+    "run": "object",
 }
 
 #: One recommendation per distinct combination of these (plus ``cuda_graph`` unless mixed).
-_SITUATION_KEYS: tuple[str, ...] = ("machine", *CONDITION_KEYS)
+_SITUATION_KEYS: tuple[str, ...] = ("machine", "run", *CONDITION_KEYS)
 #: Copied into a situation's row from its first cell (the workload by name, not hash).
 _SITUATION_COLUMNS: tuple[str, ...] = (
-    "machine", "temperature", "top_p", "top_k", "concurrency", "request_rate", "workload_name"
+    "machine", "run", "temperature", "top_p", "top_k", "concurrency", "request_rate", "workload_name"
 )
 #: Copied into a situation's row from the recommended cell.
 _PICK_COLUMNS: tuple[str, ...] = (
@@ -84,7 +87,7 @@ class BestConfigs:
     """Recommendations, and every cell that was refused with the reason."""
 
     best: pd.DataFrame
-    refusals: pd.DataFrame  # machine, cell, reason
+    refusals: pd.DataFrame  # machine, run, temperature, concurrency, cell, reason
 
 
 def describe_cell(row: Any) -> str:
@@ -111,7 +114,7 @@ def best_configs(
     mix_modes: bool = False,
     tie_tolerance: float = TIE_TOLERANCE,
 ) -> BestConfigs:
-    """Best configuration per (machine, temperature, concurrency[, graph mode]).
+    """Best configuration per (machine, run, temperature, concurrency[, graph mode]).
 
     Highest ``score`` (median − 1.4826·MAD of output tok/s); among candidates within
     ``tie_tolerance`` of it the cheapest wins (AR < DFLASH < DDTREE, then smaller budget,
@@ -124,12 +127,14 @@ def best_configs(
         situation_keys.append("cuda_graph")
     if grouped.empty:
         return BestConfigs(best=pd.DataFrame(columns=list(BEST_COLUMNS)), refusals=_refusal_frame([]))
+    if "run" not in grouped:  # cells that name no run (built by hand) are of one run
+        grouped = grouped.assign(run=None)
 
     reasons = _refusal_reasons(grouped, min_repeats)
     refused = reasons != ""
     refusals = _refusal_frame(
         [
-            (row["machine"], row["temperature"], row["concurrency"], describe_cell(row), reason)
+            (row["machine"], row["run"], row["temperature"], row["concurrency"], describe_cell(row), reason)
             for (_, row), reason in zip(grouped[refused].iterrows(), reasons[refused], strict=True)
         ]
     )
@@ -179,7 +184,7 @@ def _append_reason(reasons: pd.Series, mask: pd.Series, text: pd.Series | str) -
 
 
 def _refusal_frame(items: list[tuple[Any, ...]]) -> pd.DataFrame:
-    return pd.DataFrame(items, columns=["machine", "temperature", "concurrency", "cell", "reason"])
+    return pd.DataFrame(items, columns=["machine", "run", "temperature", "concurrency", "cell", "reason"])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ These are the entry points the CLI calls; each step lives in its own module
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,24 @@ class Report:
     # Failed rows no server measured (host unreachable, lease refused, server never started):
     # per host, how many and the first reason; they are not cells (split_unmeasured).
     unmeasured: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["host", "rows", "reason"]))
+
+    @property
+    def pooled_runs(self) -> bool:
+        """``--pool-runs`` pooled more than one run's rows into cells (the output says so)."""
+        return self.loaded.pooled and len(self.loaded.runs) > 1
+
+    def runs_apart(self) -> dict[str, list[str]]:
+        """Machine -> its runs, where a machine of the per-machine table holds cells of more
+        than one run: shown apart, each with its own cells and best picks."""
+        pairs = self.grouped[["machine", "run"]].dropna().drop_duplicates()
+        out: dict[str, list[str]] = {}
+        for machine, run in zip(pairs["machine"], pairs["run"], strict=True):
+            out.setdefault(str(machine), []).append(str(run))
+        return {machine: sorted(runs) for machine, runs in sorted(out.items()) if len(runs) > 1}
+
+    def run_labels(self) -> Mapping[str, str]:
+        """A run's id -> how the output names it (``run <id> (<started>)``)."""
+        return {run.run: run.label for run in self.loaded.runs}
 
     @property
     def all_refused(self) -> bool:
@@ -79,8 +97,15 @@ def build_report(
     min_repeats: int | None = None,
     mix_modes: bool = False,
     use_arrow: bool | None = None,
+    pool_runs: bool = False,
+    runs: Sequence[str] = (),
 ) -> Report:
     """Load, aggregate per host and per ``group_by`` machine, pick best configs.
+
+    Cells are per run (:mod:`.runs`): the same cell of two runs is two cells, each with its
+    own baselines and best pick; ``pool_runs`` pools them as repeats of one cell
+    (:attr:`Report.pooled_runs` says it did). ``runs`` keeps only the runs it names
+    (``--run``: a run's id or any of its invocations' run_id).
 
     ``min_repeats=None`` holds cells to the repeats their sweep planned
     (:func:`planned_repeats`): a one-repeat demo sweep is reported, a cell that lost
@@ -92,6 +117,10 @@ def build_report(
     if min_repeats is not None and min_repeats < 1:
         raise ConfigError(f"--min-repeats must be at least 1, not {min_repeats}")
     loaded = load_ledgers(paths, use_arrow=use_arrow)
+    if runs:
+        loaded = loaded.only_runs(runs)
+    if pool_runs:
+        loaded = loaded.pool_runs()
     if loaded.frame.empty:
         where = ", ".join(str(path) for path in paths) if paths else "results/"
         if not loaded.files:
@@ -110,7 +139,7 @@ def build_report(
     levels = aggregate_levels(measured, ("host",) if group_by == "host" else ("host", group_by))
     tidy, grouped = levels["host"], levels[group_by]
     # T = 0 losslessness from the rows' output hashes (not in the loaded columns: lists).
-    matches = lossless.output_matches(list(loaded.files), by=("host", group_by))
+    matches = lossless.output_matches(list(loaded.files), by=("host", group_by), run_of=loaded.run_of())
     tidy = lossless.attach(tidy, matches["host"])
     grouped = tidy if group_by == "host" else lossless.attach(grouped, matches[group_by])
     planned = min_repeats is None
@@ -122,9 +151,12 @@ def build_report(
     )
 
 
-def load_tidy(paths: Sequence[Path | str], *, by: GroupBy = "host") -> pd.DataFrame:
-    """Tidy table of other ledgers (for ``--compare``); ConfigError when empty."""
+def load_tidy(paths: Sequence[Path | str], *, by: GroupBy = "host", pool_runs: bool = False) -> pd.DataFrame:
+    """Tidy table of other ledgers (for ``--compare``), per run unless ``pool_runs``;
+    ConfigError when empty."""
     loaded = load_ledgers(paths)
+    if pool_runs:
+        loaded = loaded.pool_runs()
     if loaded.frame.empty:
         raise ConfigError(f"no valid ledger rows in {', '.join(str(path) for path in paths)}")
     return aggregate(loaded.frame, by=by)

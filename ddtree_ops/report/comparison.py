@@ -13,6 +13,8 @@ import pandas as pd
 from ddtree_ops.report.aggregation import CELL_KEYS, MAD_TO_SIGMA
 
 #: What matches a cell of one table with a cell of the other (see ``compare`` on cuda_graph).
+#: Not the run: comparing runs is the point; a side that holds a cell of several runs gives a
+#: row per pair of runs, each named (``run_a``, ``run_b``).
 COMPARE_KEYS: tuple[str, ...] = ("machine", *(key for key in CELL_KEYS if key != "cuda_graph"))
 
 
@@ -25,7 +27,9 @@ def compare(base: pd.DataFrame, other: pd.DataFrame, *, sigmas: float = 2.0, flo
     Cells present on one side only are listed with ``only_in``. ``cuda_graph`` is not a
     key: a fallback appearing or disappearing is exactly what a comparison must show.
     """
-    columns = [*COMPARE_KEYS, "cuda_graph", "n", "output_tok_s_median", "output_tok_s_mad", "accept_length_median"]
+    columns = [*COMPARE_KEYS, "run", "cuda_graph", "n", "output_tok_s_median", "output_tok_s_mad",
+               "accept_length_median"]
+    base, other = (t if "run" in t else t.assign(run=None) for t in (base, other))
     # Side "a" is ``base``, side "b" is ``other``: the output's column suffixes.
     merged = base[columns].merge(
         other[columns], on=list(COMPARE_KEYS), how="outer", suffixes=("_a", "_b"), indicator=True
@@ -36,6 +40,8 @@ def compare(base: pd.DataFrame, other: pd.DataFrame, *, sigmas: float = 2.0, flo
     threshold = np.maximum(sigmas * MAD_TO_SIGMA * mads, floor * tok_s_a.abs())
     delta = tok_s_b - tok_s_a
     out = merged[list(COMPARE_KEYS)].copy()
+    out["run_a"] = merged["run_a"].astype(object).where(merged["run_a"].notna(), None)
+    out["run_b"] = merged["run_b"].astype(object).where(merged["run_b"].notna(), None)
     out["cuda_graph_a"] = merged["cuda_graph_a"].astype("boolean")
     out["cuda_graph_b"] = merged["cuda_graph_b"].astype("boolean")
     out["n_a"] = merged["n_a"].astype("Int64")

@@ -15,6 +15,10 @@ score into NaN) is a bad line with its file and line number; and a row read twic
 the same ``run_id``, cell identity and repeat (:data:`DUPLICATE_KEYS`), e.g. a ledger
 copied next to itself — is counted once, and the copies are reported per ledger.
 
+Every row carries its run (:mod:`.runs`): the ``run`` column of the frame, the run's first
+invocation's run_id, with a ``bench --resume`` that continued a run counted in it; the
+runs read are :attr:`LoadedLedgers.runs`.
+
 Every row is checked here once (:func:`row_problem`), whichever path read it and for
 every consumer (the tidy table, ``tune``'s policies, the per-category and lossless
 tables that re-read raw lines): a number of the wrong type, an integer outside what a
@@ -30,7 +34,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from ddtree_ops.bench.ledger import INT_BOUNDS, KEY_FIELDS, SCHEMA_VERSION, fiel
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.fsutil import NOT_REGULAR, open_regular
 from ddtree_ops.limits import MAX_DDTREE_BUDGET
+from ddtree_ops.report.runs import Run, run_column, summarize_runs
 
 _STR_COLS = (
     "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
@@ -51,6 +56,8 @@ _STR_COLS = (
     # What a row is (issue 43): null or "measured"; "predicted" and "probe" rows are kept
     # apart (LoadedLedgers.predicted), never in the measured frame.
     "source",
+    # Which run a row is of and when it began (report.runs: runs are never pooled silently).
+    "sweep_hash", "started_at",
 )
 _INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count",
              "cuda_graph_max_bs")
@@ -75,6 +82,8 @@ _BOOL_COLS = ("cuda_graph", "client_bound", "workload_ignore_eos")
 #: Ledger columns the report reads; everything else in a row is skipped while parsing
 #: (each column read costs parse time on every row, so only what aggregation uses).
 LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS
+#: The frame's columns: the ledger's (LOAD_COLUMNS), then each row's run (report.runs).
+FRAME_COLUMNS: tuple[str, ...] = (*LOAD_COLUMNS, "run")
 #: A row lacking any of these cannot be placed in a cell: it is a bad line.
 _NEEDED = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
 
@@ -101,10 +110,45 @@ class LoadedLedgers:
     # The predicted cells and round-time probes (``source`` predicted / probe, issue 43), kept
     # out of ``frame`` so that no measured ranking or table ever holds one; None: none read.
     predicted: pd.DataFrame | None = None
+    # The runs read (report.runs), oldest first; each row's is the frame's ``run`` column.
+    runs: tuple[Run, ...] = ()
+    # True: ``--pool-runs``: every row's ``run`` is None, so the runs' cells are pooled.
+    pooled: bool = False
 
     @property
     def duplicate_rows(self) -> int:
         return sum(n for _, n in self.duplicates)
+
+    def run_of(self) -> dict[str, str | None]:
+        """run_id -> its run as the frame's ``run`` column holds it (None when pooled), for the
+        tables that re-read raw lines (lossless, per category); a run_id not in it is of a
+        run left out (``--run``): its rows are not read."""
+        return {rid: None if self.pooled else run.run for run in self.runs for rid in run.run_ids}
+
+    def only_runs(self, wanted: Sequence[str]) -> LoadedLedgers:
+        """These ledgers with only the runs ``wanted`` names (a run's id or the run_id of any of
+        its invocations: a resume's id names its run); ConfigError naming a run not read."""
+        kept: list[Run] = []
+        for name in wanted:
+            run = next((r for r in self.runs if name in r.run_ids), None)
+            if run is None:
+                known = ", ".join(r.label for r in self.runs[:5]) or "none"
+                more = f" and {len(self.runs) - 5} more (`report --json` lists them)" if len(self.runs) > 5 else ""
+                raise ConfigError(f"--run {name}: no such run in these ledgers (runs: {known}{more})")
+            if run not in kept:
+                kept.append(run)
+        names = [r.run for r in kept]
+        predicted = self.predicted
+        if predicted is not None:
+            predicted = predicted.loc[predicted["run"].isin(names)].reset_index(drop=True)
+            predicted = predicted if len(predicted) else None
+        frame = self.frame.loc[self.frame["run"].isin(names)].reset_index(drop=True)
+        return replace(self, frame=frame, predicted=predicted, runs=tuple(r for r in self.runs if r in kept))
+
+    def pool_runs(self) -> LoadedLedgers:
+        """These ledgers with every row's ``run`` None: the runs' cells pooled (``--pool-runs``)."""
+        predicted = None if self.predicted is None else self.predicted.assign(run=None)
+        return replace(self, frame=self.frame.assign(run=None), predicted=predicted, pooled=True)
 
 
 def ok_rows_with(files: Sequence[Path], marker: bytes) -> Iterator[dict[str, Any]]:
@@ -240,14 +284,22 @@ def _not_a_number(row: dict[str, Any]) -> str | None:
     return f"not a number: {', '.join(bad)}" if bad else None
 
 
+def _not_a_string(row: dict[str, Any]) -> str | None:
+    """Why ``row`` is refused for a text field that holds something else, or None: a
+    ``run_id: ["x"]`` cannot name a run (nor be told from a copy)."""
+    bad = [f"{name}={value!r}"[:80] for name in _STR_COLS if (value := row.get(name)) is not None
+           and not isinstance(value, str)]
+    return f"not a string: {', '.join(bad)}" if bad else None
+
+
 def row_problem(row: dict[str, Any]) -> str | None:
     """Why a parsed current-schema ``row`` is a bad line for the report, or None: a field
-    it needs missing, a number that is not one, a NaN/inf metric, an integer out of
+    it needs missing, a number or text that is not one, a NaN/inf metric, an integer out of
     bounds or a DDTREE row without a tree (:func:`ddtree_ops.bench.ledger.field_problem`)."""
     missing = [column for column in _NEEDED if row.get(column) is None]
     if missing:
         return f"missing field(s): {', '.join(missing)}"
-    return _not_a_number(row) or _non_finite(row) or field_problem(row)
+    return _not_a_number(row) or _not_a_string(row) or _non_finite(row) or field_problem(row)
 
 
 def _careful_block(
@@ -444,7 +496,13 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
         frame = _coerce(pd.concat([part for part in frames if len(part)] or frames[:1], ignore_index=True))
     else:
         frame = _coerce(pd.DataFrame(columns=list(LOAD_COLUMNS)))
+    # Runs are told apart before copies are dropped (a copied ledger holds its run's invocations
+    # in their order too), and summed up after (a copy is no row of its run).
+    owner = np.repeat(np.arange(len(files)), rows_per_file)
+    frame = frame.assign(run=pd.Series(run_column(frame, owner), index=frame.index, dtype=object), _ledger=owner)
     frame, duplicates = _drop_duplicates(frame, files, rows_per_file)
+    runs = summarize_runs(frame, frame["_ledger"].to_numpy(), [str(f) for f in files])
+    frame = frame.drop(columns="_ledger")
     bad.sort(key=lambda item: (item[0], item[1]))  # by file, then line number
     source = frame["source"]
     other = source.notna() & (source != "measured")
@@ -453,7 +511,7 @@ def load_ledgers(paths: Sequence[Path | str], *, use_arrow: bool | None = None) 
         predicted = frame.loc[other].reset_index(drop=True)
         frame = frame.loc[~other].reset_index(drop=True)
     return LoadedLedgers(frame=frame, files=tuple(files), bad_lines=tuple(bad), duplicates=duplicates,
-                         predicted=predicted)
+                         predicted=predicted, runs=runs)
 
 
 def _drop_duplicates(

@@ -4,7 +4,7 @@ A fleet that serves 70% code and 30% chat wants the tree that is fastest for tha
 not for whatever the benchmark's prompt pool happened to hold. From the per-category
 table (:mod:`.categories`) each cell's per-user speedup over AR is taken per data set
 (its categories pooled, weighted by requests), and the mix's speedup is the weighted
-mean over the named sets. Per machine, temperature, concurrency, workload and
+mean over the named sets. Per machine, run, temperature, concurrency, workload and
 CUDA-graph mode (eager and graph cells are never ranked together) the cell with the
 highest mix speedup is picked; within :data:`~.best.TIE_TOLERANCE` of it, the cheapest.
 A cell that lacks one of the named sets is not a candidate: its speedup for the mix is
@@ -24,7 +24,7 @@ from ddtree_ops.report.best import TIE_TOLERANCE
 from ddtree_ops.report.categories import speedup_vs_ar
 
 MIX_COLUMNS: tuple[str, ...] = (
-    "machine", *CONDITION_KEYS, "workload_name", "cuda_graph", "algorithm", "budget", "topk", "mix_speedup",
+    "machine", "run", *CONDITION_KEYS, "workload_name", "cuda_graph", "algorithm", "budget", "topk", "mix_speedup",
     "per_set", "candidates",
 )
 _COST = {"AR": 0, "DFLASH": 1, "DDTREE": 2}
@@ -57,7 +57,7 @@ def _per_set(categories: pd.DataFrame) -> pd.DataFrame:
         dataset=categories["category"].astype(str).str.split("/", n=1).str[0],
         weighted=categories["user_tok_s_median"].astype(float) * categories["requests"].astype(float),
     ).dropna(subset=["weighted"])
-    keys = ["machine", *CELL_KEYS, "workload_name", "dataset"]
+    keys = ["machine", "run", *CELL_KEYS, "workload_name", "dataset"]
     pooled = frame.groupby(keys, dropna=False, sort=True).agg(weighted=("weighted", "sum"),
                                                              requests=("requests", "sum")).reset_index()
     # In the per-category table's shape, so that the AR reference is chosen the same way.
@@ -67,7 +67,7 @@ def _per_set(categories: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_for_mix(categories: pd.DataFrame, weights: Mapping[str, float]) -> pd.DataFrame:
-    """One row per situation (machine, conditions, CUDA-graph mode): the pick for the mix."""
+    """One row per situation (machine, run, conditions, CUDA-graph mode): the pick for the mix."""
     if categories.empty:
         raise ConfigError("--mix: the ledgers' rows carry no per-category figures (rows written before data "
                           "sets, or failed ones); nothing to weigh")
@@ -78,7 +78,7 @@ def best_for_mix(categories: pd.DataFrame, weights: Mapping[str, float]) -> pd.D
         raise ConfigError(f"--mix: no rows measured {', '.join(map(repr, missing))} (the ledgers hold: "
                           f"{', '.join(known)})")
     named = per_set[per_set["dataset"].isin(list(weights))]
-    cell_keys = ["machine", *CELL_KEYS, "workload_name"]
+    cell_keys = ["machine", "run", *CELL_KEYS, "workload_name"]
     rows = []
     for cell, group in named.groupby(cell_keys, dropna=False, sort=True):
         speedups = dict(zip(group["dataset"], group["speedup"], strict=True))
@@ -93,14 +93,15 @@ def best_for_mix(categories: pd.DataFrame, weights: Mapping[str, float]) -> pd.D
         raise ConfigError(f"--mix: no cell measured every one of {', '.join(weights)}")
     cells = pd.DataFrame.from_records(rows)
     picks = []
-    situation = ["machine", *CONDITION_KEYS, "cuda_graph"]
+    situation = ["machine", "run", *CONDITION_KEYS, "cuda_graph"]
     for _, group in cells.groupby(situation, dropna=False, sort=True):
         top = float(group["mix_speedup"].max())
         close = group[group["mix_speedup"] >= top * (1 - TIE_TOLERANCE)]
         cost = close.assign(
             _algo=close["algorithm"].map(lambda a: _COST.get(str(a), 3)),
-            _budget=close["budget"].astype(float).fillna(0.0),
-            _topk=close["topk"].astype(float).fillna(0.0),
+            # An AR cell's budget is NA (pd.NA in these records: astype(float) refuses it).
+            _budget=pd.to_numeric(close["budget"], errors="coerce").astype(float).fillna(0.0),
+            _topk=pd.to_numeric(close["topk"], errors="coerce").astype(float).fillna(0.0),
         ).sort_values(["_algo", "_budget", "_topk"])
         picks.append(cost.iloc[0].to_dict() | {"candidates": len(group)})
     return pd.DataFrame.from_records(picks)[list(MIX_COLUMNS)]

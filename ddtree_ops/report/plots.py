@@ -1,6 +1,7 @@
 """PNG plots of a report's per-machine table (matplotlib, headless Agg backend).
 
-Per machine (GPU type or host), three figures: output throughput vs DDTree budget (one
+Per machine (GPU type or host; per run too where a machine holds cells of several runs,
+report.runs), four figures: output throughput vs DDTree budget (one
 line per top-k, a column per temperature, a row per concurrency, AR and DFlash as
 dashed reference lines), acceptance length vs budget, the speedup over AR as a
 budget x top-k heatmap, and a Pareto plot of throughput per GPU against throughput per
@@ -15,7 +16,7 @@ import hashlib
 import re
 import textwrap
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -265,23 +266,45 @@ def _pareto(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
     return path
 
 
-def write_plots(grouped: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Write the four figures per machine of ``grouped`` into ``out_dir``; return paths."""
+def _machine_runs(grouped: pd.DataFrame) -> list[tuple[str, str | None, pd.DataFrame]]:
+    """(machine, run, its cells) per machine and run of ``grouped``; the run None where the
+    machine holds one run only (its figures are named by the machine alone, as before runs
+    were told apart) or runs were pooled."""
+    runs = grouped["run"] if "run" in grouped else pd.Series(None, index=grouped.index, dtype=object)
+    runs = runs.astype(object).where(runs.notna(), None)
+    out: list[tuple[str, str | None, pd.DataFrame]] = []
+    for machine in sorted({str(m) for m in grouped["machine"]}):
+        mine = grouped["machine"].astype(str) == machine
+        names = sorted({str(r) for r in runs[mine] if r is not None})
+        if len(names) <= 1:
+            out.append((machine, None, grouped[mine]))
+        else:
+            out.extend((machine, run, grouped[mine & (runs == run)]) for run in names)
+    return out
+
+
+def write_plots(grouped: pd.DataFrame, out_dir: Path, *, run_labels: Mapping[str, str] | None = None) -> list[Path]:
+    """Write the four figures per machine of ``grouped`` into ``out_dir``; return paths. A
+    machine with cells of several runs (report.runs) gets four per run, named and titled by
+    the run (``run_labels``: how a run is named)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{out_dir}: cannot create the plot folder: {exc.strerror or exc}") from exc
     written: list[Path] = []
-    slugs = _slugs([str(m) for m in grouped["machine"].unique()])
-    for machine, data in grouped.groupby("machine", sort=True):
-        slug = slugs[str(machine)]
+    groups = _machine_runs(grouped)
+    names = [machine if run is None else f"{machine} run {run}" for machine, run, _ in groups]
+    slugs = _slugs(names)
+    for (machine, run, data), name in zip(groups, names, strict=True):
+        slug = slugs[name]
+        title = machine if run is None else f"{machine} — {(run_labels or {}).get(run, f'run {run}')}"
         for maybe in (
-            _line_plot(data, str(machine), "output_tok_s_median", "output throughput (tokens/s, median)",
+            _line_plot(data, title, "output_tok_s_median", "output throughput (tokens/s, median)",
                        "throughput vs DDTree budget", out_dir / f"{slug}-throughput.png", baselines=True),
-            _line_plot(data, str(machine), "accept_length_median", "acceptance length (tokens / verify step)",
+            _line_plot(data, title, "accept_length_median", "acceptance length (tokens / verify step)",
                        "acceptance length vs DDTree budget", out_dir / f"{slug}-accept-length.png", baselines=False),
-            _heatmap(data, str(machine), out_dir / f"{slug}-speedup-heatmap.png"),
-            _pareto(data, str(machine), out_dir / f"{slug}-pareto.png"),
+            _heatmap(data, title, out_dir / f"{slug}-speedup-heatmap.png"),
+            _pareto(data, title, out_dir / f"{slug}-pareto.png"),
         ):
             if maybe is not None:
                 written.append(maybe)

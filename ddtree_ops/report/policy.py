@@ -28,6 +28,12 @@ Why the rules below:
   concurrency whose every cell was refused (failures, too few repeats): each is one line
   naming the ledger and what is missing. A policy with a hole would route those batch
   sizes to a neighbour's tree that nobody measured there.
+- **One run** (:mod:`.runs`). A machine type's DDTREE cells at the temperature from two
+  runs (the same sweep run twice into ``results/``) are refused, the runs named: pooled,
+  two runs' conditions read as one cell's noise, and the latest run is not always the one
+  to trust (it may be the interrupted one). ``--pool-runs`` pools them as repeats on
+  purpose, ``--run RUN`` tunes one; a ``bench --resume`` continues its run, so a resumed
+  sweep is one run.
 
 Nothing here prints or touches a host; :func:`tune_ledgers` reads files, the rest is pure.
 """
@@ -52,6 +58,7 @@ from ddtree_ops.report.aggregation import aggregate, machine_column
 from ddtree_ops.report.best import TIE_TOLERANCE, best_configs, describe_cell
 from ddtree_ops.report.build import planned_repeats
 from ddtree_ops.report.loading import load_ledgers
+from ddtree_ops.report.runs import Run
 
 #: The temperature a policy is tuned for unless the user names one: greedy decoding,
 #: the setting speculative decoding is usually deployed and compared at.
@@ -88,6 +95,7 @@ class Policy:
     entries: tuple[PolicyEntry, ...]  # by concurrency, ascending; never empty
     hosts: tuple[str, ...]  # ledger hosts of this machine type
     notes: tuple[str, ...] = ()
+    run: str | None = None  # the run its cells are of (report.runs); None: runs pooled (--pool-runs)
 
     def __post_init__(self) -> None:
         # Never a file the server would refuse (limits.policy_problem: its own checks and
@@ -167,6 +175,13 @@ class Tuning:
     # bench --predict: DDTree cells predicted at the tuned temperature but never measured
     # (host, budget, topk, concurrency, predicted tok/s): not chosen from, listed so.
     predicted_only: tuple[Mapping[str, Any], ...] = ()
+    runs: tuple[Run, ...] = ()  # the runs read (after --run), oldest first
+    pooled: bool = False  # --pool-runs: their cells pooled
+
+    @property
+    def pooled_runs(self) -> bool:
+        """``--pool-runs`` pooled more than one run's rows into cells (the output says so)."""
+        return self.pooled and len(self.runs) > 1
 
     def policy_for(self, machine: str) -> Policy | None:
         return next((p for p in self.policies if p.machine == machine), None)
@@ -179,14 +194,22 @@ def tune_ledgers(
     machines: Sequence[str] = (),
     min_repeats: int | None = None,
     tie_tolerance: float = TIE_TOLERANCE,
+    pool_runs: bool = False,
+    runs: Sequence[str] = (),
 ) -> Tuning:
     """Read ledgers and choose a policy per machine type (:func:`choose_policies`).
 
     ``min_repeats=None`` holds cells to the repeats their sweep planned, as ``report`` does.
+    ``runs``: only these runs (``--run``); ``pool_runs``: their cells pooled (``--pool-runs``),
+    else a machine type's cells of several runs are refused.
     """
     if min_repeats is not None and min_repeats < 1:
         raise ConfigError(f"--min-repeats must be at least 1, not {min_repeats}")
     loaded = load_ledgers(paths)
+    if runs:
+        loaded = loaded.only_runs(runs)
+    if pool_runs:
+        loaded = loaded.pool_runs()
     where = ", ".join(str(p) for p in paths) if paths else "results/"
     if loaded.frame.empty:
         if not loaded.files:
@@ -197,7 +220,7 @@ def tune_ledgers(
     try:
         policies = choose_policies(
             grouped, temperature=temperature, source=where, machines=machines, min_repeats=threshold,
-            tie_tolerance=tie_tolerance,
+            tie_tolerance=tie_tolerance, run_labels={run.run: run.label for run in loaded.runs},
         )
     except (ConfigError, BenchError) as exc:
         # "No DDTREE rows" where every DDTREE row was a bad line must say so: the rows
@@ -220,6 +243,8 @@ def tune_ledgers(
         min_repeats=threshold,
         temperature=temperature,
         host_machines=MappingProxyType(host_machines(loaded.frame)),
+        runs=loaded.runs,
+        pooled=loaded.pooled,
     )
 
 
@@ -239,6 +264,7 @@ def choose_policies(
     machines: Sequence[str] = (),
     min_repeats: int = 1,
     tie_tolerance: float = TIE_TOLERANCE,
+    run_labels: Mapping[str, str] | None = None,
 ) -> tuple[Policy, ...]:
     """One :class:`Policy` per machine type of ``grouped`` (the per-GPU-type tidy table,
     :func:`ddtree_ops.report.aggregation.aggregate` ``by="gpu"``), or of ``machines`` when
@@ -246,8 +272,9 @@ def choose_policies(
 
     Raises ConfigError (exit 2) when the ledger lacks what a policy needs (a machine type,
     its DDTREE rows, rows at ``temperature``, a concurrency in the chosen graph mode, one
-    workload) and BenchError (exit 6) when a concurrency has DDTREE cells but every one
-    was refused, like ``report`` when nothing can be recommended.
+    workload, one run) and BenchError (exit 6) when a concurrency has DDTREE cells but
+    every one was refused, like ``report`` when nothing can be recommended. ``run_labels``:
+    how a refusal names a run (its id where absent).
     """
     known = sorted({str(m) for m in grouped["machine"]})
     wanted = list(dict.fromkeys(machines)) or known
@@ -258,7 +285,7 @@ def choose_policies(
             )
     return tuple(
         _policy(grouped[grouped["machine"] == machine], machine, temperature=temperature, source=source,
-                min_repeats=min_repeats, tie_tolerance=tie_tolerance)
+                min_repeats=min_repeats, tie_tolerance=tie_tolerance, run_labels=run_labels or {})
         for machine in wanted
     )
 
@@ -272,7 +299,8 @@ def _temperatures(column: pd.Series) -> str:
 
 
 def _policy(
-    cells: pd.DataFrame, machine: str, *, temperature: float, source: str, min_repeats: int, tie_tolerance: float
+    cells: pd.DataFrame, machine: str, *, temperature: float, source: str, min_repeats: int, tie_tolerance: float,
+    run_labels: Mapping[str, str],
 ) -> Policy:
     where = f"{source}: machine type {machine}"
     trees = cells[cells["algorithm"] == "DDTREE"]
@@ -284,6 +312,14 @@ def _policy(
         raise ConfigError(
             f"{where}: no DDTREE rows at temperature {temperature:g} (DDTREE rows at: "
             f"{_temperatures(trees['temperature'])}); choose one with --temperature"
+        )
+    runs = _runs_of(at_t)
+    if len(runs) > 1:
+        named = "; ".join(run_labels.get(run, f"run {run}") for run in runs[:5])
+        named += f"; and {len(runs) - 5} more" if len(runs) > 5 else ""
+        raise ConfigError(
+            f"{where}, temperature {temperature:g}: DDTREE cells of {len(runs)} runs ({named}); tune does not pool "
+            "runs silently: --pool-runs pools them as repeats of one cell, --run RUN tunes one"
         )
     graph_mask = at_t["cuda_graph"].astype(bool)
     cuda_graph = bool(graph_mask.any())
@@ -344,8 +380,15 @@ def _policy(
     hosts = sorted({h for text in chosen["hosts"] for h in str(text).split(",") if h})
     return Policy(
         machine=machine, temperature=temperature, cuda_graph=cuda_graph, entries=tuple(entries),
-        hosts=tuple(hosts), notes=tuple(notes),
+        hosts=tuple(hosts), notes=tuple(notes), run=runs[0] if runs else None,
     )
+
+
+def _runs_of(cells: pd.DataFrame) -> list[str]:
+    """The runs ``cells`` are of (report.runs), oldest id first; none where runs were pooled."""
+    if "run" not in cells:
+        return []
+    return sorted({str(run) for run in cells["run"] if run is not None and not pd.isna(run)})
 
 
 def _float_or_none(value: Any) -> float | None:

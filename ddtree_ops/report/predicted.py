@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-#: What identifies a cell across a prediction and its measurement.
-CELL_KEYS: tuple[str, ...] = ("host", "temperature", "top_p", "top_k", "concurrency", "budget", "topk")
+#: What identifies a cell across a prediction and its measurement (of one run: report.runs).
+CELL_KEYS: tuple[str, ...] = ("host", "run", "temperature", "top_p", "top_k", "concurrency", "budget", "topk")
 COLUMNS: tuple[str, ...] = (*CELL_KEYS, "gpu_name", "predicted_accept", "measured_accept", "accept_error",
                             "predicted_tok_s", "measured_tok_s", "tok_s_error", "predicted_accept_naive",
                             "predicted_tok_s_naive", "measured")

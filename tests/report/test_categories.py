@@ -107,6 +107,19 @@ def test_the_best_configuration_for_a_named_traffic_mix(tmp_path: Path) -> None:
     assert by_mode[False].budget == 32 and by_mode[False].mix_speedup == pytest.approx(0.7 * 5.0 + 0.3 * 1.8)
 
 
+def test_a_mix_where_ar_ties_the_best_tree_picks_ar(tmp_path: Path) -> None:
+    from ddtree_ops.report.mix import best_for_mix
+
+    # The tree serves humaneval no faster per user than AR: AR (budget NA) is within the tie
+    # tolerance and, cheapest, is the pick (its NA budget once raised a TypeError here).
+    rows = [make_row(algorithm=algorithm, repeat=0, categories=groups(humaneval=(2.0, 20.0)))
+            for algorithm in ("AR", "DDTREE")]
+    for row in rows:
+        append_row(tmp_path / "l.jsonl", row)
+    (pick,) = best_for_mix(category_table([tmp_path / "l.jsonl"]), {"humaneval": 1.0}).itertuples()
+    assert (pick.algorithm, pick.mix_speedup, pick.candidates) == ("AR", 1.0, 2)
+
+
 @pytest.mark.parametrize(
     ("mix", "needle"),
     [

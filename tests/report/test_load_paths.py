@@ -84,7 +84,7 @@ def test_empty_and_blank_only_files(tmp_path: Path) -> None:
     (tmp_path / "b.jsonl").write_bytes(b"\n\n  ")
     loaded = rep.load_ledgers([tmp_path])
     assert loaded.frame.empty and loaded.bad_lines == ()
-    assert list(loaded.frame.columns) == list(rep.LOAD_COLUMNS)
+    assert list(loaded.frame.columns) == list(rep.FRAME_COLUMNS)
 
 
 def test_non_finite_metrics_refused_with_file_and_line_on_both_paths(tmp_path: Path, small_blocks: None) -> None:
