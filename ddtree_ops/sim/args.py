@@ -405,8 +405,19 @@ class SimSettings:
     # A DDTree plugin that misbehaves (what a rollout's canary gate must catch), DDTREE only:
     # "accept_collapse" (every round keeps only its first token: acceptance length 1, the
     # tokens still right), "wrong_greedy" (a greedy round's last token is off by one: wrong
-    # greedy text), "crash_sampled" (a decode holding a sampled request takes the scheduler down).
+    # greedy text), "crash_sampled" (a decode holding a sampled request takes the scheduler down),
+    # "late_token" (one confident greedy token of each code prompt, at output index fault_at or
+    # later, replaced by the target's runner-up), "tie_flip" (greedy verification breaks an exact
+    # tie of the target towards the last tied token instead of the first), "slow" (every decode
+    # step costs SLOW_FAULT_FACTOR times the cost model), "crash_load" (the plugin's worker raises
+    # while the server loads, after the weights: the process dies before its port opens).
     ddtree_fault: str | None = None
+    # Where "late_token" starts looking for its confident position (output index, 0 = the first
+    # generated token).
+    fault_at: int = 200
+    # The target model itself (every algorithm, so the baseline sees it too): at this output
+    # index of every code prompt its two best logits are exactly equal (None: no forced tie).
+    target_tie_at: int | None = None
     # A DDTree plugin that predates runtime states: --speculative-adaptive-config is not
     # read (0.5.23 ignores it for DDTREE), so the server is mode "fixed" and refuses switches.
     no_runtime_states: bool = False
@@ -457,7 +468,7 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
     """Read SIM_GPU, SIM_LOAD_S, SIM_LOAD_SHARDS, SIM_STALL_AT_S, SIM_TIME_SCALE, SIM_SHUTDOWN_DRAIN_S,
     SIM_SEED, SIM_WARMUP_S,
     SIM_REPLAY_CRASH_BUDGET_OVER, SIM_CRASH_SAMPLED, SIM_CAPTURE_FAULT, SIM_CAPTURE_STICKY, SIM_NO_RUNTIME_STATES,
-    SIM_DDTREE_FAULT,
+    SIM_DDTREE_FAULT, SIM_FAULT_AT, SIM_TARGET_TIE_AT,
     SGLang's own SGLANG_WAIT_PORT_TIMEOUT and SGLANG_DFLASH_EAGER_DRAFT_SAMPLER, and CUDA's
     CUDA_VISIBLE_DEVICES."""
     env = os.environ if env is None else env
@@ -488,12 +499,16 @@ def sim_settings_from_env(env: Mapping[str, str] | None = None) -> SimSettings:
         capture_sticky=_env_flag(env, "SIM_CAPTURE_STICKY"),
         no_runtime_states=_env_flag(env, "SIM_NO_RUNTIME_STATES"),
         ddtree_fault=_ddtree_fault(env),
+        fault_at=_env_positive_int(env, "SIM_FAULT_AT") or 200,
+        target_tie_at=_env_positive_int(env, "SIM_TARGET_TIE_AT"),
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
 CAPTURE_FAULTS = ("verify", "candidate_head")
-DDTREE_FAULTS = ("accept_collapse", "wrong_greedy", "crash_sampled")
+DDTREE_FAULTS = ("accept_collapse", "wrong_greedy", "crash_sampled", "late_token", "tie_flip", "slow", "crash_load")
+# How much slower every decode step of a DDTREE server with SIM_DDTREE_FAULT=slow is.
+SLOW_FAULT_FACTOR = 4.0
 
 
 def _ddtree_fault(env: Mapping[str, str]) -> str | None:
@@ -517,6 +532,15 @@ def _env_int_or_none(env: Mapping[str, str], name: str) -> int | None:
     if not raw.isdigit():
         raise SimSettingsError(f"{name}={raw!r} is not a non-negative integer")
     return int(raw)
+
+
+def _env_positive_int(env: Mapping[str, str], name: str) -> int | None:
+    """An output index that must be at least 1 (index 0 is the prefill's token, which no
+    speculative round produces), or None when unset."""
+    value = _env_int_or_none(env, name)
+    if value is not None and value < 1:
+        raise SimSettingsError(f"{name}={env.get(name)!r} must be at least 1")
+    return value
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ddtree_ops.sim.args import ServerArgs, SimSettings
+from ddtree_ops.sim.args import SLOW_FAULT_FACTOR, ServerArgs, SimSettings
 from ddtree_ops.sim.language import CATEGORIES, Category, SyntheticLanguage
 from ddtree_ops.sim.logs import scheduler_crash
 from ddtree_ops.sim.params import SamplingParams, StepOutput
@@ -68,6 +68,14 @@ class GenRequest:
     # The tree trace of its traced rounds (the bundle's ddtree_trace.RequestTrace); None
     # until a round of it runs with the trace on.
     trace: Any = None
+    # SIM_DDTREE_FAULT=late_token: whether this request's one wrong token was emitted.
+    fault_fired: bool = False
+    # Log-probabilities of the output so far (return_logprob), filled on demand by
+    # Engine.fill_logprobs: the emitted token's, and the best (logprob, token) pairs.
+    lp_token: list[float] = field(default_factory=list)
+    lp_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    # The prompt's (logprob_start_len >= 0), computed once: (token rows, top rows).
+    input_lp: tuple[list[list[Any]], list[Any]] | None = None
 
     @property
     def last_token(self) -> int:
@@ -109,6 +117,9 @@ _SAMPLED_CRASH_TRACE = (
 # How far behind its planned timeline the loop may fall and still catch up; beyond it
 # the simulator is overloaded and restarts the timeline rather than bursting.
 _CATCH_UP_S = 0.05
+# SIM_DDTREE_FAULT=late_token replaces a token only where the target is this sure of it
+# (its top-2 log-probability gap, nats): far above any near-tie a gate may forgive.
+CONFIDENT_GAP = 1.0
 
 
 class Engine:
@@ -151,6 +162,8 @@ class Engine:
         # DDTREE's runtime states: one fixed state from the flags until the server's
         # startup replaces it with the captured set of --speculative-adaptive-config.
         self.states: RuntimeStates | None = fixed_states(args) if args.ddtree is not None else None
+        # SIM_DDTREE_FAULT, where it applies (a DDTREE server's deployed plugin only).
+        self.fault = settings.ddtree_fault if args.speculative_algorithm == "DDTREE" else None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -260,6 +273,8 @@ class Engine:
                     draft_positions=self.args.draft_positions,
                     cuda_graph=graph,
                 )
+                if self.fault == "slow":
+                    ms *= SLOW_FAULT_FACTOR
             self.last_step_ms = ms
             self._planned_end = t0 + self.settings.scaled(ms / 1000.0)
             await asyncio.sleep(max(0.0, self._planned_end - loop.time()))
@@ -304,13 +319,82 @@ class Engine:
         req.queue.put_nowait(StepOutput(tuple(emitted), req.finish_reason is not None))
 
     # ---------------------------------------------------------------- model
-    def _root_logits(self, batch: Sequence[GenRequest]) -> torch.Tensor:
-        return self.language.target_logits(
-            torch.tensor([r.key for r in batch], dtype=torch.int64),
-            torch.tensor([r.position for r in batch], dtype=torch.int64),
-            torch.tensor([r.last_token for r in batch], dtype=torch.int64),
-            [r.category for r in batch],
+    def _target(
+        self, keys: Sequence[int], positions: Sequence[int], lasts: Sequence[int], cats: Sequence[Category],
+        prompt_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """The target's logits ``[M, VOCAB]`` for rows (request key, absolute position, previous
+        token), with SIM_TARGET_TIE_AT's exact tie where a code prompt's output index is that:
+        the second-best logit raised to the best's (the model's own tie, for every algorithm)."""
+        logits = self.language.target_logits(
+            torch.tensor(list(keys), dtype=torch.int64),
+            torch.tensor(list(positions), dtype=torch.int64),
+            torch.tensor(list(lasts), dtype=torch.int64),
+            list(cats),
         )
+        tie_at = self.settings.target_tie_at
+        if tie_at is not None:
+            rows = [i for i, (pos, n, cat) in enumerate(zip(positions, prompt_lens, cats, strict=True))
+                    if pos - n == tie_at and cat.name == "code"]
+            if rows:
+                top = logits[rows].topk(2, dim=-1)
+                logits[rows, top.indices[:, 1]] = top.values[:, 0]
+        return logits
+
+    def _root_logits(self, batch: Sequence[GenRequest]) -> torch.Tensor:
+        return self._target([r.key for r in batch], [r.position for r in batch], [r.last_token for r in batch],
+                            [r.category for r in batch], [len(r.prompt_ids) for r in batch])
+
+    def fill_logprobs(self, req: GenRequest, top_n: int) -> None:
+        """``req.lp_token`` / ``req.lp_top`` up to its output so far: the target's log-probability
+        of each emitted token at its position, and its ``top_n`` best (logprob, token), as SGLang
+        returns them (``log_softmax(logits)`` at T = 0, ``log_softmax(logits / T)`` above: the
+        distribution before top-k/top-p). Recomputed from the model, not kept from the step: the
+        target is deterministic, and a faulty plugin's token gets the target's opinion of it."""
+        have, n = len(req.lp_token), len(req.output_ids)
+        if have >= n:
+            return
+        plen = len(req.prompt_ids)
+        index = range(have, n)
+        lasts = [req.output_ids[j - 1] if j > 0 else req.prompt_ids[-1] for j in index]
+        logits = self._target([req.key] * len(index), [plen + j for j in index], lasts,
+                              [req.category] * len(index), [plen] * len(index))
+        lp = self._logprobs(logits, req.params.temperature)
+        tokens = torch.tensor(req.output_ids[have:n], dtype=torch.int64)
+        req.lp_token.extend(lp.gather(1, tokens[:, None])[:, 0].tolist())
+        if top_n > 0:
+            values, ids = lp.topk(min(top_n, VOCAB), dim=-1)
+            req.lp_top.extend(list(zip(v, i, strict=True))
+                              for v, i in zip(values.tolist(), ids.tolist(), strict=True))
+
+    def input_logprobs(self, req: GenRequest, start: int, top_n: int) -> tuple[list[list[Any]], list[Any]]:
+        """The prompt's log-probabilities from token ``start`` on (``logprob_start_len``), as
+        0.5.23 lays them out: ``[logprob, token, None]`` per prompt token, the first ``None``
+        (nothing before it is scored), and the top rows the same way (``None`` first)."""
+        if req.input_lp is None:
+            ids = req.prompt_ids
+            tokens: list[list[Any]] = []
+            tops: list[Any] = []
+            if start < len(ids):
+                tokens.append([None, ids[start], None])
+                tops.append(None)
+                index = range(start + 1, len(ids))
+                if index:
+                    logits = self._target([req.key] * len(index), list(index), [ids[i - 1] for i in index],
+                                          [req.category] * len(index), [len(ids)] * len(index))
+                    lp = self._logprobs(logits, req.params.temperature)
+                    chosen = lp.gather(1, torch.tensor([ids[i] for i in index], dtype=torch.int64)[:, None])[:, 0]
+                    tokens += [[v, ids[i], None] for v, i in zip(chosen.tolist(), index, strict=True)]
+                    if top_n > 0:
+                        values, top_ids = lp.topk(min(top_n, VOCAB), dim=-1)
+                        tops += [[[v, t, None] for v, t in zip(vr, ir, strict=True)]
+                                 for vr, ir in zip(values.tolist(), top_ids.tolist(), strict=True)]
+            req.input_lp = (tokens, tops)
+        return req.input_lp
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        return torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
 
     def _sample_one(self, batch: Sequence[GenRequest], logits: torch.Tensor) -> list[list[int]]:
         """Autoregressive token per request, from SGLang's target distribution."""
@@ -379,6 +463,7 @@ class Engine:
         row_pos: list[int] = []
         row_last: list[int] = []
         row_cats: list[Category] = []
+        row_plens: list[int] = []
         for req, tree in zip(batch, trees, strict=True):
             pad = n - len(tree.parents)  # padding rows repeat the root; they are unreachable
             base = req.position
@@ -386,16 +471,16 @@ class Engine:
             row_pos.extend([base + d for d in tree.depths] + [base] * pad)
             row_last.extend(tree.token_ids + [tree.token_ids[0]] * pad)
             row_cats.extend([req.category] * n)
-        logits = self.language.target_logits(
-            torch.tensor(row_keys, dtype=torch.int64),
-            torch.tensor(row_pos, dtype=torch.int64),
-            torch.tensor(row_last, dtype=torch.int64),
-            row_cats,
-        ).reshape(len(batch), n, VOCAB)
+            row_plens.extend([len(req.prompt_ids)] * n)
+        logits = self._target(row_keys, row_pos, row_last, row_cats, row_plens).reshape(len(batch), n, VOCAB)
+        fault = self.fault
         results: list[tuple[list[int], list[int]] | None] = [None] * len(batch)
         greedy_idx = [b for b, r in enumerate(batch) if r.params.temperature <= 0]
         if greedy_idx:
-            argmax = logits[greedy_idx].argmax(dim=-1)
+            rows = logits[greedy_idx]
+            # torch.argmax keeps the first of tied maxima; the tie_flip plugin keeps the last
+            # (what another kernel's reduction order may do: legal, and only at an exact tie).
+            argmax = (VOCAB - 1) - rows.flip(-1).argmax(dim=-1) if fault == "tie_flip" else rows.argmax(dim=-1)
             for row, b in enumerate(greedy_idx):
                 results[b] = core.follow_verified_tree(trees[b].parents, trees[b].token_ids, argmax[row])
         # Requests that carry a sampling_seed verify alone, with their own generator, so
@@ -421,7 +506,6 @@ class Engine:
                 generator=req.generator, use_kernel=False,
             )[0]
         outputs: list[list[int]] = []
-        fault = self.settings.ddtree_fault if args.speculative_algorithm == "DDTREE" else None
         for req, res in zip(batch, results, strict=True):
             assert res is not None
             accepted, proposed = res
@@ -429,6 +513,9 @@ class Engine:
                 accepted, proposed = accepted[:1], proposed[:1]
             elif fault == "wrong_greedy" and req.params.temperature <= 0:
                 proposed = [*proposed[:-1], (proposed[-1] + 1) % VOCAB]
+            elif fault == "late_token" and req.params.temperature <= 0 and req.category.name == "code" \
+                    and not req.fault_fired:
+                accepted, proposed = self._late_token(req, accepted, proposed)
             req.verify_ct += 1
             req.correct_drafts += len(accepted) - 1
             req.proposed_drafts += budget
@@ -447,6 +534,24 @@ class Engine:
             # The real round pads the union to the state's verify width.
             n = max(n, trace.width)
         return outputs, n, graph
+
+    def _late_token(self, req: GenRequest, accepted: list[int], proposed: list[int]) -> tuple[list[int], list[int]]:
+        """SIM_DDTREE_FAULT=late_token: the round's first token at output index SIM_FAULT_AT or
+        later where the target is confident (top-2 gap >= CONFIDENT_GAP) becomes the target's
+        runner-up, and the round ends there (what it verified after it assumed the right token);
+        once per request."""
+        start, plen = len(req.output_ids), len(req.prompt_ids)
+        prev = req.last_token
+        for k, token in enumerate(proposed):
+            j = start + k
+            if self.settings.fault_at <= j < req.params.max_new_tokens:
+                row = self._target([req.key], [plen + j], [prev], [req.category], [plen])[0]
+                top = torch.log_softmax(row, dim=-1).topk(2)
+                if float(top.values[0] - top.values[1]) >= CONFIDENT_GAP:
+                    req.fault_fired = True
+                    return accepted[: k + 1], [*proposed[:k], int(top.indices[1])]
+            prev = token
+        return accepted, proposed
 
     def _record_round(
         self, req: GenRequest, trace: Any, table: tuple[list[Any], list[Any]], tree: Any, logits: torch.Tensor,

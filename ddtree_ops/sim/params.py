@@ -78,3 +78,49 @@ class StepOutput:
 
     new_ids: tuple[int, ...]
     finished: bool
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """``/generate``'s log-probability fields, read as SGLang 0.5.23 reads them
+    (``GenerateReqInput``: ``return_logprob`` default False, ``top_logprobs_num`` default 0,
+    ``logprob_start_len`` default -1 = output tokens only; the scheduler ignores the start
+    without ``return_logprob``). Stricter than 0.5.23 on types: a wrong one is a 400 here."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+    @classmethod
+    def from_json(cls, obj: dict[str, object], index: int | None = None) -> LogprobParams:
+        """``obj``'s fields; ``index``: the item of a batch (a field may be one value for all,
+        or a list with one per prompt, as SGLang's ``normalize_param`` takes it)."""
+
+        def field_of(name: str, default: object) -> object:
+            value = obj.get(name, default)
+            if index is not None and isinstance(value, list):
+                if index >= len(value):
+                    raise RequestError(f"{name} has {len(value)} entries for a batch of more prompts")
+                value = value[index]
+            return default if value is None else value
+
+        ret = field_of("return_logprob", False)
+        top = field_of("top_logprobs_num", 0)
+        start = field_of("logprob_start_len", -1)
+        if not isinstance(ret, bool):
+            raise RequestError(f"return_logprob must be a boolean, got {ret!r}")
+        for name, value in (("top_logprobs_num", top), ("logprob_start_len", start)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RequestError(f"{name} must be an integer, got {value!r}")
+        assert isinstance(top, int) and isinstance(start, int)
+        if start < -1:
+            raise RequestError(f"logprob_start_len must be -1 (output tokens only) or at least 0, got {start}")
+        # Without return_logprob 0.5.23 ignores the start (scheduler.handle_generate_request).
+        return cls(ret, max(0, top), start if ret else -1)
+
+    def start_error(self, prompt_len: int) -> str | None:
+        """0.5.23's refusal of a start past the prompt (its message, as the scheduler aborts it)."""
+        if self.logprob_start_len > prompt_len:
+            return (f"req.logprob_start_len={self.logprob_start_len} is higher than the number of input tokens "
+                    f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len.")
+        return None

@@ -31,7 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ddtree_ops.sim.args import ServerArgs, SimSettings
 from ddtree_ops.sim.logs import log_ranks, main_logger, scheduler_crash, scheduler_logger
-from ddtree_ops.sim.params import RequestError, SamplingParams
+from ddtree_ops.sim.params import LogprobParams, RequestError, SamplingParams
 from ddtree_ops.sim.plugin import DeployedPlugin
 from ddtree_ops.sim.profiles import PROFILES
 from ddtree_ops.sim.states import GraphOutcome, RuntimeStates, StateGraph, SwitchRefused, TreeState
@@ -56,6 +56,17 @@ CUDA_GRAPH_CAPTURE_FAILED_MSG = (
     "3. disable decode CUDA graph by --cuda-graph-backend-decode=disabled. "
     "(Not recommended. Huge performance loss)\n"
     "Open an issue on GitHub https://github.com/sgl-project/sglang/issues/new/choose \n"
+)
+
+
+# SIM_DDTREE_FAULT=crash_load: what a DDTree plugin whose worker cannot initialise logs.
+_CRASH_LOAD_TRACE = (
+    "Traceback (most recent call last):\n"
+    '  File "sglang/srt/managers/scheduler.py", line 6362, in run_scheduler_process\n'
+    "    scheduler = Scheduler(server_args, port_args)\n"
+    '  File "sglang/srt/speculative/ddtree_worker_v2.py", in __init__\n'
+    "    self._build_verify_buffers()\n"
+    "RuntimeError: DDTREE: the verify buffers do not fit the draft block (simulated plugin fault)"
 )
 
 
@@ -120,7 +131,7 @@ def _engine(request: Request) -> Engine:
     return engine
 
 
-def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
+def _meta_info(state: State, req: GenRequest, e2e: float, logprob: LogprobParams | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
@@ -132,7 +143,13 @@ def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
         "cached_tokens": 0,
         "e2e_latency": e2e,
         "simulated": True,
+        # Beyond SGLang, like "simulated": real seconds per simulated second. Below 1 the
+        # simulator's own CPU work can outlast a step (README, "Compressed time is not a
+        # clock"), so timings measured here are not the cost model's.
+        "sim_time_scale": state.settings.time_scale,
     }
+    if logprob is not None and logprob.return_logprob:
+        _add_logprobs(meta, state, req, logprob)
     args = state.args
     if args.speculating and req.verify_ct > 0:
         proposed = req.proposed_drafts
@@ -146,6 +163,24 @@ def _meta_info(state: State, req: GenRequest, e2e: float) -> dict[str, Any]:
         # committed what the request returns.
         meta["ddtree_trace"] = req.trace.payload(len(req.prompt_ids) + len(req.output_ids))
     return meta
+
+
+def _add_logprobs(meta: dict[str, Any], state: State, req: GenRequest, logprob: LogprobParams) -> None:
+    """The log-probability fields of 0.5.23's ``meta_info`` (``TokenizerManager.
+    add_logprob_to_meta_info``, ``return_text_in_logprobs`` false): ``[logprob, token_id,
+    None]`` triples, the top rows only with ``top_logprobs_num`` > 0."""
+    engine = state.engine
+    assert engine is not None
+    top_n = logprob.top_logprobs_num
+    engine.fill_logprobs(req, top_n)
+    start = logprob.logprob_start_len
+    tokens, tops = engine.input_logprobs(req, start, top_n) if start >= 0 else ([], [])
+    meta["input_token_logprobs"] = tokens
+    meta["output_token_logprobs"] = [[v, t, None] for v, t in zip(req.lp_token, req.output_ids, strict=False)]
+    meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    if top_n > 0:
+        meta["input_top_logprobs"] = tops
+        meta["output_top_logprobs"] = [[[v, t, None] for v, t in row] for row in req.lp_top]
 
 
 def _prompt_from(obj: dict[str, Any], state: State | None = None) -> tuple[list[int], str]:
@@ -401,6 +436,11 @@ async def _generate_batch(request: Request, obj: dict[str, Any], arrived: float)
         items = [(_prompt_from({"input_ids": ids}, state),
                   SamplingParams.from_json(raw[i] if isinstance(raw, list) else raw))
                  for i, ids in enumerate(batch)]
+        logprobs = [LogprobParams.from_json(obj, i) for i in range(len(batch))]
+        for ((prompt, _), _), lp in zip(items, logprobs, strict=True):
+            refused = lp.start_error(len(prompt))
+            if refused is not None:
+                raise RequestError(refused)
     except RequestError as exc:
         return _error(str(exc))
     engine = _engine(request)
@@ -413,7 +453,8 @@ async def _generate_batch(request: Request, obj: dict[str, Any], arrived: float)
             engine.abort(r)
         raise
     return _json([{"text": detokenize(r.output_ids), "output_ids": list(r.output_ids),
-                   "meta_info": _meta_info(state, r, time.monotonic() - start)} for r in reqs])
+                   "meta_info": _meta_info(state, r, time.monotonic() - start, lp)}
+                  for r, lp in zip(reqs, logprobs, strict=True)])
 
 
 async def generate(request: Request) -> Response:
@@ -427,6 +468,10 @@ async def generate(request: Request) -> Response:
             return await _generate_batch(request, obj, arrived)
         prompt, category = _prompt_from(obj, state)
         params = SamplingParams.from_json(obj.get("sampling_params"))
+        logprob = LogprobParams.from_json(obj)
+        refused = logprob.start_error(len(prompt))
+        if refused is not None:
+            raise RequestError(refused)
         stream = obj.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("stream must be a boolean")
@@ -441,7 +486,7 @@ async def generate(request: Request) -> Response:
         return {
             "text": detokenize(req.output_ids),
             "output_ids": list(req.output_ids),
-            "meta_info": _meta_info(state, req, time.monotonic() - start),
+            "meta_info": _meta_info(state, req, time.monotonic() - start, logprob),
         }
 
     if not stream:
@@ -886,6 +931,11 @@ async def serve(
         f"K size: {kv_gb / 2:.2f} GB, V size: {kv_gb / 2:.2f} GB",
     )
     avail -= kv_gb
+    if settings.ddtree_fault == "crash_load" and args.speculative_algorithm == "DDTREE":
+        # A deployed plugin whose worker cannot build (SIM_DDTREE_FAULT=crash_load): a scheduler
+        # exception while loading, no capture involved (nothing an eager relaunch would avoid).
+        scheduler_crash(tp, _CRASH_LOAD_TRACE)
+        return 1  # not reached
     if args.ddtree_adaptive is not None:
         # One verify graph per runtime state; a failed capture costs only its own state.
         engine.states = await _capture_runtime_states(args, settings, avail)
