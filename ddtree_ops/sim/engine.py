@@ -74,6 +74,9 @@ class GenRequest:
     # Engine.fill_logprobs: the emitted token's, and the best (logprob, token) pairs.
     lp_token: list[float] = field(default_factory=list)
     lp_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    # The cost model's milliseconds of every step this request took part in (prefill and
+    # decode): its latency on the model's own clock, whatever the machine's speed.
+    modelled_ms: float = 0.0
     # The prompt's (logprob_start_len >= 0), computed once: (token rows, top rows).
     input_lp: tuple[list[list[Any]], list[Any]] | None = None
 
@@ -276,6 +279,8 @@ class Engine:
                 if self.fault == "slow":
                     ms *= SLOW_FAULT_FACTOR
             self.last_step_ms = ms
+            for req in batch:
+                req.modelled_ms += ms
             self._planned_end = t0 + self.settings.scaled(ms / 1000.0)
             await asyncio.sleep(max(0.0, self._planned_end - loop.time()))
             for req, new_ids in zip(batch, outputs, strict=True):

@@ -147,6 +147,9 @@ def _meta_info(state: State, req: GenRequest, e2e: float, logprob: LogprobParams
         # simulator's own CPU work can outlast a step (README, "Compressed time is not a
         # clock"), so timings measured here are not the cost model's.
         "sim_time_scale": state.settings.time_scale,
+        # Beyond SGLang too: the request's latency on the cost model's clock (simulated
+        # seconds of the steps it took part in), which no busy machine can stretch.
+        "sim_modelled_s": req.modelled_ms / 1000.0,
     }
     if logprob is not None and logprob.return_logprob:
         _add_logprobs(meta, state, req, logprob)
