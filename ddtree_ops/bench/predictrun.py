@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec
-from ddtree_ops.bench.lifetime import KeptServer, SweepOptions, SweepServer
+from ddtree_ops.bench.lifetime import Borrowed, KeptServer, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
@@ -167,8 +167,12 @@ class PredictPhase:
         self, prepared: PreparedSweep, workload: WorkloadPrompts, *, ledger_path: Path, run_id: str,
         options: SweepOptions | None = None, services: Services | None = None,
         on_progress: Callable[[Progress], None] | None = None, cancel: threading.Event | None = None,
+        borrowed: Borrowed | None = None,
     ) -> None:
+        """``borrowed``: the measuring runner's (:attr:`SweepRunner.borrowed`): what served on
+        each place before this phase changed it, which the measuring puts back at its end."""
         self.prepared, self.workload, self.ledger_path, self.run_id = prepared, workload, Path(ledger_path), run_id
+        self.borrowed = borrowed if borrowed is not None else Borrowed()
         self.options = options or SweepOptions()
         self.services = services or default_services()
         self.on_progress = on_progress or (lambda _p: None)
@@ -267,10 +271,12 @@ class PredictPhase:
             steps.say(message, slot=_slot_label(place))
 
         # Not kept by --keep-server: a phase that fails stops its servers (the measuring
-        # launches the sweep's own); one that succeeds hands them over to the measuring.
+        # launches the sweep's own); one that succeeds hands them over to the measuring. Not
+        # final: the measuring that follows on every place puts back what served before.
         return stack.enter_context(SweepServer(
             self.services, transport, place, hp.host, sweep=self.prepared.spec.name, run_id=self.run_id,
             options=dataclasses.replace(self.options, keep_server=False), cancel=self.cancel, on_takeover=on_takeover,
+            borrowed=self.borrowed, final=False,
         ))
 
     def _launch(self, hp: HostPlan, server: SweepServer, pplan: PredictPlan, steps: _Steps,

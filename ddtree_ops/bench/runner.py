@@ -29,7 +29,11 @@ requests the server is checked and restarted before the next cell if it is gone.
 ``fail_fast`` stops every host after its current row at the first failed row.
 
 Interruption (Ctrl-C in the CLI sets ``cancel``): each worker finishes the row it is
-measuring, writes it, stops the server it started and returns. ``resume`` skips runs whose
+measuring, writes it, puts its place's previous server back and returns. However a place's
+work ends (done, failed rows, Ctrl-C, the host lost), what served there before the sweep is
+put back (:mod:`.lifetime`: relaunched and proven ready, or left stopped where none ran;
+``--leave-stopped``, ``--keep-server``), and each host's summary says what was put back and
+what the place was observed doing afterwards; a place not put back fails its host. ``resume`` skips runs whose
 ledger key (host, configuration, workload hash, repeat) already has an ``ok`` row; it
 refuses a ledger of another sweep (rows carry ``sweep_hash``) and cuts off a truncated
 last line first (:meth:`SweepRunner.prepare`, before any host is touched).
@@ -63,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec, sent_prompts
 from ddtree_ops.bench.ledger import LedgerRow
-from ddtree_ops.bench.lifetime import KeptServer, SweepOptions, SweepServer
+from ddtree_ops.bench.lifetime import Borrowed, KeptServer, PutBack, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
@@ -95,7 +99,7 @@ class Progress:
     host: str
     done: int
     total: int
-    phase: str  # "probing" | "restarting" | "running" | "row" | "finished" | "interrupted" | "failed"
+    phase: str  # "probing" | "restarting" | "running" | "row" | "putting back" | "finished" | "interrupted" | "failed"
     cell: str = ""
     repeat: int = 0
     status: str = ""
@@ -117,6 +121,11 @@ class HostSummary:
     interrupted: bool = False
     # The class of the error that ended the host's work (one class: every slot's), else None.
     error_type: str | None = None
+    # What the sweep's end did to each server place (the host, or each GPU slot).
+    put_back: tuple[PutBack, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"put_back": [p.as_dict() for p in self.put_back]}
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,7 @@ class _HostRun:
     # The classes of the errors that ended its slots (ConnectError: unreachable), so the
     # CLI exits with their code rather than with a benchmark failure's.
     error_types: set[str] = field(default_factory=set)
+    put_back: list[PutBack] = field(default_factory=list)
 
     @property
     def host(self) -> Host:
@@ -255,12 +265,15 @@ class SweepRunner:
         run_id: str | None = None,
         only: Mapping[str, Collection[str]] | None = None,
         kept: Mapping[str, Sequence[KeptServer]] | None = None,
+        borrowed: Borrowed | None = None,
     ) -> None:
         """``only``: per host, the DDTree cell keys to measure (a predicted sweep's chosen
         cells; baselines always run); a host it leaves out, or None: every cell. ``kept``:
         per host, the live DDTree servers a phase before left running on its server places
         (the predict phase's, all of one launch), whose launch measures the host's DDTree
-        cells (see the module docstring)."""
+        cells (see the module docstring). ``borrowed``: what served on each place before the
+        command's first change there (shared with a phase before; a fresh one by default)."""
+        self.borrowed = borrowed if borrowed is not None else Borrowed()
         self.only = only
         self.kept: Mapping[str, Sequence[KeptServer]] = kept or {}
         self.prepared = prepared
@@ -372,11 +385,12 @@ class SweepRunner:
 
     def _run_host(self, hr: _HostRun) -> HostSummary:
         host = hr.host
-        # A kept server with nothing left to measure is still taken on, to be stopped.
-        if not hr.pending and not self.kept.get(host.name):
+        slots = host.slot_hosts()
+        # A kept server with nothing left to measure is still taken on, to be put back; so is
+        # a place a phase before changed.
+        if not hr.pending and not self.kept.get(host.name) and not self.borrowed.owes(s.name for s in slots):
             self._emit(hr, "finished", message="nothing left to run")
             return HostSummary(host.name, hr.planned, hr.skipped, 0, 0, 0)
-        slots = host.slot_hosts()
         kept = self.kept.get(host.name, ())
         first = {k.place for k in kept} & {s.name for s in slots} if len(slots) > 1 else set()
         # The kept launch costs its slots no load: its cells split over them for free.
@@ -400,17 +414,22 @@ class SweepRunner:
         self._emit(hr, phase, message=error or ("" if not interrupted else f"{hr.done} of {len(hr.pending)} rows"))
         error_type = next(iter(hr.error_types)) if error is not None and len(hr.error_types) == 1 else None
         return HostSummary(
-            host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted, error_type
+            host.name, hr.planned, hr.skipped, hr.ok_rows, hr.failed_rows, hr.restarts, error, interrupted, error_type,
+            tuple(sorted(hr.put_back, key=lambda p: p.place)),
         )
 
     def _run_slot(self, sr: _SlotRun, queue: _JobQueue) -> str | None:
         """One server place's worker: lease, probe, then launch and measure job after job
-        until the queue is empty. Returns why it gave up, or None."""
+        until the queue is empty; leaving puts the place's previous server back. Returns why it
+        gave up (or why the place was not put back), or None."""
+        server: SweepServer | None = None
         try:
             with self.services.open_transport(sr.host) as transport, SweepServer(
                 self.services, transport, sr.host, sr.hr.host, sweep=self.spec.name, run_id=self.run_id,
                 options=self.options, cancel=self.cancel,
                 on_takeover=lambda message: self._emit(sr.hr, "restarting", slot=sr.label, message=message),
+                borrowed=self.borrowed,
+                on_put_back=lambda message: self._emit(sr.hr, "putting back", slot=sr.label, message=message),
             ) as server:
                 # Taken on first, under the lease: from here an interrupt or a failure stops it.
                 # The predict phase leaves one on every slot of the host; each takes a job of
@@ -431,6 +450,15 @@ class SweepRunner:
                 sr.hr.error_types.add(type(exc).__name__)
         finally:
             queue.done(sr.host.name)
+        put = server.put_back if server is not None else None
+        if put is not None:
+            with sr.hr.lock:
+                sr.hr.put_back.append(put)
+                if not put.ok and put.error_type is not None:
+                    sr.hr.error_types.add(put.error_type)
+            if not put.ok:
+                # The host is not as the sweep found it: that fails it, whatever its rows.
+                error = "; ".join(e for e in (error, f"{sr.host.name}: {put.describe()}") if e)
         if error:
             self._emit(sr.hr, "failed", slot=sr.label, message=error)
         return error

@@ -19,7 +19,7 @@ from ddtree_ops.transport.base import Transport
 if TYPE_CHECKING:
     from ddtree_ops.patching.status import HostPatchStatus
     from ddtree_ops.probe import HostFacts
-    from ddtree_ops.service.lifecycle import RestartRequest, RestartResult, ServiceStatus
+    from ddtree_ops.service.lifecycle import PreviousServer, RestartRequest, RestartResult, ServiceStatus
     from ddtree_ops.service.manager import LeasePass, StopResult
 
 
@@ -47,6 +47,18 @@ class Services(Protocol):
     def release_lease(self, transport: Transport, host: Host, token: str) -> None: ...
 
     def put_run_file(self, transport: Transport, host: Host, name: str, content: bytes) -> str: ...
+
+    def remember(self, transport: Transport, host: Host) -> PreviousServer:
+        """What serves on ``host`` now (its launch record, running or not): what a sweep puts back."""
+        ...
+
+    def put_back(self, transport: Transport, host: Host, previous: PreviousServer, *, lease: LeasePass) -> str:
+        """``host`` relaunched as ``previous`` (or stopped where it did not run), proven ready."""
+        ...
+
+    def note_lease(self, transport: Transport, host: Host, token: str, note: dict[str, Any]) -> bool: ...
+
+    def read_lease(self, transport: Transport, host: Host) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,27 @@ class LiveServices:
         from ddtree_ops.service import manager
 
         return manager.put_run_file(transport, host, name, content)
+
+    def remember(self, transport: Transport, host: Host) -> PreviousServer:
+        from ddtree_ops.service import lifecycle
+
+        return lifecycle.remember_server(transport, host)
+
+    def put_back(self, transport: Transport, host: Host, previous: PreviousServer, *, lease: LeasePass) -> str:
+        from ddtree_ops.service import lifecycle
+
+        # The rollouts' own undo: the recorded argv relaunched, with every readiness proof.
+        return lifecycle.restore_server(transport, host, previous, lease=lease)
+
+    def note_lease(self, transport: Transport, host: Host, token: str, note: dict[str, Any]) -> bool:
+        from ddtree_ops.service import manager
+
+        return manager.note_lease(transport, host, token, note)
+
+    def read_lease(self, transport: Transport, host: Host) -> dict[str, Any] | None:
+        from ddtree_ops.service import manager
+
+        return manager.read_lease(transport, host)
 
 
 def default_services(*, host_key_policy: str = "strict", on_notice: Callable[[str], None] | None = None) -> Services:

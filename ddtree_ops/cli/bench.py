@@ -1,9 +1,10 @@
 """`ddtree-ops bench --sweep FILE`: run a benchmark sweep across hosts into a JSONL ledger.
 
 All decisions live in :mod:`ddtree_ops.bench`; this module loads the sweep and the
-inventory, renders the plan (``--dry-run``) or the progress, handles Ctrl-C (first press:
-finish the current rows, stop the servers, exit 130; the ledger is complete up to there
-and ``--resume`` continues) and picks the exit code (7 when any row failed).
+inventory, renders the plan (``--dry-run``, with what each host's end will put back, observed
+now) or the progress, handles Ctrl-C (first press: finish the current rows, put each host's
+previous server back, exit 130; the ledger is complete up to there and ``--resume``
+continues) and picks the exit code (7 when any row failed, or a host was not put back).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, Tex
 from rich.table import Column
 from rich.text import Text
 
-from ddtree_ops.bench.lifetime import SweepOptions
+from ddtree_ops.bench.lifetime import PlannedPutBack, SweepOptions, plan_put_back
 from ddtree_ops.bench.prepare import PreparedSweep, prepare_sweep
 from ddtree_ops.bench.runner import Progress as RunProgress
 from ddtree_ops.bench.runner import SweepOutcome, SweepRunner
@@ -147,6 +148,7 @@ def _schedule_json(sched: Schedule) -> dict[str, Any]:
 def _render_plan(
     obj: AppContext, prepared: PreparedSweep, workload: WorkloadPrompts, *, wide: bool = False,
     left: dict[str, tuple[int, int]] | None = None, ledger_path: Path | None = None,
+    put_back: dict[str, tuple[PlannedPutBack, ...]] | None = None,
 ) -> None:
     spec, plan = prepared.spec, prepared.plan
     if obj.json:
@@ -155,6 +157,8 @@ def _render_plan(
             data["resume"] = {"ledger": str(ledger_path),
                               "hosts": {h: {"done": d, "left": n} for h, (d, n) in left.items()}}
         data["predict"] = _predict_json(prepared)
+        # Per host, each server place: what the sweep's end will put back (observed now).
+        data["put_back"] = {h: [p.as_dict() for p in places] for h, places in (put_back or {}).items()}
         set_json_data(obj, data)
         return
     _render_prompts(obj, workload, wide=wide)
@@ -214,6 +218,10 @@ def _render_plan(
                           markup=False, highlight=False)
     for line in _predict_lines(prepared):
         obj.console.print(line, markup=False, highlight=False)
+    for places in (put_back or {}).values():
+        for planned in places:
+            # Run descriptions and errors come from the hosts: printable() keeps control characters out.
+            obj.console.print(printable(planned.describe()), markup=False, highlight=False)
 
 
 def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
@@ -264,7 +272,7 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = Fals
         set_json_data(obj, {
             "run_id": outcome.run_id,
             "ledger": str(outcome.ledger),
-            "hosts": [h.__dict__ for h in outcome.hosts],
+            "hosts": [h.as_dict() for h in outcome.hosts],
             "bad_ledger_lines": [list(b) for b in outcome.bad_ledger_lines],
             "ledger_healed": outcome.healed,
         })
@@ -277,12 +285,16 @@ def _render_outcome(obj: AppContext, outcome: SweepOutcome, *, wide: bool = Fals
         TableColumn("failed rows", "right"),
         TableColumn("skipped (resume)", "right", drop=2),
         TableColumn("launches", "right", drop=1),
+        TableColumn("put back", wrap=True),
         TableColumn("error", wrap=True),
     )
     rows: list[list[str | Text]] = []
     for h in outcome.hosts:
         err = h.error or ("interrupted" if h.interrupted else "")
-        rows.append([h.host, str(h.ok_rows), str(h.failed_rows), str(h.skipped), str(h.restarts), err])
+        slots = len(h.put_back) > 1 or any(p.place != h.host for p in h.put_back)
+        put = "; ".join((f"{p.place}: " if slots else "") + p.describe() for p in h.put_back)
+        rows.append([h.host, str(h.ok_rows), str(h.failed_rows), str(h.skipped), str(h.restarts), printable(put),
+                     printable(err)])
     title = f"run {outcome.run_id} -> {outcome.ledger}"
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
 
@@ -336,7 +348,15 @@ def bench(
     resume: bool = typer.Option(False, "--resume", help="Skip runs that already have an ok row in the ledger."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop every host at the first failed row."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (cells, launches, estimated time) and exit."),
-    keep_server: bool = typer.Option(False, "--keep-server", help="Leave the last server running when done."),
+    keep_server: bool = typer.Option(
+        False, "--keep-server",
+        help="Leave the sweep's last server running when done, instead of putting back what served before.",
+    ),
+    leave_stopped: bool = typer.Option(
+        False, "--leave-stopped",
+        help="Stop the sweep's servers when done and put nothing back (by default each host's previous server is "
+        "relaunched and proven ready).",
+    ),
     restart_timeout: float | None = typer.Option(
         None, "--restart-timeout", min=1, help="Seconds to wait for each server launch (default: learned load time)."
     ),
@@ -356,6 +376,9 @@ def bench(
     if target_arg is not None and target_opt is not None and target_arg != target_opt:
         raise ConfigError(f"two targets: {target_arg!r} and --target {target_opt!r}; give one")
     target = target_arg if target_arg is not None else target_opt
+    if keep_server and leave_stopped:
+        raise ConfigError("--keep-server and --leave-stopped: give one (keep the sweep's last server running, or "
+                          "stop it; either way nothing is put back)")
     spec = load_sweep(sweep)
     if predict and spec.predict is None:
         from ddtree_ops.bench.sweep import PredictSpec
@@ -366,12 +389,17 @@ def bench(
     # naming the file and line, whether or not the sweep runs.
     workload = build_workload(spec.workload, search=(spec.source.parent,))
     ledger_path = out or Path("results") / f"{spec.name}.jsonl"
+    options = SweepOptions(resume=resume, fail_fast=fail_fast, keep_server=keep_server,
+                           restart_timeout=restart_timeout, smoke=not no_smoke, leave_stopped=leave_stopped)
+    services = default_services(host_key_policy=obj.host_key_policy, on_notice=say_notice)
     if dry_run:
         # --resume --dry-run: what the ledger already has and what is left, per host (the
         # ledger checked as the run would check it).
         left = SweepRunner(prepared, workload, ledger_path=ledger_path,
                            options=SweepOptions(resume=True)).left() if resume else None
-        _render_plan(obj, prepared, workload, wide=wide, left=left, ledger_path=ledger_path)
+        # What each place serves now, read (nothing changed): what the end will put back.
+        put_back = plan_put_back(services, [hp.host for hp in prepared.hosts], options)
+        _render_plan(obj, prepared, workload, wide=wide, left=left, ledger_path=ledger_path, put_back=put_back)
         return
     cancel = threading.Event()
     holder: dict[str, Any] = {}
@@ -387,9 +415,8 @@ def bench(
         prepared,
         workload,
         ledger_path=ledger_path,
-        options=SweepOptions(resume=resume, fail_fast=fail_fast, keep_server=keep_server,
-                             restart_timeout=restart_timeout, smoke=not no_smoke),
-        services=default_services(host_key_policy=obj.host_key_policy, on_notice=say_notice),
+        options=options,
+        services=services,
         on_progress=forward,
         cancel=cancel,
     )
@@ -424,7 +451,7 @@ def bench(
 
                     phase = PredictPhase(prepared, workload, ledger_path=ledger_path, run_id=runner.run_id,
                                          options=runner.options, services=runner.services, on_progress=forward,
-                                         cancel=cancel)
+                                         cancel=cancel, borrowed=runner.borrowed)
                     predicted = phase.run()
                     for p in predicted.values():
                         if p.error:
@@ -451,13 +478,17 @@ def bench(
                 cancel.set()
                 if interrupts > 1:
                     raise Interrupted(
-                        f"aborted: the row in progress is lost and a server this sweep started may still run "
-                        f"(`ddtree-ops stop` stops it; the next sweep from here takes its lease over); rows so far "
-                        f"are in {ledger_path} — rerun with --resume to finish"
+                        f"aborted: the row in progress is lost, a server this sweep started may still run and a "
+                        f"host's previous server may not be back (`ddtree-ops restart HOST` without --algorithm "
+                        f"relaunches the host's own launch; `bench --resume` takes this sweep's lease over and puts "
+                        f"back what served before it); rows so far are in {ledger_path} — rerun with --resume to "
+                        f"finish"
                     ) from None
                 # Under --json, stdout holds only the envelope.
+                what = ("stopping the sweep's servers" if leave_stopped
+                        else "putting each host's previous server back")
                 (err_console if obj.json else obj.console).print(
-                    "[yellow]interrupt: finishing the current rows and stopping servers (Ctrl-C again to abort)[/]"
+                    f"[yellow]interrupt: finishing the current rows and {what} (Ctrl-C again to abort)[/]"
                 )
     if "error" in holder:
         raise holder["error"]
@@ -467,7 +498,8 @@ def bench(
         raise Interrupted(f"interrupted; rows so far are in {ledger_path} — rerun with --resume to finish")
     if outcome.failed:
         # A host that could not be reached (or was refused by a lease) fails with that
-        # error's code, as every other command reports it; failed measurements are 6.
+        # error's code, as every other command reports it (a host not put back: the
+        # restore's); failed measurements are 6.
         failures = {
             h.host: recorded_error(h.error_type, h.error, host=h.host) if h.error and h.error_type
             else BenchError(h.error or f"{h.failed_rows} failed row(s)", host=h.host)

@@ -129,7 +129,10 @@ def to_jsonable(value: Any) -> Any:
     """Dataclasses, mappings (incl. MappingProxyType), tuples and Paths -> JSON types (for
     output: an inventory value read by lookup('env') is shown by where it came from)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        # A field marked ``metadata={"json": False}`` never leaves the process (a launch
+        # spec's env holds the inventory's tokens).
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("json", True)}
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):

@@ -51,7 +51,7 @@ from ddtree_ops.patching.gather import RemoteState
 from ddtree_ops.patching.overlay import load_overlay
 from ddtree_ops.patching.plan import HostPlan
 from ddtree_ops.patching.status import HostPatchStatus, host_status
-from ddtree_ops.rollout.changes import DeployChange, RollbackChange, RolledBack, ServerRestarter
+from ddtree_ops.rollout.changes import DeployChange, Deployed, RollbackChange, RolledBack, ServerRestarter
 from ddtree_ops.rollout.executor import RolloutResult
 from ddtree_ops.service.launch import RunConfig
 from ddtree_ops.service.lifecycle import service_status
@@ -107,24 +107,32 @@ def _render_outcomes(
     rollout: RolloutResult[Any] | None = None,
 ) -> None:
     """Render per-host results (a table, or the --json data: one row per host). A rollout
-    adds each host's batch and gate, and a row per host it did not reach. A value is the
-    patch's HostOutcome, or a rollback's RolledBack (its servers said under the table)."""
+    adds each host's batch and gate, a row per host it did not reach, and each host as
+    observed at the end. A value is a deploy's Deployed or a rollback's RolledBack (its
+    servers said under the table)."""
     failed, succeeded = results.failed, results.succeeded
-    outcomes = {n: v.outcome if isinstance(v, RolledBack) else v for n, v in succeeded.items()}
+    outcomes = {n: v.outcome if isinstance(v, (RolledBack, Deployed)) else v for n, v in succeeded.items()}
+    observed = rollout.observed if rollout is not None else {}
     rolling = rollout is not None and rollout.plan.rolling
     if obj.json:
         rows_json: list[dict[str, Any]] = []
         for n in results:
             row = failure_row(n, failed[n]) if n in failed else _outcome_json(outcomes[n])
             value = succeeded.get(n)
-            if isinstance(value, RolledBack):
+            if isinstance(value, (RolledBack, Deployed)):
                 row["servers"] = list(value.servers)
+            if isinstance(value, Deployed):
+                row["result"] = value.label
             if rolling and rollout is not None:
                 row["rollout"] = _rollout_row(rollout, n)
+            if n in observed:
+                row["observed"] = observed[n].as_dict()
             rows_json.append(row)
         if rolling and rollout is not None:
             rows_json += [{"host": n, "ok": False, "outcome": "not-reached", "message": _NOT_REACHED,
-                           "rollout": _rollout_row(rollout, n)} for n in rollout.not_reached]
+                           "rollout": _rollout_row(rollout, n),
+                           **({"observed": observed[n].as_dict()} if n in observed else {})}
+                          for n in rollout.not_reached]
         set_json_data(obj, rows_json)
         return
     # Fitted tables: words wrap at spaces, a path is never cut (two dist-info files would
@@ -136,9 +144,10 @@ def _render_outcomes(
             rows.append([Text(name, style="bold"), *batch, Text("failed", style="red"), "", error_text(failed[name])])
             continue
         r = outcomes[name]
+        value = succeeded[name]
+        label = value.label if isinstance(value, Deployed) else r.outcome.label
         bundle = f"{r.plan.bundle_name or '-'} {(r.plan.bundle_identity or '')[:12]}".strip()
-        rows.append([Text(name, style="bold"), *batch, Text(r.outcome.label, style=r.outcome.style), bundle,
-                     r.message])
+        rows.append([Text(name, style="bold"), *batch, Text(label, style=r.outcome.style), bundle, r.message])
     if rolling and rollout is not None:
         rows += [[Text(n, style="bold"), str(rollout.plan.batch_of(n)), Text("not reached", style="yellow"), "",
                   _NOT_REACHED] for n in rollout.not_reached]
@@ -146,7 +155,7 @@ def _render_outcomes(
                TableColumn("bundle", wrap=True), TableColumn("detail", wrap=True))
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title=title))
     for value in succeeded.values():
-        if isinstance(value, RolledBack):
+        if isinstance(value, (RolledBack, Deployed)):
             for line in value.servers:  # each names its server
                 obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
     if show_files:
@@ -265,14 +274,14 @@ def deploy_cmd(
             diffs[h.name] = _diffs(obj, h, out.state, b, out.plan)
 
     if overlay is not None:
-        def one(h: Host) -> HostOutcome:
+        def one(h: Host) -> Deployed:
             with transport_for(obj, h) as t:
                 out = deploy(t, h, overlay.factory, opts, paths=overlay.paths, cancel=cancel)
                 after(t, h, out)
                 if restarter is not None and out.outcome == "applied" and not cancel.is_set():
                     for server in h.slot_hosts():
                         restarter.restart(t, server, cancel)
-                return out
+                return Deployed(out)
 
         results = run_interruptible(hosts, one, max_parallel=max_parallel or obj.max_parallel, cancel=cancel)
         rollout = None
@@ -280,7 +289,7 @@ def deploy_cmd(
         assert bundle is not None
         change = DeployChange(bundle, opts, None if opts.dry_run else restarter, after=after)
         rollout = run_with_rollout(obj, hosts, change, plan, gate=gate, rollback_on_failure=args.rollback_on_failure,
-                                   cancel=cancel, max_parallel=max_parallel)
+                                   cancel=cancel, max_parallel=max_parallel, observe=not opts.dry_run)
         results = rollout.results
     title = "deploy (dry run)" if opts.dry_run else "deploy"
     if bundle is not None:
@@ -299,9 +308,13 @@ def deploy_cmd(
         render_rollout(obj, rollout)
     # A dry run exits as the run would: a plan the run refuses fails that host (exit 4).
     what = "deploy (dry run)" if opts.dry_run else "deploy"
+
+    def refusal(value: Deployed) -> BaseException | None:
+        return HostOutcome.refusal(value.outcome)
+
     if rollout is not None:
-        raise_if_rollout_failed(what, rollout, cancel=cancel, failure=HostOutcome.refusal)
-    raise_if_failed(what, results, failure=HostOutcome.refusal, cancel=cancel)
+        raise_if_rollout_failed(what, rollout, cancel=cancel, failure=refusal)
+    raise_if_failed(what, results, failure=refusal, cancel=cancel)
 
 
 def _restarter(budget: int | None, topk: int | None) -> ServerRestarter:
@@ -348,7 +361,7 @@ def rollback_cmd(
     restarter = ServerRestarter(RunConfig("AR")) if restart and not dry_run else None
     change = RollbackChange(opts, restarter)
     rollout = run_with_rollout(obj, hosts, change, plan, gate=None, rollback_on_failure=False, cancel=cancel,
-                               max_parallel=max_parallel)
+                               max_parallel=max_parallel, observe=not dry_run)
     _render_outcomes(
         obj, "rollback (dry run)" if dry_run else "rollback", rollout.results,
         show_files=dry_run or obj.verbose > 0, wide=wide, rollout=rollout,

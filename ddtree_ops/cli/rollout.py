@@ -31,6 +31,8 @@ from ddtree_ops.rollout.executor import HostChange, RolloutEvent, RolloutResult,
 from ddtree_ops.rollout.gate import (
     DEFAULT_ACCEPT_FLOOR,
     DEFAULT_AGREEMENT,
+    DEFAULT_MIN_SPEED,
+    DEFAULT_TIE_EPSILON,
     SAMPLED_TEMPERATURE,
     Floor,
     GateSpec,
@@ -54,17 +56,28 @@ MAX_FAIL = typer.Option(
 )
 CANARY = typer.Option(
     None, "--canary", metavar="HOST|N",
-    help="Roll this target (or the first N) first and gate the rest on it: same greedy tokens as before the "
-    "change, acceptance at or above a floor, no failed request; a failed canary is put back and the rollout stops.",
+    help="Roll this target (or the first N) first and gate the rest on it: the same greedy tokens as before the "
+    "change (a changed one only at a near-tie of the server before it), decode speed, acceptance at or above a "
+    "floor, no failed request; a canary that fails the gate, or fails before it, is put back and the rollout stops.",
 )
 ROLLBACK_ON_FAILURE = typer.Option(
     False, "--rollback-on-failure",
     help="Put back any host whose change fails (patch and launch configuration, its previous server relaunched).",
 )
 GATE_AGREEMENT = typer.Option(
-    DEFAULT_AGREEMENT, "--gate-agreement", min=0.01, max=1.0,
-    help="Canary: the share of greedy tokens, up to each prompt's first divergence, that must equal the answers "
-    "before the change.",
+    DEFAULT_AGREEMENT, "--gate-agreement", min=0.0, max=1.0,
+    help="Canary: the share of the greedy tokens before the change that must have been compared, each prompt up "
+    "to its first divergence (a near-tie ends a prompt's comparison; any other divergence fails anyway).",
+)
+GATE_TIE_EPSILON = typer.Option(
+    DEFAULT_TIE_EPSILON, "--gate-tie-epsilon", min=0.0, metavar="NATS",
+    help="Canary: a changed greedy token passes only where the server before the change held it within this many "
+    "nats of its own choice (its log-probabilities); default one bf16 step of a logit of 16-32. 0: none passes.",
+)
+GATE_MIN_SPEED = typer.Option(
+    DEFAULT_MIN_SPEED, "--gate-min-speed", min=0.0, metavar="FRACTION",
+    help="Canary: decode tok/s after the change, over before, on the same greedy requests (median over the "
+    "prompts), must be at least this. 0: speed not judged.",
 )
 GATE_FLOOR = typer.Option(
     None, "--gate-accept-floor", min=1.0,
@@ -89,6 +102,8 @@ _OPTIONS: tuple[tuple[str, Any, Any], ...] = (
     ("canary", CANARY, str | None),
     ("rollback_on_failure", ROLLBACK_ON_FAILURE, bool),
     ("gate_agreement", GATE_AGREEMENT, float),
+    ("gate_tie_epsilon", GATE_TIE_EPSILON, float),
+    ("gate_min_speed", GATE_MIN_SPEED, float),
     ("gate_accept_floor", GATE_FLOOR, float | None),
     ("gate_temperature", GATE_TEMPERATURE, float),
     ("gate_ledger", GATE_LEDGER, list[Path] | None),
@@ -131,6 +146,8 @@ class RolloutArgs:
     canary: str | None = None
     rollback_on_failure: bool = False
     gate_agreement: float = DEFAULT_AGREEMENT
+    gate_tie_epsilon: float = DEFAULT_TIE_EPSILON
+    gate_min_speed: float = DEFAULT_MIN_SPEED
     gate_accept_floor: float | None = None
     gate_temperature: float = SAMPLED_TEMPERATURE
     gate_ledger: tuple[Path, ...] = ()
@@ -149,7 +166,8 @@ class RolloutArgs:
             floors = {t: Floor(self.gate_accept_floor, "--gate-accept-floor") for t in temperatures}
         else:
             floors = _ledger_floors(self.gate_ledger, [h for h in hosts if h.name in plan.canary], run, temperatures)
-        return GateSpec(agreement=self.gate_agreement, sampled_temperature=self.gate_temperature, floors=floors)
+        return GateSpec(agreement=self.gate_agreement, sampled_temperature=self.gate_temperature, floors=floors,
+                        tie_epsilon=self.gate_tie_epsilon, min_speed=self.gate_min_speed)
 
 
 def _ledger_floors(
@@ -229,6 +247,7 @@ def run_with_rollout(
     cancel: threading.Event,
     board: Any | None = None,
     max_parallel: int | None = None,
+    observe: bool = True,
 ) -> RolloutResult[T]:
     """:func:`ddtree_ops.rollout.executor.run_rollout` with the live board on a terminal
     (``board.on_batch`` sees every batch), and the batch log on stderr without one."""
@@ -239,13 +258,21 @@ def run_with_rollout(
         return run_rollout(
             plan, hosts_by_name(hosts), change, connect=lambda h: transport_for(obj, h), gate=gate,
             rollback_on_failure=rollback_on_failure, max_parallel=max_parallel or obj.max_parallel, cancel=cancel,
-            on_event=on_event,
+            on_event=on_event, observe=observe,
         )
 
 
 def render_rollout(obj: AppContext, result: RolloutResult[Any]) -> None:
-    """After the command's own table: the batches as they ran, the gate, who is on what."""
-    if obj.json or not (result.plan.rolling or result.rolled_back):
+    """After the command's own table: each target as observed at the end, then (a rollout)
+    the batches as they ran, the gate, who is on what."""
+    if obj.json:
+        return
+    if result.observed:
+        obj.console.print("observed at the end:", markup=False, highlight=False)
+        for snapshot in result.observed.values():
+            for line in snapshot.lines():
+                obj.console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    if not (result.plan.rolling or result.rolled_back or result.refused):
         return
     for line in result.batch_log():
         obj.console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -264,7 +291,11 @@ def gate_cell(result: RolloutResult[Any], host: str) -> str:
     cells = []
     for v in verdicts:
         accept = " ".join(f"T={t:g}:{'-' if a is None else f'{a:.2f}'}" for t, a in v.accept.items())
-        cells.append(f"{'passed' if v.passed else 'FAILED'} agree {v.agreement:.3f} accept {accept}")
+        ties = sum(d.tie for d in v.divergences)
+        tied = f" ({ties} tie)" if ties else ""
+        # Only a judged speed: a compressed simulator clock's ratio would read as a verdict.
+        speed = f" speed {v.speed.ratio:.2f}x" if v.speed is not None and v.speed.judged and v.speed.ratio else ""
+        cells.append(f"{'passed' if v.passed else 'FAILED'} agree {v.agreement:.3f}{tied}{speed} accept {accept}")
     return "; ".join(cells)
 
 
@@ -279,6 +310,8 @@ def rollout_json(result: RolloutResult[Any]) -> dict[str, Any]:
         "rolled_back": list(result.rolled_back),
         "gates": {name: verdict.as_dict() for name, verdict in result.gates.items()},
         "baseline": dict(result.baseline_notes),
+        "refused": list(result.refused),
+        "observed": {name: snapshot.as_dict() for name, snapshot in result.observed.items()},
         "summary": result.summary(),
     }
 

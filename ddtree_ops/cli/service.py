@@ -44,11 +44,12 @@ from ddtree_ops.cli.rollout import (
     rollout_options,
     run_with_rollout,
 )
-from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError
+from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, ServiceError
 from ddtree_ops.fleet import FleetResult, run_on_hosts
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.rollout.changes import RestartChange, RestartSettings, ServerRestarter
 from ddtree_ops.rollout.executor import RolloutEvent, RolloutResult
+from ddtree_ops.rollout.observe import observe_place
 from ddtree_ops.rollout.plan import RolloutPlan
 from ddtree_ops.service import lifecycle, manager
 from ddtree_ops.service.launch import RunConfig, parse_algorithm
@@ -350,10 +351,19 @@ def stop(
     hosts, machines = _slots_and_machines(obj, target)
     names = {h.name for h in hosts}
     whole = [m for m in machines.values() if all(s.name in names for s in m.slot_hosts())]
+    observed: dict[str, str] = {}
 
     def one(host: Host) -> manager.StopResult:
         with transport_for(obj, host) as t:
-            return lifecycle.stop(t, host, grace_s=grace, lease=_lease_pass(t, host, force=force))
+            result = lifecycle.stop(t, host, grace_s=grace, lease=_lease_pass(t, host, force=force))
+            if host.name in names:
+                # What is reported is what the host shows afterwards: a unit that systemd
+                # started again, or a server that outlived the stop, fails the host.
+                view = observe_place(t, host, smoke=None)
+                observed[host.name] = view.describe()
+                if view.running or view.error is not None:
+                    raise ServiceError(f"observed after the stop: {view.describe()}", host=host.name)
+            return result
 
     results = run_on_hosts([*hosts, *whole], one, max_parallel=obj.max_parallel)
     extra = {m.name for m in whole}
@@ -366,6 +376,7 @@ def stop(
         ("pid", lambda r: r.pid),
         ("signal", lambda r: r.signal),
         ("waited", lambda r: f"{r.waited_s:.1f}s"),
+        ("observed", lambda r: observed.get(r.host)),
     ]
     render_host_results(obj, "stop", results, columns)
     _finish("stop", results)

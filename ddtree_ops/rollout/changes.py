@@ -20,21 +20,33 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ddtree_ops.errors import CanaryFailed, CanaryRejected, DdtreeOpsError
+from ddtree_ops.errors import (
+    CanaryFailed,
+    CanaryRejected,
+    DdtreeOpsError,
+    LeaseHeld,
+    PatchError,
+    ServiceError,
+    recorded_error,
+)
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.patching.bundle import Bundle
 from ddtree_ops.patching.executor import HostOutcome, RunOptions, RunOutcome, deploy, rollback
+from ddtree_ops.probe import probe_host
 from ddtree_ops.report.policy import Policy
 from ddtree_ops.rollout.executor import HostChange
+from ddtree_ops.rollout.observe import HostSnapshot, observe_host
 from ddtree_ops.service import lifecycle
-from ddtree_ops.service.launch import RunConfig
+from ddtree_ops.service.agent import base_payload, call_agent, dead_lease, lease_refusal
+from ddtree_ops.service.launch import LaunchSpec, RunConfig
 from ddtree_ops.service.logphases import PhaseEvent
 from ddtree_ops.service.manager import LeasePass
+from ddtree_ops.service.observed import OBSERVE_SMOKE, mismatch
 from ddtree_ops.service.smoke import SmokeSpec
 from ddtree_ops.service.systemd import SystemdManager
 from ddtree_ops.state import PolicyRecord, StateStore
 from ddtree_ops.transport.base import Transport
-from ddtree_ops.tuning import DeployedPolicy, PolicyUndo, deploy_policy, undo_policy
+from ddtree_ops.tuning import DeployedPolicy, PolicyUndo, deploy_policy, machine_type_of, policy_of, undo_policy
 
 PhaseCallback = Callable[[PhaseEvent], None]
 LeaseFor = Callable[[Transport, Host], LeasePass]
@@ -64,7 +76,9 @@ class RestartSettings:
 @dataclass
 class ServerRestarter:
     """The one restart policy of every change that restarts a server, with the command's
-    settings, its lease pass and its live board."""
+    settings, its lease pass and its live board. It remembers what each server it restarted
+    (or left running, having observed it serving exactly that) was asked to serve, for the
+    command's closing observation (:meth:`verify`)."""
 
     run: RunConfig
     settings: RestartSettings = field(default_factory=RestartSettings)
@@ -85,9 +99,12 @@ class ServerRestarter:
         # a bad record must be one refusal now, before any host is touched, not a failure
         # of each host once the rollout has begun.
         self.state.check()
+        self._wanted: dict[str, tuple[LaunchSpec, Mapping[str, Mapping[str, int]] | None]] = {}
+        self._lock = threading.Lock()
 
-    def restart(self, transport: Transport, server: Host, cancel: threading.Event,
-                run: RunConfig | None = None) -> lifecycle.RestartResult:
+    def request(self, transport: Transport, server: Host, run: RunConfig | None = None, *,
+                refresh_policy: bool = True, deployed_later: bool = False) -> lifecycle.RestartRequest:
+        """What a restart of ``server`` launches, with this command's settings."""
         s = self.settings
         tree_policy = self.state.policy_for(server.machine) if s.use_policy else None
         if run is None and self.repeat_last:
@@ -96,15 +113,53 @@ class ServerRestarter:
                 run = replace(run, adaptive_config=None)  # the policy is launched with again below
         if run is None:
             run = self.with_policy if tree_policy is not None and self.with_policy is not None else self.run
-        request = lifecycle.prepare_restart(
+        return lifecycle.prepare_restart(
             transport, server, run, machine=self.machines.get(server.machine), lease=self.lease(transport, server),
             timeout=s.timeout, retry_cuda_graph=s.retry_cuda_graph, stop_grace_s=s.stop_grace_s, smoke=s.smoke,
-            tree_policy=tree_policy, keep_on_failure=s.keep_on_failure,
+            tree_policy=tree_policy, keep_on_failure=s.keep_on_failure, state=self.state,
+            refresh_policy=refresh_policy, deployed_later=deployed_later,
         )
-        result = lifecycle.restart(transport, request, state=self.state, on_phase=self.on_phase, cancel=cancel)
-        if not s.use_policy and run.algorithm == "DDTREE":
+
+    def restart(self, transport: Transport, server: Host, cancel: threading.Event,
+                run: RunConfig | None = None, *, converge: bool = False) -> lifecycle.ServerOutcome:
+        """``server`` restarted with this command's launch; with ``converge``, only where it
+        does not already serve exactly that launch, ready (``lifecycle.converge``)."""
+        request = self.request(transport, server, run)
+        act = lifecycle.converge if converge else lifecycle.restart
+        result = act(transport, request, state=self.state, on_phase=self.on_phase, cancel=cancel)
+        if not self.settings.use_policy and request.run.algorithm == "DDTREE":
             self.state.forget_policy(server.machine)
+        spec = result.spec
+        if spec is not None:
+            with self._lock:
+                self._wanted[server.name] = (spec, request.tree_policy.policy if request.tree_policy else None)
         return result
+
+    def check(self, transport: Transport, server: Host, run: RunConfig | None = None, *,
+              deployed_later: bool = False) -> None:
+        """Everything a restart of ``server`` would refuse, found without changing anything:
+        the manager (a unit not found, masked, not an SGLang launch, no root), another
+        sweep's lease, the launch itself (flags, tuned policy, the plugin a DDTREE launch
+        needs, unless this command deploys it first: ``deployed_later``)."""
+        lifecycle.manager_for(transport, server).preflight()
+        check_lease(transport, server, self.lease(transport, server))
+        request = self.request(transport, server, run, refresh_policy=False, deployed_later=deployed_later)
+        lifecycle.first_launch(request, self.state)
+
+    def verify(self, snapshot: HostSnapshot, servers: Sequence[Host]) -> str | None:
+        """Why the servers this command restarted (or left, serving it) do not, as observed
+        now, serve what they were asked to, ready; None when every one does."""
+        problems = []
+        for server in servers:
+            with self._lock:
+                wanted = self._wanted.get(server.name)
+            view = snapshot.server(server.name)
+            if wanted is None or view is None:
+                continue
+            problem = mismatch(view, wanted[0], policy=wanted[1])
+            if problem is not None:
+                problems.append(f"{server.name}: {problem}")
+        return "; ".join(problems) or None
 
     def put_back(self, transport: Transport, servers: Sequence[Host],
                  before: Mapping[str, lifecycle.PreviousServer]) -> list[str]:
@@ -124,6 +179,19 @@ class ServerRestarter:
         return done
 
 
+def check_lease(transport: Transport, server: Host, lease: LeasePass) -> None:
+    """LeaseHeld where a live sweep other than ``lease``'s holds ``server`` (``--force``
+    passes; a provably dead holder's lease is the restart's to clear)."""
+    if lease.force:
+        return
+    answer = call_agent(transport, server, "leaseinfo", base_payload(server), timeout=30)
+    held = answer.get("lease")
+    if not isinstance(held, dict) or (lease.token is not None and held.get("token") == lease.token) \
+            or dead_lease(held):
+        return
+    raise LeaseHeld(lease_refusal(server, held, answer.get("now")), host=server.name)
+
+
 def _rolled_back(done: Sequence[str]) -> str:
     failed = [d for d in done if "NOT put back" in d]
     return ("rollback incomplete: " if failed else "rolled back: ") + ", ".join(done)
@@ -136,14 +204,23 @@ class RestartChange(HostChange[lifecycle.RestartResult, lifecycle.PreviousServer
         self.restarter = restarter
         self.run = restarter.run
 
+    def check(self, transport: Transport, host: Host) -> None:
+        self.restarter.check(transport, host)
+
     def remember(self, transport: Transport, host: Host) -> lifecycle.PreviousServer:
         return lifecycle.remember_server(transport, host)
 
     def apply(self, transport: Transport, host: Host, cancel: threading.Event) -> lifecycle.RestartResult:
-        return self.restarter.restart(transport, host, cancel)
+        result = self.restarter.restart(transport, host, cancel)
+        assert isinstance(result, lifecycle.RestartResult)  # a restart, never converged
+        return result
 
     def undo(self, transport: Transport, host: Host, before: lifecycle.PreviousServer) -> str:
         return _rolled_back(self.restarter.put_back(transport, [host], {host.name: before}))
+
+    def verify(self, host: Host, snapshot: HostSnapshot, value: lifecycle.RestartResult) -> DdtreeOpsError | None:
+        problem = self.restarter.verify(snapshot, host.slot_hosts())
+        return None if problem is None else ServiceError(f"observed after the restart: {problem}", host=host.name)
 
     def gate_error(self, message: str, host: str) -> DdtreeOpsError:
         return CanaryFailed(message, host=host)
@@ -154,9 +231,30 @@ class DeployBefore:
     servers: Mapping[str, lifecycle.PreviousServer]
 
 
-class DeployChange(HostChange[HostOutcome, DeployBefore]):
+@dataclass(frozen=True)
+class Deployed:
+    """``deploy``'s result on one machine: the patch's outcome and, with ``--restart``, what
+    became of each server (restarted, or left running: observed serving exactly the launch)."""
+
+    outcome: HostOutcome
+    servers: tuple[str, ...] = ()
+    # With --restart on a host whose files were in place: whether a server was restarted
+    # (False: every one was observed serving the launch already); None without a restart.
+    restarted: bool | None = None
+
+    @property
+    def label(self) -> str:
+        """The host's result in one word: the patch's outcome, or for files already in place
+        with --restart, ``restarted`` or ``unchanged``."""
+        if self.outcome.outcome == RunOutcome.NOOP and self.restarted is not None:
+            return "restarted" if self.restarted else "unchanged"
+        return self.outcome.outcome.label
+
+
+class DeployChange(HostChange[Deployed, DeployBefore]):
     """``deploy``: the bundle into one machine, then (``restarter`` set) each of its servers
-    restarted; the restart only where the patch was applied (a no-op deploy keeps them)."""
+    restarted where the patch was applied, and where it was in place already, restarted only
+    when it does not serve the asked-for launch, ready (a re-run after a failure converges)."""
 
     def __init__(self, bundle: Bundle, opts: RunOptions, restarter: ServerRestarter | None,
                  *, after: Callable[[Transport, Host, HostOutcome], None] | None = None) -> None:
@@ -169,24 +267,63 @@ class DeployChange(HostChange[HostOutcome, DeployBefore]):
         tree = f" + {self.run.describe()}" if self.restarter is not None else ""
         return f"{self.bundle.name} {self.bundle.version}{tree}"
 
+    def check(self, transport: Transport, host: Host) -> None:
+        """The bundle's plan (base hashes, version, drift, another bundle: what the deploy
+        itself would refuse), then each server's restart as :meth:`ServerRestarter.check`
+        finds it (its unit, lease and launch; the plugin is what this deploy brings)."""
+        if not self.opts.dry_run:
+            planned = deploy(transport, host, self.bundle, replace(self.opts, dry_run=True))
+            refusal = planned.refusal()
+            if refusal is not None:
+                raise refusal
+        if self.restarter is None:
+            return
+        for server in host.slot_hosts():
+            self.restarter.check(transport, server, deployed_later=True)
+
     def remember(self, transport: Transport, host: Host) -> DeployBefore:
         return DeployBefore({s.name: lifecycle.remember_server(transport, s) for s in host.slot_hosts()})
 
-    def apply(self, transport: Transport, host: Host, cancel: threading.Event) -> HostOutcome:
+    def apply(self, transport: Transport, host: Host, cancel: threading.Event) -> Deployed:
         out = deploy(transport, host, self.bundle, self.opts, cancel=cancel)
         with self._lock:
             self.outcomes[host.name] = out
         if self.after is not None:
             self.after(transport, host, out)
-        if self.restarter is not None and out.outcome == RunOutcome.APPLIED and not cancel.is_set():
+        servers: list[str] = []
+        restarted: bool | None = None
+        applied = out.outcome == RunOutcome.APPLIED
+        if self.restarter is not None and out.outcome in (RunOutcome.APPLIED, RunOutcome.NOOP) \
+                and not cancel.is_set():
+            restarted = False
             try:
                 for server in host.slot_hosts():
-                    self.restarter.restart(transport, server, cancel)
+                    # New files need a new process; files in place already need one only
+                    # where the server does not serve this launch (stopped, failed, another tree).
+                    result = self.restarter.restart(transport, server, cancel, converge=not applied)
+                    restarted = restarted or not isinstance(result, lifecycle.Unchanged)
+                    servers.append(f"{server.name}: {_server_phrase(result)}")
             except DdtreeOpsError as exc:
                 # The files are in place and recorded; only the restart needs another go.
-                exc.message = f"patch applied, but the restart failed: {exc.message}"
+                exc.message = f"patch {'applied' if applied else 'in place'}, but the restart failed: {exc.message}"
                 raise
-        return out
+        return Deployed(out, tuple(servers), restarted)
+
+    def observe(self, transport: Transport, host: Host) -> HostSnapshot:
+        # Without --restart the servers are not ours to judge: their state, no smoke.
+        smoke = OBSERVE_SMOKE if self.restarter is not None else None
+        return observe_host(transport, host, bundle=self.bundle, smoke=smoke)
+
+    def verify(self, host: Host, snapshot: HostSnapshot, value: Deployed) -> DdtreeOpsError | None:
+        if self.opts.dry_run:
+            return None
+        if snapshot.bundle is None or not snapshot.bundle.applied(self.bundle):
+            seen = snapshot.error or (snapshot.bundle.describe() if snapshot.bundle is not None else "not observed")
+            return PatchError(f"observed after the deploy: the bundle is not in place ({seen})", host=host.name)
+        if self.restarter is None:
+            return None
+        problem = self.restarter.verify(snapshot, host.slot_hosts())
+        return None if problem is None else ServiceError(f"observed after the deploy: {problem}", host=host.name)
 
     def undo(self, transport: Transport, host: Host, before: DeployBefore) -> str:
         done: list[str] = []
@@ -211,6 +348,13 @@ class DeployChange(HostChange[HostOutcome, DeployBefore]):
         return CanaryRejected(message, host=host)
 
 
+def _server_phrase(result: lifecycle.ServerOutcome) -> str:
+    if isinstance(result, lifecycle.Unchanged):
+        return result.describe()
+    graphs = "" if result.cuda_graph else ", eager"
+    return f"restarted ({result.run}{graphs}, pid {result.pid})"
+
+
 @dataclass(frozen=True)
 class PolicyBefore:
     """The machine's policy record and each server's launch before the change (before a
@@ -232,6 +376,32 @@ class PolicyChange(HostChange[DeployedPolicy, PolicyBefore]):
 
     def describe(self) -> str:
         return "the tuned DDTREE policy"
+
+    def check(self, transport: Transport, host: Host) -> None:
+        """The policy for the host's machine type (the ledger's word, else its probe's GPU):
+        a host the ledger cannot serve is refused before any host changes; then each
+        server's unit and lease."""
+        facts = None if host.name in self.host_machines else probe_host(transport, host)
+        if facts is not None and not facts.reachable:
+            raise recorded_error(facts.error_type, facts.error or "unreachable", host=host.name)
+        policy_of(machine_type_of(host, self.host_machines, facts), self.policies)
+        for server in host.slot_hosts():
+            lifecycle.manager_for(transport, server).preflight()
+            check_lease(transport, server, self.restarter.lease(transport, server))
+
+    def verify(self, host: Host, snapshot: HostSnapshot, value: DeployedPolicy) -> DdtreeOpsError | None:
+        record = self.restarter.state.policy_for(host.machine)
+        problems = []
+        for result in value.servers:
+            view = snapshot.server(result.host)
+            if view is None or result.spec is None:
+                continue
+            problem = mismatch(view, result.spec, policy=record.policy if record is not None else None)
+            if problem is not None:
+                problems.append(f"{result.host}: {problem}")
+        if not problems:
+            return None
+        return ServiceError(f"observed after the policy's deploy: {'; '.join(problems)}", host=host.name)
 
     def remember(self, transport: Transport, host: Host) -> PolicyBefore:
         return PolicyBefore(self.restarter.state.policy_for(host.machine),
@@ -285,8 +455,48 @@ class RollbackChange(HostChange[RolledBack, None]):
     def describe(self) -> str:
         return "the original SGLang files, without DDTree"
 
+    def check(self, transport: Transport, host: Host) -> None:
+        """What the rollback itself would refuse (drifted files without --force, a lock),
+        then each server's unit (and, with --restart, its lease)."""
+        if not self.opts.dry_run:
+            refusal = rollback(transport, host, replace(self.opts, dry_run=True)).refusal()
+            if refusal is not None:
+                raise refusal
+        super().check(transport, host)
+        if self.restarter is not None:
+            for server in host.slot_hosts():
+                check_lease(transport, server, self.restarter.lease(transport, server))
+
     def remember(self, transport: Transport, host: Host) -> None:
         return None
+
+    def observe(self, transport: Transport, host: Host) -> HostSnapshot:
+        return observe_host(transport, host, smoke=OBSERVE_SMOKE if self.restarter is not None else None)
+
+    def verify(self, host: Host, snapshot: HostSnapshot, value: RolledBack) -> DdtreeOpsError | None:
+        if self.opts.dry_run:
+            return None
+        if snapshot.bundle is None or not snapshot.bundle.original:
+            seen = snapshot.error or (snapshot.bundle.describe() if snapshot.bundle is not None else "not observed")
+            return PatchError(f"observed after the rollback: the original files are not all back ({seen})",
+                              host=host.name)
+        problems = []
+        for server in host.slot_hosts():
+            view = snapshot.server(server.name)
+            if view is None:
+                continue
+            if view.unit is not None and view.unit.dropin_in_effect:
+                problems.append(f"{server.name}: our drop-in is still in effect")
+            elif self.restarter is not None and view.unit is not None and not view.ready:
+                problems.append(f"{server.name}: {view.describe()}")
+        if self.restarter is not None:
+            problem = self.restarter.verify(snapshot, [s for s in host.slot_hosts()
+                                                       if s.ddtree.server.manager != "systemd"])
+            if problem is not None:
+                problems.append(problem)
+        if not problems:
+            return None
+        return ServiceError(f"observed after the rollback: {'; '.join(problems)}", host=host.name)
 
     def apply(self, transport: Transport, host: Host, cancel: threading.Event) -> RolledBack:
         out = rollback(transport, host, self.opts, cancel=cancel)
@@ -311,8 +521,11 @@ class RollbackChange(HostChange[RolledBack, None]):
                                                lease=r.lease(transport, server),
                                                stop_grace_s=r.settings.stop_grace_s)
             else:
-                result = r.restart(transport, server, cancel, run=replace(r.run, algorithm="AR"))
-                what = f"relaunched the target alone (AR, pid {result.pid})"
+                # Files already original: the target alone is relaunched only where it does not serve.
+                result = r.restart(transport, server, cancel, run=replace(r.run, algorithm="AR"),
+                                   converge=out.outcome == RunOutcome.NOOP)
+                what = result.describe() if isinstance(result, lifecycle.Unchanged) else \
+                    f"relaunched the target alone (AR, pid {result.pid})"
             servers.append(f"{server.name}: {what}")
         return RolledBack(out, tuple(servers))
 
@@ -326,6 +539,7 @@ class RollbackChange(HostChange[RolledBack, None]):
 __all__ = [
     "DeployBefore",
     "DeployChange",
+    "Deployed",
     "PolicyBefore",
     "PolicyChange",
     "RestartChange",

@@ -21,6 +21,11 @@ import socket
 import time
 
 LAUNCH_FILE = "launch.json"
+# A bench sweep's launch is recorded here, not in LAUNCH_FILE: that keeps the host's own
+# launch (what a bare ``restart`` repeats, what the sweep puts back at its end), whatever
+# the sweep launched or however it ended. The record lives as long as its process: a stop,
+# or a launch that is not a sweep's, removes it.
+SWEEP_LAUNCH_FILE = "sweep-launch.json"
 # What readiness reads from /server_info: identity, the DDTREE tree it resolved (the
 # plugin's "ddtree" object; the generic fields; an older bundle's own fields), graph mode.
 SERVER_INFO_KEYS = (
@@ -171,12 +176,32 @@ def _http(host, port, path, timeout, body=None, limit=1 << 20):
         conn.close()
 
 
-def _read_launch(run_dir):
+def _read_launch(run_dir, name=LAUNCH_FILE):
     try:
-        with open(os.path.join(run_dir, LAUNCH_FILE)) as fh:
+        with open(os.path.join(run_dir, name)) as fh:
             return json.load(fh)
     except (OSError, ValueError):
         return None
+
+
+def _live_sweep(run_dir):
+    """The sweep launch record whose process still runs (SWEEP_LAUNCH_FILE), or None."""
+    rec = _read_launch(run_dir, SWEEP_LAUNCH_FILE)
+    return rec if isinstance(rec, dict) and _alive(rec.get("pid"), rec.get("pstart")) else None
+
+
+def _record_launch(run_dir, record, sweep):
+    """Write a fresh launch's record: a sweep's (``sweep``: its name, run id and lease token)
+    to its own file, anything else to the host's launch record, which ends any sweep's."""
+    if sweep:
+        record["sweep"] = sweep
+        _write_json(os.path.join(run_dir, SWEEP_LAUNCH_FILE), record)
+        return
+    _write_json(os.path.join(run_dir, LAUNCH_FILE), record)
+    try:
+        os.unlink(os.path.join(run_dir, SWEEP_LAUNCH_FILE))
+    except OSError:
+        pass
 
 
 def _write_json(path, data):
@@ -207,7 +232,7 @@ def action_portcheck(p):
 
 def action_start(p):
     run_dir = _run_dir(p)
-    old = _read_launch(run_dir)
+    old = _live_sweep(run_dir) or _read_launch(run_dir)
     if old and _alive(old.get("pid"), old.get("pstart")):
         return {"error": "running", "pid": old.get("pid")}
     if p.get("check_port", True) and _port_open(p["probe_host"], p["port"]):
@@ -251,7 +276,7 @@ def action_start(p):
         "cuda_graph": p.get("cuda_graph"),
         "run": p.get("run"),
     }
-    _write_json(os.path.join(run_dir, LAUNCH_FILE), record)
+    _record_launch(run_dir, record, p.get("sweep"))
     return record
 
 
@@ -324,6 +349,22 @@ def _smoke_one(host, port, request, timeout, out, keep_tokens=False):
             out["output_ids"] = ids[:4096] if isinstance(ids, list) else None
             text = answer.get("text")
             out["text"] = text[:20000] if isinstance(text, str) else None
+            if isinstance(meta, dict):
+                # ... and what it judges besides them: the server's own timing (e2e_latency
+                # always; first_token_latency and decode_throughput with --enable-metrics), the
+                # simulator's time scale (a compressed clock is no speed) and, where the request
+                # asked for them (top_logprobs_num), each output position's best [token, logprob]
+                # pairs (0.5.23's rows are [logprob, token_id, text]).
+                for key in ("e2e_latency", "first_token_latency", "decode_throughput", "sim_time_scale"):
+                    value = meta.get(key)
+                    out[key] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                rows = meta.get("output_top_logprobs")
+                if isinstance(rows, list):
+                    out["top_logprobs"] = [
+                        [[e[1], e[0]] for e in row[:20] if isinstance(e, (list, tuple)) and len(e) >= 2]
+                        if isinstance(row, list) else None
+                        for row in rows[:4096]
+                    ]
         if status != 200:
             out["error"] = body.decode("utf-8", "replace")[:300]
     except socket.timeout:
@@ -386,7 +427,26 @@ def action_stop(p):
     leased = _lease_refusal(run_dir, p)
     if leased is not None:
         return leased
-    rec = _read_launch(run_dir)
+    # What runs is a sweep's launch (its own record) or the host's: stop whichever lives.
+    swept = _live_sweep(run_dir)
+    out = _stop_launch(swept or _read_launch(run_dir), p)
+    if out["exited"]:
+        _record_gone(run_dir)
+    return out
+
+
+def _record_gone(run_dir):
+    """Remove a sweep's launch record whose process is gone: the host's record stands."""
+    path = os.path.join(run_dir, SWEEP_LAUNCH_FILE)
+    if os.path.exists(path) and _live_sweep(run_dir) is None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _stop_launch(rec, p):
+    """SIGTERM to the group of ``rec``'s process, SIGKILL after the grace period."""
     out = {"was_running": False, "pid": None, "signal": None, "waited_s": 0.0, "exited": True}  # type: dict[str, object]
     if not rec:
         return out
@@ -415,18 +475,25 @@ def action_stop(p):
 
 
 def action_status(p):
+    """The launch record and whether its process lives; the port, its owner, health and
+    ``/server_info`` as a poll reads them (what an observation of the host needs, in this
+    one round trip)."""
     run_dir = _run_dir(p)
     rec = _read_launch(run_dir)
-    out = {"record": rec, "alive": False, "port_open": _port_open(p["probe_host"], p["port"])}
-    if rec:
-        out["alive"] = _alive(rec.get("pid"), rec.get("pstart"))
-        out["listener_ours"] = _listener_ours(p["port"], rec.get("pid")) if out["port_open"] else False
-        out["log_tail"] = _tail(rec.get("log") or os.path.join(run_dir, LOG_FILE), int(p.get("lines", 5)))
-    if out["port_open"]:
-        try:
-            out["health"], _ = _http(p["probe_host"], p["port"], "/health_generate", 5.0)
-        except Exception as exc:
-            out["health"] = "error: %s" % (exc,)
+    out = {"record": rec, "alive": False}
+    # ``record`` stays the host's launch while a sweep's runs; ``sweep`` and ``pid`` say
+    # which process it is that runs (and answers on the port).
+    swept = _live_sweep(run_dir)
+    if swept:
+        out["sweep"], out["pid"] = swept, swept.get("pid")
+    live = swept or rec
+    pid = live.get("pid") if live else None
+    if live:
+        out["alive"] = _alive(pid, live.get("pstart"))
+        out["log_tail"] = _tail(live.get("log") or os.path.join(run_dir, LOG_FILE), int(p.get("lines", 5)))
+    out.update(_server_answers(dict(p, http_timeout=5.0), pid if live else None))
+    if not live:
+        out.pop("listener_ours", None)
     return out
 
 
@@ -583,6 +650,24 @@ def action_release(p):
     return _remove_own(p, LEASE_FILE)
 
 
+def action_leasenote(p):
+    """Keep ``note`` in the lease ``token`` holds (a sweep's record of what served before it,
+    for the sweep that takes the lease over should this one die); ``ok`` False where the
+    lease is another's or gone."""
+    run_dir = _run_dir(p)
+    path = os.path.join(run_dir, LEASE_FILE)
+    guard = _guarded(run_dir)
+    try:
+        held = _read_lock(path)
+        if not held or held.get("token") != p["token"]:
+            return {"ok": False}
+        held["note"] = p.get("note")
+        _write_json(path, held)
+        return {"ok": True}
+    finally:
+        os.close(guard)
+
+
 def action_leaseinfo(p):
     held = _read_lock(os.path.join(_run_dir(p), LEASE_FILE))
     return {"lease": held if held is not None and "unreadable" not in held else None, "now": time.time()}
@@ -624,6 +709,7 @@ ACTIONS = {
     "unlock": action_unlock,
     "lease": action_lease,
     "release": action_release,
+    "leasenote": action_leasenote,
     "leaseinfo": action_leaseinfo,
     "version": action_version,
     "putfile": action_putfile,

@@ -12,7 +12,11 @@ What ddtree-ops owns on the host, and nothing else: one drop-in
 ``/etc/systemd/system/<unit>.d/50-ddtree-ops.conf`` (the launch it computed, as
 ``ExecStart=``) and the environment file it names, ``/etc/ddtree-ops/<unit>.env``
 (0600: the inventory's ``env``, tokens included, never on a command line nor in the
-drop-in). The operator's unit file is read, never written.
+drop-in). The operator's unit file is read, never written. A directory it makes for those
+files (``<unit>.d/``, ``/etc/ddtree-ops/``) gets an empty mark file, ``.made-by-ddtree-ops``
+(systemd reads only ``*.conf`` in a drop-in directory); removing our files removes such a
+directory when nothing but the mark is left in it, and never a directory without the mark
+(the operator's, or one an older ddtree-ops made), nor one that holds anything else.
 """
 
 from ddtree_ops.service._agent import (  # noqa: F401 - names the host program shares, see the docstring
@@ -21,10 +25,12 @@ from ddtree_ops.service._agent import (  # noqa: F401 - names the host program s
     _port_open,
     _proc_start,
     _read_launch,
+    _record_launch,
     _run_dir,
     _server_answers,
     _write_json,
     LAUNCH_FILE,
+    SWEEP_LAUNCH_FILE,
 )
 
 # HOST PROGRAM
@@ -73,6 +79,21 @@ def _dropin_path(p):
 
 def _env_path(p):
     return os.path.join(p.get("env_dir") or "/etc/ddtree-ops", p["unit"] + ".env")
+
+
+# A bench sweep's launch: a RUNTIME drop-in (under /run, gone at a reboot) that systemd
+# applies after ours by its name, with its own env file under /run. Ours in /etc (or the
+# operator's own ExecStart) stays what the unit runs once the sweep's launch ends: a stop
+# or any launch that is not a sweep's removes these files.
+SWEEP_DROPIN_NAME = "60-ddtree-ops-sweep.conf"
+
+
+def _sweep_dropin_path(p):
+    return os.path.join(p.get("runtime_unit_dir") or "/run/systemd/system", p["unit"] + ".d", SWEEP_DROPIN_NAME)
+
+
+def _sweep_env_path(p):
+    return os.path.join(p.get("runtime_env_dir") or "/run/ddtree-ops", p["unit"] + ".env")
 
 
 def _dropins(props):
@@ -175,8 +196,8 @@ def _check(p):
         return props, _refusal("masked", "unit %s is masked (systemctl unmask %s first)" % (unit, unit))
     if load != "loaded":
         return props, _refusal("not_loaded", "unit %s cannot be loaded (LoadState=%s)" % (unit, load))
-    ours = _dropin_path(p)
-    operator = [props.get("FragmentPath", "")] + [d for d in _dropins(props) if d != ours]
+    ours = (_dropin_path(p), _sweep_dropin_path(p))  # a sweep's runtime drop-in is ours too
+    operator = [props.get("FragmentPath", "")] + [d for d in _dropins(props) if d not in ours]
     exec_start = _exec_start([path for path in operator if path])
     words = _words(exec_start) if exec_start else None
     markers = tuple(SGLANG_MARKERS) + tuple(p.get("markers") or ())
@@ -220,6 +241,38 @@ def _remove(path):
         return False
 
 
+# In a directory ddtree-ops made (see the module docstring): how a later removal knows it
+# may take the directory away too. Emptiness alone cannot tell ours from an operator's.
+MADE_MARK = ".made-by-ddtree-ops"
+
+
+def _make_dirs(paths):
+    """Create the missing directories of ``paths`` (files), each with our mark; 0700 for the
+    env file's (it holds secrets), 0755 for the drop-in's. Returns those made."""
+    made = []
+    for path, mode in paths:
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode)
+            os.close(os.open(os.path.join(directory, MADE_MARK), os.O_WRONLY | os.O_CREAT, 0o644))
+            made.append(directory)
+    return made
+
+
+def _remove_made_dir(directory):
+    """``directory`` removed when ddtree-ops made it (its mark) and holds nothing else; True
+    when it is gone. An operator's file in it keeps it (rmdir refuses a non-empty one, so a
+    file added after the look keeps it too)."""
+    try:
+        if os.listdir(directory) != [MADE_MARK]:
+            return False
+        os.unlink(os.path.join(directory, MADE_MARK))
+        os.rmdir(directory)
+        return True
+    except OSError:
+        return False
+
+
 def _in_run_dir(text, run_dir):
     """The drop-in with ``WorkingDirectory=`` the run dir (as this host expands it): our
     launch runs there under either manager, so a file it names relatively (a sweep's
@@ -233,11 +286,14 @@ def _configure(p):
     (``None``), then daemon-reload. A failed reload puts the previous files back."""
     dropin, env_path = _dropin_path(p), _env_path(p)
     before = {dropin: _read_text(dropin), env_path: _read_text(env_path)}
+    made = []
     try:
+        _drop_sweep_files(p)  # a launch that is not a sweep's ends any sweep's (reloaded below)
         if p.get("dropin") is None:
             _remove(dropin)
             _remove(env_path)
         else:
+            made = _make_dirs(((env_path, 0o700), (dropin, 0o755)))
             _write_private(env_path, p.get("env_file") or "", 0o600)
             _write_private(dropin, _in_run_dir(p["dropin"], _run_dir(p)), 0o644)
         code, out, err = _run(["systemctl", "daemon-reload"], timeout=120)
@@ -250,13 +306,66 @@ def _configure(p):
             else:
                 _write_private(path, text, 0o600 if path == env_path else 0o644)
         _run(["systemctl", "daemon-reload"], timeout=120)
+        for directory in made:  # made by this call, left empty by the restore
+            _remove_made_dir(directory)
         return {"error": "configure", "detail": str(exc)}
     props = _show(p["unit"])
     in_effect = dropin in _dropins(props)
     if (p.get("dropin") is None) == in_effect:
         return {"error": "configure", "detail": "after daemon-reload systemd %s our drop-in %s" % (
             "still uses" if in_effect else "does not use", dropin)}
+    if p.get("dropin") is None:
+        # Only now: systemd has reloaded without our files, so nothing refers to the
+        # directories; a failed removal above put the files back into them instead.
+        removed = [d for d in (os.path.dirname(dropin), os.path.dirname(env_path)) if _remove_made_dir(d)]
+        return {"ok": True, "removed_dirs": removed}
     return {"ok": True}
+
+
+def _drop_sweep_files(p):
+    """Remove a sweep's runtime drop-in and env file (and their directories under /run when
+    left empty); True when there was one. The caller reloads systemd."""
+    dropin, env_path = _sweep_dropin_path(p), _sweep_env_path(p)
+    found = _remove(dropin)
+    _remove(env_path)
+    for directory in (os.path.dirname(dropin), os.path.dirname(env_path)):
+        try:
+            os.rmdir(directory)  # only an empty one
+        except OSError:
+            pass
+    return found
+
+
+def _configure_sweep(p):
+    """A sweep's launch as the runtime drop-in, reloaded; our /etc drop-in and env file are
+    left as they are. On a failure the runtime files are removed again."""
+    dropin, env_path = _sweep_dropin_path(p), _sweep_env_path(p)
+    try:
+        _write_private(env_path, p.get("env_file") or "", 0o600)
+        # Our drop-in's text, pointed at the runtime env file.
+        text = ("# A bench sweep's launch: removed when its server is stopped, and at a reboot.\n"
+                + p["dropin"].replace("EnvironmentFile=" + _env_path(p), "EnvironmentFile=" + env_path))
+        _write_private(dropin, _in_run_dir(text, _run_dir(p)), 0o644)
+        code, out, err = _run(["systemctl", "daemon-reload"], timeout=120)
+        if code != 0:
+            raise RuntimeError("systemctl daemon-reload failed: %s" % (err or out).strip()[-300:])
+        if dropin not in _dropins(_show(p["unit"])):
+            raise RuntimeError("after daemon-reload systemd does not use the sweep's drop-in %s" % dropin)
+    except BaseException as exc:
+        _drop_sweep_files(p)
+        _run(["systemctl", "daemon-reload"], timeout=120)
+        return {"error": "configure", "detail": str(exc)}
+    return {"ok": True}
+
+
+def _end_sweep_launch(p):
+    """After a stop: a sweep's runtime drop-in and launch record go with its process."""
+    if _drop_sweep_files(p):
+        _run(["systemctl", "daemon-reload"], timeout=120)
+    try:
+        os.unlink(os.path.join(_run_dir(p), SWEEP_LAUNCH_FILE))
+    except OSError:
+        pass
 
 
 def _journal(invocation, after=None, limit=None):
@@ -334,7 +443,7 @@ def _start_unit(p, operator):
             unit, props.get("ActiveState"), props.get("Result"),
             ("; journal: " + " | ".join(lines)) if lines else "")}
     record = _launched_record(p, props, started_at, operator)
-    _write_json(os.path.join(_run_dir(p), LAUNCH_FILE), record)
+    _record_launch(_run_dir(p), record, p.get("sweep"))
     return record
 
 
@@ -356,7 +465,8 @@ def action_unit_start(p):
         return {"error": "running", "pid": int(props.get("MainPID") or 0)}
     if p.get("check_port", True) and _port_open(p["probe_host"], p["port"]):
         return {"error": "port_busy"}
-    configured = _configure(p)
+    sweep = p.get("sweep") and p.get("dropin") is not None
+    configured = _configure_sweep(p) if sweep else _configure(p)
     if configured.get("error"):
         return configured
     return _start_unit(p, operator=p.get("dropin") is None)
@@ -391,6 +501,13 @@ def action_unit_stop(p):
     leased = _lease_refusal(run_dir, p)
     if leased is not None:
         return leased
+    out = _stop_unit(p)
+    if out["exited"]:
+        _end_sweep_launch(p)
+    return out
+
+
+def _stop_unit(p):
     unit = p["unit"]
     props = _show(unit)
     pid = int(props.get("MainPID") or 0)
@@ -427,6 +544,7 @@ def action_unit_status(p):
     props = _show(p["unit"])
     rec = _read_launch(_run_dir(p))
     pid = int(props.get("MainPID") or 0)
+    swept = _sweep_dropin_path(p) in _dropins(props)
     out = {
         "unit": {k: v for k, v in props.items() if not k.startswith("_")},
         "dropin": _dropin_path(p),
@@ -435,11 +553,15 @@ def action_unit_status(p):
         "alive": pid > 0 and props.get("ActiveState") in ("active", "activating", "reloading"),
         "pid": pid or None,
         "port_open": _port_open(p["probe_host"], p["port"]),
+        # A sweep's launch in effect (its runtime drop-in): ``record`` stays the unit's own.
+        "sweep_dropin_in_effect": swept,
+        "sweep": _read_launch(_run_dir(p), SWEEP_LAUNCH_FILE) if swept else None,
     }
     if out["port_open"]:
         answers = _server_answers(dict(p, http_timeout=5.0), pid)
         out["listener_ours"] = answers["listener_ours"] if pid else False
         out["health"] = answers["health"]
+        out["server_info"] = answers["server_info"]
     else:
         out["listener_ours"] = False
     lines = int(p.get("lines", 5))

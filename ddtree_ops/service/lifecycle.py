@@ -55,6 +55,7 @@ from ddtree_ops.service.fallback import (
 from ddtree_ops.service.launch import LaunchSpec, RunConfig, build_launch_spec, probe_address
 from ddtree_ops.service.logphases import LogEvent, Phase, PhaseEvent, PhaseTracker
 from ddtree_ops.service.manager import Launched, LeasePass, LogPosition, ProcessManager, ServiceManager, StopResult
+from ddtree_ops.service.observed import ServerView, mismatch, observe_server
 from ddtree_ops.service.readiness import (
     DeadlinePolicy,
     LoadWindow,
@@ -113,10 +114,13 @@ class RestartResult:
     stopped: StopResult | None = None
     smoke: SmokeResult | None = None  # None: skipped (--no-smoke)
     run: str = ""  # RunConfig.describe() of what was launched: the table's tree column
+    # The final launch, for the command's closing observation (never in --json: its env is
+    # the inventory's, tokens included).
+    spec: LaunchSpec | None = field(default=None, repr=False, compare=False, metadata={"json": False})
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (``dataclasses.asdict`` cannot copy the read-only mapping)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
         out["argv"] = list(self.argv)
         out["phase_durations"] = {str(k): v for k, v in self.phase_durations.items()}
         out["stopped"] = asdict(self.stopped) if self.stopped is not None else None
@@ -276,6 +280,7 @@ def prepare_restart(
     keep_on_failure: bool = False,
     state: StateStore | None = None,
     refresh_policy: bool = True,
+    deployed_later: bool = False,
 ) -> RestartRequest:
     """The one restart policy of ``restart``, ``deploy --restart`` and a sweep: the request
     to launch ``run`` on ``host``, keyed for eager fallbacks on the probed GPU architecture
@@ -292,7 +297,9 @@ def prepare_restart(
     recorded since ask for another set, the file is rewritten with it (and its launch budget
     moved off an eager one) and its record updated, before anything is stopped
     (``refresh_policy``; ``tune`` passes False: it wrote the file from the same records, and
-    its rollback expects the file it placed).
+    its rollback expects the file it placed). ``deployed_later``: the command deploys the
+    DDTree plugin before this launch (a rollout's check of ``deploy --restart``), so its
+    absence now is no refusal.
     """
     if host.slot is not None and machine is not None:
         pid = whole_host_server(transport, machine)
@@ -303,7 +310,7 @@ def prepare_restart(
                 host=host.name,
             )
     launch = launch_facts(transport, host, facts)
-    if run.algorithm == "DDTREE":
+    if run.algorithm == "DDTREE" and not deployed_later:
         refuse_undeployed(host, launch)
     run, applied = with_tree_policy(transport, host, run, tree_policy)
     note = None
@@ -649,6 +656,7 @@ def restart(
                     stopped=stopped,
                     smoke=smoke,
                     run=run.describe(),
+                    spec=spec,
                 )
             failure = _FAILURES[outcome.reason]
             stop = failure.stop_server == "always" or (
@@ -678,6 +686,63 @@ def restart(
                 spec = relaunch_eager(fallback_reason, outcome.elapsed_s)
                 continue
             raise failure.error(ended)
+
+
+def first_launch(request: RestartRequest, state: StateStore | None = None) -> LaunchSpec:
+    """The launch a restart of ``request`` makes first: CUDA graphs, or eager where a
+    fallback is recorded for its key (what :func:`restart` builds before touching the host)."""
+    state = state if state is not None else StateStore()
+    run, version = request.run, request.facts.sglang_version
+    key = fallback_key(request.host, run, arch=request.facts.gpu_arch, sglang_version=version)
+    cuda_graph, _ = initial_cuda_graph(run, state, key, retry_cuda_graph=request.retry_cuda_graph)
+    return build_launch_spec(request.host, run, version, cuda_graph=cuda_graph)
+
+
+@dataclass(frozen=True)
+class Unchanged:
+    """A server left as it was: observed serving exactly the launch a restart would make,
+    ready (its smoke at the request's settings decoded). ``view`` is that observation."""
+
+    host: str
+    view: ServerView
+    spec: LaunchSpec = field(repr=False, metadata={"json": False})
+
+    @property
+    def pid(self) -> int | None:
+        return self.view.pid
+
+    def describe(self) -> str:
+        return f"unchanged: already serving {self.view.served() or self.spec.run.describe()} (pid {self.view.pid})"
+
+
+ServerOutcome = RestartResult | Unchanged
+
+
+def converge(
+    transport: Transport,
+    request: RestartRequest,
+    *,
+    state: StateStore | None = None,
+    on_phase: PhaseCallback | None = None,
+    cancel: threading.Event | None = None,
+) -> ServerOutcome:
+    """``request``'s launch on its host, restarting only what does not already serve it.
+
+    The server there is observed first (:func:`~ddtree_ops.service.observed.observe_server`,
+    with the request's smoke): one that serves exactly the launch a restart would make (its
+    flags, environment and tree, the tuned policy it must follow), ready, is left running
+    (:class:`Unchanged`); anything else (no server, not ready, another configuration, a
+    failed smoke) is restarted. This is what a re-run after a failure, Ctrl-C or ``kill -9``
+    needs: a host whose patch is already in place is still looked at."""
+    if request.host.ddtree.server.slots and request.host.slot is None:
+        return restart(transport, request, state=state, on_phase=on_phase, cancel=cancel)  # refused there
+    spec = first_launch(request, state)
+    svc = manager_for(transport, request.host)
+    view = observe_server(svc, smoke=request.smoke)
+    policy = request.tree_policy.policy if request.tree_policy is not None else None
+    if mismatch(view, spec, policy=policy) is None:
+        return Unchanged(request.host.name, view, spec)
+    return restart(transport, request, state=state, on_phase=on_phase, cancel=cancel)
 
 
 def _smoke(
@@ -890,9 +955,13 @@ def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> S
     systemd also the unit's state, its restarts and whether our drop-in is in effect."""
     svc = manager_for(transport, host)
     data = svc.status(lines=log_lines)
-    rec = data.get("record") or {}
+    # While a sweep's launch runs, it is the one described (its own record); the host's
+    # launch record stays what a later restart repeats.
+    swept = data.get("sweep") if isinstance(data.get("sweep"), dict) else None
+    rec = swept or data.get("record") or {}
     unit = data.get("unit") if isinstance(data.get("unit"), dict) else None
-    ours = bool(data.get("dropin_in_effect")) if unit is not None else True
+    ours = (bool(data.get("dropin_in_effect")) or swept is not None) if unit is not None else True
+    run = rec.get("run") if ours else ("the unit's own ExecStart" if unit is not None else None)
     return ServiceStatus(
         host=host.name,
         running=bool(data.get("alive")),
@@ -904,7 +973,7 @@ def service_status(transport: Transport, host: Host, *, log_lines: int = 5) -> S
         serving_ours=data.get("listener_ours"),
         health=data.get("health"),
         cuda_graph=rec.get("cuda_graph") if ours else None,
-        run=rec.get("run") if ours else ("the unit's own ExecStart" if unit is not None else None),
+        run=f"{run} (a sweep's launch)" if swept is not None and run else run,
         log_tail=tuple(data.get("log_tail") or ()),
         manager=svc.kind,
         unit=UnitState.of(host.ddtree.server.unit, unit, ours) if unit is not None else None,
@@ -937,7 +1006,8 @@ def remember_server(transport: Transport, host: Host) -> PreviousServer:
     drop-in's launch or its operator's), and whether it still runs."""
     data = manager_for(transport, host).status(lines=0)
     rec = data.get("record") or {}
-    running = bool(data.get("alive"))
+    # A sweep's server running there is not the host's launch: that one does not run then.
+    running = bool(data.get("alive")) and not isinstance(data.get("sweep"), dict)
     if isinstance(data.get("unit"), dict) and not data.get("dropin_in_effect"):
         return PreviousServer(host=host.name, running=running, pid=data.get("pid"), operator=True)
     pid = data.get("pid", rec.get("pid"))
@@ -1116,6 +1186,10 @@ def whole_host_server(transport: Transport, machine: Host) -> int | None:
 __all__ = [
     "DEFAULT_SMOKE",
     "LaunchFacts",
+    "ServerOutcome",
+    "Unchanged",
+    "converge",
+    "first_launch",
     "PreviousServer",
     "RestartRequest",
     "RestartResult",

@@ -11,6 +11,12 @@ The process manager's files live in the host's ``run_dir``: ``server.log``
 (stdout+stderr, previous run kept as ``server.log.prev``) and ``launch.json`` (pid, kernel
 start time against pid reuse, argv, argv hash, launch time). The restart lock and the
 sweep lease live there too, for either manager.
+
+A bench sweep's launches (made inside :func:`sweep_launch`) never replace the host's own
+launch: the process manager records them in ``sweep-launch.json`` and systemd runs them
+from a runtime drop-in under ``/run``, so ``launch.json`` and our ``/etc`` drop-in keep
+what a bare ``restart`` repeats and what the sweep puts back. Such a launch's record (and
+drop-in) lasts as long as its process: a stop, or a launch that is not a sweep's, ends it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,6 +51,27 @@ from ddtree_ops.service.launch import LaunchSpec
 from ddtree_ops.transport.base import Transport
 
 LOG_FILE = "server.log"
+
+# The sweep whose launches this thread makes (see the module docstring). A context rather
+# than a field of every restart request: ``lifecycle.restart`` builds its manager from the
+# host, and only a sweep's own restarts may launch this way.
+_SWEEP_LAUNCH: ContextVar[dict[str, Any] | None] = ContextVar("ddtree_ops_sweep_launch", default=None)
+
+
+@contextmanager
+def sweep_launch(sweep: dict[str, Any]) -> Iterator[None]:
+    """Launches made in the body are a sweep's (``sweep``: its name, run id and lease token,
+    kept in their record): recorded apart from the host's own launch."""
+    reset = _SWEEP_LAUNCH.set(dict(sweep))
+    try:
+        yield
+    finally:
+        _SWEEP_LAUNCH.reset(reset)
+
+
+def sweep_marker() -> dict[str, Any] | None:
+    """The sweep whose launch a manager's ``start`` makes now, or None (the host's own)."""
+    return _SWEEP_LAUNCH.get()
 
 
 class ServiceManager(ABC):
@@ -137,6 +165,7 @@ class ProcessManager(ServiceManager):
             "launch_command": spec.launch_command,
             "cuda_graph": spec.cuda_graph,
             "run": spec.run.describe(),
+            "sweep": sweep_marker(),
         }
         data = self.call("start", payload, timeout=60)
         err = data.get("error")
@@ -212,6 +241,14 @@ def take_lease(transport: Transport, host: Host, *, token: str, holder: dict[str
 def release_lease(transport: Transport, host: Host, token: str) -> None:
     """Give the host back (only the lease ``token`` took; anything else is left alone)."""
     call_agent(transport, host, "release", base_payload(host) | {"token": token})
+
+
+def note_lease(transport: Transport, host: Host, token: str, note: dict[str, Any]) -> bool:
+    """Keep ``note`` in the lease ``token`` holds (``note`` key of the lease record): what a
+    sweep that takes a dead holder's lease over needs to know (what served before it). False
+    where ``token`` no longer holds the lease."""
+    payload = base_payload(host) | {"token": token, "note": note}
+    return bool(call_agent(transport, host, "leasenote", payload, timeout=30).get("ok"))
 
 
 def read_lease(transport: Transport, host: Host) -> dict[str, Any] | None:
@@ -336,11 +373,14 @@ __all__ = [
     "StopResult",
     "call_agent",
     "describe_lease",
+    "note_lease",
     "put_run_file",
     "read_lease",
     "release_lease",
     "restart_lock",
     "sglang_version",
     "stop_result",
+    "sweep_launch",
+    "sweep_marker",
     "take_lease",
 ]

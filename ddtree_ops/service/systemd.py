@@ -42,7 +42,7 @@ from ddtree_ops.service.agent import (
     lease_checked,
 )
 from ddtree_ops.service.launch import LaunchSpec
-from ddtree_ops.service.manager import ServiceManager, stop_result
+from ddtree_ops.service.manager import ServiceManager, stop_result, sweep_marker
 
 DROPIN_NAME = "50-ddtree-ops.conf"
 UNIT_DIR = "/etc/systemd/system"
@@ -162,6 +162,8 @@ class SystemdManager(ServiceManager):
             "launch_command": spec.launch_command,
             "cuda_graph": spec.cuda_graph,
             "run": spec.run.describe(),
+            # A sweep's launch runs from a runtime drop-in; ours in /etc is left as it is.
+            "sweep": sweep_marker(),
         }
         return self._launched(self.call("unit_start", payload, timeout=120))
 

@@ -109,12 +109,21 @@ def test_bad_prompt_line_names_file_and_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and f"{tmp_path / 'p.jsonl'}:2: not valid JSON" in done.stderr
 
 
-def _interrupted_bench(tmp_path: Path, *, ctrl_c: int, **env: str) -> tuple[subprocess.Popen[str], str, str, int, Path]:
-    """A real `bench` process, Ctrl-C'd ``ctrl_c`` times (half a second apart) once its first
-    row is written: (process, stdout, stderr, the server port, the ledger)."""
+def _interrupted_bench(
+    tmp_path: Path, *, ctrl_c: int, before: tuple[str, ...] = (), **env: str
+) -> tuple[subprocess.Popen[str], str, str, int, Path]:
+    """A real `bench` process, Ctrl-C'd ``ctrl_c`` times once its first row is written, each
+    further one once the server the run stops in its wind-down has begun to drain (its log
+    says so): (process, stdout, stderr, the server port, the ledger). ``before``: a
+    `restart` launched first, with these arguments (what the sweep must put back); its launch
+    record is copied to ``before-launch.json``."""
     port = free_port()
     inv = write_inventory(tmp_path, port, **env)
     out = tmp_path / "ledger.jsonl"
+    if before:
+        done = cli("-i", str(inv), "restart", "sim-x", *before, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        (tmp_path / "before-launch.json").write_bytes((tmp_path / "run" / "launch.json").read_bytes())
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddtree_ops", "-i", str(inv), "bench", "--sweep", str(write_sweep(tmp_path)),
          "--out", str(out)],
@@ -125,9 +134,14 @@ def _interrupted_bench(tmp_path: Path, *, ctrl_c: int, **env: str) -> tuple[subp
         while time.monotonic() < deadline and proc.poll() is None and not (out.exists() and out.read_bytes()):
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
+        log, seen = tmp_path / "run" / "server.log", 0
         for i in range(ctrl_c):
-            if i:
-                time.sleep(0.5)
+            if i:  # in the wind-down of the one before, however slow the machine
+                deadline = time.monotonic() + 90
+                while "Received SIGTERM; draining" not in log.read_bytes()[seen:].decode(errors="replace"):
+                    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+                    time.sleep(0.05)
+            seen = log.stat().st_size
             proc.send_signal(signal.SIGINT)
         stdout, err = proc.communicate(timeout=90)
     finally:
@@ -140,8 +154,17 @@ def _interrupted_bench(tmp_path: Path, *, ctrl_c: int, **env: str) -> tuple[subp
 
 
 @pytest.mark.slow
-def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
-    proc, stdout, err, port, out = _interrupted_bench(tmp_path, ctrl_c=1)
+def test_ctrl_c_finishes_row_puts_the_previous_server_back_exits_130(tmp_path: Path) -> None:
+    try:
+        _ctrl_c_puts_back(tmp_path)
+    finally:  # the server put back
+        cli("-i", str(tmp_path / "inv.yaml"), "stop", "all", cwd=tmp_path)
+
+
+def _ctrl_c_puts_back(tmp_path: Path) -> None:
+    proc, stdout, err, port, out = _interrupted_bench(
+        tmp_path, ctrl_c=1, before=("--algorithm", "DDTREE", "--budget", "4", "--topk", "2"))
+    record = json.loads((tmp_path / "before-launch.json").read_text())
     assert proc.returncode == 130, err[-2000:]
     assert "--resume" in err and "Traceback" not in err
     # The host's progress line says it was interrupted (with its rows), not that it finished.
@@ -149,8 +172,13 @@ def test_ctrl_c_finishes_row_stops_server_exits_130(tmp_path: Path) -> None:
     assert " interrupted — " in last and "finished" not in last, stdout[-1500:]
     read = ledger.read_ledger(out)
     assert read.bad_lines == [] and 1 <= len(read.rows) < 6  # whole rows only, sweep not finished
-    with socket.socket() as s:  # the server it started is stopped
-        assert s.connect_ex(("127.0.0.1", port)) != 0
+    # The server that ran before the sweep is back: a new process of the same launch (the
+    # host's launch record: the sweep's AR launches never replaced it), answering on the port.
+    now = json.loads((tmp_path / "run" / "launch.json").read_text())
+    assert now["argv"] == record["argv"] and now["pid"] != record["pid"]
+    assert "relaunched" in stdout  # the summary's put-back column (wrapped at 80 columns)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) == 0
     assert not (tmp_path / "run" / "sweep.lease").exists()  # the host is given back
 
 
@@ -306,9 +334,10 @@ def test_resume_after_an_edited_sweep_says_what_changed(tmp_path: Path) -> None:
 
 
 def test_a_second_ctrl_c_aborts_at_once_with_130_and_says_so(tmp_path: Path) -> None:
-    # The server takes 4 s to stop (the simulator's shutdown drain), so the second Ctrl-C
-    # lands in the first one's wind-down. Without it the wind-down can end before the second
-    # arrives on a loaded machine, and the run exits "interrupted" instead.
+    # The server takes 2 s to stop (the simulator's shutdown drain, 4 s at time scale 0.5), and
+    # the second Ctrl-C is sent once it has begun to: it lands in the first one's wind-down.
+    # Sent a fixed time after the first instead, it can miss the wind-down on a loaded
+    # machine, and the run exits "interrupted".
     proc, stdout, err, _, _ = _interrupted_bench(tmp_path, ctrl_c=2, SIM_SHUTDOWN_DRAIN_S="4")
     assert proc.returncode == 130, (stdout[-2000:], err[-2000:])
     assert "Traceback" not in err and "aborted" in err and "--resume" in err

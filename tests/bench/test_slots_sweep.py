@@ -96,8 +96,12 @@ def test_a_sweep_runs_on_every_slot_and_rows_name_slot_and_gpus(tmp_path: Path) 
     for config in ("AR", "DDTREE"):
         by_repeat = {n: {r["slot"] for r in rows if r["algorithm"] == config and r["repeat"] == n} for n in (0, 1)}
         assert all(len(s) == 1 for s in by_repeat.values()) and by_repeat[0] != by_repeat[1], (config, by_repeat)
-    # Both slots' servers were stopped at the end (no --keep-server): nothing listens.
+    # Nothing ran before: both slots' servers were stopped at the end, nothing listens, and
+    # neither slot has a launch record (the sweep's launches kept their own, gone with them).
+    assert [(p["place"], p["action"], p["before"], p["running"]) for p in summary["put_back"]] == [
+        ("sim-x/0", "stopped", "no server", False), ("sim-x/1", "stopped", "no server", False)]
     assert_slots_stopped(inv)
+    assert sorted(p.name for p in (tmp_path / "run").glob("slot-*/*launch.json")) == []
 
 
 def assert_slots_stopped(inv: Path) -> None:

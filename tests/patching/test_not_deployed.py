@@ -67,7 +67,10 @@ def test_ddtree_needs_the_bundle_deployed_and_rollback_takes_it_away(tmp_path: P
         }))
         out = tmp_path / "l.jsonl"
         swept = run_cli(inv, "bench", "--sweep", str(sweep), "--out", str(out), state=state)
-        assert swept.returncode == 6, swept.stdout + swept.stderr
+        # The DDTREE server that ran before the sweep cannot come back without the bundle: the
+        # put-back says so, and the host fails with its code (service, 5) over the rows' (6).
+        assert swept.returncode == 5, swept.stdout + swept.stderr
+        assert "NOT put back (DDTREE budget=4 topk=4" in swept.stdout
         rows = {r["algorithm"]: r for r in ledger.read_ledger(out).rows}
         assert rows["AR"]["status"] == "ok", rows["AR"]
         assert rows["DDTREE"]["status"] == "failed" and "`ddtree-ops deploy b1`" in rows["DDTREE"]["error"]

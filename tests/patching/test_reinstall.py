@@ -220,7 +220,12 @@ def test_pip_reinstall_on_one_host_named_refused_forced_rolled_back(
     for words in ("2 files reverted to original", "sglang 0.5.23 is installed now",
                   f"`ddtree-ops deploy {fa.name} --force`", f"`ddtree-ops rollback {fa.name}`"):
         assert words in row_a, (words, row_a)
-    assert "already applied" in next(line for line in refused.stdout.splitlines() if f" {fb.name} " in line)
+    # The refusal is found before any host changes: the deploy is refused as a whole (fb not
+    # reached), unless --max-fail lets one host out, and then fb goes on.
+    assert "not reached" in next(line for line in refused.stdout.splitlines() if f" {fb.name} " in line)
+    within = wide_cli("-i", inv, "deploy", both, str(bundle_dir), "--max-fail", "1")
+    assert within.exit_code != 0
+    assert "already applied" in next(line for line in within.stdout.splitlines() if f" {fb.name} " in line)
     assert {rel: _sha(fa.sglang_dir / rel) for rel in replaced} == reinstalled  # refused = untouched
 
     forced = wide_cli("-i", inv, "--json", "deploy", fa.name, str(bundle_dir), "--force")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -166,16 +167,29 @@ def test_rollback_removes_the_dropin_and_the_operators_execstart_serves_again(
 ) -> None:
     inv = str(systemd_host.inventory)
     operator_argv = cmdline(host, main_pid(host))
+    # The operator made /etc/ddtree-ops by hand (empty): ours to use, never to remove.
+    host.run("mkdir", "-m", "0700", "/etc/ddtree-ops")
     deployed = cli("-i", inv, "deploy", "sd-0", "--restart", "--budget", "4", "--topk", "4")
     assert deployed.exit_code == 0, deployed.stdout + deployed.stderr
     assert "DDTREE" in cmdline(host, main_pid(host))
-    done = cli("-i", inv, "--json", "rollback", "sd-0", "--restart")
-    assert done.exit_code == 0, done.stdout + done.stderr
-    row = json_data(done.stdout)[0]
-    assert row["outcome"] == "rolled-back"
-    assert "relaunched the previous server (the unit's own ExecStart" in row["servers"][0]
-    assert host.run("test", "-e", DROPIN, check=False).returncode == 1
-    assert host.run("test", "-e", ENV_FILE, check=False).returncode == 1
+    # ... and adds a drop-in of their own to the directory ddtree-ops made: it must stay.
+    operator_dropin = f"/etc/systemd/system/{UNIT}.d/10-operator.conf"
+    host.run("sh", "-c", f"printf '[Service]\\nEnvironment=OPERATOR_NOTE=kept\\n' > {operator_dropin} && "
+                         "systemctl daemon-reload")
+    try:
+        done = cli("-i", inv, "--json", "rollback", "sd-0", "--restart")
+        assert done.exit_code == 0, done.stdout + done.stderr
+        row = json_data(done.stdout)[0]
+        assert row["outcome"] == "rolled-back"
+        assert "relaunched the previous server (the unit's own ExecStart" in row["servers"][0]
+        assert host.run("test", "-e", DROPIN, check=False).returncode == 1
+        assert host.run("test", "-e", ENV_FILE, check=False).returncode == 1
+        # Ours gone; the operator's drop-in, its directory and their empty /etc/ddtree-ops kept.
+        assert host.run("cat", operator_dropin).stdout == "[Service]\nEnvironment=OPERATOR_NOTE=kept\n"
+        assert host.run("ls", "-A", "/etc/ddtree-ops").stdout == ""
+        assert host.systemctl_show(UNIT, "DropInPaths")["DropInPaths"] == operator_dropin
+    finally:
+        host.run("sh", "-c", f"rm -f {operator_dropin} && systemctl daemon-reload")
     assert cmdline(host, main_pid(host)) == operator_argv and serving(host)
     status = json_data(cli("-i", inv, "--json", "service-status", "sd-0").stdout)["hosts"][0]["result"]
     assert status["run"] == "the unit's own ExecStart" and not status["unit"]["dropin_in_effect"]
@@ -221,16 +235,27 @@ class ExecveTrace:
     (the units it starts) and its sshd (every session the CLI opens), children included."""
 
     def __init__(self, host: SystemdHost, out: Path) -> None:
-        pids = [str(host.init_pid), str(host.outer_pid(main_pid(host, "ddtree-test-sshd.service")))]
+        self.pids = [str(host.init_pid), str(host.outer_pid(main_pid(host, "ddtree-test-sshd.service")))]
         self.out = out
         self.argv = ["strace", "-f", "-qq", "-s", "100000", "-e", "trace=execve", "-o", str(out),
-                     *[a for p in pids for a in ("-p", p)]]
+                     *[a for p in self.pids for a in ("-p", p)]]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ExecveTrace:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(1.0)  # attached
+        # Attached: strace is the tracer of both processes (a fixed second was a guess that a
+        # busy machine can miss, and the execs before it would go unseen).
+        deadline = time.monotonic() + 60
+        while not all(self._tracer(pid) == self.proc.pid for pid in self.pids):
+            assert self.proc.poll() is None, self.proc.communicate()[1]
+            assert time.monotonic() < deadline, "strace did not attach within 60 s"
+            time.sleep(0.05)
         return self
+
+    @staticmethod
+    def _tracer(pid: str) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("TracerPid:")))
 
     def __exit__(self, *exc: object) -> None:
         assert self.proc is not None
@@ -337,6 +362,7 @@ def test_a_sweep_holds_the_host_and_switches_trees_live_through_the_unit(
     systemd_host: SystemdFleet, host: SystemdHost, cli: Callable[..., Any], sd_env: Path
 ) -> None:
     inv = str(systemd_host.inventory)
+    operator_argv = cmdline(host, main_pid(host))
     sweep = sd_env / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({
         "name": "sd", "targets": ["sd-0"], "baselines": ["autoregressive"],
@@ -345,23 +371,46 @@ def test_a_sweep_holds_the_host_and_switches_trees_live_through_the_unit(
         "repeats": 1, "warmup": 0, "request_timeout_s": 60,
     }))
     out = sd_env / "results" / "sd.jsonl"
-    done = cli("-i", inv, "bench", "--sweep", str(sweep), "--out", str(out))
+    runtime_dropin = f"/run/systemd/system/{UNIT}.d/60-ddtree-ops-sweep.conf"
+    # Which of our drop-ins exist while the sweep runs (looked at every 0.2 s from outside).
+    seen: set[str] = set()
+    swept = threading.Event()
+
+    def watch() -> None:
+        while not swept.is_set():
+            look = " ".join(f"test -e {path} && echo {path};" for path in (DROPIN, runtime_dropin))
+            seen.update(host.run("sh", "-c", look, check=False).stdout.split())
+            swept.wait(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        done = cli("-i", inv, "--json", "bench", "--sweep", str(sweep), "--out", str(out))
+    finally:
+        swept.set()
+        watcher.join(30)
     assert done.exit_code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The sweep's launches ran from its runtime drop-in only: ours in /etc was never written.
+    assert seen == {runtime_dropin}
     from ddtree_ops.bench import ledger
 
     rows = ledger.read_ledger(out).rows
     assert [(r["algorithm"], r["budget"], r["status"]) for r in rows] == [
         ("AR", None, "ok"), ("DDTREE", 4, "ok"), ("DDTREE", 8, "ok")]
-    # One DDTREE launch through the drop-in held both trees as runtime states.
+    # One DDTREE launch held both trees as runtime states: the unit ran it from the sweep's
+    # runtime drop-in (its runtime-state file, relative, found in its WorkingDirectory).
     ddtree = [r for r in rows if r["algorithm"] == "DDTREE"]
     assert all(r["tree_switched"] for r in ddtree) and len({r["launch_id"] for r in ddtree}) == 1
-    from ddtree_ops.service.systemd import exec_start_line
-
-    dropin = host.run("cat", DROPIN).stdout
-    assert exec_start_line(ddtree[0]["server_argv"]) in dropin.splitlines()
-    assert '"--speculative-adaptive-config"' in dropin and "WorkingDirectory=/var/lib/ddtree-ops" in dropin
-    # The sweep's lease was the host's while it ran, and is given back at its end.
-    assert host.run("test", "-e", "/var/lib/ddtree-ops/sweep.lease", check=False).returncode == 1
+    assert "--speculative-adaptive-config" in ddtree[0]["server_argv"]
+    # Left as found: the unit on its operator's own ExecStart, a new main process serving it
+    # (relaunched and proven ready); no drop-in of ours in /etc, the sweep's in /run gone.
+    [put] = json_data(done.stdout)["hosts"][0]["put_back"]
+    assert put["action"] == "relaunched" and put["before"].startswith("the unit's own ExecStart, running"), put
+    assert put["ready"] and cmdline(host, main_pid(host)) == operator_argv and serving(host)
+    for gone in (DROPIN, runtime_dropin, "/var/lib/ddtree-ops/sweep-launch.json",
+                 # The sweep's lease was the host's while it ran, and is given back at its end.
+                 "/var/lib/ddtree-ops/sweep.lease"):
+        assert host.run("test", "-e", gone, check=False).returncode == 1, gone
 
 
 @pytest.mark.usefixtures("deployed")
