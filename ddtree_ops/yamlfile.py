@@ -26,9 +26,59 @@ class _DuplicateKey(yaml.YAMLError):
         self.first_line = first_line
 
 
+# The most values a document may stand for once its aliases are expanded. PyYAML keeps an
+# alias as a reference to one object, so a few lines of anchors referring to anchors
+# (``&a [x, x]``, ``&b [*a, *a]``, ... thirty deep) load small, and then every walk over
+# them as a tree (merging layers, checking keys, printing an error) takes 2**30 steps:
+# counted on the composed nodes, once per node, before anything is built from them.
+MAX_EXPANDED_VALUES = 1_000_000
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
+class _SelfReference(yaml.YAMLError):
+    def __init__(self, line: int) -> None:
+        super().__init__("an alias inside its own anchor")
+        self.line = line
+
+
+def expanded_size(node: yaml.Node, memo: dict[int, int] | None = None, inside: set[int] | None = None) -> int:
+    """How many values ``node`` stands for with every alias expanded (each distinct node is
+    counted once and its count reused); _TooLarge past :data:`MAX_EXPANDED_VALUES`,
+    _SelfReference for a node that contains itself."""
+    memo = {} if memo is None else memo
+    inside = set() if inside is None else inside
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in inside:
+        raise _SelfReference(node.start_mark.line + 1)
+    inside.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(expanded_size(child, memo, inside) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(expanded_size(k, memo, inside) + expanded_size(v, memo, inside) for k, v in node.value)
+    inside.discard(key)
+    if total > MAX_EXPANDED_VALUES:
+        raise _TooLarge()
+    memo[key] = total
+    return total
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """A ``SafeLoader`` whose mappings refuse a key that is already there (``<<`` merges keep
-    YAML's meaning: an explicit key may override a merged one)."""
+    YAML's meaning: an explicit key may override a merged one), and whose documents may not
+    expand past :data:`MAX_EXPANDED_VALUES` values through their aliases."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        expanded_size(node)
+        return self.construct_document(node)
 
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
@@ -64,6 +114,11 @@ def safe_load_unique(
         return yaml.load(text, Loader=loader)  # noqa: S506  # a SafeLoader subclass
     except _DuplicateKey as exc:
         raise error(f"{source}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first_line})") from None
+    except _TooLarge:
+        raise error(f"{source}: its YAML aliases expand to more than {MAX_EXPANDED_VALUES:,} values (anchors "
+                    f"referring to anchors); no config of ours needs that many") from None
+    except _SelfReference as exc:
+        raise error(f"{source}:{exc.line}: a YAML alias refers to the anchor that contains it") from None
     except RecursionError:
         # PyYAML composes and constructs recursively: a hostile or generated file nested a
         # few thousand levels deep exhausts the stack. No config of ours nests past ten.
