@@ -11,8 +11,12 @@ from __future__ import annotations
 import re
 import string
 
-_PORT = re.compile(r"^(?P<host>.*[^:]):(?P<port>\d+)$")
-_IPV6_PORT = re.compile(r"^\[(?P<host>[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)\](?::(?P<port>\d+))?$")
+from ddtree_ops.numbers import parse_count
+
+# Numbers in ASCII digits (``\d`` and ``int()`` read '٣' as 3, ``isdigit()`` is true for '²',
+# which ``int()`` refuses), at most 18 of them (Python refuses to read 4,301).
+_PORT = re.compile(r"^(?P<host>.*[^:]):(?P<port>[0-9]{1,18})$")
+_IPV6_PORT = re.compile(r"^\[(?P<host>[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)\](?::(?P<port>[0-9]{1,18}))?$")
 
 
 # One pattern naming more hosts than this is a typo (``node[1:200000]``), not a fleet:
@@ -59,10 +63,9 @@ def expand(pattern: str) -> list[str]:
     step_text = bounds[2] if len(bounds) == 3 else "1"
     if not end:
         raise RangeError(f"host range [{body}] in {pattern!r} must specify an end value")
-    try:
-        step = int(step_text)
-    except ValueError:
-        raise RangeError(f"host range [{body}] in {pattern!r}: step {step_text!r} is not an integer") from None
+    step = parse_count(step_text)
+    if step is None:
+        raise RangeError(f"host range [{body}] in {pattern!r}: step {step_text!r} is not an integer")
     if step < 1:
         raise RangeError(f"host range [{body}] in {pattern!r}: step must be at least 1")
     width = 0
@@ -71,21 +74,21 @@ def expand(pattern: str) -> list[str]:
         if width != len(end):
             raise RangeError(f"host range [{body}] in {pattern!r} must have equal-length begin and end")
     seq: list[str]
-    if beg.isdigit() and end.isdigit():
-        if int(beg) > int(end):
+    first, last = parse_count(beg), parse_count(end)
+    if first is not None and last is not None:
+        if first > last:
             raise RangeError(f"host range [{body}] in {pattern!r} must have begin <= end")
-        if (int(end) - int(beg)) // step + 1 > MAX_HOSTS:
+        if (last - first) // step + 1 > MAX_HOSTS:
             raise RangeError(f"host range [{body}] in {pattern!r} names more than {MAX_HOSTS} hosts")
     if beg in string.ascii_letters and end in string.ascii_letters:
         i_beg, i_end = string.ascii_letters.index(beg), string.ascii_letters.index(end)
         if i_beg > i_end:
             raise RangeError(f"host range [{body}] in {pattern!r} must have begin <= end")
         seq = list(string.ascii_letters[i_beg : i_end + 1 : step])
+    elif first is not None and last is not None:
+        seq = [str(i).zfill(width) for i in range(first, last + 1, step)]
     else:
-        try:
-            seq = [str(i).zfill(width) for i in range(int(beg), int(end) + 1, step)]
-        except ValueError:
-            raise RangeError(f"host range [{body}] in {pattern!r} is neither numeric nor alphabetic") from None
+        raise RangeError(f"host range [{body}] in {pattern!r} is neither numeric nor alphabetic")
     names: list[str] = []
     for item in seq:
         names.extend(expand(f"{head}{item}{tail}"))

@@ -14,21 +14,29 @@ used as written.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddtree_ops.errors import InventoryError
 from ddtree_ops.inventory.templates import has_template
-from ddtree_ops.inventory.values import Origin, Vaulted, did_you_mean, printable
+from ddtree_ops.inventory.values import FromEnv, Origin, Vaulted, did_you_mean, printable
+from ddtree_ops.limits import MAX_LOAD_S, is_seconds
 
 # A key path (``ddtree.server.port``) -> ``FILE: path`` or ``FILE:LINE: path``, for errors.
 At = Callable[[str], str]
 
 MANAGERS = ("process", "systemd")
-# A service unit's name (an instance of a template included); "/" and whitespace never.
-UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]*)?\.service\Z")
+# A unit name as systemd.unit(5) writes one (systemd's unit_name_is_valid): these characters
+# ("\\" starts an escape such as \x2d), at most 255 bytes (UNIT_NAME_MAX is 256 with the
+# NUL), a known type after the last ".", a non-empty name before "@" and the type. Stricter,
+# on purpose: no leading "-" (systemd allows "-.mount"; a service so named would be an option
+# to systemctl and journalctl: "-Hroot@host.service" is `systemctl -H root@host`), "@" once
+# (a template sglang@.service, an instance sglang@0.service), and a service: ddtree-ops
+# drives the unit that runs SGLang.
+UNIT_NAME_MAX = 255
+UNIT_TYPES = ("service", "socket", "device", "mount", "automount", "swap", "target", "path", "timer", "slice", "scope")
+_UNIT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789:_.\\-@")
 
 _SERVER_SCHEMA: dict[str, str] = {
     "model_path": "str",
@@ -37,7 +45,7 @@ _SERVER_SCHEMA: dict[str, str] = {
     "bind_host": "str",
     "extra_args": "extra_args",
     "env": "env",
-    "expected_load_s": "positive_number",
+    "expected_load_s": "load_seconds",
     "command": "str",
     "manager": "manager",
     "unit": "unit",
@@ -90,7 +98,7 @@ def _check_mapping(value: Any, schema: Mapping[str, Any], at: At, keypath: str, 
     for key, item in value.items():
         where = f"{keypath}.{key}"
         if key not in schema:
-            raise InventoryError(f"{at(where)}: unknown key{did_you_mean(str(key), list(schema))}")
+            raise InventoryError(f"{at(where)}: unknown key{did_you_mean(key, list(schema))}")
         kind = schema[key]
         if isinstance(kind, dict):
             _check_mapping(item, kind, at, where, evaluated=evaluated)
@@ -236,14 +244,50 @@ def type_problem(kind: str, value: Any) -> str | None:
     if kind == "port":
         ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
         return None if ok else "expected a port number (integer 1-65535)"
-    if kind == "positive_number":
-        # Finite: YAML's `.inf` would make every readiness deadline never come.
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        return None if ok else "expected a positive number of seconds"
+    if kind == "load_seconds":
+        # Finite: YAML's `.inf` would make every readiness deadline never come; and no more
+        # than a day, the state file's bound on a learned load time (86401 s is no load).
+        ok = is_seconds(value)
+        return None if ok else f"expected a load time in seconds, more than 0 and at most {MAX_LOAD_S:.0f} (a day)"
     if kind == "manager":
         ok = value in MANAGERS
         return None if ok else "expected 'process' (ddtree-ops runs the server) or 'systemd' (a unit does)"
     if kind == "unit":
-        ok = isinstance(value, str) and UNIT_NAME.match(value) is not None
-        return None if ok else "expected a systemd service unit name such as sglang.service or sglang@.service"
+        return unit_problem(value)
     raise AssertionError(f"unknown schema kind {kind}")
+
+
+def unit_problem(value: Any) -> str | None:
+    """Why ``value`` is not a service unit's name as systemd writes one (see UNIT_NAME_MAX),
+    or None. Of a name read by ``lookup('env')`` neither a character nor the length is told."""
+    if not isinstance(value, str) or not value:
+        return "expected a systemd service unit name such as sglang.service or sglang@.service"
+    secret = isinstance(value, FromEnv)
+    bad = next((c for c in value if c not in _UNIT_CHARS), None)
+    if bad is not None:
+        return "a unit name has letters, digits and : _ . - \\ @ only" + ("" if secret else f", not {bad!r}")
+    if len(value) > UNIT_NAME_MAX:
+        told = "" if secret else f", this one {len(value)}"
+        return f"a systemd unit name has at most {UNIT_NAME_MAX} bytes{told}"
+    if value.startswith("-"):
+        return "a unit name starting with '-' would be an option to systemctl and journalctl"
+    name, dot, suffix = value.rpartition(".")
+    if not dot or suffix not in UNIT_TYPES:
+        return "expected a unit type after the last '.', as in sglang.service"
+    if suffix != "service":
+        return f"that is a {suffix} unit: ddtree-ops drives the service that runs SGLang, as sglang.service"
+    if not name or name.startswith("@"):
+        return "expected a name before '@' and '.service', as in sglang.service or sglang@.service"
+    if name.count("@") > 1:
+        return "'@' once at most: a template is sglang@.service, its instance sglang@0.service"
+    return None
+
+
+def group_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a group here, or None. Ansible takes it, but on the command
+    line ``a,b`` is two targets, and a control character would reach the terminal."""
+    if not name.isprintable():
+        return "a group name has no control or invisible characters"
+    if "," in name:
+        return "',' is not allowed in a group name: on the command line it separates targets"
+    return None

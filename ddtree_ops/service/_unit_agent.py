@@ -61,8 +61,12 @@ def _run(argv, timeout=60.0, stdin=None):
     return done.returncode, done.stdout, done.stderr
 
 
+# Every systemctl call puts "--" before the unit, and journalctl names it as --unit=: the
+# inventory refuses a name that starts with "-", and here such a name still cannot become an
+# option ("-Hroot@host.service" would be `systemctl -H root@host`, over SSH).
 def _show(unit):
-    code, out, err = _run(["systemctl", "show", unit, "--no-pager"] + ["-p" + p for p in SHOW_PROPS], timeout=30)
+    code, out, err = _run(["systemctl", "show", "--no-pager"] + ["-p" + p for p in SHOW_PROPS] + ["--", unit],
+                          timeout=30)
     if code != 0:
         return {"_error": (err or out).strip()[-300:] or "systemctl show exited %d" % code}
     props = {}
@@ -433,7 +437,7 @@ def _start_unit(p, operator):
     started_at = time.time()
     # --no-block: a Type=notify unit would hold systemctl until SGLang says READY=1, which
     # it never does; readiness is ours to judge, by polling.
-    code, out, err = _run(["systemctl", "start", "--no-block", unit], timeout=60)
+    code, out, err = _run(["systemctl", "start", "--no-block", "--", unit], timeout=60)
     if code != 0:
         return {"error": "exec", "detail": "systemctl start %s: %s" % (unit, (err or out).strip()[-300:])}
     props = _wait_main_pid(unit)
@@ -518,7 +522,7 @@ def _stop_unit(p):
     out["was_running"] = True
     out["signal"] = "SIGTERM"
     start = time.time()
-    _run(["systemctl", "stop", "--no-block", unit], timeout=30)
+    _run(["systemctl", "stop", "--no-block", "--", unit], timeout=30)
     grace = float(p.get("grace_s", 30.0))
     while time.time() - start < grace:
         props = _show(unit)
@@ -526,7 +530,7 @@ def _stop_unit(p):
             break
         time.sleep(0.1)
     else:
-        _run(["systemctl", "kill", "--signal=SIGKILL", unit], timeout=30)
+        _run(["systemctl", "kill", "--signal=SIGKILL", "--", unit], timeout=30)
         out["signal"] = "SIGKILL"
         while time.time() - start < grace + 15:
             props = _show(unit)
@@ -580,7 +584,7 @@ def _cursor_split(out):
 def action_unit_logs(p):
     """``journalctl -u UNIT``: its last ``lines`` since the last launch (the record's time),
     or what came after ``offset`` (a journal cursor, for ``--follow``)."""
-    base = ["journalctl", "--no-pager", "-q", "-o", "cat", "-u", p["unit"]]
+    base = ["journalctl", "--no-pager", "-q", "-o", "cat", "--unit=" + p["unit"]]
     offset = p.get("offset")
     if offset:
         code, out, err = _run(base + ["--show-cursor", "--after-cursor=" + offset], timeout=30)

@@ -55,7 +55,8 @@ CASES = [
          "all.hosts.h.ddtree.server.env: 'A=B' is not an environment variable name"),
     # --- numbers that are not numbers
     Case("infinite expected_load_s", yaml_host("{ddtree: {server: {expected_load_s: .inf}}}"), RESTART, 2,
-         "all.hosts.h.ddtree.server.expected_load_s: expected a positive number of seconds, got inf"),
+         "all.hosts.h.ddtree.server.expected_load_s: expected a load time in seconds, more than 0 and at most 86400 "
+         "(a day), got inf"),
     Case("extra_args of numbers", yaml_host("{ddtree: {server: {extra_args: [1, 2]}}}"), RESTART, 2,
          "all.hosts.h.ddtree.server.extra_args: expected a list of strings"),
     # --- INI: one variable twice on one host line (Ansible keeps the last, silently)

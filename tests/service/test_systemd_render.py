@@ -48,7 +48,7 @@ def _inventory(tmp_path: Path, server: dict[str, object]) -> Path:
     ({"manager": "systemd", "unit": "sglang@.service"}, "is a template"),
     ({"manager": "systemd", "unit": "sglang.service", "slots": {"count": 2, "gpus_per_slot": 1}},
      "give a template such as sglang@.service"),
-    ({"manager": "systemd", "unit": "sglang"}, "service unit name"),
+    ({"manager": "systemd", "unit": "sglang"}, "expected a unit type after the last '.', as in sglang.service"),
     ({"manager": "upstart"}, "expected 'process'"),
 ])
 def test_manager_and_unit_are_refused_where_they_cannot_work(
