@@ -24,6 +24,7 @@ record, the local record is left as it was, and the error says what was rolled b
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -110,6 +111,41 @@ def policy_of(target: PolicyTarget, policies: Sequence[Policy]) -> Policy:
     return policy
 
 
+@dataclass(frozen=True)
+class PolicyFile:
+    """The policy file ``tune --deploy`` places on one host, as it will be: its machine
+    type's policy, rendered with the budgets this machine is recorded to fail capturing
+    (``eager_budgets``), its sha256, and the launch state (moved off an eager budget). What
+    ``--dry-run`` shows is this, and :func:`deploy_policy` places exactly this."""
+
+    host: str
+    policy: Policy
+    learned_from: str
+    text: str
+    sha256: str
+    launch_budget: int
+    eager_budgets: tuple[int, ...]
+
+
+def policy_file(
+    transport: Transport, host: Host, policies: Sequence[Policy], host_machines: Mapping[str, str], *,
+    state: StateStore, facts: HostFacts | None = None,
+) -> PolicyFile:
+    """Step 1 and step 3's file (module docstring), changing nothing: ``host`` probed (or
+    ``facts``), its policy, and the file for it. ConfigError where no policy fits;
+    the probe's error where the host cannot be reached."""
+    facts = facts if facts is not None else probe_host(transport, host)
+    if not facts.reachable:
+        raise recorded_error(facts.error_type, facts.error or "unreachable", host=host.name)
+    target = machine_type_of(host, host_machines, facts)
+    policy = policy_of(target, policies)
+    planned = runtime_budgets(transport, host, policy, facts, state)
+    text = policy.render(planned.eager_budgets)
+    return PolicyFile(host=host.name, policy=policy, learned_from=target.learned_from, text=text,
+                      sha256=hashlib.sha256(text.encode()).hexdigest(), launch_budget=planned.launch_budget,
+                      eager_budgets=planned.eager_budgets)
+
+
 def deploy_policy(
     transport: Transport,
     host: Host,
@@ -130,14 +166,10 @@ def deploy_policy(
     on the host, what :func:`undo_policy` needs to put the host back later."""
     state = state if state is not None else StateStore()
     facts = probe_host(transport, host)
-    if not facts.reachable:
-        raise recorded_error(facts.error_type, facts.error or "unreachable", host=host.name)
-    target = machine_type_of(host, host_machines, facts)
-    policy = policy_of(target, policies)
+    planned = policy_file(transport, host, policies, host_machines, state=state, facts=facts)
+    policy, text = planned.policy, planned.text
     servers = host.slot_hosts()
     before = {server.name: lifecycle.remember_server(transport, server) for server in servers}
-    planned = runtime_budgets(transport, host, policy, facts, state)
-    text = policy.render(planned.eager_budgets)
     placed = place_file(transport, host, text.encode())
     if on_placed is not None:
         on_placed(PolicyUndo(host.name, placed, before))
@@ -166,7 +198,7 @@ def deploy_policy(
         raise
     state.record_policy(replace(record, recorded_at=time.time()))
     return DeployedPolicy(
-        host=host.name, machine_type=policy.machine, learned_from=target.learned_from, path=placed.path,
+        host=host.name, machine_type=policy.machine, learned_from=planned.learned_from, path=placed.path,
         sha256=placed.sha256, replaced=placed.previous is not None, budget=planned.launch_budget,
         topk=policy.launch.topk, servers=tuple(results),
     )
@@ -246,11 +278,13 @@ def _roll_back(
 
 __all__ = [
     "DeployedPolicy",
+    "PolicyFile",
     "PolicyTarget",
     "PolicyUndo",
     "deploy_policy",
     "machine_type_of",
     "planned_target",
+    "policy_file",
     "policy_of",
     "undo_policy",
 ]

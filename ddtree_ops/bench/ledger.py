@@ -35,7 +35,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ddtree_ops.errors import BenchError, ConfigError
-from ddtree_ops.fsutil import NOT_REGULAR, open_regular
+from ddtree_ops.fsutil import IS_LINK, NOT_REGULAR, check_output_file, open_append, open_regular, write_problem
 from ddtree_ops.limits import MAX_CONCURRENCY, MAX_DDTREE_TOPK, MAX_DFLASH_DRAFT_TOKENS, is_int_in, tree_problem
 
 SCHEMA_VERSION = 1
@@ -273,12 +273,101 @@ def field_problem(row: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: The fields readers rely on, by type: the report reads them as its columns, ``--resume``
+#: keys cells on them and the canary gate reads its floors from them. A row holding anything
+#: else there is a bad line for every reader (:func:`row_problem`), never a traceback further
+#: down nor a value that decides something it cannot mean.
+TEXT_FIELDS: tuple[str, ...] = (
+    "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
+    "workload_name", "workload_prompt_format", "status",
+    # Which launch served a row (null: none did) and why a row failed: rows no server
+    # measured are not cells (report.build.split_unmeasured).
+    "launch_id", "error",
+    # What a row is (issue 43): null or "measured"; "predicted" and "probe" rows are kept
+    # apart by the report, never ranked with measured ones.
+    "source",
+    # Which run a row is of and when it began (report.runs: runs are never pooled silently).
+    "sweep_hash", "started_at",
+)
+INT_FIELDS: tuple[str, ...] = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed",
+                               "gpu_count", "cuda_graph_max_bs")
+#: Per-row metrics whose per-cell median the report shows: NaN or infinity in one would turn
+#: a cell's median or score into NaN.
+MEDIAN_FIELDS: tuple[str, ...] = (
+    "output_tok_s",
+    "accept_length",
+    "ttft_ms_median",
+    "ttft_ms_p99",
+    "itl_ms_median",
+    "itl_ms_p99",
+    "tpot_ms_median",
+    "e2e_ms_median",
+)
+FLOAT_FIELDS: tuple[str, ...] = ("temperature", "top_p", "request_rate", *MEDIAN_FIELDS, "round_ms", "overhead_ms",
+                                 "predicted_accept_naive", "predicted_tok_s_naive")
+#: A row lacking any of these cannot be placed in a cell.
+NEEDED_FIELDS: tuple[str, ...] = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
+#: An acceptance length is tokens per verify step: at most the verify window (a tree's budget,
+#: a chain's draft tokens; the largest there is where a row names none) plus the bonus token,
+#: plus one for the prefill's token on a short output. Beyond it, or below 0, a row is no
+#: measurement, and as the canary gate's floor it would make a gate that never (or always) passes.
+ACCEPT_SLACK = 2
+
+
+def _non_finite(row: Mapping[str, Any]) -> str | None:
+    bad = [f"{name}={value}" for name in MEDIAN_FIELDS
+           if isinstance(value := row.get(name), float) and not math.isfinite(value)]
+    return f"non-finite metric(s): {', '.join(bad)}" if bad else None
+
+
+def _not_a_number(row: Mapping[str, Any]) -> str | None:
+    # Coerced to NaN, a ``budget: "x"`` would put every such row in one cell, where they read
+    # as copies of each other instead of bad lines.
+    bad = [f"{name}={value!r}" for name in INT_FIELDS + FLOAT_FIELDS
+           if (value := row.get(name)) is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))]
+    return f"not a number: {', '.join(bad)}" if bad else None
+
+
+def _not_a_string(row: Mapping[str, Any]) -> str | None:
+    # A ``run_id: ["x"]`` cannot name a run, nor a ``host: {...}`` a host (nor be told from a copy).
+    bad = [f"{name}={value!r}"[:80] for name in TEXT_FIELDS
+           if (value := row.get(name)) is not None and not isinstance(value, str)]
+    return f"not a string: {', '.join(bad)}" if bad else None
+
+
+def _accept_out_of_range(row: Mapping[str, Any]) -> str | None:
+    accept = row.get("accept_length")
+    if accept is None:
+        return None
+    budget = row.get("budget")
+    high = (int(budget) if isinstance(budget, (int, float)) else MAX_DFLASH_DRAFT_TOKENS) + ACCEPT_SLACK
+    if 0 <= accept <= high:
+        return None
+    return f"out of range: accept_length={accept!r} (expected 0..{high}: tokens per verify step)"
+
+
+def row_problem(row: Mapping[str, Any]) -> str | None:
+    """Why a parsed current-schema ``row`` is a bad line for every reader, or None: a field
+    readers need missing, a number or text that is not one, a NaN/inf metric, an integer out
+    of bounds or a DDTREE row without a tree (:func:`field_problem`), an acceptance length
+    no verify step can give (:data:`ACCEPT_SLACK`). Checked where rows are read, once
+    (:func:`parse_lines`, shared by :func:`read_ledger` and the report's loader)."""
+    missing = [name for name in NEEDED_FIELDS if row.get(name) is None]
+    if missing:
+        return f"missing field(s): {', '.join(missing)}"
+    return (_not_a_number(row) or _not_a_string(row) or _non_finite(row) or field_problem(row)
+            or _accept_out_of_range(row))
+
+
 @dataclass(frozen=True)
 class LedgerRead:
-    """What :func:`read_ledger` found: valid rows and (1-based line number, reason) pairs."""
+    """What :func:`read_ledger` found: valid rows and (1-based line number, reason) pairs.
+    ``refused``: the current-schema rows among the bad lines (the row check refused them):
+    no cell and no floor, yet they still say whose ledger this is (their sweep, client)."""
 
     rows: list[dict[str, Any]]
     bad_lines: list[tuple[int, str]]
+    refused: list[dict[str, Any]] = field(default_factory=list)
 
 
 def validate_row(row: Mapping[str, Any]) -> str | None:
@@ -361,12 +450,19 @@ def append_row(path: Path | str, row: Mapping[str, Any] | LedgerRow) -> None:
     first so that the partial line stays one reportable bad line instead of corrupting
     this row too.
     """
+    append_line(path, encode_row(row))
+
+
+def append_line(path: Path | str, line: bytes) -> None:
+    """:func:`append_row`'s write of one encoded row (:func:`encode_row`): BenchError when
+    the ledger cannot take it (the disk filled), which no later row can change either."""
     path = Path(path)
-    line = encode_row(row)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _lock_for(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            # Never through a symbolic link, never to a FIFO (checked before the sweep too:
+            # check_writable; this holds if the name changed since).
+            fd = open_append(path)
             try:
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -376,10 +472,20 @@ def append_row(path: Path | str, row: Mapping[str, Any] | LedgerRow) -> None:
                 while written < len(line):
                     written += os.write(fd, line[written:])
                 os.fsync(fd)
+            except OSError:
+                # A line only partly written (the disk filled) is cut off again, so that the
+                # rows before it stay a clean ledger; best effort: the reader reports it anyway.
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    pass
+                raise
             finally:
                 os.close(fd)
     except OSError as exc:
-        raise BenchError(f"{path}: cannot append to the ledger: {exc.strerror or exc}") from exc
+        # Said as it is (the disk filled, mid-sweep): the rows before this one are kept.
+        raise BenchError(f"{path}: cannot append to the ledger: {write_problem(exc)}; the rows before this one "
+                         f"are in it, fsynced") from None
 
 
 def check_writable(path: Path | str) -> None:
@@ -388,15 +494,22 @@ def check_writable(path: Path | str) -> None:
     Run before any host is touched, so that a typo in ``--out`` fails in a second instead
     of after an hour of measurements that could not be written. An existing file must be
     appendable (opened for append, nothing written); a new one needs its nearest existing
-    ancestor to be a writable directory (``append_row`` creates the missing ones).
+    ancestor to be a writable directory (``append_row`` creates the missing ones). A symbolic
+    link at ``path`` is refused, dangling or not: a ledger is appended to, so the file the link
+    names (which may be anything) would be the one changed.
     """
     path = Path(path)
+    try:
+        check_output_file(path)
+    except OSError as exc:
+        if exc.strerror == IS_LINK:
+            raise ConfigError(f"{path}: {IS_LINK}: give the ledger's own path as --out") from None
     if path.is_dir():
         raise ConfigError(f"{path}: cannot write the ledger there: it is a directory")
     if path.exists():
         try:
             # Opened for append without writing; a FIFO is refused rather than waited on.
-            os.close(open_regular(path, os.O_WRONLY | os.O_APPEND))
+            os.close(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))
         except OSError as exc:
             if exc.strerror == NOT_REGULAR:
                 raise ConfigError(f"{path}: is not a regular file: a ledger is one (give another --out)") from None
@@ -419,6 +532,85 @@ def check_writable(path: Path | str) -> None:
             os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".ledger-dir.", suffix=".probe"))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot create the ledger in {ancestor}: {exc.strerror or exc}") from None
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def check_ledger_of(path: Path | str, *, sweep: str, sweep_hash: str) -> None:
+    """ConfigError unless the file at ``path`` is empty, absent, or a ledger of this sweep
+    (named ``sweep``, hashed ``sweep_hash``): ``bench`` appends only to its own ledger.
+
+    A ledger's first line is a row (the writer's first write is one whole line), and every
+    row in it is of one sweep. So a file whose first line is no row (``/etc/passwd``, a
+    prompt file, a CSV) is not a ledger, nor one holding another sweep's rows or JSON that
+    is no row; a later line that is not JSON at all (a line a crash cut) is tolerated, as
+    the report counts it. A row is this sweep's by its name or its hash: a sweep edited
+    under the same name appends a new run, which the report shows apart, and so does one
+    renamed; ``--resume`` wants the same hash too (:func:`check_same_sweep`). Reads the file
+    once, parsing only lines that do not carry the sweep's name where the writer puts it,
+    so a large ledger costs a scan.
+    """
+    path = Path(path)
+    marker = b'"sweep": ' + json.dumps(sweep, ensure_ascii=False).encode() + b","
+    fix = "pass another --out"
+    try:
+        fh = os.fdopen(open_regular(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from None
+    with fh:
+        seen_row = False
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            if seen_row and marker in raw:
+                continue
+            obj = _json_object(raw)
+            if obj is None and seen_row:
+                continue  # not JSON: a line a writer stopped in, counted by the report
+            if obj is None or "schema_version" not in obj or "sweep" not in obj:
+                what = "not JSON" if obj is None else "a JSON object that is no ledger row"
+                raise ConfigError(f"{path}: is not a ledger (line {lineno}: {what}); bench appends only to a "
+                                  f"ledger of this sweep: {fix}")
+            seen_row = True
+            other, other_hash = obj["sweep"], obj.get("sweep_hash")
+            if other != sweep and other_hash != sweep_hash:
+                hashed = f" ({other_hash[:12]})" if isinstance(other_hash, str) and other_hash else ""
+                raise ConfigError(f"{path}: holds rows of sweep {str(other)[:80]!r}{hashed} (line {lineno}), this is "
+                                  f"sweep {sweep!r} ({sweep_hash[:12]}); bench appends only to a ledger of this "
+                                  f"sweep: {fix}")
+
+
+#: Bytes one row takes in a ledger, about (a row of 4 prompts is 3.0-3.3 KB), and per prompt
+#: of its workload (each one's output hash and category): what :func:`check_room` asks for.
+ROW_BYTES = 3300
+ROW_BYTES_PER_PROMPT = 24
+
+
+def check_room(path: Path | str, rows: int, *, num_prompts: int) -> None:
+    """ConfigError when the file system the ledger goes to has less room than ``rows`` rows
+    of ``num_prompts`` prompts take: said before any host is touched rather than after an
+    hour of measurements (a disk that fills later stops the sweep then, its rows kept)."""
+    path = Path(path)
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    try:
+        st = os.statvfs(ancestor)
+    except OSError:
+        return  # not every file system answers; the writes will say it
+    free = st.f_bavail * st.f_frsize
+    need = rows * (ROW_BYTES + ROW_BYTES_PER_PROMPT * num_prompts)
+    if free < need:
+        raise ConfigError(f"{path}: the disk is nearly full: {free:,} bytes free in {ancestor}, the sweep's "
+                          f"{rows:,} row(s) need about {need:,}; free some space or pass another --out")
 
 
 # What a cell is, as far as a row tells: the fields a sweep edit changes.
@@ -467,8 +659,10 @@ def check_same_sweep(
     rows = list(rows)
     for row in rows:
         other = row.get("sweep_hash")
-        if other and other != sweep_hash:
-            changed = sweep_change([r for r in rows if r.get("sweep_hash") == other], planned)
+        if isinstance(other, str) and other and other != sweep_hash:
+            # What changed, from the rows a reader can use (a refused row's cell may be garbage).
+            changed = sweep_change([r for r in rows if r.get("sweep_hash") == other and row_problem(r) is None],
+                                   planned)
             raise ConfigError(
                 f"{path}: --resume refused: the ledger holds sweep {row.get('sweep')!r} ({str(other)[:12]}), "
                 f"this is sweep {sweep!r} ({sweep_hash[:12]})" + (f"; changed: {changed}" if changed else "")
@@ -483,7 +677,7 @@ def check_same_client(rows: Iterable[Mapping[str, Any]], modes: Mapping[str, str
     without ``client`` (older writers) are not held against it."""
     for row in rows:
         want, got = modes.get(str(row.get("host"))), row.get("client")
-        if want is not None and got and got != want:
+        if want is not None and isinstance(got, str) and got and got != want:
             raise ConfigError(
                 f"{path}: --resume refused: host {row.get('host')!r} was measured with client {got!r}, this run "
                 f"would use {want!r}; set `client: {got}` in the sweep, or pass another --out"
@@ -502,7 +696,7 @@ def heal_truncated_tail(path: Path | str) -> int:
     path = Path(path)
     with _lock_for(path):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             return 0
         except OSError as exc:
@@ -536,13 +730,15 @@ def heal_truncated_tail(path: Path | str) -> int:
 
 
 def parse_lines(lines: Iterable[bytes], *, first_lineno: int = 1, at_eof: bool = True) -> LedgerRead:
-    """Parse ledger lines; bad ones become (lineno, reason). Shared by both readers.
+    """Parse ledger lines; bad ones become (lineno, reason): not JSON, not an object, another
+    schema version, or a row no reader can use (:func:`row_problem`). Shared by both readers.
 
     ``at_eof`` says whether the last line given is the file's last line: only there is a
     line without its newline a crash artefact ("truncated") rather than plain garbage.
     """
     rows: list[dict[str, Any]] = []
     bad: list[tuple[int, str]] = []
+    refused: list[dict[str, Any]] = []
     buffered = list(lines)
     for offset, raw in enumerate(buffered):
         lineno = first_lineno + offset
@@ -564,24 +760,32 @@ def parse_lines(lines: Iterable[bytes], *, first_lineno: int = 1, at_eof: bool =
         if version != SCHEMA_VERSION:
             bad.append((lineno, f"unsupported schema_version {version!r} (this reader knows {SCHEMA_VERSION})"))
             continue
+        if reason := row_problem(obj):
+            bad.append((lineno, reason))
+            refused.append(obj)
+            continue
         rows.append(obj)
-    return LedgerRead(rows=rows, bad_lines=bad)
+    return LedgerRead(rows=rows, bad_lines=bad, refused=refused)
 
 
 def read_ledger(path: Path | str) -> LedgerRead:
-    """Every valid row of one ledger plus its bad lines. A missing file reads as empty.
+    """Every valid row of one ledger plus its bad lines (the report's own row check:
+    ``--resume`` and the canary gate's floors skip what the report skips, and count it). A
+    missing file reads as empty; a FIFO or device is refused, never waited on.
 
     Rows are returned as parsed (fields absent from older writers are simply absent);
     the report fills gaps with nulls.
     """
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:
             return parse_lines(fh)
     except FileNotFoundError:
         return LedgerRead(rows=[], bad_lines=[])
     except OSError as exc:
-        raise BenchError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from exc
+        if exc.strerror == NOT_REGULAR:
+            raise ConfigError(f"{path}: is not a regular file: a ledger is one") from None
+        raise BenchError(f"{path}: cannot read the ledger: {exc.strerror or exc}") from None
 
 
 def _norm(value: Any) -> str:

@@ -6,7 +6,9 @@ no other sweep or restart disturbs its servers until the sweep is done there (a 
 holder's lease is taken over; a live one's raises LeaseHeld at once). :meth:`restart`
 launches a server through the one restart policy (``lifecycle.prepare_restart``) with
 the smoke at the settings about to be measured; a live DDTree launch first writes its
-runtime-state file into the place's run dir (atomically, through the transport).
+runtime-state file into the place's run dir (atomically, through the transport). One
+``bench`` command holds a place under one lease (:class:`Leases`, shared by its phases like
+:class:`Borrowed`): a block another phase follows keeps it, the final block gives it back.
 
 Borrowing a host is a transaction (design.md section 10): before its first launch on a
 place the sweep remembers what served there (the launch record or drop-in, running or not:
@@ -27,9 +29,9 @@ back last.
 A server can outlive one block for the next (``bench --predict``: the predict phase's
 launch serves the measured part, so a host loads the DDTree model once): the first block
 :meth:`~SweepServer.hand_over` s it as a :class:`KeptServer`, and the next one
-:meth:`~SweepServer.adopt` s it, which takes it on only where it is still the same process:
-the lease is not held between the two blocks, so another sweep or a ``restart`` may have
-replaced it.
+:meth:`~SweepServer.adopt` s it, which takes it on only where it is still the same process
+(the command's :class:`Leases` keep the place held between the two blocks; without them,
+as a library caller may run the phases, another sweep or a ``restart`` may have replaced it).
 """
 
 from __future__ import annotations
@@ -163,6 +165,47 @@ class Borrowed:
             return any(p in self._places and self._places[p].changed for p in places)
 
 
+class Leases:
+    """The sweep leases one ``bench`` command holds, by server place: taken when the first
+    block reaches a place (before probing it), kept by a block another phase follows on it
+    (``bench --predict``: the predict phase's), given back by the final block's end, or by
+    :meth:`release_all` for a place no final block entered (a host with nothing left to
+    measure, one lost). So a place is never free between the phases (nor while a host whose
+    predict phase ended waits for the others'): a ``restart`` or another sweep there is
+    refused from the moment the sweep reaches it to its end. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[Host, str]] = {}
+
+    def token(self, place: str) -> str | None:
+        with self._lock:
+            held = self._held.get(place)
+            return held[1] if held is not None else None
+
+    def hold(self, place: Host, token: str) -> None:
+        with self._lock:
+            self._held[place.name] = (place, token)
+
+    def drop(self, place: str) -> None:
+        with self._lock:
+            self._held.pop(place, None)
+
+    def release_all(self, services: Services) -> None:
+        """Give back every lease still held (best effort: a lease that cannot be released is
+        provably dead once this run ended)."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for place, token in held:
+            try:
+                with services.open_transport(place) as transport:
+                    services.release_lease(transport, place, token)
+            except DdtreeOpsError:
+                pass
+            finally:
+                lockholder.run_ended(token)
+
+
 PUT_BACK_ACTIONS = ("relaunched", "stopped", "untouched", "kept", "left-stopped", "failed")
 
 
@@ -215,6 +258,7 @@ class SweepServer:
         self, services: Services, transport: Transport, host: Host, machine: Host, *, sweep: str, run_id: str,
         options: SweepOptions, cancel: threading.Event, on_takeover: Callable[[str], None],
         borrowed: Borrowed | None = None, final: bool = True, on_put_back: Callable[[str], None] | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self.services, self.transport, self.host, self.machine = services, transport, host, machine
         self._sweep, self._run_id, self._options, self._cancel = sweep, run_id, options, cancel
@@ -222,6 +266,9 @@ class SweepServer:
         self._on_put_back = on_put_back or (lambda _m: None)
         self.borrowed = borrowed if borrowed is not None else Borrowed()
         self._final = final
+        # The command's leases (shared by its phases): a place's lease is taken once and kept
+        # until its final block ends; None: this block's own, given back when it ends.
+        self._leases = leases
         self.lease: str | None = None
         self.started = False
         self._handed_over = False
@@ -234,16 +281,24 @@ class SweepServer:
         return LeasePass(token=self.lease)
 
     def __enter__(self) -> SweepServer:
-        token = uuid.uuid4().hex
+        # A phase before this one holds the place already: the same lease, taken again (it
+        # proves the lease is still ours; the record is the same but for its time).
+        held = self._leases.token(self.host.name) if self._leases is not None else None
+        token = held or uuid.uuid4().hex
         holder = lockholder.holder_record(token, "bench") | {"sweep": self._sweep, "run_id": self._run_id}
-        # Marked running first: a lease of this very process is dead only once its run ended.
-        lockholder.run_started(token)
+        if held is None:
+            # Marked running first: a lease of this very process is dead only once its run ended.
+            lockholder.run_started(token)
         try:
             taken = self.services.take_lease(self.transport, self.host, token=token, holder=holder)
         except BaseException:
+            if self._leases is not None:
+                self._leases.drop(self.host.name)
             lockholder.run_ended(token)
             raise
         self.lease = token
+        if self._leases is not None:
+            self._leases.hold(self.host, token)
         place = self.host.name
         if taken is not None:
             from ddtree_ops.service.manager import describe_lease
@@ -290,7 +345,11 @@ class SweepServer:
                     pass  # the host may be the one that went away; its rows say so
         finally:
             # A lease that cannot be released (host gone) is provably dead once this run ended.
-            if self.lease is not None:
+            # Kept where another phase follows on the place (the command's leases).
+            keep = not self._final and self._leases is not None
+            if self.lease is not None and not keep:
+                if self._leases is not None:
+                    self._leases.drop(self.host.name)
                 try:
                     self.services.release_lease(self.transport, self.host, self.lease)
                 except DdtreeOpsError:
@@ -492,6 +551,7 @@ __all__ = [
     "PUT_BACK_ACTIONS",
     "Borrowed",
     "KeptServer",
+    "Leases",
     "PlannedPutBack",
     "PutBack",
     "SweepOptions",

@@ -23,11 +23,13 @@ from ddtree_ops.cli.common import (
     error_text,
     fitted_table,
     fleet_json,
+    graph_mode,
     load_hosts,
     print_table,
     printable,
     set_json_data,
     tok_s_column,
+    transport_for,
     with_spread,
 )
 from ddtree_ops.cli.main import AppContext, app
@@ -52,7 +54,7 @@ from ddtree_ops.service.launch import RunConfig
 
 if TYPE_CHECKING:
     from ddtree_ops.report.policy import Policy, Tuning
-    from ddtree_ops.tuning import DeployedPolicy
+    from ddtree_ops.tuning import DeployedPolicy, PolicyFile
 
 
 @app.command("tune")
@@ -146,7 +148,7 @@ def tune_command(
                               "type's on its hosts and restarts them with it.", markup=False, highlight=False)
         return
     if dry_run:
-        deploy_plan = _deploy_plan(tuning, hosts)
+        deploy_plan = _deploy_plan(tuning, hosts, _planned_files(obj, tuning, hosts))
         payload["deploy"] = deploy_plan
         payload["rollout"] = rollout_lines(plan, gate)
         if as_json:
@@ -187,7 +189,7 @@ def _canary_launch(tuning: Tuning, hosts: list[Host], canary: tuple[str, ...]) -
 
 
 def _write_policies(tuning: Tuning, out: Path) -> list[Path]:
-    from ddtree_ops.fsutil import write_atomic_local
+    from ddtree_ops.fsutil import write_atomic_local, write_problem
 
     names = [p.file_name for p in tuning.policies]
     if len(set(names)) != len(names):
@@ -198,7 +200,7 @@ def _write_policies(tuning: Tuning, out: Path) -> list[Path]:
         try:
             write_atomic_local(path, policy.render().encode())
         except OSError as exc:
-            raise ConfigError(f"--out {out}: cannot write {path.name}: {exc.strerror or exc}") from exc
+            raise ConfigError(f"--out {out}: cannot write {path.name}: {write_problem(exc)}") from None
         written.append(path)
     return written
 
@@ -248,8 +250,8 @@ def _render_policies(obj: AppContext, tuning: Tuning, *, wide: bool) -> None:
             _num(e.accept_length, 2),
             _num(e.speedup_vs_ar, 2, "x"), e.runner_up or "—",
         ] for e in policy.entries]
-        mode = "CUDA graphs" if policy.cuda_graph else "eager"
-        title = f"Policy — {_short_machine(policy.machine)} ({mode}; hosts {', '.join(policy.hosts)})"
+        title = (f"Policy — {_short_machine(policy.machine)} (mode {graph_mode(policy.cuda_graph)}; "
+                 f"hosts {', '.join(policy.hosts)})")
         print_table(console, fitted_table(columns, rows, width=console.width, wide=wide, title=title))
         for note in [*policy.notes, *(f"batch {e.concurrency}: {e.note}" for e in policy.entries if e.note)]:
             console.print(f"  note: {note}", highlight=False, markup=False)
@@ -273,26 +275,67 @@ def _render_writes(obj: AppContext, tuning: Tuning, out: Path | None, written: l
         obj.console.print(f"Wrote {path}", highlight=False, markup=False)
 
 
-def _deploy_plan(tuning: Tuning, hosts: list[Host]) -> list[dict[str, Any]]:
-    """What --deploy would do per host, from the ledger alone (no host is contacted)."""
+def _planned_files(obj: AppContext, tuning: Tuning, hosts: list[Host]) -> dict[str, PolicyFile | str]:
+    """Per host, the file --deploy would place (probed as the deploy probes it, changing
+    nothing: its sha256 is the placed file's, eager budgets included), or why it cannot be said."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddtree_ops.errors import DdtreeOpsError
+    from ddtree_ops.state import StateStore
+    from ddtree_ops.tuning import policy_file
+
+    state = StateStore()
+
+    def one(host: Host) -> PolicyFile | str:
+        try:
+            with transport_for(obj, host) as transport:
+                return policy_file(transport, host, tuning.policies, tuning.host_machines, state=state)
+        except DdtreeOpsError as exc:
+            return exc.message
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(hosts)), thread_name_prefix="tune-plan") as pool:
+        return dict(zip((h.name for h in hosts), pool.map(one, hosts), strict=True))
+
+
+def _deploy_plan(tuning: Tuning, hosts: list[Host], files: dict[str, PolicyFile | str]) -> list[dict[str, Any]]:
+    """What --deploy would do per host: the ledger's machine type and policy, and the file
+    each host would get (``files``: its text's sha256, its eager budgets, the launch state),
+    or why not (``problem``)."""
     from ddtree_ops.patching.placed import POLICY_FILE
     from ddtree_ops.tuning import planned_target
 
     plan: list[dict[str, Any]] = []
     for host in hosts:
         target = planned_target(host, tuning.host_machines)
-        policy = tuning.policy_for(target.machine_type) if target.machine_type else None
+        planned = files.get(host.name)
+        found = planned if not isinstance(planned, str) else None
+        policy = found.policy if found is not None else (
+            tuning.policy_for(target.machine_type) if target.machine_type else None)
+        machine_type = found.policy.machine if found is not None else target.machine_type
+        learned = found.learned_from if found is not None else (
+            target.learned_from if target.machine_type else "probe at deploy")
+        problem = None
+        if found is None:
+            problem = (planned if isinstance(planned, str) else None) or (
+                f"machine type {target.machine_type} has no tuned policy" if policy is None and target.machine_type
+                else None)
+        launch = ({"budget": found.launch_budget, "topk": found.policy.launch.topk} if found is not None
+                  else None if policy is None else {"budget": policy.launch.budget, "topk": policy.launch.topk})
         plan.append({
             "host": host.name,
             "servers": [s.name for s in host.slot_hosts()],
-            "machine_type": target.machine_type,
-            "learned_from": target.learned_from if target.machine_type else "probe at deploy",
+            "machine_type": machine_type,
+            "learned_from": learned,
             "file": f"<sys.prefix of {host.python}>/.ddtree-ops/placed/{POLICY_FILE}",
             "policy": policy.file_name if policy is not None else None,
             "policy_map": policy.policy_map() if policy is not None else None,
-            "launch": None if policy is None else {"budget": policy.launch.budget, "topk": policy.launch.topk},
-            "problem": None if policy is not None or target.machine_type is None
-            else f"machine type {target.machine_type} has no tuned policy",
+            "launch": launch,
+            # The placed file's own sha256 (what --deploy writes there), and the budgets it
+            # lists as eager (the machine's recorded capture failures); null where not known.
+            "sha256": found.sha256 if found is not None else None,
+            "eager_budgets": list(found.eager_budgets) if found is not None else None,
+            "problem": problem,
         })
     return plan
 
@@ -320,6 +363,13 @@ def _render_plan(obj: AppContext, plan: list[dict[str, Any]], *, wide: bool) -> 
                "restarts with --speculative-adaptive-config FILE at the launch state.")
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, caption=caption,
                                           title="tune --deploy (dry run): nothing changed"))
+    for p in plan:
+        if p["sha256"] is None:
+            continue
+        eager = (f"; eager_budgets {p['eager_budgets']} (recorded capture failures on this machine)"
+                 if p["eager_budgets"] else "")
+        obj.console.print(f"{p['host']}: the file placed: sha256 {p['sha256'][:12]}{eager}", markup=False,
+                          highlight=False, soft_wrap=True)
 
 
 def _deploy(
@@ -355,7 +405,7 @@ def _render_deployed(obj: AppContext, results: FleetResult[DeployedPolicy], *, w
     """One row per server (a host's GPU slots each have one), then per host its file."""
     columns = (
         TableColumn("server", wrap=True), TableColumn("status"), TableColumn("machine type", wrap=True, drop=2),
-        TableColumn("launch"), TableColumn("graphs"), TableColumn("pid", "right", drop=1),
+        TableColumn("launch"), TableColumn("mode"), TableColumn("pid", "right", drop=1),
         TableColumn("ready", "right"),
     )
     rows: list[list[str | Text]] = []
@@ -365,7 +415,7 @@ def _render_deployed(obj: AppContext, results: FleetResult[DeployedPolicy], *, w
             continue
         for r in value.servers:
             rows.append([r.host, Text("policy active", style="green"), _short_machine(value.machine_type),
-                         f"b={value.budget} k={value.topk}", "on" if r.cuda_graph else "eager", str(r.pid),
+                         f"b={value.budget} k={value.topk}", graph_mode(r.cuda_graph), str(r.pid),
                          f"{r.ready_s:.1f}s"])
     print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title="tune --deploy",
                                           caption="ready: launch → the smoke passed and the policy is active."))
