@@ -26,12 +26,13 @@ from types import MappingProxyType
 from typing import Any
 
 from ddtree_ops.errors import InventoryError, TargetError
-from ddtree_ops.inventory.schema import check_ddtree, parse_gpus, refuse_vault
+from ddtree_ops.inventory.schema import UNIT_NAME_MAX, check_ddtree, parse_gpus, refuse_vault
 from ddtree_ops.inventory.sources import RawInventory, load_sources
-from ddtree_ops.inventory.templates import HostTemplates
-from ddtree_ops.inventory.values import Origin
+from ddtree_ops.inventory.templates import Budget, HostTemplates
+from ddtree_ops.inventory.values import EnvFloat, EnvInt, FromEnv, Origin, env_mask, env_names, shown, unmarked
 from ddtree_ops.inventory.vars import Resolved, VarFiles, depths, host_groups, resolve
-from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings, is_template
+from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings, SlotSettings, is_template, slot_unit
+from ddtree_ops.numbers import parse_count
 
 SSH_CONNECTIONS = ("ssh", "smart", "ansible.builtin.ssh")
 PARAMIKO_CONNECTIONS = ("paramiko", "paramiko_ssh", "ansible.builtin.paramiko_ssh")
@@ -126,10 +127,12 @@ def load_inventory(paths: Sequence[Path]) -> Inventory:
     files = VarFiles(sources)
     depth = depths(raw)
     hosts: dict[str, Host] = {}
-    for data in raw.hosts.values():
-        groups = host_groups(raw, data, depth)
-        resolved = resolve(raw, data, groups, files)
-        hosts[data.name] = build_host(data.name, resolved, data.origin, groups=tuple(groups))
+    budget = Budget()  # what the templates of all hosts may spend together
+    with budget.capping():
+        for data in raw.hosts.values():
+            groups = host_groups(raw, data, depth)
+            resolved = resolve(raw, data, groups, files)
+            hosts[data.name] = build_host(data.name, resolved, data.origin, groups=tuple(groups), budget=budget)
     members = {g: tuple(h for h in raw.hosts if g in hosts[h].groups or g == "all") for g in raw.groups}
     return Inventory(hosts=MappingProxyType(hosts), groups=MappingProxyType(members), sources=tuple(sources))
 
@@ -156,7 +159,20 @@ def connection_vars(values: Mapping[str, Any], connection: str) -> dict[str, str
     return out
 
 
-def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[str, ...]) -> Host:
+def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[str, ...],
+               budget: Budget | None = None) -> Host:
+    """The host ``name``: its templates evaluated (under ``budget``), its values checked.
+    An error names what a template computed from ``lookup('env')`` by its mask, wherever
+    the check that failed put it in its message (as text, in a key's path)."""
+    templates = HostTemplates(name, resolved.values, groups, budget=budget)
+    try:
+        return _build_host(name, resolved, first, groups=groups, templates=templates)
+    except InventoryError as exc:
+        raise InventoryError(templates.masked(str(exc))) from None
+
+
+def _build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[str, ...],
+                templates: HostTemplates) -> Host:
     values, origins = resolved.values, resolved.origins
 
     def where(var: str) -> str:
@@ -171,8 +187,6 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
                 return origin.at(keypath)
             candidate = re.sub(r"(\.[^.\[]*|\[\d+\])\Z", "", candidate) if "." in candidate else ""
         return f"{first.file}: host {name!r}: {keypath}"
-
-    templates = HostTemplates(name, values, groups)
 
     def evaluated(var: str) -> Any:
         refuse_vault(values[var], where(var))
@@ -200,6 +214,8 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
         value = evaluated(var)
         if option == "port":
             value = _port(value, where(var))
+        elif isinstance(value, (EnvInt, EnvFloat)):  # as text, still read from the environment
+            value = FromEnv(str(unmarked(value)), value.names)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # Ansible's string options take numbers as text (`ansible_user: 1000`)
         elif not isinstance(value, str) or not value:
@@ -209,12 +225,18 @@ def build_host(name: str, resolved: Resolved, first: Origin, *, groups: tuple[st
     if values.get("ddtree") is not None:
         ddtree_raw = templates.render_var("ddtree", ddtree_where)
         check_ddtree(ddtree_raw, ddtree_where)
+        check_slot_count(ddtree_raw, ddtree_where)
+    # The slot checks compute ports and GPUs from these: if one came from lookup('env'),
+    # what they compute is not shown either. Numbers are used plain from here on.
+    server_env = env_names(ddtree_raw.get("server"))
+    hidden = env_mask(server_env) if server_env else None
+    ddtree_raw = unmarked(ddtree_raw)
     # Relative paths in ddtree: are anchored at the file that first defines the host.
     base_dir = Path(first.file).resolve().parent
     settings = build_settings(ddtree_raw, base_dir, local=connection == "local")
 
     if settings.server.slots:
-        check_slots(settings.server, ddtree_where)
+        check_slots(settings.server, ddtree_where, hidden=hidden)
     check_manager(settings.server, ddtree_where)
     return Host(
         name=name,
@@ -236,26 +258,34 @@ def check_manager(server: ServerSettings, where: Callable[[str], str]) -> None:
     if server.manager != "systemd":
         if server.unit is not None:
             raise InventoryError(f"{where('ddtree.server.unit')}: only used with manager: systemd (the manager is "
-                                 f"{server.manager})")
+                                 f"{shown(server.manager)})")
         return
     if server.unit is None:
         raise InventoryError(f"{where('ddtree.server.manager')}: manager systemd needs ddtree.server.unit, the "
                              f"service unit that runs SGLang (e.g. sglang.service)")
     if server.slots and not is_template(server.unit):
-        raise InventoryError(f"{where('ddtree.server.unit')}: {server.unit} with GPU slots: give a template such as "
-                             f"sglang@.service (slot i runs sglang@i.service)")
+        raise InventoryError(f"{where('ddtree.server.unit')}: {shown(server.unit)} with GPU slots: give a template "
+                             f"such as sglang@.service (slot i runs sglang@i.service)")
     if not server.slots and is_template(server.unit):
-        raise InventoryError(f"{where('ddtree.server.unit')}: {server.unit} is a template; name the instance that "
-                             f"runs SGLang (e.g. {server.unit.replace('@.', '@0.')}) or give the host GPU slots")
+        example = "NAME@0.service" if isinstance(server.unit, FromEnv) else server.unit.replace("@.", "@0.")
+        raise InventoryError(f"{where('ddtree.server.unit')}: {shown(server.unit)} is a template; name the instance "
+                             f"that runs SGLang (e.g. {example}) or give the host GPU slots")
+    last = slot_unit(server.unit, len(server.slots) - 1) if server.slots else None
+    if last is not None and len(last) > UNIT_NAME_MAX:  # the template fits, its last instance not
+        if isinstance(server.unit, FromEnv):  # its instance's name, or length, would show it
+            raise InventoryError(f"{where('ddtree.server.unit')}: slot {len(server.slots) - 1}'s instance of "
+                                 f"{shown(server.unit)} has more than {UNIT_NAME_MAX} bytes")
+        raise InventoryError(f"{where('ddtree.server.unit')}: slot {len(server.slots) - 1} runs {last}: a systemd "
+                             f"unit name has at most {UNIT_NAME_MAX} bytes, this one {len(last)}")
 
 
 def _port(value: Any, where: str) -> int:
     """Ansible's port option is an integer: ``"2222"`` is accepted, ``yes`` or ``abc`` are not."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
+    if isinstance(value, str) and parse_count(value.strip()) is not None:  # ASCII digits: '²' is no port
+        value = EnvInt(int(value.strip()), value.names) if isinstance(value, FromEnv) else int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise InventoryError(f"{where}: expected a port number (integer 1-65535), got {value!r}")
-    return value
+    return int(value)  # plain: str() of an EnvInt is its mask
 
 
 def build_settings(raw: Mapping[str, Any], base_dir: Path, *, local: bool) -> DdtreeSettings:
@@ -314,11 +344,34 @@ def build_slots(raw: Any, base_port: int) -> tuple[SlotSettings, ...]:
     )
 
 
-def check_slots(server: ServerSettings, where: Callable[[str], str]) -> None:
+# More GPUs than any one host has (a DGX has 8, the largest nodes 16 or so): a count or a
+# size that big is a typo, and would be built before any other check saw it.
+MAX_HOST_GPUS = 1024
+
+
+def check_slot_count(raw: Mapping[str, Any], where: Callable[[str], str]) -> None:
+    """``slots: {count: N, gpus_per_slot: G}`` naming more GPUs than a host has is refused
+    before the slots are made (``count: 1000000000`` would make a billion)."""
+    slots = (raw.get("server") or {}).get("slots")
+    if not isinstance(slots, dict):
+        return
+    count, per = slots.get("count"), slots.get("gpus_per_slot")
+    if isinstance(count, int) and isinstance(per, int) and count * per > MAX_HOST_GPUS:
+        raise InventoryError(f"{where('ddtree.server.slots')}: {count!r} slots of {per!r} GPU(s) each: more GPUs "
+                             f"than a host has (at most {MAX_HOST_GPUS})")
+
+
+def check_slots(server: ServerSettings, where: Callable[[str], str], *, hidden: str | None = None) -> None:
     """Slots that fit together, or one :class:`InventoryError` naming file and key: each
     slot has GPUs, no GPU is in two slots, no two slots share a port, and a tensor-parallel
     size in ``extra_args`` equals every slot's GPU count. Whether the host has those GPUs
-    is known only on the host: ``doctor`` checks it."""
+    is known only on the host: ``doctor`` checks it. ``hidden``: the mask of the
+    ``lookup('env')`` values among the server's settings, shown instead of every port, GPU
+    and size (computed from them, they would show them)."""
+
+    def show(value: object) -> object:
+        return value if hidden is None else hidden
+
     at = where("ddtree.server.slots")
     if any(not slot.gpus for slot in server.slots):
         raise InventoryError(f"{at}: a count needs both count and gpus_per_slot")
@@ -328,14 +381,14 @@ def check_slots(server: ServerSettings, where: Callable[[str], str]) -> None:
         for gpu in slot.gpus:
             if gpu in gpu_owner:
                 raise InventoryError(
-                    f"{at}: GPU {gpu} is in slot {gpu_owner[gpu]} and slot {index}; slots must not share GPUs"
+                    f"{at}: GPU {show(gpu)} is in slot {gpu_owner[gpu]} and slot {index}; slots must not share GPUs"
                 )
             gpu_owner[gpu] = index
         if slot.port > 65535:
-            raise InventoryError(f"{at}: slot {index}'s port {slot.port} (server.port + {index}) is above 65535")
+            raise InventoryError(f"{at}: slot {index}'s port {show(slot.port)} (server.port + {index}) is above 65535")
         if slot.port in port_owner:
             raise InventoryError(
-                f"{at}: port {slot.port} is used by slot {port_owner[slot.port]} and slot {index} "
+                f"{at}: port {show(slot.port)} is used by slot {port_owner[slot.port]} and slot {index} "
                 f"(a slot without a port gets server.port + its index); give each slot its own port"
             )
         port_owner[slot.port] = index
@@ -351,8 +404,8 @@ def check_slots(server: ServerSettings, where: Callable[[str], str]) -> None:
     for index, slot in enumerate(server.slots):
         if value != str(len(slot.gpus)):
             raise InventoryError(
-                f"{where('ddtree.server.extra_args')}: {flag} {value} does not match slot {index}'s "
-                f"{len(slot.gpus)} GPU(s) ({slot.cuda_visible_devices}) in ddtree.server.slots; "
+                f"{where('ddtree.server.extra_args')}: {flag} {show(value)} does not match slot {index}'s "
+                f"{show(len(slot.gpus))} GPU(s) ({show(slot.cuda_visible_devices)}) in ddtree.server.slots; "
                 f"a slot's server uses exactly its GPUs"
             )
 

@@ -36,7 +36,7 @@ import yaml
 from ddtree_ops.errors import InventoryError
 from ddtree_ops.fsutil import read_regular_text
 from ddtree_ops.inventory.ranges import RangeError, expand_pattern
-from ddtree_ops.inventory.schema import check_vars
+from ddtree_ops.inventory.schema import check_vars, group_name_problem
 from ddtree_ops.inventory.values import Origin, Unsafe, Vaulted, did_you_mean, kind
 from ddtree_ops.yamlfile import UniqueKeyLoader, safe_load_unique
 
@@ -381,6 +381,9 @@ def _name(value: Any, path: Path, keypath: str) -> str:
 def _yaml_group(inv: RawInventory, name: str, body: Any, path: Path, keypath: str, lineage: tuple[str, ...]) -> None:
     if name in lineage:
         raise InventoryError(f"{path}: {keypath}: group {name!r} contains itself")
+    problem = group_name_problem(name)
+    if problem:
+        raise InventoryError(f"{path}: {keypath}: group name {name!r}: {problem}")
     if body is None:
         body = {}
     if not isinstance(body, dict):
@@ -475,6 +478,9 @@ def _parse_ini(inv: RawInventory, text: str, path: Path) -> None:
         section = _INI_SECTION.match(line)
         if section:
             group, state = section.group(1), section.group(2) or "hosts"
+            problem = group_name_problem(group)
+            if problem:
+                raise InventoryError(f"{file}:{number}: group name {group!r}: {problem}")
             if state not in ("hosts", "children", "vars"):
                 raise InventoryError(f"{file}:{number}: section [{group}:{state}] has unknown type {state!r}")
             if state == "vars":

@@ -158,7 +158,7 @@ def test_matches_ansible_inventory(case: str, tmp_path: Path) -> None:
 
 
 def test_shipped_inventories_match_ansible_inventory(tmp_path: Path) -> None:
-    assert_parity([CORPUS.parents[2] / "inventories"], tmp_path)
+    assert_parity([CORPUS.parents[2] / "inventories", CORPUS.parents[2] / "examples" / "inventories"], tmp_path)
 
 
 @pytest.mark.parametrize("case", sorted(TEMPLATE_CASES))
