@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from ddtree_ops.cli.main import run
+# The entry module first, alone: its signal handlers are in place before the second of
+# imports that cli.main brings (a Ctrl-C there is one line and 130, not a traceback).
+from ddtree_ops.cli.entry import main
 
 if __name__ == "__main__":
-    run()
+    main()

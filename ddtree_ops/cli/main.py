@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ddtree_ops import __version__
-from ddtree_ops.cli import metavars
+from ddtree_ops.cli import interrupts, metavars, numbers, pathargs
 from ddtree_ops.cli.common import write_envelope
 from ddtree_ops.cli.terminal import console, err_console
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, Interrupted
@@ -129,8 +129,20 @@ def _register() -> None:
         "bench",
         "report",
         "tune",
+        "ansible",
     ):
         importlib.import_module(f"ddtree_ops.cli.{name}")
+
+
+def build_command() -> Any:
+    """The click command tree ``run`` parses with (the command modules registered first):
+    readable placeholders in ``--help``, and every number option read in ASCII digits only
+    (cli/numbers.py), as one check for all of them."""
+    command = typer.main.get_command(app)
+    metavars.apply(command)
+    numbers.apply(command)
+    pathargs.apply(command)  # and every path one a name this system can hold (cli/pathargs.py)
+    return command
 
 
 def _json_envelope(obj: AppContext, error: BaseException | None = None) -> None:
@@ -212,13 +224,16 @@ def _short_globals(token: str, global_opts: dict[str, int], own: dict[str, int])
 @contextmanager
 def _sigterm_as_ctrl_c() -> Iterator[None]:
     """SIGTERM (kill, systemd, timeout(1)) ends a command the way Ctrl-C does: every host
-    stops between two steps and reports how it was left, exit 130. Python's default would
-    end the process at once, in the middle of a fan-out."""
-    if threading.current_thread() is not threading.main_thread():
+    stops between two steps and reports how it was left, exit 143. Python's default would
+    end the process at once, in the middle of a fan-out. The process's entry point has
+    its own handlers, for the whole process (cli/interrupts.py); this one is for a run()
+    called in-process (the tests), and is undone when it returns."""
+    if interrupts.installed() or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum: int, frame: object) -> None:
+        interrupts.note(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
@@ -249,20 +264,23 @@ def _warnings_on_err_console() -> Iterator[None]:
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Parse the command line, run the command, render its outcome, exit with its code.
+    The process's entry point, cli/entry.py, calls it (signals are its business); the
+    tests call it in-process."""
+    interrupts.reset()
     with _sigterm_as_ctrl_c(), _warnings_on_err_console():
         _run()
 
 
 def _run() -> None:
-    _register()
     debug = "--debug" in sys.argv
     obj = AppContext()
     try:
-        command = typer.main.get_command(app)
-        metavars.apply(command)
+        _register()  # inside: a Ctrl-C while the command modules import is an interruption too
+        command = build_command()
         args = hoist_global_options(command, sys.argv[1:])
         code = command.main(args=args, prog_name="ddtree-ops", standalone_mode=False, obj=obj)
+        interrupts.exit_decided()
         # typer turns a KeyboardInterrupt that leaves a command into Exit(130), which in
         # non-standalone mode is RETURNED, not raised: unread, a second Ctrl-C exited 0.
         if code == Interrupted.exit_code:
@@ -270,21 +288,34 @@ def _run() -> None:
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             sys.exit(code)
     except DdtreeOpsError as exc:
+        # From each of these branches on a signal is noted, not raised (cli/interrupts.py): the
+        # exit status is decided, and a KeyboardInterrupt here would escape its rendering.
+        interrupts.exit_decided()
+        if exc.exit_code == Interrupted.exit_code:
+            exc.exit_code = interrupts.interrupted_status()  # SIGTERM's 143, in the --json document too
         if debug:
             err_console.print_exception()
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         _json_envelope(obj, exc)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
+        interrupts.exit_decided()
+        interrupted = Interrupted("interrupted")
+        interrupted.exit_code = interrupts.interrupted_status()
+        if obj.command is None:  # before the global options were parsed (the imports)
+            obj.json = interrupts.json_wanted(sys.argv[1:])
         err_console.print("[yellow]interrupted[/]")
-        _json_envelope(obj, Interrupted("interrupted"))
-        sys.exit(Interrupted.exit_code)
+        _json_envelope(obj, interrupted)
+        sys.exit(interrupted.exit_code)
     except typer.Exit as exc:
+        interrupts.exit_decided()
         sys.exit(exc.exit_code)
     except typer.Abort:
+        interrupts.exit_decided()
         err_console.print("[yellow]aborted[/]")
         sys.exit(1)
     except Exception as exc:  # click usage errors arrive here in standalone_mode=False
+        interrupts.exit_decided()
         import click
 
         # typer >= 0.20 vendors click: its usage errors derive from typer.TyperException.

@@ -16,6 +16,7 @@ not only the direct child. A process that left the group on purpose (``setsid``,
 
 from __future__ import annotations
 
+import errno
 import os
 import selectors
 import signal
@@ -112,6 +113,18 @@ class LocalTransport:
                 result = CommandResult(127, "", f"{argv[0]}: command not found\n", time.monotonic() - start)
         except PermissionError:
             result = CommandResult(126, "", f"{argv[0]}: Permission denied\n", time.monotonic() - start)
+        except OSError as exc:
+            # Whatever else the chdir or the exec refused: what the SSH transport's shell
+            # says, exit 1 for the directory; for the command 127 where its name leads to no
+            # program (longer than the system allows, a loop of links; as sh's exec), 126
+            # where the program cannot run (an argument list too long, a binary for another
+            # machine).
+            reason = exc.strerror or type(exc).__name__
+            if cwd and exc.filename == expand_path(cwd):
+                result = CommandResult(1, "", f"cd: {cwd}: {reason}\n", time.monotonic() - start)
+            else:
+                code = 127 if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP) else 126
+                result = CommandResult(code, "", f"{argv[0]}: {reason}\n", time.monotonic() - start)
         else:
             try:
                 feed = LineFeed(on_line) if on_line is not None else None

@@ -35,6 +35,7 @@ import re
 import select
 import shlex
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -56,7 +57,7 @@ from ddtree_ops.errors import (
     Interrupted,
     RemoteFileError,
 )
-from ddtree_ops.fsutil import read_regular_text
+from ddtree_ops.fsutil import NOT_REGULAR, read_regular_text
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.sshconfig import SshConfig, load_ssh_config, user_ssh_config_path
 from ddtree_ops.transport.base import (
@@ -707,9 +708,16 @@ class SSHTransport:
     def read_bytes(self, path: str) -> bytes:
         self._count("read", path)
         sftp = self._sftp_client()
-        with self._file_op(f"cannot read {path}"), sftp.open(sftp_path(path), "rb") as fh:
-            fh.prefetch()
-            return fh.read()
+        remote = sftp_path(path)
+        with self._file_op(f"cannot read {path}"):
+            # Only a regular file, as the local transport reads (fsutil.open_regular), judged
+            # before the open (one more round trip; SFTP has no non-blocking open):
+            # sftp-server opens a FIFO blocking until a writer comes, so the request, the
+            # session and the command waited for ever; a device (/dev/zero) read without end.
+            _refuse_irregular(sftp.stat(remote).st_mode, path)
+            with sftp.open(remote, "rb") as fh:
+                fh.prefetch()
+                return fh.read()
 
     def write_atomic(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         self._count("write", path)
@@ -786,6 +794,18 @@ def sftp_path(path: str) -> str:
     if path.startswith("~/"):
         return path[2:] or "."
     return path
+
+
+def _refuse_irregular(mode: int | None, path: str) -> None:
+    """Raise as :func:`ddtree_ops.fsutil.open_regular` does for anything but a regular file
+    (the same reason in the message, whichever transport read it). A server that reports
+    no mode is taken at its word."""
+    if mode is None:
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, NOT_REGULAR, path)
 
 
 def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
