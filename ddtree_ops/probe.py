@@ -169,8 +169,8 @@ def unit_facts(unit):
         return props
     try:
         res = subprocess.run(
-            ["systemctl", "show", unit, "-pLoadState", "-pActiveState", "-pSubState", "-pNRestarts",
-             "-pUnitFileState", "-pDropInPaths", "-pMainPID"],
+            ["systemctl", "show", "-pLoadState", "-pActiveState", "-pSubState", "-pNRestarts",
+             "-pUnitFileState", "-pDropInPaths", "-pMainPID", "--", unit],  # "--": no unit name is an option
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=30)
     except Exception as exc:
         props["error"] = "systemctl: %s" % exc

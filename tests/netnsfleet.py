@@ -231,7 +231,7 @@ def build_netns_fleet(root: Path, gpus: Sequence[str] = ("rtx-pro-6000", "b300")
 
 
 def netns_inventory(fleet: NetnsFleet, server: dict[str, object] | None = None) -> dict[str, object]:
-    """The fleet as a user would write it for real hosts (``inventories/ct200.yaml``'s
+    """The fleet as a user would write it for real hosts (``examples/inventories/ct200.yaml``'s
     shape): ``ansible_host`` is each host's own address, the server settings are shared."""
     hosts: dict[str, object] = {}
     for h in fleet.netns_hosts:

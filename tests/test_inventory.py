@@ -27,7 +27,9 @@ def load(tmp_path: Path, text: str, **kw: object):
 
 
 def test_shipped_inventories_load() -> None:
-    inv = load_inventory(sorted((REPO / "inventories").glob("*.yaml")))
+    # The demo fleet (the default inventory folder) and the example real hosts beside it.
+    inv = load_inventory([*sorted((REPO / "inventories").glob("*.yaml")),
+                          *sorted((REPO / "examples" / "inventories").glob("*.yaml"))])
     assert {"ct200-a", "ct200-b", "b300-a", "sim-ct200", "sim-b300"} <= set(inv.hosts)
     assert [h.name for h in inv.resolve("local")] == ["sim-ct200", "sim-b300"]
     sim = inv.hosts["sim-b300"]
@@ -153,7 +155,7 @@ def test_yaml_syntax_error_has_file_and_line(tmp_path: Path) -> None:
         ("ddtree: {server: {port: yes}}", r"ddtree\.server\.port: expected a port number .*got True"),
         ("ddtree: {server: {extra_args: --tp 2}}", r"ddtree\.server\.extra_args: expected a list of strings"),
         ("ddtree: {server: {env: [A]}}", r"ddtree\.server\.env: expected a mapping of NAME"),
-        ("ddtree: {server: {expected_load_s: -1}}", r"expected_load_s: expected a positive number"),
+        ("ddtree: {server: {expected_load_s: -1}}", r"expected_load_s: expected a load time in seconds, more than 0"),
         ("ddtree: {server: 5}", r"ddtree\.server: expected a mapping, got 5"),
         ("ddtree: [python]", r"all\.hosts\.h\.ddtree: expected a mapping"),
         ("ansible_port: abc", r"all\.hosts\.h\.ansible_port: expected a port number .*got 'abc'"),

@@ -149,6 +149,8 @@ def _cases(tmp_path: Path, ledger: Path) -> dict[str, tuple[list[str] | None, li
         "selftest": (None, ["broken"], "fleet", 3),
         # No DDTREE rows at the temperature asked for: refused before any host is touched.
         "tune": ([str(ledger), "--min-repeats", "1"], [str(ledger), "--temperature", "0.6"], "config", 2),
+        # Its tarball into a folder; a file where the folder should be is refused.
+        "ansible-collection": (["build", str(tmp_path / "dist")], ["build", str(ledger)], "config", 2),
     }
 
 

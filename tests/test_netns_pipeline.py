@@ -4,7 +4,7 @@ Every other SSH test host lives on 127.0.0.1, where a client on the operator's m
 reaches a server bound to the host's loopback by accident: that hid issue 14 (every bench
 row 'connection failed' on a real fleet). Here the two hosts are network namespaces
 (``tests/netnsfleet.py``) reached over SSH at 10.77.N.2, each serving the simulator on
-127.0.0.1:30000 as ``inventories/ct200.yaml`` ships the server (bind_host 127.0.0.1), and
+127.0.0.1:30000 as ``examples/inventories/ct200.yaml`` ships the server (bind_host 127.0.0.1), and
 the sweep leaves the client mode at its default. The test asserts that every ledger row
 is ok and that, while the pipeline runs, nothing but SSH listens on a non-loopback
 address inside either namespace (the benchmark must not need an exposed server).
@@ -50,8 +50,8 @@ MAX_NEW_TOKENS = 16
 
 
 def _server_settings() -> dict[str, object]:
-    """``inventories/ct200.yaml``'s server, served by the simulator."""
-    shipped = yaml.safe_load((REPO / "inventories" / "ct200.yaml").read_text())
+    """``examples/inventories/ct200.yaml``'s server, served by the simulator."""
+    shipped = yaml.safe_load((REPO / "examples" / "inventories" / "ct200.yaml").read_text())
     server = shipped["all"]["children"]["ct200"]["vars"]["ddtree"]["server"]
     assert server["bind_host"] == "127.0.0.1", "ct200.yaml no longer binds loopback"
     return {

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ddtree_ops.cli.terminal import err_console, escape_text
+from ddtree_ops.cli.terminal import WordText, err_console, escape_text, longest_piece
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted, InventoryError, error_code
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory import Inventory, load_inventory
@@ -259,14 +259,14 @@ def render_host_results(
             for (header, _), cell in zip(columns, cells, strict=False):  # no cells when the call failed
                 grid.add_row(header, cell)
             if reason:
-                grid.add_row(Text("error", style="red"), Text(reason, style="red"))
-            table.add_row(escape(name), status, grid)
+                grid.add_row(Text("error", style="red"), WordText(reason, style="red"))
+            table.add_row(_cell(name), status, grid)
         else:
             if failed_call:
-                cells = [Text(reason or "", style="red")] + [""] * (len(columns) - 1)
-            table.add_row(escape(name), status, *cells[: len(columns)])
+                cells = [WordText(reason or "", style="red")] + [Text("")] * (len(columns) - 1)
+            table.add_row(_cell(name), status, *cells[: len(columns)])
             if reason and not failed_call and columns:
-                table.add_row("", "", Text(reason, style="red"), *[""] * (len(columns) - 1))
+                table.add_row("", "", WordText(reason, style="red"), *[""] * (len(columns) - 1))
     console = ctx_obj.console
     console.print(table)
     if failures:
@@ -276,12 +276,13 @@ def render_host_results(
     return bool(failures)
 
 
-def _cell(value: object) -> Text | str:
+def _cell(value: object) -> Text:
+    # A host's data (a path, a log line) is never markup; its words stay whole (WordText).
     if isinstance(value, Text):
-        return value
+        return WordText.of(escape_text(value))
     if value is None:
         return Text("-", style="dim")
-    return escape(str(value))  # a host's data (a path, a log line) is never markup
+    return WordText.of(escape_text(Text(str(value))))
 
 
 def raise_if_failed(
@@ -298,6 +299,20 @@ def raise_if_failed(
             result=results,
             failures=failures,
         )
+
+
+# --------------------------------------------------------------------------- graph mode
+
+# One name for each CUDA-graph mode in every table and line (restart, status,
+# service-status, selftest, tune, report), under a column headed "mode": a server ran with
+# its CUDA graphs captured, or eager (without them: a failed capture fell back, or --eager).
+GRAPHS = "graphs"
+EAGER = "eager"
+
+
+def graph_mode(cuda_graph: bool | None) -> str:
+    """``graphs``, ``eager``, or ``unknown`` (the server did not say)."""
+    return "unknown" if cuda_graph is None else GRAPHS if cuda_graph else EAGER
 
 
 # --------------------------------------------------------------------------- tables that fit
@@ -353,9 +368,10 @@ def fitted_table(
     ``sized_by``: the rows that set the widths and the columns kept (default ``rows``), so
     that tables shown one after another (one per host) have the same columns."""
     # Measured as shown: a control character in data is printed as its escape (cli.terminal).
-    texts = [[escape_text(c if isinstance(c, Text) else Text(str(c))) for c in row] for row in rows]
+    # Each cell a WordText: a word breaks only after a "/" or "," (never "si│m-ct200").
+    texts = [[WordText.of(escape_text(c if isinstance(c, Text) else Text(str(c)))) for c in row] for row in rows]
     sizing = texts if sized_by is None else [
-        [escape_text(c if isinstance(c, Text) else Text(str(c))) for c in r] for r in sized_by
+        [WordText.of(escape_text(c if isinstance(c, Text) else Text(str(c)))) for c in r] for r in sized_by
     ]
 
     def longest(i: int) -> int:
@@ -391,9 +407,9 @@ def fitted_table(
     if hidden:
         notes.append(f"Hidden to fit {width} columns: {', '.join(hidden)} (--wide shows every column).")
     table = Table(
-        title=Text(title) if title else None,
+        title=WordText(title) if title else None,
         title_justify="left",
-        caption=Text(" ".join(notes)) if notes else None,
+        caption=WordText(" ".join(notes)) if notes else None,
         caption_justify="left",
         width=_table_width([widths[i] for i in keep], range(len(keep))) if wide else None,
     )
@@ -434,4 +450,5 @@ def _wrapped_need(longest: int, rows: Sequence[Sequence[Text]], i: int) -> int:
 
 
 def _longest_word_in(rows: Sequence[Sequence[Text]], i: int) -> int:
-    return max((_longest_word(row[i].plain) for row in rows), default=0)
+    # What a wrapped cell cannot go below: its widest piece (a path breaks after a "/").
+    return max((longest_piece(row[i].plain) for row in rows), default=0)

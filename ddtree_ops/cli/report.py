@@ -6,6 +6,7 @@ imported when the command runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -64,9 +65,10 @@ def report_command(
     obj.json = as_json = json_output or obj.json  # either --json: the envelope, errors included
     if group_by not in ("gpu", "host"):
         raise ConfigError(f"--group-by must be 'gpu' or 'host', not {group_by!r}")
-    check_output_path("--csv", csv)
-    check_output_path("--csv-best", csv_best)
-    check_output_path("--csv-categories", csv_categories)
+    files = {"--csv": csv, "--csv-best": csv_best, "--csv-categories": csv_categories}
+    _check_output_files(files, ledgers or [], compare_with or [])
+    for option, path in files.items():
+        check_output_path(option, path)
     from ddtree_ops.report.mix import parse_mix
 
     weights = parse_mix(traffic_mix) if traffic_mix is not None else None
@@ -79,3 +81,29 @@ def report_command(
         mix_modes=mix_modes, compare_with=compare_with, show_cells=show_cells, wide=wide, as_json=as_json,
         pool_runs=pool_runs, runs=run or [],
     )
+
+
+def _check_output_files(files: dict[str, Path | None], ledgers: list[Path], compare_with: list[Path]) -> None:
+    """Before any work: a file ``report`` writes is never written through a symbolic link
+    (the file it names may be anything), nor over a ledger this report reads."""
+    from ddtree_ops.fsutil import IS_LINK, check_output_file
+
+    for option, path in files.items():
+        if path is None:
+            continue
+        try:
+            check_output_file(path)
+        except OSError as exc:
+            if exc.strerror == IS_LINK:
+                raise ConfigError(f"{option} {path}: {IS_LINK}; give the file's own path") from None
+            # anything else (a directory, a FIFO) is check_output_path's to say
+    existing = {option: path for option, path in files.items() if path is not None and path.is_file()}
+    if not existing:
+        return
+    from ddtree_ops.report.loading import find_ledgers
+
+    for ledger in [*find_ledgers(ledgers), *(find_ledgers(compare_with) if compare_with else [])]:
+        for option, path in existing.items():
+            if os.path.samefile(path, ledger):
+                raise ConfigError(f"{option} {path}: is a ledger this report reads; a CSV written there would "
+                                  "replace it: give another file name")

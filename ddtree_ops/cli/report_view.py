@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,19 @@ from rich.table import Table
 from rich.text import Text
 
 from ddtree_ops import report as rep
-from ddtree_ops.cli.common import TableColumn, fitted_table, print_table, printable, tok_s_column, with_spread
+from ddtree_ops.cli.common import (
+    EAGER,
+    GRAPHS,
+    TableColumn,
+    fitted_table,
+    print_table,
+    printable,
+    tok_s_column,
+    with_spread,
+)
 from ddtree_ops.cli.main import AppContext
 from ddtree_ops.errors import BenchError, ConfigError
-from ddtree_ops.fsutil import open_regular
+from ddtree_ops.fsutil import replace_file, write_problem
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -55,12 +63,14 @@ def _cell(row: Any) -> str:
 
 
 def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    try:  # the parent (and that the path is a file, if any) was checked before any work: check_output_path
-        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            frame.to_csv(fh, index=False)
+    # The parent, and that the name is no link and a file if anything, were checked before
+    # any work (cli/report.py). Replaced atomically: never written through a link that
+    # appeared since, never half a file (a full disk leaves the old one).
+    text = frame.to_csv(index=False, lineterminator="\n")
+    try:
+        replace_file(path, lambda fh: fh.write(text.encode("utf-8")))
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the CSV: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{path}: cannot write the CSV: {write_problem(exc)}") from None
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -120,7 +130,7 @@ def _best_tables(
         TableColumn("temp", "right"),
         TableColumn("conc", "right"),
         *([TableColumn("workload", wrap=True)] if several else []),
-        TableColumn("modes"),
+        TableColumn("mode"),
         TableColumn("best"),
         _tok_s_column(best["n"]),
         TableColumn("n", "right", drop=2),
@@ -146,7 +156,7 @@ def _best_tables(
                 _fmt(row["temperature"], 2),
                 _fmt(row["concurrency"]),
                 *([printable(str(row["workload_name"]))] if several else []),
-                str(row["modes"]),
+                _modes(row["modes"]),
                 Text(label, style="bold green") if picked else Text("none", style="red"),
                 _spread(row["output_tok_s_median"], row["output_tok_s_mad"], row["n"]) if picked else "—",
                 _fmt(row["n"]),
@@ -160,7 +170,7 @@ def _best_tables(
             extra += [n for n in (str(row["note"]).split("; ") if row["note"] else []) if n and n not in shared]
             if extra:
                 details.add_row(
-                    Text(f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {row['modes']}:"),
+                    Text(f"  T={_fmt(row['temperature'], 2)} c={_fmt(row['concurrency'])} {_modes(row['modes'])}:"),
                     Text("; ".join(extra)),
                 )
         for note in shared:
@@ -239,7 +249,7 @@ def _tidy_columns(tok_s: TableColumn) -> tuple[TableColumn, ...]:
         TableColumn("temp", "right"),
         TableColumn("conc", "right"),
         TableColumn("config"),
-        TableColumn("graph", drop=7),  # the config label says "eager" already
+        TableColumn("mode", drop=7),  # the config label says "eager" already
         TableColumn("n", "right", drop=4),
         tok_s,
         TableColumn("accept len", "right", drop=2),
@@ -267,10 +277,16 @@ def _graph(row: Any) -> str | Text:
     ceiling N (its rounds of more than N requests ran eager; the conc column says ‡ too,
     since this column is the first to go on a narrow terminal)."""
     if not row["cuda_graph"]:
-        return Text("eager", style="yellow")
+        return Text(EAGER, style="yellow")
     if row["above_graph_ceiling"]:
         return Text(f"to {int(row['cuda_graph_max_bs'])}", style="yellow")
-    return "yes"
+    return GRAPHS
+
+
+def _modes(modes: Any) -> str:
+    """The best table's mode of a pick ("graph", "eager", "graph+eager" in the data and the
+    CSV) in the words every table uses (cli.common.graph_mode)."""
+    return "+".join(GRAPHS if m == "graph" else m for m in str(modes).split("+"))
 
 
 def _tidy_tables(
@@ -351,21 +367,24 @@ def _compare_table(cmp: pd.DataFrame, *, width: int, wide: bool) -> Table:
 
 
 def _predicted_table(pvm: pd.DataFrame, *, width: int, wide: bool) -> Table:
-    """Predicted cells (bench --predict) beside what was measured of them: never ranked."""
+    """Predicted cells (bench --predict) beside what was measured of them: never ranked.
+    At 80 columns the acceptance columns give way (the caption says so), never a word."""
     columns = (
         TableColumn("host", wrap=True), TableColumn("T", "right"), TableColumn("c", "right"),
-        TableColumn("tree"), TableColumn("accept pred", "right"), TableColumn("accept meas", "right"),
-        TableColumn("tok/s pred", "right"), TableColumn("tok/s meas", "right"), TableColumn("tok/s err", "right"),
+        TableColumn("tree"), TableColumn("tok/s pred", "right"),
+        # A cell the sweep did not measure says so here, where its measurement would be.
+        TableColumn("tok/s meas", "right"), TableColumn("tok/s err", "right", drop=1),
+        TableColumn("accept pred", "right", drop=2), TableColumn("accept meas", "right", drop=3),
     )
     rows: list[list[str | Text]] = []
     for _, r in pvm.iterrows():
         measured = bool(r["measured"])
         rows.append([
             printable(str(r["host"])), f"{r['temperature']:g}", str(int(r["concurrency"])),
-            f"b{int(r['budget'])} k{int(r['topk'])}", _fmt(r["predicted_accept"], 2),
-            _fmt(r["measured_accept"], 2) if measured else Text("predicted only", style="yellow"),
-            _fmt(r["predicted_tok_s"]), _fmt(r["measured_tok_s"]) if measured else "",
+            f"b{int(r['budget'])} k{int(r['topk'])}", _fmt(r["predicted_tok_s"]),
+            _fmt(r["measured_tok_s"]) if measured else Text("predicted only", style="yellow"),
             f"{r['tok_s_error']:+.1%}" if measured else "",
+            _fmt(r["predicted_accept"], 2), _fmt(r["measured_accept"], 2) if measured else "",
         ])
     title = ("Predicted vs measured (bench --predict): predicted cells are never ranked, "
              "'predicted only' cells were not measured")
@@ -520,7 +539,7 @@ def run_report(
         if result.tidy["modes_mixed"].head(show_cells if show_cells is not None else len(result.tidy)).any():
             console.print("† speedup measured against a baseline in the other CUDA-graph mode.", highlight=False)
         if result.tidy["above_graph_ceiling"].head(show_cells if show_cells is not None else len(result.tidy)).any():
-            console.print("‡ concurrency above the graph ceiling of the cell's tree (graph: to N, the largest batch "
+            console.print("‡ concurrency above the graph ceiling of the cell's tree (mode: to N, the largest batch "
                           "its verify graph replays): rounds of more requests ran eager; raise "
                           "--cuda-graph-max-bs-decode.",
                           highlight=False, markup=False)

@@ -27,6 +27,7 @@ from ddtree_ops.cli.main import AppContext
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, FleetError, Interrupted
 from ddtree_ops.fleet import FleetResult
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.limits import MAX_DDTREE_BUDGET, MAX_DFLASH_DRAFT_TOKENS
 from ddtree_ops.rollout.executor import HostChange, RolloutEvent, RolloutResult, hosts_by_name, run_rollout
 from ddtree_ops.rollout.gate import (
     DEFAULT_ACCEPT_FLOOR,
@@ -64,28 +65,39 @@ ROLLBACK_ON_FAILURE = typer.Option(
     False, "--rollback-on-failure",
     help="Put back any host whose change fails (patch and launch configuration, its previous server relaunched).",
 )
+# The gate flags' ranges, refused outside them by the option parser before any host is
+# touched (the acceptance floor's top depends on the tree: RolloutArgs.gate). A sampled
+# temperature SGLang's OpenAI routes take (0, 2]: 0 is the gate's greedy half already. A tie
+# epsilon of 1 nat forgives a token e times less likely than the baseline's choice: beyond
+# that a changed token is the model's decision, not rounding. A canary 10x faster than before
+# is more than any tree gives (the DDTree paper's best is 8.22x over AR): a higher minimum
+# could never pass.
+MAX_GATE_TEMPERATURE = 2.0
+MAX_TIE_EPSILON = 1.0
+MAX_MIN_SPEED = 10.0
 GATE_AGREEMENT = typer.Option(
     DEFAULT_AGREEMENT, "--gate-agreement", min=0.0, max=1.0,
     help="Canary: the share of the greedy tokens before the change that must have been compared, each prompt up "
     "to its first divergence (a near-tie ends a prompt's comparison; any other divergence fails anyway).",
 )
 GATE_TIE_EPSILON = typer.Option(
-    DEFAULT_TIE_EPSILON, "--gate-tie-epsilon", min=0.0, metavar="NATS",
+    DEFAULT_TIE_EPSILON, "--gate-tie-epsilon", min=0.0, max=MAX_TIE_EPSILON, metavar="NATS",
     help="Canary: a changed greedy token passes only where the server before the change held it within this many "
     "nats of its own choice (its log-probabilities); default one bf16 step of a logit of 16-32. 0: none passes.",
 )
 GATE_MIN_SPEED = typer.Option(
-    DEFAULT_MIN_SPEED, "--gate-min-speed", min=0.0, metavar="FRACTION",
+    DEFAULT_MIN_SPEED, "--gate-min-speed", min=0.0, max=MAX_MIN_SPEED, metavar="FRACTION",
     help="Canary: decode tok/s after the change, over before, on the same greedy requests (median over the "
     "prompts), must be at least this. 0: speed not judged.",
 )
 GATE_FLOOR = typer.Option(
     None, "--gate-accept-floor", min=1.0,
     help=f"Canary: the acceptance-length floor at every temperature (default: 0.75 x the ledger's median for the "
-    f"machine type and tree, else {DEFAULT_ACCEPT_FLOOR}).",
+    f"machine type and tree, else {DEFAULT_ACCEPT_FLOOR}); below the tree's largest (DDTREE budget + 1, DFLASH "
+    f"draft tokens).",
 )
 GATE_TEMPERATURE = typer.Option(
-    SAMPLED_TEMPERATURE, "--gate-temperature", min=0.01,
+    SAMPLED_TEMPERATURE, "--gate-temperature", min=0.01, max=MAX_GATE_TEMPERATURE,
     help="Canary: the sampled temperature the gate checks besides T = 0.",
 )
 GATE_LEDGER = typer.Option(
@@ -158,16 +170,69 @@ class RolloutArgs:
 
     def gate(self, plan: RolloutPlan, hosts: Sequence[Host], run: RunConfig) -> GateSpec | None:
         """The canary's gate (None without a canary): its floors from the options, else from
-        the ledger's rows of the canary's machine type and tree."""
+        the ledger's rows of the canary's machine type and tree. Every floor is below the
+        largest acceptance the tree can reach: a gate that can never pass is refused here,
+        before any host is touched."""
         if not plan.canary:
+            self._refuse_gate_flags()
             return None
         temperatures = (0.0, self.gate_temperature)
         if self.gate_accept_floor is not None:
             floors = {t: Floor(self.gate_accept_floor, "--gate-accept-floor") for t in temperatures}
         else:
             floors = _ledger_floors(self.gate_ledger, [h for h in hosts if h.name in plan.canary], run, temperatures)
+        _check_floors(floors, run, given=self.gate_accept_floor is not None)
         return GateSpec(agreement=self.gate_agreement, sampled_temperature=self.gate_temperature, floors=floors,
                         tie_epsilon=self.gate_tie_epsilon, min_speed=self.gate_min_speed)
+
+
+    def _refuse_gate_flags(self) -> None:
+        """Without a canary nothing is gated: a gate option given then is a mistake (the
+        --canary forgotten), not a setting to ignore."""
+        given = [name for name, value, default in (
+            ("--gate-agreement", self.gate_agreement, DEFAULT_AGREEMENT),
+            ("--gate-tie-epsilon", self.gate_tie_epsilon, DEFAULT_TIE_EPSILON),
+            ("--gate-min-speed", self.gate_min_speed, DEFAULT_MIN_SPEED),
+            ("--gate-accept-floor", self.gate_accept_floor, None),
+            ("--gate-temperature", self.gate_temperature, SAMPLED_TEMPERATURE),
+            ("--gate-ledger", self.gate_ledger, ()),
+        ) if value != default]
+        if given:
+            raise ConfigError(f"{given[0]} sets the canary's gate: add --canary HOST (or --canary N)")
+
+
+def max_acceptance(run: RunConfig) -> tuple[float, str] | None:
+    """The largest acceptance length (tokens per verify round, the bonus token included) the
+    tree ``run`` launches can reach, and why; None for AR, which does not speculate. A
+    budget not given (a policy's, the drafter's block) is at most the servers' own bound."""
+    if run.algorithm == "DDTREE":
+        if run.budget is None:
+            return MAX_DDTREE_BUDGET + 1.0, f"DDTREE: a budget of at most {MAX_DDTREE_BUDGET} nodes and the bonus token"
+        return run.budget + 1.0, f"DDTREE budget {run.budget}: {run.budget} nodes and the bonus token"
+    if run.algorithm == "DFLASH":
+        tokens = run.budget or MAX_DFLASH_DRAFT_TOKENS
+        return float(tokens), f"DFLASH {tokens} draft tokens" + ("" if run.budget else " at most")
+    return None
+
+
+def _check_floors(floors: dict[float, Floor], run: RunConfig, *, given: bool) -> None:
+    """ConfigError for a floor no canary of ``run``'s tree can reach (``given``: the flag's)."""
+    top = max_acceptance(run)
+    if top is None:
+        if given:
+            raise ConfigError(f"--gate-accept-floor: the canary launches {run.algorithm}, which does not speculate: "
+                              "there is no acceptance to judge")
+        return
+    limit, why = top
+    for floor in floors.values():
+        if floor.value < limit:
+            continue
+        if given:
+            raise ConfigError(f"--gate-accept-floor {floor.value:g}: must be below {limit:g}, the largest acceptance "
+                              f"length of the tree launched ({why})")
+        raise ConfigError(f"--gate-ledger: the floor {floor.describe()} is not below {limit:g}, the largest "
+                          f"acceptance length of the tree launched ({why}): those rows are not this tree's "
+                          "measurements (give --gate-accept-floor, or the ledger of this tree)")
 
 
 def _ledger_floors(

@@ -11,10 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.text import Text
 
 from ddtree_ops.cli.common import (
+    WIDE_HELP,
+    TableColumn,
     check_output_path,
+    fitted_table,
+    graph_mode,
     load_hosts,
+    print_table,
     raise_if_failed,
     set_json_data,
     transport_for,
@@ -23,6 +29,7 @@ from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, PatchError
 from ddtree_ops.fleet import run_on_hosts
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.numbers import parse_count, shown
 from ddtree_ops.selftest import (
     BISECT_BUDGETS,
     DEFAULT_BUNDLE,
@@ -66,9 +73,10 @@ def e2e_options(
     if budgets is not None:
         values = []
         for item in _comma_list("--budgets", budgets):
-            if not item.isdigit() or not 1 <= int(item) <= MAX_BUDGET:
-                raise ConfigError(f"--budgets: {item!r} is not a tree budget (an integer in 1..{MAX_BUDGET})")
-            values.append(int(item))
+            budget = parse_count(item)  # ASCII digits: '²'.isdigit() is true, and int() refuses it
+            if budget is None or not 1 <= budget <= MAX_BUDGET:
+                raise ConfigError(f"--budgets: {shown(item)} is not a tree budget (an integer in 1..{MAX_BUDGET})")
+            values.append(budget)
         picked = E2eOptions(budgets=tuple(values), graphs=picked.graphs, bisect=picked.bisect)
     if graphs is not None:
         modes = _comma_list("--graphs", graphs)
@@ -85,43 +93,35 @@ def _summary(result: SelftestResult) -> str:
     return "failed: " + ", ".join(result.failed_checks)
 
 
-def _render(obj: AppContext, results: Mapping[str, Any]) -> bool:
-    """Render one row per host as a rich table. True if any failed."""
+def _render(obj: AppContext, results: Mapping[str, Any], *, wide: bool = False) -> bool:
+    """Render one row per host as a table that fits the terminal. True if any failed."""
     any_failed = any(not (isinstance(r, SelftestResult) and r.ok) for r in results.values())
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="selftest")
-    for col in ("host", "result", "kernel", "torch", "seconds"):
-        table.add_column(col)
+    columns = (TableColumn("host", wrap=True), TableColumn("result", wrap=True), TableColumn("kernel", wrap=True),
+               TableColumn("torch", drop=1), TableColumn("seconds", "right"))
+    rows: list[list[str | Text]] = []
     for name, r in results.items():
         if isinstance(r, SelftestResult):
-            style = "green" if r.ok else "red"
-            table.add_row(
-                escape(name), f"[{style}]{escape(_summary(r))}[/]", escape(r.kernel), escape(r.torch or ""),
-                f"{r.seconds or 0:.1f}",
-            )
+            rows.append([name, Text(_summary(r), style="green" if r.ok else "red"), r.kernel, r.torch or "",
+                         f"{r.seconds or 0:.1f}"])
             if obj.verbose:
                 for check, c in r.checks.items():
-                    table.add_row("", escape(f"  {check}: {'ok' if c.ok else 'FAILED'}"), escape(c.detail), "", "")
+                    rows.append(["", f"  {check}: {'ok' if c.ok else 'FAILED'}", c.detail, "", ""])
         else:
             msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
-            table.add_row(escape(name), f"[red]error: {escape(msg)}[/]", "", "", "")
-    obj.console.print(table)
+            rows.append([name, Text(f"error: {msg}", style="red"), "", "", ""])
+    print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide, title="selftest"))
     return any_failed
 
 
-def _run_cell(run: E2eRun) -> str:
+def _run_cell(run: E2eRun) -> Text:
     """The result column of one e2e row."""
-    from rich.markup import escape
-
     if run.verdict == "equal":
-        return "[green]equal[/]"
+        return Text("equal", style="green")
     d = run.first_divergence
     where = f" at token {d.position} (margin {d.margin:.3g})" if d is not None and d.margin is not None else ""
     if run.verdict == "tie":
-        return f"[yellow]tie{where}[/]"
-    return f"[red]FAILED: {escape(run.error or 'diverged' + where)}[/]"
+        return Text(f"tie{where}", style="yellow")
+    return Text(f"FAILED: {run.error or 'diverged' + where}", style="red")
 
 
 def _yes_no(value: bool | None) -> str:
@@ -135,43 +135,40 @@ def _graph_cell(run: E2eRun) -> str:
     return _yes_no(run.verify_cuda_graph_captured)
 
 
-def _render_e2e(obj: AppContext, results: Mapping[str, Any]) -> bool:
+def _render_e2e(obj: AppContext, results: Mapping[str, Any], *, wide: bool = False) -> bool:
     """One row per (host, budget, graph mode), after a row with the host's checks. True if
-    any host failed."""
+    any host failed. At 80 columns the result keeps the room (errors are long) and the
+    lesser columns give way, named in the caption."""
     any_failed = any(not (isinstance(r, E2eResult) and r.ok) for r in results.values())
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="selftest --e2e")
-    for col in ("host", "budget", "graphs", "result", "graph captured", "accept length", "verify backend", "startup s"):
-        table.add_column(col)
+    columns = (
+        TableColumn("host", wrap=True), TableColumn("budget", "right"), TableColumn("mode"),
+        TableColumn("result", wrap=True), TableColumn("graph captured", wrap=True, drop=1),
+        TableColumn("accept length", "right", drop=2), TableColumn("verify backend", drop=3),
+        TableColumn("startup s", "right", drop=4),
+    )
+    rows: list[list[str | Text]] = []
     for name, r in results.items():
         if not isinstance(r, E2eResult):
             msg = str(r) if isinstance(r, DdtreeOpsError) else f"{type(r).__name__}: {r}"
-            table.add_row(escape(name), "", "", f"[red]error: {escape(msg)}[/]", "", "", "", "")
+            rows.append([name, "", "", Text(f"error: {msg}", style="red"), "", "", "", ""])
             continue
-        checks = escape(
-            f"{len(r.checks)} checks passed" if not r.failed_checks else "failed: " + ", ".join(r.failed_checks)
-        )
-        style = "red" if r.failed_checks else "green"
-        head = f"[{style}]{checks}[/]" + escape(
-            f"; kernel {r.kernel}; sglang {r.sglang_version or '?'} on {r.device or '?'}"
-        )
-        table.add_row(escape(name), "checks", "", head, "", "", "", f"{r.baseline_startup_s or 0:.0f}")
+        checks = f"{len(r.checks)} checks passed" if not r.failed_checks else "failed: " + ", ".join(r.failed_checks)
+        head = Text(checks, style="red" if r.failed_checks else "green")
+        head.append(f"; kernel {r.kernel}; sglang {r.sglang_version or '?'} on {r.device or '?'}")
+        rows.append([name, "checks", "", head, "", "", "", f"{r.baseline_startup_s or 0:.0f}"])
         for run in r.runs:
             accept = "" if run.accept_length is None else f"{run.accept_length:.2f}"
-            table.add_row(
-                "", str(run.budget), escape(run.graphs), _run_cell(run), escape(_graph_cell(run)),
-                accept, escape(run.verify_attention_backend or ""), f"{run.startup_s or 0:.0f}",
-            )
+            rows.append(["", str(run.budget), graph_mode(run.graphs != "off"), _run_cell(run), _graph_cell(run),
+                         accept, run.verify_attention_backend or "", f"{run.startup_s or 0:.0f}"])
         if r.bisect is not None:
             for step in r.bisect.tried:
-                cell = "[green]served[/]" if step.ok else f"[red]FAILED: {escape(step.error or '')}[/]"
-                table.add_row("", str(step.budget), "on", cell, _yes_no(step.captured), "", "", "")
-            table.add_row("", "", "", escape(_bisect_summary(r.bisect)), "", "", "", "")
+                cell = Text("served", style="green") if step.ok else Text(f"FAILED: {step.error or ''}", style="red")
+                rows.append(["", str(step.budget), graph_mode(True), cell, _yes_no(step.captured), "", "", ""])
+            rows.append(["", "", "", _bisect_summary(r.bisect), "", "", "", ""])
         if r.error:
-            table.add_row("", "", "", f"[red]error: {escape(r.error)}[/]", "", "", "", "")
-    obj.console.print(table)
+            rows.append(["", "", "", Text(f"error: {r.error}", style="red"), "", "", "", ""])
+    table = fitted_table(columns, rows, width=obj.console.width, wide=wide, title="selftest --e2e")
+    print_table(obj.console, table)
     if any(run.verify_cuda_graph_max_bs is not None for r in results.values() if isinstance(r, E2eResult)
            for run in r.runs):
         obj.console.print("graph captured: batch <= N is the launch's graph ceiling per budget, the largest batch "
@@ -204,15 +201,19 @@ def check_out_dir(out: Path | None) -> None:
 
 def write_reports(out: Path, results: Mapping[str, Any]) -> list[Path]:
     """``out/<host>.json`` per host (failed hosts too: their error)."""
+    from ddtree_ops.fsutil import replace_file, write_problem
+
     try:
         out.mkdir(exist_ok=True)
         written = []
         for name, r in results.items():
             path = out / f"{name.replace('/', '_')}.json"
-            path.write_text(json.dumps(_host_dict(name, r), indent=2, sort_keys=True) + "\n")
+            # Replaced atomically (fsutil): a link at the name is replaced, never written through.
+            data = (json.dumps(_host_dict(name, r), indent=2, sort_keys=True) + "\n").encode()
+            replace_file(path, lambda fh: fh.write(data))  # noqa: B023 (called here, at once)
             written.append(path)
     except OSError as exc:
-        raise ConfigError(f"--out: cannot write the reports into {out} ({exc.strerror or exc})") from exc
+        raise ConfigError(f"--out: cannot write the reports into {out} ({write_problem(exc)})") from None
     return written
 
 
@@ -241,6 +242,7 @@ def selftest_command(
         "CUDA_LAUNCH_BLOCKING=1 and with the eager candidate head; remember the eager fallback from that budget up."
     ),
     out: Path | None = typer.Option(None, "--out", help="Also write each host's report to DIR/<host>.json."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
 ) -> None:
     """Test the DEPLOYED DDTree files on each host with its own interpreter: golden
     encoding, tree properties, greedy walk, sampler exactness, and kernel vs reference
@@ -281,7 +283,7 @@ def selftest_command(
         write_reports(out, results)
     set_json_data(obj, [_host_dict(name, r) for name, r in results.items()])
     if not obj.json:
-        _render_e2e(obj, results) if options is not None else _render(obj, results)
+        _render_e2e(obj, results, wide=wide) if options is not None else _render(obj, results, wide=wide)
     raise_if_failed("selftest", results, failure=_failed_checks)
 
 
@@ -290,7 +292,8 @@ def _failed_checks(result: SelftestResult | E2eResult) -> BaseException | None:
     if result.ok:
         return None
     what = ", ".join(result.failed_checks) or (
-        "; ".join(f"budget {r.budget} graphs {r.graphs}: {r.verdict}" for r in getattr(result, "runs", ()) if not r.ok)
+        "; ".join(f"budget {r.budget} {graph_mode(r.graphs != 'off')}: {r.verdict}"
+                  for r in getattr(result, "runs", ()) if not r.ok)
         or getattr(result, "error", None) or "failed"
     )
     return PatchError(f"selftest: {what}", host=result.host)

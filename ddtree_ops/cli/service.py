@@ -26,6 +26,7 @@ from ddtree_ops.cli.common import (
     error_text,
     fitted_table,
     fleet_json,
+    graph_mode,
     load_inventory_for,
     load_slot_hosts,
     print_table,
@@ -283,7 +284,7 @@ def _render_restart(
         return
     columns: tuple[TableColumn, ...] = (
         TableColumn("host", wrap=True), TableColumn("status"), TableColumn("pid", "right", drop=2),
-        TableColumn("run", wrap=True), TableColumn("graphs"), TableColumn("load", "right"),
+        TableColumn("run", wrap=True), TableColumn("mode"), TableColumn("load", "right"),
         # Part of load: what goes first when the run column needs the room (80 columns).
         TableColumn("capture", "right", drop=1),
         TableColumn("smoke", "right"), TableColumn("total", "right", wrap=True),
@@ -301,7 +302,7 @@ def _render_restart(
             launches = f" ({r.attempts} launches)" if r.attempts > 1 else ""
             rows.append([
                 name, Text("ok", style="green"), str(r.pid), r.run.replace("budget=", "b=").replace("topk=", "k="),
-                "on" if r.cuda_graph else "eager",
+                graph_mode(r.cuda_graph),
                 _seconds(r.load_s), _seconds(r.phase_durations.get(Phase.CAPTURING)),
                 "skipped" if r.smoke is None else _seconds(r.smoke.seconds), f"{r.ready_s:.1f}s{launches}",
                 f"{r.deadline_s:.0f}s ({r.deadline_source})",
@@ -408,7 +409,7 @@ def service_status_cmd(
         ("pid", lambda r: r.pid),
         ("unit", lambda r: r.unit.describe() if r.unit is not None else None),
         ("run", lambda r: r.run),
-        ("cuda graphs", lambda r: None if r.cuda_graph is None else ("on" if r.cuda_graph else "off")),
+        ("mode", lambda r: None if r.cuda_graph is None else graph_mode(r.cuda_graph)),
         ("ready", ready),
         ("log", lambda r: r.log_tail[-1] if r.log_tail else None),
     ]

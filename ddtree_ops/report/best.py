@@ -241,7 +241,8 @@ def _best_row(
         single = bool(pd.isna(repeats)) or float(repeats) < 2
         gap = abs(runner_up["score"] / pick["score"] - 1) if pick["score"] else float("inf")
         if single and not pd.isna(gap) and gap < ONE_REPEAT_NOISE:
-            notes.append(f"one repeat: {runner_up['_label']} is within {gap:.1%}, inside what one measurement can "
+            # Said as what it means: the gap is too small for one measurement to show it.
+            notes.append(f"one repeat: {runner_up['_label']} is within {gap:.1%}, too close for one measurement to "
                          f"tell apart: more repeats decide it")
     speedup = pick["speedup_vs_ar"]
     if pick["algorithm"] != "AR" and not pd.isna(speedup) and speedup < 1.0:

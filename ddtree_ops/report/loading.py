@@ -19,7 +19,8 @@ Every row carries its run (:mod:`.runs`): the ``run`` column of the frame, the r
 invocation's run_id, with a ``bench --resume`` that continued a run counted in it; the
 runs read are :attr:`LoadedLedgers.runs`.
 
-Every row is checked here once (:func:`row_problem`), whichever path read it and for
+Every row is checked here once (:func:`ddtree_ops.bench.ledger.row_problem`, the check
+``--resume`` and the canary gate's floors read rows with too), whichever path read it and for
 every consumer (the tidy table, ``tune``'s policies, the per-category and lossless
 tables that re-read raw lines): a number of the wrong type, an integer outside what a
 sweep can ask for (``concurrency: 1e30``, ``budget: -4``), a DDTREE row without a tree,
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -41,39 +41,30 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ddtree_ops.bench.ledger import INT_BOUNDS, KEY_FIELDS, SCHEMA_VERSION, field_problem, parse_lines
+from ddtree_ops.bench.ledger import (
+    ACCEPT_SLACK,
+    FLOAT_FIELDS,
+    INT_BOUNDS,
+    INT_FIELDS,
+    KEY_FIELDS,
+    MEDIAN_FIELDS,
+    NEEDED_FIELDS,
+    SCHEMA_VERSION,
+    TEXT_FIELDS,
+    parse_lines,
+    row_problem,
+)
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.fsutil import NOT_REGULAR, open_regular
-from ddtree_ops.limits import MAX_DDTREE_BUDGET
+from ddtree_ops.limits import MAX_DDTREE_BUDGET, MAX_DFLASH_DRAFT_TOKENS
 from ddtree_ops.report.runs import Run, run_column, summarize_runs
 
-_STR_COLS = (
-    "run_id", "sweep", "host", "gpu_name", "gpu_arch", "algorithm", "fallback_reason", "workload_hash",
-    "workload_name", "workload_prompt_format", "status",
-    # Which launch served a row (null: none did) and why a row failed: rows no server
-    # measured are not cells (report.build.split_unmeasured).
-    "launch_id", "error",
-    # What a row is (issue 43): null or "measured"; "predicted" and "probe" rows are kept
-    # apart (LoadedLedgers.predicted), never in the measured frame.
-    "source",
-    # Which run a row is of and when it began (report.runs: runs are never pooled silently).
-    "sweep_hash", "started_at",
-)
-_INT_COLS = ("schema_version", "budget", "topk", "top_k", "concurrency", "repeat", "failed", "gpu_count",
-             "cuda_graph_max_bs")
+# The columns by type, and the row check, are the ledger's (every reader of rows shares them).
+_STR_COLS = TEXT_FIELDS
+_INT_COLS = INT_FIELDS
 #: Per-row metrics whose per-cell median the tidy table reports.
-MEDIAN_COLS: tuple[str, ...] = (
-    "output_tok_s",
-    "accept_length",
-    "ttft_ms_median",
-    "ttft_ms_p99",
-    "itl_ms_median",
-    "itl_ms_p99",
-    "tpot_ms_median",
-    "e2e_ms_median",
-)
-_FLOAT_COLS = ("temperature", "top_p", "request_rate", *MEDIAN_COLS, "round_ms", "overhead_ms",
-               "predicted_accept_naive", "predicted_tok_s_naive")
+MEDIAN_COLS: tuple[str, ...] = MEDIAN_FIELDS
+_FLOAT_COLS = FLOAT_FIELDS
 #: One row per measurement: a second row with these values is a copy, counted once (a
 #: cell's prediction and its measurement in one run are two rows: ``source`` tells them apart).
 DUPLICATE_KEYS: tuple[str, ...] = ("run_id", "source", *KEY_FIELDS)
@@ -85,7 +76,7 @@ LOAD_COLUMNS: tuple[str, ...] = _STR_COLS + _INT_COLS + _FLOAT_COLS + _BOOL_COLS
 #: The frame's columns: the ledger's (LOAD_COLUMNS), then each row's run (report.runs).
 FRAME_COLUMNS: tuple[str, ...] = (*LOAD_COLUMNS, "run")
 #: A row lacking any of these cannot be placed in a cell: it is a bad line.
-_NEEDED = ("host", "algorithm", "status", "cuda_graph", "temperature", "concurrency")
+_NEEDED = NEEDED_FIELDS
 
 #: Bytes handed to one pyarrow call: large enough that its worker threads stay busy,
 #: small enough that a refused block is cheap to split and re-read.
@@ -258,66 +249,22 @@ def _fast_block(block: Any, arrow: Any) -> Any | None:
         column = table.column(name)
         if pc.any(pc.and_kleene(ddtree, pc.or_kleene(pc.is_null(column), pc.greater(column, high)))).as_py():
             return None
+    # An acceptance length no verify step gives (ledger.row_problem's bound, per row).
+    accept = table.column("accept_length")
+    if accept.null_count < len(accept):
+        high = pc.add(pc.fill_null(table.column("budget"), float(MAX_DFLASH_DRAFT_TOKENS)), float(ACCEPT_SLACK))
+        if pc.any(pc.or_(pc.less(accept, 0.0), pc.greater(accept, high))).as_py():
+            return None
     return table
-
-
-def _non_finite(row: dict[str, Any]) -> str | None:
-    """Why ``row`` is refused for a NaN/inf metric, or None."""
-    bad: list[str] = []
-    for name in MEDIAN_COLS:
-        value = row.get(name)
-        if isinstance(value, float) and not math.isfinite(value):
-            bad.append(f"{name}={value}")
-    return f"non-finite metric(s): {', '.join(bad)}" if bad else None
-
-
-def _not_a_number(row: dict[str, Any]) -> str | None:
-    """Why ``row`` is refused for a numeric field that holds something else, or None.
-
-    Coerced to NaN, a ``budget: "x"`` would put every such row in one cell, where they
-    read as copies of each other ("32 duplicate rows") instead of 32 bad lines."""
-    bad = [
-        f"{name}={value!r}"
-        for name in _INT_COLS + _FLOAT_COLS
-        if (value := row.get(name)) is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))
-    ]
-    return f"not a number: {', '.join(bad)}" if bad else None
-
-
-def _not_a_string(row: dict[str, Any]) -> str | None:
-    """Why ``row`` is refused for a text field that holds something else, or None: a
-    ``run_id: ["x"]`` cannot name a run (nor be told from a copy)."""
-    bad = [f"{name}={value!r}"[:80] for name in _STR_COLS if (value := row.get(name)) is not None
-           and not isinstance(value, str)]
-    return f"not a string: {', '.join(bad)}" if bad else None
-
-
-def row_problem(row: dict[str, Any]) -> str | None:
-    """Why a parsed current-schema ``row`` is a bad line for the report, or None: a field
-    it needs missing, a number or text that is not one, a NaN/inf metric, an integer out of
-    bounds or a DDTREE row without a tree (:func:`ddtree_ops.bench.ledger.field_problem`)."""
-    missing = [column for column in _NEEDED if row.get(column) is None]
-    if missing:
-        return f"missing field(s): {', '.join(missing)}"
-    return _not_a_number(row) or _not_a_string(row) or _non_finite(row) or field_problem(row)
 
 
 def _careful_block(
     lines: list[bytes], *, name: str, first_lineno: int, at_eof: bool, bad: list[tuple[str, int, str]]
 ) -> pd.DataFrame:
+    # parse_lines checks every row (ledger.row_problem): what it returns is kept.
     read = parse_lines(lines, first_lineno=first_lineno, at_eof=at_eof)
     bad.extend((name, n, reason) for n, reason in read.bad_lines)
-    kept: list[dict[str, Any]] = []
-    if read.rows:
-        # parse_lines drops blank lines, so recover line numbers for the field check.
-        numbers = [first_lineno + i for i, raw in enumerate(lines) if raw.strip()]
-        bad_numbers = {n for n, _ in read.bad_lines}
-        numbers = [n for n in numbers if n not in bad_numbers]
-        for lineno, row in zip(numbers, read.rows, strict=True):
-            if reason := row_problem(row):
-                bad.append((name, lineno, reason))
-            else:
-                kept.append({column: row.get(column) for column in LOAD_COLUMNS})
+    kept = [{column: row.get(column) for column in LOAD_COLUMNS} for row in read.rows]
     return pd.DataFrame.from_records(kept, columns=list(LOAD_COLUMNS))
 
 

@@ -13,12 +13,12 @@ unknown.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import pandas as pd
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.numbers import parse_float
 from ddtree_ops.report.aggregation import CELL_KEYS, CONDITION_KEYS
 from ddtree_ops.report.best import TIE_TOLERANCE
 from ddtree_ops.report.categories import speedup_vs_ar
@@ -37,11 +37,8 @@ def parse_mix(text: str) -> dict[str, float]:
     for part in (p.strip() for p in text.split(",")):
         name, sep, value = part.partition("=")
         name = name.strip()
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = math.nan
-        if not sep or not name or not math.isfinite(weight) or weight <= 0:
+        weight = parse_float(value.strip())  # ASCII digits, finite: float() reads '٠.٥' and 'inf'
+        if not sep or not name or weight is None or weight <= 0:
             raise ConfigError(f"--mix: {part!r} is not data_set=weight with a positive weight "
                               "(e.g. --mix gsm8k=0.5,humaneval=0.5)")
         if name in weights:

@@ -27,8 +27,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.artist import Artist
+from matplotlib.figure import Figure
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.fsutil import replace_file, write_problem
 
 #: Inches per panel; a figure has a column per temperature and a row per concurrency.
 _PANEL_W, _PANEL_H = 4.6, 3.4
@@ -46,6 +48,16 @@ def _slug(text: str) -> str:
     if len(slug) > _SLUG_MAX:
         slug = f"{slug[:_SLUG_MAX].rstrip('-')}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
     return slug
+
+
+def _save(fig: Figure, path: Path, *, dpi: int) -> None:
+    """``fig`` as the PNG ``path``, replaced atomically (a link planted at the name is
+    replaced, never written through; a full disk leaves no half image): one line if not."""
+    try:
+        replace_file(path, lambda fh: fig.savefig(fh, dpi=dpi, format="png"))
+    except OSError as exc:
+        plt.close(fig)
+        raise ConfigError(f"{path}: cannot write the plot: {write_problem(exc)}") from None
 
 
 def _slugs(names: list[str]) -> dict[str, str]:
@@ -149,7 +161,7 @@ def _line_plot(
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label.split(" (")[0], handle)
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(6, len(handles)), fontsize=9)
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -191,7 +203,7 @@ def _heatmap(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
         fig.suptitle(f"{machine} — DDTree speedup over autoregressive (x)\n"
                      "* = eager mode (no CUDA graph): not comparable with unstarred cells",
                      fontsize=12, fontweight="bold")
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -261,7 +273,7 @@ def _pareto(data: pd.DataFrame, machine: str, path: Path) -> Path | None:
     # Three entries a row per panel: a one-panel figure is too narrow for more.
     fig.legend(list(handles.values()), list(handles), loc="outside lower center",
                ncol=min(3 * len(temps), len(handles)), fontsize=9)
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -290,7 +302,7 @@ def write_plots(grouped: pd.DataFrame, out_dir: Path, *, run_labels: Mapping[str
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{out_dir}: cannot create the plot folder: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{out_dir}: cannot create the plot folder: {write_problem(exc)}") from None
     written: list[Path] = []
     groups = _machine_runs(grouped)
     names = [machine if run is None else f"{machine} run {run}" for machine, run, _ in groups]
@@ -322,7 +334,7 @@ def write_predicted_plots(pvm: pd.DataFrame, out_dir: Path) -> list[Path]:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{out_dir}: cannot create the plot folder: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{out_dir}: cannot create the plot folder: {write_problem(exc)}") from None
     machines = both["gpu_name"].fillna(both["host"]).astype(str)
     slugs = _slugs(sorted(machines.unique()))
     written: list[Path] = []
@@ -347,7 +359,7 @@ def write_predicted_plots(pvm: pd.DataFrame, out_dir: Path) -> list[Path]:
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
         path = out_dir / f"{slugs[machine]}-predicted-vs-measured.png"
-        fig.savefig(path, dpi=100)
+        _save(fig, path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written

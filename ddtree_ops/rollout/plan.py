@@ -19,8 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddtree_ops.errors import ConfigError
+from ddtree_ops.numbers import parse_count, shown
 
-_SERIAL = re.compile(r"\s*(\d+)\s*(%?)\s*\Z")
+# ASCII digits only (``\d`` reads '٣' as 3: ``--serial ٣`` ran three-host batches), at most
+# 18 of them (Python refuses to read 4,301), blanks or tabs around.
+_SERIAL = re.compile(r"[ \t]*([0-9]{1,18})[ \t]*(%?)[ \t]*\Z")
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Serial:
     def parse(cls, text: str) -> Serial:
         match = _SERIAL.match(text)
         if match is None:
-            raise ConfigError(f"--serial {text!r}: expected a number of hosts (2) or a share of them (25%)")
+            raise ConfigError(f"--serial {shown(text)}: expected a number of hosts (2) or a share of them (25%)")
         value = int(match.group(1))
         if match.group(2):
             if not 1 <= value <= 100:
@@ -55,20 +58,24 @@ class Serial:
 
 
 def parse_canary(text: str | None, targets: Sequence[str]) -> tuple[str, ...]:
-    """``--canary``: a target host (or a comma list of them), or N for the first N targets."""
+    """``--canary``: a target host (or a comma list of them), or N for the first N targets
+    (N in ASCII digits: '²' or '٣' is a name, and no target's)."""
     if text is None:
         return ()
     text = text.strip()
-    if text.isdigit() and text not in targets:
-        count = int(text)
-        if not 1 <= count <= len(targets):
+    count = parse_count(text)
+    if count is not None and text not in targets:
+        if count < 1:
+            raise ConfigError(f"--canary {count}: at least one host goes first")
+        if count > len(targets):
             raise ConfigError(f"--canary {count}: the first {count} of {len(targets)} target(s) do not exist")
         return tuple(targets[:count])
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in targets]
     if not names or unknown:
-        shown = ", ".join(targets[:8]) + (" ..." if len(targets) > 8 else "")
-        raise ConfigError(f"--canary {text!r}: {unknown[0] if unknown else text!r} is not one of the targets ({shown})")
+        listed = ", ".join(targets[:8]) + (" ..." if len(targets) > 8 else "")
+        raise ConfigError(f"--canary {shown(text)}: {shown(unknown[0] if unknown else text)} is not one of the "
+                          f"targets ({listed})")
     return tuple(n for n in targets if n in names)
 
 

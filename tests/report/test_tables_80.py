@@ -25,7 +25,7 @@ CONFIGS = [("AR", None, None), ("DFLASH", None, None)] + [
     ("DDTREE", b, k) for b in (4, 8, 16) for k in (2, 4)
 ]
 # One repeat (the demo's): no spread to show, so the header promises none.
-ALL_HEADERS = ("temp", "conc", "config", "graph", "n", "tok/s", "accept len", "TTFT p50 ms", "ITL p50 ms",
+ALL_HEADERS = ("temp", "conc", "config", "mode", "n", "tok/s", "accept len", "TTFT p50 ms", "ITL p50 ms",
                "vs AR", "vs DFlash")
 
 
@@ -88,13 +88,13 @@ def test_report_fits_80_columns_and_shows_every_row(tmp_path: Path) -> None:
     assert max(len(line) for line in out.splitlines()) <= 80, out
     for host in HOSTS:
         every_cell(out, host)
-    assert "Hidden to fit 80 columns: graph" in out and "(--wide shows every column)" in out
+    assert "Hidden to fit 80 columns: mode" in out and "(--wide shows every column)" in out
     assert len(table_rows(out, "Comparison (b / a)")) == 64
     for title in ("Best configuration — B300 SXM6 AC (sim)",
                   "Best configuration — RTX PRO 6000 Blackwell Workstation Edition (sim)"):
         assert len(table_rows(out, title)) == (8 if "B300" in title else 4)
     # The runner-up notes wrap under their key instead of running past the edge.
-    assert any(line.startswith("  T=0.00 c=1 graph: runner-up ") for line in out.splitlines())
+    assert any(line.startswith("  T=0.00 c=1 graphs: runner-up ") for line in out.splitlines())
 
 
 def test_wide_shows_every_column(tmp_path: Path) -> None:
