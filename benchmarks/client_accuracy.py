@@ -46,6 +46,7 @@ process tree sampled from /proc every 20 ms, over the measured wave's span on th
 clock (start-up and warmup excluded).
 
     .venv/bin/python benchmarks/client_accuracy.py
+    .venv/bin/python benchmarks/client_accuracy.py --quick    # concurrency 1 and 4, 16 tokens
     .venv/bin/python benchmarks/client_accuracy.py --concurrency 1,8,32 --repeats 3 --json
     .venv/bin/python benchmarks/client_accuracy.py --tools ours,bench_serving,aiperf \
         --bench-serving-python /path/venv/bin/python --aiperf /path/venv/bin/aiperf \
@@ -348,7 +349,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="One JSON object per level on stdout instead of the table.")
     ap.add_argument("--bench-serving-python", default=None, help="Interpreter with sglang + its client deps.")
     ap.add_argument("--aiperf", default="aiperf", help="The aiperf command (tool 'aiperf').")
+    ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 16 output tokens, one wave each")
     args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.output_len, args.repeats = "1,4", 16, 1
     levels = [int(x) for x in args.concurrency.split(",")]
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     if not tools or any(t not in ("ours", "bench_serving", "aiperf") for t in tools):

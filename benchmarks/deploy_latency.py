@@ -7,12 +7,15 @@ bandwidth. Then it measures, for the real ``patches/ddtree_temperature`` bundle:
 
 - remote round trips per host for a fresh deploy and for a no-op re-deploy;
 - wall time of a fresh deploy to 1 host vs N hosts in parallel (target: within 1.5x);
-- the naive way: one ``scp`` plus one ``ssh`` (byte-compile) per file, to 1 host.
+- the naive way, to 1 host: one ``ssh mkdir -p`` for the folders the files go into (the
+  bundle's dist-info folder is new, and ``scp`` makes no folders), then one ``scp`` per file
+  and one ``ssh`` (byte-compile) per Python file.
 
 The bundle's verify commands are left out of the timed deploys (they import torch, which
 costs seconds of CPU unrelated to the link); ``--with-verify`` keeps them.
 
     .venv/bin/python benchmarks/deploy_latency.py --hosts 4 --rtt-ms 50 --repeat 3
+    .venv/bin/python benchmarks/deploy_latency.py --quick     # 2 hosts, +10 ms RTT, 1 repeat
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import posixpath
 import shutil
 import statistics
 import subprocess
@@ -119,16 +123,41 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def naive_deploy(fleet: Fleet, fh_index: int, port: int, bundle: Bundle) -> None:
-    """What people do by hand: scp each file, then ssh to byte-compile it; new connection each time."""
+def naive_deploy(fleet: Fleet, fh_index: int, port: int, bundle: Bundle) -> int:
+    """What people do by hand: one ``ssh mkdir -p`` for the folders the files go into (the
+    bundle's dist-info is new: scp does not create folders), then scp each file and ssh to
+    byte-compile each Python file; a new connection each time. Returns the connections."""
     fh = fleet.hosts[fh_index]
     common = ["-i", str(fleet.client_key), "-o", f"UserKnownHostsFile={fleet.known_hosts}",
               "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"]
+    folders = sorted({posixpath.dirname(f"{fh.sglang_dir}/{f.path}") for f in bundle.files})
+    subprocess.run(["ssh", *common, "-p", str(port), "root@127.0.0.1", "mkdir", "-p", *folders], check=True)
+    connections = 1
     for f in bundle.files:
         target = f"{fh.sglang_dir}/{f.path}"
         subprocess.run(["scp", "-q", *common, "-P", str(port), f.source, f"root@127.0.0.1:{target}"], check=True)
-        subprocess.run(["ssh", *common, "-p", str(port), "root@127.0.0.1", str(fh.python), "-m", "py_compile", target],
-                       check=True)
+        connections += 1
+        if f.path.endswith(".py"):
+            subprocess.run(["ssh", *common, "-p", str(port), "root@127.0.0.1", str(fh.python), "-m", "py_compile",
+                            target], check=True)
+            connections += 1
+    return connections
+
+
+def undo_naive(fleet: Fleet, fh_index: int, bundle: Bundle, new_folders: list[Path]) -> None:
+    """Put the upstream files back (the host is local to this machine), and remove the
+    folders the naive deploy made, so that the next fresh deploy starts from the same state."""
+    fh = fleet.hosts[fh_index]
+    for f in bundle.files:
+        if f.op == "add":
+            (fh.sglang_dir / f.path).unlink(missing_ok=True)
+    template = next((REPO / ".cache" / "fleet-prefix").glob("sglang-*"))
+    rel = fh.sglang_dir.relative_to(fh.prefix)
+    for f in bundle.files:
+        if f.op == "replace":
+            shutil.copy2(template / rel / f.path, fh.sglang_dir / f.path)
+    for folder in sorted(new_folders, key=lambda p: len(p.parts), reverse=True):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:
@@ -138,7 +167,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--with-verify", action="store_true")
     ap.add_argument("--bundle", type=Path, default=REPO / "patches" / "ddtree_temperature")
+    ap.add_argument("--quick", action="store_true", help="2 hosts, +10 ms RTT, 1 repeat")
     args = ap.parse_args()
+    if args.quick:
+        args.hosts, args.rtt_ms, args.repeat = 2, 10.0, 1
 
     bundle = load_bundle(args.bundle)
     if not args.with_verify:
@@ -191,17 +223,13 @@ def main() -> None:
             undo(hosts[:1])
             n_hosts.append(timed(lambda: fresh(hosts)))
             undo(hosts)
-            naive.append(timed(lambda: naive_deploy(fleet, 0, ports[0], bundle)))
-            # Put the upstream files back so the next fresh deploy starts from the same state.
-            for f in bundle.files:
-                target = fleet.hosts[0].sglang_dir / f.path
-                if f.op == "add":
-                    target.unlink(missing_ok=True)
-            template = next((REPO / ".cache" / "fleet-prefix").glob("sglang-*"))
-            for f in bundle.files:
-                if f.op == "replace":
-                    rel = fleet.hosts[0].sglang_dir.relative_to(fleet.hosts[0].prefix)
-                    shutil.copy2(template / rel / f.path, fleet.hosts[0].sglang_dir / f.path)
+            fh0 = fleet.hosts[0]
+            new_folders = [d for d in {(fh0.sglang_dir / f.path).parent.resolve() for f in bundle.files}
+                           if not d.exists()]
+            started = time.perf_counter()
+            connections = naive_deploy(fleet, 0, ports[0], bundle)
+            naive.append(time.perf_counter() - started)
+            undo_naive(fleet, 0, bundle, new_folders)
 
         med = statistics.median
         print(f"bundle {bundle.name} {bundle.short_identity}: {len(bundle.files)} files, "
@@ -213,7 +241,7 @@ def main() -> None:
               f"  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
         print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s"
               f"  ratio {med(n_hosts) / med(one_host):.2f}x  (all: {', '.join(f'{x:.2f}' for x in n_hosts)})")
-        print(f"naive scp+ssh per file, 1 host:  {med(naive):6.2f} s  ({2 * len(bundle.files)} connections; "
+        print(f"naive scp+ssh per file, 1 host:  {med(naive):6.2f} s  ({connections} connections; "
               f"{med(naive) / med(one_host):.1f}x slower, and no lock/backup/verify/atomicity)")
     finally:
         proxy.close()

@@ -5,7 +5,7 @@ Starts the same real-sshd fleet the tests use (tests/fleetlib.py), then times
 (b) the whole CLI, `python -m ddtree_ops -i <fleet> --max-parallel P doctor all`, as a user
 runs it (interpreter start-up included). Prints the figures; asserts nothing.
 
-    .venv/bin/python benchmarks/doctor_parallel.py [--rounds 5]
+    .venv/bin/python benchmarks/doctor_parallel.py [--rounds 5] [--quick]
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ from ddtree_ops.probe import probe_hosts  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="one round (--rounds 1)")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 1
 
     root, owned = fast_root(Path(tempfile.mkdtemp(prefix="ddtree-bench-")))
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ ok: the refusals did not wait for it and did not touch it.
 For comparison, ``ddtree-ops hosts`` on the same inventory (start-up, imports and the
 inventory load, nothing else) is timed the same way.
 
-    .venv/bin/python benchmarks/lease_refusal.py [--tries 5] [--json]
+    .venv/bin/python benchmarks/lease_refusal.py [--tries 5] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_files(tmp: Path) -> tuple[Path, Path, Path]:
+def write_files(tmp: Path, *, quick: bool = False) -> tuple[Path, Path, Path]:
     inv = tmp / "inv.yaml"
     inv.write_text(yaml.safe_dump({"all": {"children": {"local": {"hosts": {HOST: {
         "ansible_connection": "local",
@@ -53,11 +53,14 @@ def write_files(tmp: Path) -> tuple[Path, Path, Path]:
             "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": "1", "SIM_TIME_SCALE": "1"}}}}}}}}}))
     (tmp / "p.jsonl").write_text('{"prompt": "hello there"}\n{"prompt": "general kenobi"}\n')
     sweeps = []
-    for name, tokens, repeats in (("first", 128, 2), ("second", 16, 1)):
+    # --quick: the first sweep is one cell of 4 x 192 tokens (over 10 s of decoding, sleeping):
+    # it outlasts one try of each refusal on a busy machine (7 s here), and costs little CPU.
+    first = ("first", 192, 1, [0.0], [1]) if quick else ("first", 128, 2, [0.0, 0.6], [1, 2])
+    for name, tokens, repeats, temperatures, concurrency in (first, ("second", 16, 1, [0.0, 0.6], [1, 2])):
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump({
             "name": name, "targets": ["local"], "repeats": repeats, "warmup": 0,
-            "grid": {"algorithm": ["autoregressive"], "temperature": [0.0, 0.6], "concurrency": [1, 2]},
+            "grid": {"algorithm": ["autoregressive"], "temperature": temperatures, "concurrency": concurrency},
             "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": tokens}}))
         sweeps.append(path)
     return inv, sweeps[0], sweeps[1]
@@ -73,11 +76,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one try each, a first sweep of one cell")
     args = ap.parse_args()
+    if args.quick:
+        args.tries = 1
     cli = [sys.executable, "-m", "ddtree_ops"]
     with tempfile.TemporaryDirectory(prefix="ddtree-lease-") as tmp_s:
         tmp = Path(tmp_s)
-        inv, first_sweep, second_sweep = write_files(tmp)
+        inv, first_sweep, second_sweep = write_files(tmp, quick=args.quick)
         env = dict(os.environ, DDTREE_OPS_STATE=str(tmp / "state.json"))
         first = subprocess.Popen(
             [*cli, "--json", "-i", str(inv), "bench", "--sweep", str(first_sweep), "--out", str(tmp / "first.jsonl")],
@@ -135,6 +141,10 @@ def main() -> int:
                   f"  max {item['max_s']:.3f} s")
     if not first_ok:
         print(f"the first sweep did not end well: exit {first.returncode}: {err[-2000:]}", file=sys.stderr)
+        return 1
+    if not still_running:
+        print("the first sweep ended before the refusals did: they were not all made against a held host",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -8,6 +8,7 @@ polling (interval, the agent round trip, /health_generate + /server_info + the s
 ownership check) adds on top of the server being ready.
 
     .venv/bin/python benchmarks/readiness_overhead.py --restarts 10 --poll-interval 0.5
+    .venv/bin/python benchmarks/readiness_overhead.py --quick     # one restart
 """
 
 from __future__ import annotations
@@ -61,8 +62,17 @@ def main() -> int:
     parser.add_argument("--restarts", type=int, default=10)
     parser.add_argument("--poll-interval", type=float, default=0.5)
     parser.add_argument("--load-s", type=float, default=1.0, help="SIM_LOAD_S (simulated seconds)")
-    parser.add_argument("--port", type=int, default=30950)
+    parser.add_argument("--port", type=int, default=30950, help="the server's port (--quick: a free one)")
+    parser.add_argument("--quick", action="store_true", help="one restart, --load-s 0.2, a free port")
     args = parser.parse_args()
+    if args.quick:
+        # Below the ephemeral range (tests/testports.py): free beside other runs, and the
+        # server relaunched on it finds it free.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from testports import free_port
+
+        args.port = free_port()
+        args.restarts, args.load_s = 1, 0.2
 
     work = Path(tempfile.mkdtemp(prefix="readiness-bench-"))
     server = ServerSettings(

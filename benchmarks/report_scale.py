@@ -1,6 +1,6 @@
 """Report over a synthetic ledger of many rows: wall time, CPU time and peak memory.
 
-    .venv/bin/python benchmarks/report_scale.py [--rows 1000000] [--keep PATH]
+    .venv/bin/python benchmarks/report_scale.py [--rows 1000000] [--keep PATH] [--quick]
 
 Writes the ledger once (not timed; reused when ``--keep PATH`` exists), then runs the
 whole report pipeline (load, per-host and per-GPU aggregation, best configs) in a fresh
@@ -165,7 +165,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--keep", type=Path, help="write the ledger here and keep it (reused if it exists)")
+    ap.add_argument("--quick", action="store_true", help="2,000 rows (--rows 2000)")
     args = ap.parse_args()
+    if args.quick:
+        args.rows = 2000
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or Path(tmp) / "scale.jsonl"
         if not path.exists():

@@ -6,10 +6,13 @@ measures, per request, the interval between stream chunks after the first (one c
 per decode step). The cost model says what that interval should be
 (``GpuProfile.step_ms`` for the batch, times ``SIM_TIME_SCALE``); the ratio measured /
 modelled shows where the simulator stops being a faithful clock (> 1.05 = distorted).
-The client runs in this process on the same cores, as a benchmark client would.
+The client runs in this process on the same cores, as a benchmark client would. The
+simulator runs on a small real SGLang 0.5.23 prefix with the DDTree bundle deployed into it
+(``tests/minisglang.py``, made at the start): it serves DDTREE only from the deployed plugin.
 
     .venv/bin/python benchmarks/sim_capacity.py                 # default grid
     .venv/bin/python benchmarks/sim_capacity.py --scales 1 --concurrency 1,8,32
+    .venv/bin/python benchmarks/sim_capacity.py --quick         # DDTREE-16, scale 1, concurrency 1 and 8
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from ddtree_ops.sim.profiles import PROFILES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from minisglang import deployed_python  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,21 +66,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(flags: list[str], scale: float, gpu: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start(flags: list[str], scale: float, gpu: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {**os.environ, "SIM_GPU": gpu, "SIM_LOAD_S": "0", "SIM_WARMUP_S": "0", "SIM_TIME_SCALE": str(scale)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddtree_ops.sim", "--model-path", "bench", "--port", str(port),
-         "--max-running-requests", "512", *flags],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [deployed_python(), "-m", "ddtree_ops.sim", "--model-path", "bench", "--port", str(port),
+             "--max-running-requests", "512", *flags],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(
-                f"simulator exited with {proc.returncode} (b300 + DDTREE budget > 8 fails capture by design)"
-            )
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+            raise SystemExit(f"simulator exited with {proc.returncode} (b300 + DDTREE budget > 8 fails capture by "
+                             f"design); log tail: {tail}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -114,16 +123,21 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,64,128")
     ap.add_argument("--modes", default="AR,DDTREE-16")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true",
+                    help="DDTREE-16 at scale 1, concurrency 1 and 8, 16 tokens a request")
     opts = ap.parse_args()
+    if opts.quick:
+        opts.modes, opts.scales, opts.concurrency, opts.tokens = "DDTREE-16", "1", "1,8", 16
     profile = PROFILES[opts.gpu]
     cells: list[Cell] = []
     print(f"profile={opts.gpu} tokens/request={opts.tokens} cores={os.cpu_count()} "
           f"load={os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'mode':<10} {'scale':>6} {'conc':>5} {'tok/s':>9} {'ITL ms':>8} {'model ms':>9} {'ratio':>6}")
+    logs = tempfile.TemporaryDirectory(prefix="sim-capacity-")  # each server's log, for its tail on a failure
     for mode in opts.modes.split(","):
         flags, verify_tokens, draft = MODES[mode]
         for scale in (float(s) for s in opts.scales.split(",")):
-            proc, url = _start(flags, scale, opts.gpu)
+            proc, url = _start(flags, scale, opts.gpu, Path(logs.name) / f"{mode}-{scale:g}.log")
             try:
                 for conc in (int(c) for c in opts.concurrency.split(",")):
                     tps, itl = asyncio.run(_level(url, conc, opts.tokens))

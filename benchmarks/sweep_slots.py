@@ -34,6 +34,7 @@ with the results. ``--json``: a list of ``{plan, slots, wall_s, estimated_s}``, 
 
     .venv/bin/python benchmarks/sweep_slots.py [--slots 1,2,4] [--load-s 3] [--num-prompts 8]
         [--max-new-tokens 640] [--no-predicted] [--json]
+    .venv/bin/python benchmarks/sweep_slots.py --quick    # 2 slots, 2 prompts x 32 tokens, 10x time
 
 About 15 minutes on a 2-core machine.
 """
@@ -43,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -65,28 +65,24 @@ from ddtree_ops.workload.draw import build_workload
 # hosts run an interpreter the toolkit deployed it into, as the tests' simulator hosts do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from minisglang import deployed_python  # noqa: E402
+from testports import free_port  # noqa: E402
 
 MODEL = "sim/qwen3-8b"
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` ports below the ephemeral range (``tests/testports.py``): a server relaunched on
+    its port finds it free, where an outgoing connection could have taken an ephemeral one."""
+    return [free_port() for _ in range(n)]
 
 
-def write_inventory(tmp: Path, slots: int, load_s: float, tag: str = "") -> Path:
+def write_inventory(tmp: Path, slots: int, load_s: float, tag: str = "", time_scale: float = 1.0) -> Path:
     server = {
         "command": "{python} -m ddtree_ops.sim", "model_path": MODEL, "draft_model_path": "sim/qwen3-8b-dflash",
         "expected_load_s": 600,  # never used: the calibrated load time is in the state file
         # Graphs up to batch 16 (the sweep runs 2 at once): a capture takes 2.16 s, not 4.56.
         "extra_args": ["--cuda-graph-max-bs-decode", "16"],
-        "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": "1"},
+        "env": {"SIM_GPU": "rtx-pro-6000", "SIM_LOAD_S": str(load_s), "SIM_TIME_SCALE": str(time_scale)},
         "slots": [{"gpus": str(i), "port": port} for i, port in enumerate(free_ports(slots))],
     }
     inv = tmp / f"inv-{tag}{slots}.yaml"
@@ -107,10 +103,11 @@ def sweep_doc(num_prompts: int = 2, max_new_tokens: int = 16) -> dict[str, objec
     }
 
 
-def calibrate(tmp: Path, load_s: float, slots: int, num_prompts: int, max_new_tokens: int) -> tuple[float, float]:
+def calibrate(tmp: Path, load_s: float, slots: int, num_prompts: int, max_new_tokens: int,
+              time_scale: float = 1.0) -> tuple[float, float]:
     """Play a previous sweep of the same grid and prompts on ``slots`` slots, a quarter of
     the tokens. Returns (launch s, step s) as it left them for slot 0."""
-    host = load_inventory([write_inventory(tmp / "calibration", slots, load_s)]).hosts["sim"]
+    host = load_inventory([write_inventory(tmp / "calibration", slots, load_s, time_scale=time_scale)]).hosts["sim"]
     spec = parse_sweep(sweep_doc(num_prompts, max(1, max_new_tokens // 4)), tmp / "calibration.yaml")
     outcome = SweepRunner(prepare_sweep(spec, [host]), build_workload(spec.workload),
                           ledger_path=tmp / "calibration.jsonl").run()
@@ -122,10 +119,12 @@ def calibrate(tmp: Path, load_s: float, slots: int, num_prompts: int, max_new_to
     return restart, step
 
 
-def run_predicted(tmp: Path, doc: dict[str, object], slots: int, load_s: float) -> dict[str, Any]:
+def run_predicted(tmp: Path, doc: dict[str, object], slots: int, load_s: float,
+                  time_scale: float = 1.0) -> dict[str, Any]:
     """The sweep as ``bench --predict`` runs it on ``slots`` slots: its wall time, the dry
     run's estimate, and the measured rows (a failed predict phase counts as a failed row)."""
-    host = load_inventory([write_inventory(tmp, slots, load_s, tag="predicted-")]).hosts["sim"]
+    host = load_inventory([write_inventory(tmp, slots, load_s, tag="predicted-",
+                                           time_scale=time_scale)]).hosts["sim"]
     spec = parse_sweep({**doc, "predict": {}}, tmp / "predicted.yaml")
     workload = build_workload(spec.workload)
     prepared = prepare_sweep(spec, [host])
@@ -172,18 +171,26 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=640, help="tokens per prompt")
     ap.add_argument("--no-predicted", action="store_true", help="skip the predicted plan (bench --predict) runs")
     ap.add_argument("--json", action="store_true", help="print a JSON list of {plan, slots, wall_s, estimated_s}")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 slots only (the predicted plan too), no calibrating sweep (the estimates are the "
+                         "defaults'), 2 prompts x 32 tokens, the simulator 10x faster than real time (SIM_TIME_SCALE "
+                         "0.1): every step, its figures meaningless")
     args = ap.parse_args()
+    time_scale = 1.0
+    if args.quick:
+        args.slots, args.num_prompts, args.max_new_tokens, time_scale = "2", 2, 32, 0.1
     counts = [int(x) for x in args.slots.split(",")]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         os.environ[STATE_ENV] = str(tmp / "state.json")
         (tmp / "calibration").mkdir()
-        load, step = calibrate(tmp, args.load_s, max(counts), args.num_prompts, args.max_new_tokens)
+        calibrated = None if args.quick else calibrate(tmp, args.load_s, max(counts), args.num_prompts,
+                                                       args.max_new_tokens, time_scale)
         spec = parse_sweep(sweep_doc(args.num_prompts, args.max_new_tokens), tmp / "slots.yaml")
         workload = build_workload(spec.workload)
         for n in counts:
-            host = load_inventory([write_inventory(tmp, n, args.load_s)]).hosts["sim"]
+            host = load_inventory([write_inventory(tmp, n, args.load_s, time_scale=time_scale)]).hosts["sim"]
             prepared = prepare_sweep(spec, [host])
             sched = prepared.hosts[0].schedule
             estimated = sched.wall_s if sched is not None else prepared.hosts[0].estimate_s
@@ -195,15 +202,18 @@ def main() -> int:
                          "ok_rows": summary.ok_rows, "failed_rows": summary.failed_rows})
         if not args.no_predicted:
             doc = sweep_doc(args.num_prompts, args.max_new_tokens)
-            for n in sorted({1, max(counts)}):
-                rows.append(run_predicted(tmp, doc, n, args.load_s))
+            for n in [max(counts)] if args.quick else sorted({1, max(counts)}):
+                rows.append(run_predicted(tmp, doc, n, args.load_s, time_scale))
     ok = all(r["failed_rows"] == 0 for r in rows)
     if args.json:
         keys = ("plan", "slots", "wall_s", "estimated_s", "predict_phase_s", "predict_phase_estimated_s")
         print(json.dumps([{k: r[k] for k in keys if k in r} for r in rows]))
         return 0 if ok else 1
-    print(f"8 trees on one live launch, calibrated launch (restart -> ready) {load:.2f} s, "
-          f"step {step * 1000:.1f} ms, {os.cpu_count()} CPUs")
+    if calibrated is None:
+        print(f"8 trees on one live launch, not calibrated (--quick), {os.cpu_count()} CPUs")
+    else:
+        print(f"8 trees on one live launch, calibrated launch (restart -> ready) {calibrated[0]:.2f} s, "
+              f"step {calibrated[1] * 1000:.1f} ms, {os.cpu_count()} CPUs")
     print_table([r for r in rows if r["plan"] == "full"])
     predicted = [r for r in rows if r["plan"] == "predicted"]
     if predicted:

@@ -44,6 +44,7 @@ from ddtree_ops.bench.plan import (
 from ddtree_ops.bench.schedule import Slot, make_jobs, schedule
 from ddtree_ops.bench.sweep import PredictSpec, SweepSpec
 from ddtree_ops.limits import MAX_DDTREE_BUDGET
+from ddtree_ops.predict.decide import repeats_floor
 from ddtree_ops.predict.trace import union_bound
 
 Tree = tuple[int, int]
@@ -53,8 +54,9 @@ _MAX_TRACE_ROUNDS = 4096
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """One round-time probe: ``probe_waves`` waves of ``probe_tokens`` at (concurrency,
-    budget), sampled as ``sampling`` (one of :attr:`PredictPlan.probe_samplings`)."""
+    """One round-time probe: :meth:`PredictPlan.probe_waves` waves of
+    :attr:`PredictPlan.probe_tokens` at (concurrency, budget), sampled as ``sampling`` (one
+    of :attr:`PredictPlan.probe_samplings`)."""
 
     concurrency: int
     budget: int
@@ -96,6 +98,26 @@ class PredictPlan:
     concurrencies: tuple[int, ...]
     trace_groups: tuple[tuple[Tree, ...], ...]
     block: int
+    # The workload's prompts and tokens a request (0: not known, nothing capped by them).
+    num_prompts: int = 0
+    max_new_tokens: int = 0
+
+    def probe_waves(self, concurrency: int) -> int:
+        """Waves of a probe at ``concurrency``: ``probe_waves``, but never more requests than
+        a cell at that concurrency sends (the workload's prompts; one wave at least). A probe
+        stands in for measuring cells, so it must cost less than one: at concurrency 16 with
+        16 prompts, four waves of 32 tokens were 64 requests, 1.3 times the rounds of the
+        cell they stood for (96 tokens, one wave); one wave is a third of it."""
+        waves = self.spec.probe_waves
+        if self.num_prompts:
+            waves = min(waves, -(-self.num_prompts // concurrency))
+        return max(1, waves)
+
+    @property
+    def probe_tokens(self) -> int:
+        """Tokens a probe's request: ``probe_tokens``, at most the workload's."""
+        tokens = self.spec.probe_tokens
+        return max(2, min(tokens, self.max_new_tokens)) if self.max_new_tokens else tokens
 
     @property
     def probe_samplings(self) -> tuple[Sampling, ...]:
@@ -178,19 +200,20 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
     if state > max(launch.budgets):
         launch = dataclasses.replace(launch, budgets=tuple(sorted({*launch.budgets, state})))
     groups = trace_groups(trees, block, max(launch.budgets))
-    return PredictPlan(spec.predict or PredictSpec(), launch, trees, samplings, concurrencies, groups, block)
+    return PredictPlan(spec.predict or PredictSpec(), launch, trees, samplings, concurrencies, groups, block,
+                       num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens)
 
 
 def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_new_tokens: int,
                  s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
-    """Expected seconds of one work item: a probe is a switch and ``probe_waves`` waves of
-    ``probe_tokens`` steps; a trace run is its prompts (the workload's, or its part's) once
-    at the trace concurrency, charged ``trace_s_per_step`` a step (a traced request runs
-    one round per token; None: ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the
-    switches turning the trace on and off."""
-    spec = pplan.spec
+    """Expected seconds of one work item: a probe is a switch and its waves
+    (:meth:`PredictPlan.probe_waves`) of :attr:`PredictPlan.probe_tokens` steps; a trace
+    run is its prompts (the workload's, or its part's) once at the trace concurrency,
+    charged ``trace_s_per_step`` a step (a traced request runs one round per token; None:
+    ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
+    on and off."""
     if isinstance(item, ProbeRun):
-        return SWITCH_S + spec.probe_waves * spec.probe_tokens * s_per_step
+        return SWITCH_S + pplan.probe_waves(item.concurrency) * pplan.probe_tokens * s_per_step
     trace_cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
     per_step = s_per_step * TRACE_STEP_FACTOR if trace_s_per_step is None else trace_s_per_step
     return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=len(item.prompts(num_prompts)),
@@ -272,16 +295,19 @@ def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Seq
     """Rough wall time of the predicted plan on one host (``load_s`` as for
     :func:`predict_phase_estimate`): the predict phase, then the measuring, scheduled as
     the full grid's is with slots (:func:`~.schedule.schedule`, so the two figures
-    compare): the baselines' launches and their cells, and at most ``top`` DDTree cells
-    per sampling and concurrency, every repeat, on the predict launch that every place
-    still serves (no load of their own)."""
+    compare): the baselines' launches and their cells, every repeat, and at most ``top``
+    DDTree cells per sampling and concurrency, each measured the least repeats the measured
+    phase takes (:func:`~ddtree_ops.predict.decide.repeats_floor`: a group not decided by
+    then costs more passes, up to the cap), on the predict launch that every place still
+    serves (no load of their own)."""
     loads = _loads(load_s)
     predict_s = predict_phase_estimate(pplan, load_s=loads, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                                        s_per_step=s_per_step, trace_s_per_step=trace_s_per_step)
     # The chosen trees are not known before the phase: any DDTree cell costs the same.
     ddtree = [Cell(ServerConfig("ddtree", b, k), s, c, via=pplan.launch) for s in pplan.samplings
               for c in pplan.concurrencies for b, k in pplan.trees[:min(pplan.spec.top, len(pplan.trees))]]
-    runs = [(cell, r) for cell in [c for c in plan.cells if c.baseline] + ddtree for r in range(plan.repeats)]
+    runs = [(cell, r) for cell in plan.cells if cell.baseline for r in range(plan.repeats)]
+    runs += [(cell, r) for cell in ddtree for r in range(repeats_floor(plan.repeats))]
 
     def cell_s(cell: Cell) -> float:
         return run_seconds(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=plan.warmup,

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack
@@ -38,10 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ddtree_ops.bench import ledger
-from ddtree_ops.bench.client import LoadSpec
-from ddtree_ops.bench.lifetime import Borrowed, KeptServer, SweepOptions, SweepServer
+from ddtree_ops.bench.client import LoadSpec, sent_prompts
+from ddtree_ops.bench.lifetime import Borrowed, KeptServer, Leases, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
-from ddtree_ops.bench.metrics import calculate_metrics
+from ddtree_ops.bench.metrics import calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
 from ddtree_ops.bench.plan import Cell, Sampling, ServerConfig, cell_steps
 from ddtree_ops.bench.predictplan import (
@@ -60,8 +63,10 @@ from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.runner import Progress
 from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
-from ddtree_ops.errors import BenchError, DdtreeOpsError
+from ddtree_ops.errors import BenchError, ConfigError, DdtreeOpsError
+from ddtree_ops.fsutil import IS_LINK, is_disk_full, replace_file, write_problem
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.predict.decide import Candidate, Verdict, judge, repeats_cap, repeats_floor
 from ddtree_ops.predict.estimate import (
     CellPrediction,
     ProbeKey,
@@ -85,10 +90,31 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
+class GroupDecision:
+    """One (sampling, concurrency) group's measured candidates (the top N predicted) and the
+    verdict on them (:func:`~ddtree_ops.predict.decide.judge`) after the last pass."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    concurrency: int
+    candidates: tuple[Candidate, ...]
+    verdict: Verdict
+
+
+@dataclass(frozen=True)
 class HostPrediction:
-    """One host's predict phase: the DDTree cell keys to measure (None: every cell, the
-    phase failed and ``error`` says why), what it wrote, and the servers it left running
-    for the measuring, one per server place (none where it failed: they were stopped)."""
+    """One host's predict phase: the DDTree cell keys chosen to measure, the top N per
+    group (None: every cell, the phase failed and ``error`` says why), what it wrote, and
+    the servers it left running, one per server place (none where it failed: they were
+    stopped).
+
+    The chosen cells are measured by the phase itself, in interleaved passes until each
+    group is decided (``decisions``; ``measured_ok``/``measured_failed`` rows); ``left``:
+    the DDTree cells the runner still measures (``SweepRunner(only=...)``): none where the
+    phase measured them all, the chosen cells not measured yet where measuring failed
+    (``error`` says why). ``took``: the planned runs of the chosen cells the phase took
+    from the runner (the runner counts them skipped)."""
 
     host: str
     chosen: frozenset[str] | None
@@ -97,6 +123,11 @@ class HostPrediction:
     traces: tuple[Path, ...] = ()
     error: str | None = None
     kept: tuple[KeptServer, ...] = ()
+    decisions: tuple[GroupDecision, ...] = ()
+    left: frozenset[str] | None = None
+    measured_ok: int = 0
+    measured_failed: int = 0
+    took: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +162,18 @@ class _ShareDone:
     traces: Mapping[TraceRun, tuple[list[RequestTrace], Path]]
 
 
+@dataclass(frozen=True)
+class _Decided:
+    """The measured phase's end: each group's decision, the rows it wrote, the chosen cells
+    with an ok row, and why it stopped early (None: every group judged to its end)."""
+
+    decisions: tuple[GroupDecision, ...]
+    ok: int
+    failed: int
+    ok_keys: frozenset[str]
+    error: str | None = None
+
+
 class _Stopped(BenchError):
     """A place stopped because another place of the host failed (not the cause to report)."""
 
@@ -156,6 +199,31 @@ def traces_dir(ledger_path: Path) -> Path:
     return ledger_path.with_name(ledger_path.name + ".traces")
 
 
+def check_traces_dir(ledger_path: Path) -> None:
+    """ConfigError unless the traces folder beside ``ledger_path`` can be made or used: run
+    before any host is touched (a file or a symbolic link there would fail the predict
+    phase after its servers loaded and its trace runs ran)."""
+    folder = traces_dir(ledger_path)
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"{folder}: cannot use the traces folder: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(mode):
+        raise ConfigError(f"{folder}: the traces folder {IS_LINK}; remove it or pass another --out")
+    if not stat.S_ISDIR(mode):
+        raise ConfigError(f"{folder}: exists and is not a folder: bench --predict writes its traces there; "
+                          "remove it or pass another --out")
+
+
+def write_traces(out: Path, lines: Sequence[str]) -> None:
+    """A trace run's file, written whole and atomically (a temp file renamed over the name:
+    never through a link, never half a file). Raises OSError (a full disk: ENOSPC)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(out, lambda fh: fh.write("".join(lines).encode("utf-8")))
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
@@ -167,25 +235,47 @@ class PredictPhase:
         self, prepared: PreparedSweep, workload: WorkloadPrompts, *, ledger_path: Path, run_id: str,
         options: SweepOptions | None = None, services: Services | None = None,
         on_progress: Callable[[Progress], None] | None = None, cancel: threading.Event | None = None,
-        borrowed: Borrowed | None = None,
+        borrowed: Borrowed | None = None, leases: Leases | None = None,
     ) -> None:
         """``borrowed``: the measuring runner's (:attr:`SweepRunner.borrowed`): what served on
-        each place before this phase changed it, which the measuring puts back at its end."""
+        each place before this phase changed it, which the measuring puts back at its end.
+        ``leases``: the runner's too (:attr:`SweepRunner.leases`): each place's lease, taken
+        here, is kept for the measuring, which gives it back; without it (a library caller)
+        this phase holds and gives back its own."""
         self.prepared, self.workload, self.ledger_path, self.run_id = prepared, workload, Path(ledger_path), run_id
         self.borrowed = borrowed if borrowed is not None else Borrowed()
+        self.leases = leases
         self.options = options or SweepOptions()
         self.services = services or default_services()
         self.on_progress = on_progress or (lambda _p: None)
         self.cancel = cancel or threading.Event()
         self.rows = RowMaker(prepared.spec, workload, run_id, sweep_hash(prepared.spec))
         self.plan = plan_predict(prepared.spec, prepared.plan)
+        # Why the ledger took no more rows (the disk filled), or None.
+        self.ledger_error: str | None = None
+
+    def _append(self, row: ledger.LedgerRow) -> None:
+        line = ledger.encode_row(row)
+        try:
+            ledger.append_line(self.ledger_path, line)
+        except BenchError as exc:
+            # The ledger takes no more rows (the disk filled): said once, for the measuring
+            # to stop on (SweepRunner.ledger_failed) rather than launch for rows it cannot keep.
+            if self.ledger_error is None:
+                self.ledger_error = exc.message
+            raise
 
     def run(self) -> dict[str, HostPrediction]:
         if self.plan is None:
             raise BenchError(f"{self.prepared.spec.source}: predict: the sweep has no DDTree cells on a live launch "
                              "(relaunch: never) to predict")
-        with ThreadPoolExecutor(max_workers=max(1, len(self.prepared.hosts)), thread_name_prefix="predict") as pool:
-            done = list(pool.map(self._host, self.prepared.hosts))
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(self.prepared.hosts)), thread_name_prefix="predict") as pool:
+                done = list(pool.map(self._host, self.prepared.hosts))
+        except BaseException:
+            if self.leases is not None:  # no measuring follows to give them back
+                self.leases.release_all(self.services)
+            raise
         return {d.host: d for d in done}
 
     def _host(self, hp: HostPlan) -> HostPrediction:
@@ -232,16 +322,29 @@ class PredictPhase:
             # one server's did (every slot serves the same launch).
             for p in predictions:
                 cell = keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)]
-                ledger.append_row(self.ledger_path, self._row(
+                self._append(self._row(
                     hp, places[0], cell, lives.get(p.budget), source="predicted", accept_length=p.accept_length,
                     output_tok_s=p.output_tok_s, round_ms=p.round_s * 1000, overhead_ms=p.overhead_s * 1000,
                     predicted_accept_naive=p.accept_length_naive, predicted_tok_s_naive=p.output_tok_s_naive,
                 ))
-            chosen = frozenset(keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)].key
-                               for p in top_cells(predictions, pplan.spec.top))
+            top = [keys[(p.budget, p.topk, p.temperature, p.top_p, p.top_k, p.concurrency)]
+                   for p in top_cells(predictions, pplan.spec.top)]
+            chosen = frozenset(c.key for c in top)
             steps.say(f"{len(predictions)} cells predicted, {len(chosen)} to measure")
+            decided = self._decide(hp, pool, failed, places, pplan, top, steps)
+            repeats = self.prepared.plan.repeats
+            measured = dataclasses.replace(
+                HostPrediction(hp.host.name, chosen, len(predictions), len(times), tuple(files)),
+                decisions=decided.decisions, measured_ok=decided.ok, measured_failed=decided.failed)
+            if decided.error is not None:
+                # Its servers stop with this block: the runner measures, on the sweep's own
+                # launch, the chosen cells that have no ok row yet (every repeat).
+                left = chosen - decided.ok_keys
+                return dataclasses.replace(measured, left=left, took=len(chosen - left) * repeats,
+                                           error=f"measuring the chosen cells: {decided.error}; the runner measures "
+                                                 f"the {len(left)} not measured yet")
             kept = tuple(place.server.hand_over(pplan.launch, place.restart) for place in places)
-            return HostPrediction(hp.host.name, chosen, len(predictions), len(times), tuple(files), kept=kept)
+            return dataclasses.replace(measured, kept=kept, left=frozenset(), took=len(chosen) * repeats)
 
     def _each(self, pool: ThreadPoolExecutor, failed: threading.Event, fn: Callable[[T], R],
               items: Sequence[T]) -> list[R]:
@@ -276,7 +379,7 @@ class PredictPhase:
         return stack.enter_context(SweepServer(
             self.services, transport, place, hp.host, sweep=self.prepared.spec.name, run_id=self.run_id,
             options=dataclasses.replace(self.options, keep_server=False), cancel=self.cancel, on_takeover=on_takeover,
-            borrowed=self.borrowed, final=False,
+            borrowed=self.borrowed, final=False, leases=self.leases,
         ))
 
     def _launch(self, hp: HostPlan, server: SweepServer, pplan: PredictPlan, steps: _Steps,
@@ -320,7 +423,7 @@ class PredictPhase:
                 times.append(rt)
                 lives[b] = live
                 cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), item.sampling, c, via=pplan.launch)
-                ledger.append_row(self.ledger_path, self._row(
+                self._append(self._row(
                     hp, place, cell, live, metrics=metrics, source="probe", round_ms=rt.round_s * 1000,
                     overhead_ms=rt.overhead_s * 1000))
             else:
@@ -330,6 +433,119 @@ class PredictPhase:
                 traces[item] = self._trace(place, pplan, item)
             steps.say("", slot=place.label, finished=True)
         return _ShareDone(tuple(times), lives, traces)
+
+    def _decide(self, hp: HostPlan, pool: ThreadPoolExecutor, failed: threading.Event, places: Sequence[_Place],
+                pplan: PredictPlan, chosen: Sequence[Cell], steps: _Steps) -> _Decided:
+        """Measure the chosen cells (the top N of each group) until each group is decided
+        (:mod:`ddtree_ops.predict.decide`): pass after pass, every candidate still in
+        contention in every undecided group once (repeat = the pass), the pass's runs split
+        over the places and taken in the other order every other pass (no candidate is
+        always measured first). Never raises for a measurement: a failure ends the passes and
+        :attr:`_Decided.error` says why (the groups are judged on what was measured)."""
+        sweep_repeats = self.prepared.plan.repeats
+        floor, cap = repeats_floor(sweep_repeats), repeats_cap(sweep_repeats)
+        groups: dict[tuple[float, float, int, int], list[Cell]] = {}
+        for cell in chosen:
+            s = cell.sampling
+            groups.setdefault((s.temperature, s.top_p, s.top_k, cell.concurrency), []).append(
+                dataclasses.replace(cell, via=pplan.launch))
+        values: dict[str, list[float]] = {c.key: [] for cells in groups.values() for c in cells}
+        taken = dict.fromkeys(values, 0)
+        counts = {"ok": 0, "failed": 0}
+        lock = threading.Lock()
+
+        def record(cell: Cell, row: ledger.LedgerRow) -> None:
+            # As each row is written (a pass cut short keeps what it measured).
+            with lock:
+                taken[cell.key] += 1
+                if row.status == "ok" and row.output_tok_s is not None:
+                    values[cell.key].append(float(row.output_tok_s))
+                    counts["ok"] += 1
+                else:
+                    counts["failed"] += 1
+
+        def candidates(cells: Sequence[Cell]) -> tuple[Candidate, ...]:
+            return tuple(Candidate((c.server.budget or 0, c.server.topk or 0), tuple(values[c.key]), taken[c.key])
+                         for c in cells)
+
+        verdicts: dict[tuple[float, float, int, int], Verdict] = {}
+        pending = dict(groups)
+        error: str | None = None
+        rep = 0
+        while pending:
+            runs = [(cell, rep) for cells in pending.values() for cell in cells]
+            if rep % 2:
+                runs.reverse()
+            shares = [runs[i::len(places)] for i in range(len(places))]
+            try:
+                self._each(pool, failed, lambda job: self._measure_share(hp, job[0], job[1], steps, failed, record),
+                           list(zip(places, shares, strict=True)))
+            except DdtreeOpsError as exc:
+                error = str(exc)
+            rep += 1
+            for key in pending:
+                verdicts[key] = judge(candidates(groups[key]), floor=floor, cap=cap)
+            if error is not None:
+                break
+            pending = {key: [c for c in groups[key] if (c.server.budget, c.server.topk) in verdicts[key].contenders]
+                       for key in pending if verdicts[key].more}
+        decisions = tuple(GroupDecision(*key, candidates(groups[key]), verdicts[key]) for key in sorted(verdicts))
+        undecided = sum(1 for d in decisions if not d.verdict.decided)
+        steps.say(f"{len(decisions) - undecided} of {len(decisions)} groups decided after {rep} repeat(s)")
+        return _Decided(decisions, counts["ok"], counts["failed"], frozenset(k for k, v in values.items() if v), error)
+
+    def _measure_share(self, hp: HostPlan, place: _Place, runs: Sequence[tuple[Cell, int]], steps: _Steps,
+                       failed: threading.Event, record: Callable[[Cell, ledger.LedgerRow], None]) -> None:
+        """One place's runs of a pass, each measured as the runner measures a switched cell
+        (its tree switched to and proven, the cache flushed, the sweep's warmup, load and
+        seed), written to the ledger as a measured row and handed to ``record``. A failed row
+        whose server is gone ends the phase's measuring (BenchError)."""
+        prompts = place.prompts if self.prepared.spec.api == "generate" else self.workload.prompts
+        for cell, rep in runs:
+            self._check(failed)
+            budget, topk = cell.server.budget or 0, cell.server.topk or 0
+            steps.say(f"measuring {cell.key} repeat {rep + 1}", slot=place.label)
+            live = judge_switch(place.client.switch_tree(budget, topk), budget, topk)
+            if isinstance(live, str):
+                row = self.rows.row(machine=hp.host.name, server_host=place.host, client=hp.client, prov=place.prov,
+                                    restart=place.restart, cell=cell, repeat=rep, started_at=now_iso(), error=live)
+            else:
+                row = self._measure(hp, place, cell, rep, prompts, live)
+            self._append(row)
+            record(cell, row)
+            if row.status != "ok" and not place.server.serving():
+                raise BenchError(f"{place.host.name}: the server is gone ({row.error})")
+
+    def _measure(self, hp: HostPlan, place: _Place, cell: Cell, rep: int, prompts: Sequence[Prompt],
+                 live: LiveTree) -> ledger.LedgerRow:
+        spec, started_at, began = self.prepared.spec, now_iso(), time.monotonic()
+        place.client.flush_cache()
+        sent = sent_prompts(tuple(prompts))
+        load = place.client.run_load(LoadSpec(
+            prompts=tuple(prompts), max_new_tokens=self.workload.max_new_tokens, sampling=cell.sampling.as_params(),
+            ignore_eos=self.workload.ignore_eos, concurrency=cell.concurrency, request_rate=spec.request_rate,
+            warmup=spec.warmup, seed=spec.workload.seed + rep, api=spec.api,  # type: ignore[arg-type]
+            timeout_s=spec.request_timeout_s))
+        metrics = calculate_metrics(load.results, duration_s=load.duration_s)
+        error = None
+        if metrics.failed:
+            error = f"{metrics.failed}/{metrics.requests} requests failed: " + "; ".join(metrics.errors)
+        made = self.rows.row(machine=hp.host.name, server_host=place.host, client=hp.client, prov=place.prov,
+                             restart=place.restart, cell=cell, repeat=rep, started_at=started_at, error=error,
+                             metrics=metrics, live=live, groups=group_metrics(load.results, [p.group for p in sent]),
+                             outputs=[r.output_hash for r in load.results])
+        if error is None:
+            self._learn_step(place.host, cell, time.monotonic() - began)
+        return made
+
+    def _learn_step(self, place: Host, cell: Cell, seconds: float) -> None:
+        """What a step of this run took on ``place``, for the next dry run (as the runner learns)."""
+        from ddtree_ops.state import StateStore
+
+        wl, spec = self.prepared.spec.workload, self.prepared.spec
+        steps = cell_steps(cell, num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens, warmup=spec.warmup)
+        if steps:
+            StateStore().record_step_time(place.name, place.ddtree.server.model_path or "", seconds / steps)
 
     def _row(self, hp: HostPlan, place: _Place, cell: Cell, live: LiveTree | None,
              **fields: object) -> ledger.LedgerRow:
@@ -366,10 +582,10 @@ class PredictPhase:
     def _probe(self, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun,
                live: LiveTree) -> tuple[RoundTime, object]:
         c, b = probe.concurrency, probe.budget
-        n = probe_requests(c, pplan.spec.probe_waves)
+        n = probe_requests(c, pplan.probe_waves(c))
         sent = (tuple(prompts) * math.ceil(n / len(prompts)))[:n]
         client.flush_cache()
-        load = client.run_load(self._load(sent, tokens=pplan.spec.probe_tokens, sampling=probe.sampling,
+        load = client.run_load(self._load(sent, tokens=pplan.probe_tokens, sampling=probe.sampling,
                                           concurrency=c))
         reqs = [ProbeRequest(r.e2e, r.ttft or 0.0, r.spec_verify_ct or 0) for r in load.results if r.ok]
         rt = measure_round_time(reqs, concurrency=c, budget=b, duration_s=load.duration_s, cuda_graph=live.graph,
@@ -400,19 +616,26 @@ class PredictPhase:
         part = f"-p{run.shard}" if run.shards > 1 else ""
         out = traces_dir(self.ledger_path) / _slug(
             f"{self.run_id}-{place.host.name}-{sampling.key}-g{index}{part}.ndjson")
-        out.parent.mkdir(parents=True, exist_ok=True)
         traces: list[RequestTrace] = []
-        with open(out, "w", encoding="utf-8") as fh:
-            for i, result in enumerate(load.results):
-                if not result.ok or result.trace is None:
-                    continue
-                try:
-                    traces.append(parse_trace(result.trace))
-                except TraceProblem as exc:
-                    raise BenchError(f"{place.host.name}: request {i}'s trace: {exc}") from None
-                fh.write(trace_line(result.trace))
+        lines: list[str] = []
+        for i, result in enumerate(load.results):
+            if not result.ok or result.trace is None:
+                continue
+            try:
+                traces.append(parse_trace(result.trace))
+            except TraceProblem as exc:
+                raise BenchError(f"{place.host.name}: request {i}'s trace: {exc}") from None
+            lines.append(trace_line(result.trace))
         if not traces:
             raise BenchError(f"trace run {sampling.key}: no request came back with a trace (meta_info.ddtree_trace)")
+        try:
+            write_traces(out, lines)
+        except OSError as exc:
+            message = f"{out}: cannot write the trace file: {write_problem(exc)}"
+            if is_disk_full(exc) and self.ledger_error is None:
+                # The ledger's disk (the traces go beside it): no row can be kept either.
+                self.ledger_error = message
+            raise BenchError(message) from None
         return traces, out
 
     def _learn_trace_step(self, host: Host, pplan: PredictPlan, num_prompts: int, tokens: int, seconds: float) -> None:
@@ -448,9 +671,10 @@ class PredictPhase:
 
 
 def chosen_cells(outcome: Mapping[str, HostPrediction]) -> dict[str, frozenset[str]]:
-    """``SweepRunner(only=...)``: the hosts whose prediction worked, with their chosen cells
-    (a host left out is measured in full)."""
-    return {host: p.chosen for host, p in outcome.items() if p.chosen is not None}
+    """``SweepRunner(only=...)``: the hosts whose prediction worked, with the DDTree cells
+    the runner still measures there (none where the phase measured its chosen cells; a
+    host left out is measured in full)."""
+    return {host: p.left if p.left is not None else p.chosen for host, p in outcome.items() if p.chosen is not None}
 
 
 def kept_servers(outcome: Mapping[str, HostPrediction]) -> dict[str, tuple[KeptServer, ...]]:
@@ -459,4 +683,5 @@ def kept_servers(outcome: Mapping[str, HostPrediction]) -> dict[str, tuple[KeptS
     return {host: p.kept for host, p in outcome.items() if p.kept}
 
 
-__all__ = ["HostPrediction", "PredictPhase", "chosen_cells", "kept_servers", "traces_dir"]
+__all__ = ["GroupDecision", "HostPrediction", "PredictPhase", "check_traces_dir", "chosen_cells", "kept_servers",
+           "traces_dir", "write_traces"]

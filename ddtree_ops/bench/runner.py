@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.client import LoadSpec, sent_prompts
 from ddtree_ops.bench.ledger import LedgerRow
-from ddtree_ops.bench.lifetime import Borrowed, KeptServer, PutBack, SweepOptions, SweepServer
+from ddtree_ops.bench.lifetime import Borrowed, KeptServer, Leases, PutBack, SweepOptions, SweepServer
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
@@ -78,7 +78,16 @@ from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.schedule import Job, plan_runs
 from ddtree_ops.bench.services import Services, default_services
 from ddtree_ops.bench.sweep import sweep_hash
-from ddtree_ops.errors import AuthError, ConfigError, ConnectError, DdtreeOpsError, HostKeyError, Interrupted, LeaseHeld
+from ddtree_ops.errors import (
+    AuthError,
+    BenchError,
+    ConfigError,
+    ConnectError,
+    DdtreeOpsError,
+    HostKeyError,
+    Interrupted,
+    LeaseHeld,
+)
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.workload.draw import WorkloadPrompts
 from ddtree_ops.workload.prompt import Prompt
@@ -136,6 +145,9 @@ class SweepOutcome:
     bad_ledger_lines: tuple[tuple[int, str], ...] = ()
     # What --resume repaired before running (a truncated last line cut off), to be said once.
     healed: str | None = None
+    # Why the ledger could not be appended to (the disk filled): the sweep stopped there, on
+    # every host, with the rows before it kept.
+    ledger_error: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -266,14 +278,18 @@ class SweepRunner:
         only: Mapping[str, Collection[str]] | None = None,
         kept: Mapping[str, Sequence[KeptServer]] | None = None,
         borrowed: Borrowed | None = None,
+        leases: Leases | None = None,
     ) -> None:
         """``only``: per host, the DDTree cell keys to measure (a predicted sweep's chosen
         cells; baselines always run); a host it leaves out, or None: every cell. ``kept``:
         per host, the live DDTree servers a phase before left running on its server places
         (the predict phase's, all of one launch), whose launch measures the host's DDTree
         cells (see the module docstring). ``borrowed``: what served on each place before the
-        command's first change there (shared with a phase before; a fresh one by default)."""
+        command's first change there (shared with a phase before; a fresh one by default).
+        ``leases``: the command's sweep leases (:class:`.lifetime.Leases`), shared with a
+        phase before so that no place is free between the two; this run gives them back."""
         self.borrowed = borrowed if borrowed is not None else Borrowed()
+        self.leases = leases if leases is not None else Leases()
         self.only = only
         self.kept: Mapping[str, Sequence[KeptServer]] = kept or {}
         self.prepared = prepared
@@ -289,6 +305,7 @@ class SweepRunner:
         self.rows = RowMaker(self.spec, workload, self.run_id, sweep_hash(self.spec))
         self.bad_lines: tuple[tuple[int, str], ...] = ()
         self.healed: str | None = None
+        self.ledger_error: str | None = None
         self._done: set[str] | None = None
 
     # -- planning ---------------------------------------------------------------------
@@ -323,6 +340,7 @@ class SweepRunner:
             return
         ledger.check_writable(self.ledger_path)
         if not self.options.resume:
+            self._check_ours()
             self._done = set()
             return
         if not self.ledger_path.exists():
@@ -332,10 +350,13 @@ class SweepRunner:
         read = ledger.read_ledger(self.ledger_path)
         planned = [self.rows.key_fields(hp.host.name, cell, 0) for hp in self.prepared.hosts[:1]
                    for cell in self.prepared.plan.cells]
-        ledger.check_same_sweep(read.rows, sweep=self.spec.name, sweep_hash=self.rows.sweep_hash,
+        # Whose ledger it is, from every row (a row the row check refused still says so);
+        # which cells are done, from the rows a report would count (read.rows) only.
+        ledger.check_same_sweep(read.rows + read.refused, sweep=self.spec.name, sweep_hash=self.rows.sweep_hash,
                                 path=self.ledger_path, planned=planned)
-        ledger.check_same_client(read.rows, {hp.host.name: hp.client for hp in self.prepared.hosts},
+        ledger.check_same_client(read.rows + read.refused, {hp.host.name: hp.client for hp in self.prepared.hosts},
                                  path=self.ledger_path)
+        self._check_ours()
         bad = list(read.bad_lines)
         removed = 0 if dry_run else ledger.heal_truncated_tail(self.ledger_path)  # a dry run changes nothing
         if removed:
@@ -344,6 +365,13 @@ class SweepRunner:
             self.healed = f"{where}: removed a truncated last line ({removed} bytes; a writer stopped mid-line)"
         self.bad_lines = tuple(bad)
         self._done = ledger.completed_keys(read.rows)
+
+    def _check_ours(self) -> None:
+        """Appended only to a ledger of this sweep (never ``/etc/passwd``, never another
+        sweep's: :func:`.ledger.check_ledger_of`), on a disk with room for its rows."""
+        ledger.check_ledger_of(self.ledger_path, sweep=self.spec.name, sweep_hash=self.rows.sweep_hash)
+        ledger.check_room(self.ledger_path, self.prepared.plan.runs * len(self.prepared.hosts),
+                          num_prompts=self.spec.workload.num_prompts)
 
     def done_keys(self) -> set[str]:
         self.prepare()
@@ -370,9 +398,15 @@ class SweepRunner:
         for hp in self.prepared.hosts:
             pending = self.pending_runs(hp.host.name, done)
             runs.append(_HostRun(hp, pending, planned=planned, skipped=planned - len(pending)))
-        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="bench") as pool:
-            summaries = list(pool.map(self._run_host, runs))
-        return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines, self.healed)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="bench") as pool:
+                summaries = list(pool.map(self._run_host, runs))
+        finally:
+            # The leases a phase before took on places this run never entered (nothing left
+            # to measure there, the host lost): the sweep ends here for them too.
+            self.leases.release_all(self.services)
+        return SweepOutcome(self.run_id, self.ledger_path, tuple(summaries), self.bad_lines, self.healed,
+                            self.ledger_error)
 
     def _emit(self, hr: _HostRun, phase: str, *, slot: str = "", **kw: Any) -> None:
         self.on_progress(
@@ -430,6 +464,7 @@ class SweepRunner:
                 on_takeover=lambda message: self._emit(sr.hr, "restarting", slot=sr.label, message=message),
                 borrowed=self.borrowed,
                 on_put_back=lambda message: self._emit(sr.hr, "putting back", slot=sr.label, message=message),
+                leases=self.leases,
             ) as server:
                 # Taken on first, under the lease: from here an interrupt or a failure stops it.
                 # The predict phase leaves one on every slot of the host; each takes a job of
@@ -625,7 +660,12 @@ class SweepRunner:
 
     def _append(self, sr: _SlotRun, row: LedgerRow, cell: Cell) -> None:
         hr = sr.hr
-        ledger.append_row(self.ledger_path, row)
+        line = ledger.encode_row(row)  # an invalid row fails its slot (a bug), not the sweep
+        try:
+            ledger.append_line(self.ledger_path, line)
+        except BenchError as exc:
+            self.ledger_failed(exc.message)
+            raise
         with hr.lock:
             hr.done += 1
             if row.status == "ok":
@@ -637,9 +677,19 @@ class SweepRunner:
         self._emit(hr, "row", slot=sr.label, cell=cell.key, repeat=row.repeat, status=row.status,
                    message=row.error or "")
 
+    def ledger_failed(self, message: str) -> None:
+        """The ledger takes no more rows (the disk filled; ``message`` says so): every host
+        stops after its current row, puts back and gives back, and the outcome says why
+        (:attr:`SweepOutcome.ledger_error`); the rows before are in the ledger, fsynced."""
+        if self.ledger_error is None:
+            self.ledger_error = message
+        self.stop_all.set()
+
     def _fail_rest(
         self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, runs: Sequence[Run], error: str
     ) -> None:
+        if self.ledger_error is not None:
+            return  # the ledger takes no row: these runs are left to --resume
         for cell, rep in runs:
             self._append(sr, self._row(sr, prov, restart, cell, rep, now_iso(), error=error), cell)
 

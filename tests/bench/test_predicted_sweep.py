@@ -100,8 +100,6 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     # Budget 16 at top-k 2 and 4 unite to 32 nodes, more than the grid's largest state: the
     # predict launch adds one of 32, and the whole grid is one trace run per temperature.
     assert pplan is not None and pplan.launch.budgets == (4, 8, 16, 32) and len(pplan.trace_groups) == 1
-    full = prepared.hosts[0].estimate_s
-    assert predict_estimate(pplan, prepared.plan, load_s=2.0, num_prompts=4, max_new_tokens=24) < full
     # No trace run timed here yet: the dry run charges a run's step x the factor.
     assert prepared.hosts[0].trace_step_s == pytest.approx(prepared.hosts[0].step_s * TRACE_STEP_FACTOR)
     out = tmp_path / "ledger.jsonl"
@@ -137,9 +135,15 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     assert {pooled[("greedy", 2, b)].round_s for b in (4, 8, 16)} != {pooled[("sampled", 2, b)].round_s
                                                                        for b in (4, 8, 16)}
     assert all(r["predicted_accept_naive"] is not None for r in preds)
-    # top 1 per (temperature, concurrency): two DDTree cells measured, each the fastest predicted.
+    # top 1 per (temperature, concurrency): two DDTree cells measured, each the fastest
+    # predicted, by the predict phase on its server: twice each (the measured phase's least
+    # repeats; a lone candidate is decided then), though the sweep asks one repeat.
     ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
-    assert len(ddtree) == 2 and {r["temperature"] for r in ddtree} == {0.0, 0.6}
+    assert prepared.plan.repeats == 1
+    assert sorted((r["temperature"], r["repeat"]) for r in ddtree) == [(t, r) for t in (0.0, 0.6) for r in (0, 1)]
+    assert len({(r["budget"], r["topk"], r["temperature"]) for r in ddtree}) == 2
+    assert [(d.verdict.decided, d.verdict.why, d.verdict.repeats) for d in _one.decisions] == [(True, "ahead", 2)] * 2
+    assert (_one.measured_ok, _one.measured_failed, _one.took) == (4, 0, 2)
     for r in ddtree:
         same = [p for p in preds if p["temperature"] == r["temperature"]]
         best = max(same, key=lambda p: p["output_tok_s"])
@@ -166,7 +170,7 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     # report: the measured cells ranked as ever, the predicted ones beside them, marked; tune:
     # chooses among measured cells, lists the predicted-only ones.
     report = json_data(_cli("report", str(out), "--json", "--min-repeats", "1"))
-    assert len(report["cells"]) == len(measured)
+    assert len(report["cells"]) == 4  # two DDTree cells, AR at both temperatures
     assert {(c["budget"], c["topk"]) for c in report["best"] if c["algorithm"] == "DDTREE"} <= {
         (r["budget"], r["topk"]) for r in ddtree}
     assert len(report["predicted"]) == 12 and sum(p["measured"] for p in report["predicted"]) == 2
@@ -187,7 +191,9 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
 def test_with_gpu_slots_every_slot_predicts_its_share_and_measures_on_its_own_predict_launch(tmp_path: Path) -> None:
     inv, sweep_file = write_inventory(tmp_path), write_sweep(tmp_path)
     out = tmp_path / "ledger.jsonl"
-    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict", "--out", str(out),
+    # The top 1 per concurrency: a lone candidate is decided at the measured phase's floor
+    # (the sweep's 2 repeats), so the rows are known in advance.
+    done = cli("--json", "-i", str(inv), "bench", "--sweep", str(sweep_file), "--predict-top", "1", "--out", str(out),
                cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     [summary] = json_data(done.stdout)["hosts"]
@@ -195,16 +201,28 @@ def test_with_gpu_slots_every_slot_predicts_its_share_and_measures_on_its_own_pr
     probes = [r for r in rows if r["source"] == "probe"]
     measured = [r for r in rows if r["source"] in (None, "measured")]
     ddtree = [r for r in measured if r["algorithm"] == "DDTREE"]
-    # Four probes (concurrency 1 and 2 x budget 4 and 8; 4 waves of 32 tokens) and one trace
-    # run (a wave of 24 tokens) over two slots, longest first to the least loaded: two probes
-    # each, the trace run on slot 0 (its file named after the slot).
-    assert sorted(Counter(r["slot"] for r in probes).items()) == [(0, 2), (1, 2)]
+    # Four probes (concurrency 1 and 2 x budget 4 and 8; of 24 tokens, the workload's, in as
+    # many waves as a cell sends its 2 prompts: 2 at concurrency 1, 1 at 2) and one trace run
+    # (a wave of 24 tokens) over two slots, longest first to the least loaded: the trace run
+    # and a probe on slot 0 (its file named after the slot), three probes on slot 1.
+    assert sorted(Counter(r["slot"] for r in probes).items()) == [(0, 1), (1, 3)]
     (trace_file,) = traces_dir(out).iterdir()
     assert "-sim-x_0-t0-" in trace_file.name
-    # Both trees are in the top 3: every DDTree cell measured, on both slots, each slot on
-    # the very server it probed on (its launch id): no slot loaded the DDTree model twice,
-    # and the measuring launched only the baseline, at most once per slot.
-    assert len(ddtree) == 8 and {r["status"] for r in ddtree} == {"ok"}
+    # One DDTree cell per concurrency, measured twice (a pass each, split over both slots,
+    # the second pass in the other order), each slot on the very server it probed on (its
+    # launch id): no slot loaded the DDTree model twice, and the measuring launched only the
+    # baseline, at most once per slot. The run's table counts the phase's rows as ok rows,
+    # the other tree's as predicted only, none as resumed.
+    cells = Counter((r["budget"], r["concurrency"]) for r in ddtree)
+    assert sorted(c for _, c in cells) == [1, 2] and set(cells.values()) == {2}
+    assert {r["status"] for r in ddtree} == {"ok"} and {r["slot"] for r in ddtree} == {0, 1}
+    groups = json_data(done.stdout)["predicted"]["groups"]
+    assert sorted(g["concurrency"] for g in groups) == [1, 2]
+    for g in groups:
+        assert g["chosen"] in ([4, 2], [8, 2]) and (g["repeats"], g["decided"], g["why"]) == (2, True, "ahead"), g
+    chosen = json_data(done.stdout)["predicted"]["chosen"]
+    assert [(c["repeats"], c["chosen"]) for c in chosen] == [(2, True)] * 2
+    assert summary["ok_rows"] == len(measured) and summary["resumed"] == 0 and summary["predicted_only"] == 2 * 2
     for slot in (0, 1):
         (launch_id,) = {r["launch_id"] for r in probes if r["slot"] == slot}
         assert {r["launch_id"] for r in ddtree if r["slot"] == slot} == {launch_id}
@@ -242,14 +260,16 @@ def test_with_gpu_slots_trace_runs_split_over_the_slots_as_planned_and_each_kept
     assert names == {f"{runner.run_id}-sim-x_{slot}-{item.sampling.key}-g0.ndjson"
                      for slot, share in enumerate(shares) for item in share if isinstance(item, TraceRun)}
     assert all(load_trace_file(f) for f in one.traces) and len(one.traces) == 2
-    # Every slot handed its server over and measured its share of the chosen cells (top 1
-    # per temperature: one each) on it: the measuring launched nothing.
+    # Every slot measured its share of the chosen cells (top 1 per temperature, each twice:
+    # a pass's runs split over the slots, every other pass in the other order) on its own
+    # predict launch, then handed its server over: the measuring launched nothing.
     assert [k.place for k in one.kept] == ["sim-x/0", "sim-x/1"]
     measured = [r for r in rows if r["source"] in (None, "measured")]
     for slot, kept in enumerate(one.kept):
         mine = [r for r in measured if r["slot"] == slot]
-        assert len(mine) == 1 and mine[0]["launch_id"] == launch_identity(kept.restart)[1], (slot, mine)
-    assert outcome.hosts[0].restarts == 0 and outcome.hosts[0].ok_rows == 2
+        assert len(mine) == 2 and {r["launch_id"] for r in mine} == {launch_identity(kept.restart)[1]}, (slot, mine)
+        assert {r["temperature"] for r in mine} == {0.6, 1.0}
+    assert one.measured_ok == 4 and outcome.hosts[0].restarts == 0 and outcome.hosts[0].ok_rows == 0
 
 
 @pytest.mark.slow
@@ -266,14 +286,19 @@ def test_a_kept_server_replaced_between_the_phases_is_launched_again_not_measure
         predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
         ((kept,),) = kept_servers(predicted).values()
         stop_all([h])  # as `ddtree-ops stop` would, while no sweep holds the host
-        runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
+        # A caller that has the runner measure the chosen cell on the kept server (the
+        # predict phase measured it already, on that server, before handing it over).
+        (one,) = predicted.values()
+        assert one.chosen is not None and chosen_cells(predicted) == {"sim-r": frozenset()}
+        runner.only, runner.kept = {"sim-r": one.chosen}, kept_servers(predicted)
         outcome = runner.run()
     finally:
         stop_all([h])
     assert [(s.restarts, s.ok_rows, s.failed_rows) for s in outcome.hosts] == [(1, 1, 0)]
     rows = rows_of(out)
     (probe_launch,) = {r["launch_id"] for r in rows if r["source"] == "probe"}
-    (row,) = [r for r in rows if r["source"] in (None, "measured")]
+    assert len([r for r in rows if r["source"] in (None, "measured") and r["launch_id"] == probe_launch]) == 2
+    (row,) = [r for r in rows if r["source"] in (None, "measured") and r["launch_id"] != probe_launch]
     # A new process of the same launch (the predict phase's states): its own launch id.
     assert row["launch_id"] != probe_launch and row["server_argv"] == list(kept.restart.argv)
 
@@ -306,10 +331,12 @@ def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest
     probes = [ProbeRun(2, b, Sampling(0.6)) for b in (4, 8, 16)]
     traces = [TraceRun(s, 0) for s in pplan.samplings]
     assert pplan.work == (*probes, *traces)
-    # A probe: a switch and 4 waves of 8 tokens; a trace run: the workload once at concurrency
+    # A probe: a switch and 2 waves of 8 tokens (probe_waves 4, but no more requests than a
+    # cell at concurrency 2 sends: 4 prompts); a trace run: the workload once at concurrency
     # 2 (2 waves of 24 steps, at the trace's step time) between two switches; a measured cell:
     # the same waves at a run's step time after its switch.
-    probe_s, trace_s, run_s = SWITCH_S + 4 * 8 * step, 2 * SWITCH_S + 2 * 24 * trace_step, SWITCH_S + 2 * 24 * step
+    assert pplan.probe_waves(2) == 2 and pplan.probe_waves(1) == 4 and pplan.probe_tokens == 8
+    probe_s, trace_s, run_s = SWITCH_S + 2 * 8 * step, 2 * SWITCH_S + 2 * 24 * trace_step, SWITCH_S + 2 * 24 * step
 
     def split(slots: int) -> tuple[tuple[object, ...], ...]:
         return split_work(pplan, slots, num_prompts=4, max_new_tokens=24, s_per_step=step,
@@ -328,10 +355,11 @@ def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest
     assert split(1) == (pplan.work,)
     assert split(2) == ((probes[0], probes[2], traces[0]), (probes[1], traces[1]))
     # One server: everything in a row, the load once. Two slots: the longest share, the load
-    # once (in parallel), then the two measured cells (top 1 per temperature) one per slot,
-    # on the predict launch each slot still serves.
-    assert estimate(0.0) == pytest.approx(3 * probe_s + 2 * trace_s + 2 * run_s)
-    assert estimate((0.0, 0.0)) == pytest.approx(2 * probe_s + trace_s + run_s)
+    # once (in parallel), then the two measured cells (top 1 per temperature), each the
+    # measured phase's least repeats (2: the sweep asks 1), split over the slots, on the
+    # predict launch each slot still serves.
+    assert estimate(0.0) == pytest.approx(3 * probe_s + 2 * trace_s + 2 * 2 * run_s)
+    assert estimate((0.0, 0.0)) == pytest.approx(2 * probe_s + trace_s + 2 * run_s)
     for loads in ((100.0,), (100.0, 100.0), (100.0,) * 4):
         zero = estimate(tuple(0.0 for _ in loads))
         assert estimate(loads) - zero == pytest.approx(100.0), loads
