@@ -24,6 +24,15 @@ runs these phases, in this order, each written to ``--out`` as soon as it ends:
    min-p) and batch sizes: accepted paths, accept counts and emitted tokens must be
    identical. The one tolerated difference is a bonus token whose coin lies within float32
    rounding of a CDF boundary (the kernel sums in block-reduction order), counted apart.
+``kernel_past_2_32``
+   the tree kernel's probability offset is ``uint32`` (``bx * num_draft_tokens * d``), so a
+   batch with batch x width x vocab >= 2^32 reads other requests' probabilities. One batch
+   past it (440 requests x width 65 x vocab 151,936: two fp32 [bs, N, V] tensors, ~35 GB,
+   skipped where the device has less free): the kernel called as the bundle calls it
+   (``ddtree_utils.sample_tree_in_row_chunks``, rows per call under 2^32) must equal the
+   twin request for request, and the kernel called once on the whole batch must differ,
+   and only in the requests whose offsets pass 2^32 (proof the case reaches the wrap).
+   With ``--cpu-twin`` the transcribed kernel wraps its offsets at a lowered limit instead.
 ``candidate_head``
    the Triton candidate top-k + log-sum-exp (``lilicorr_topk_lse``,
    ``kernels/ops/speculative/lilicorr.py`` from the wheel) on CUDA against its own torch
@@ -68,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -111,7 +121,12 @@ DEVICE_TIMEOUT_S = 360
 DEVICE_COMMAND = f'python3 benchmarks/gpu_check.py run --out "$OUT" --budget-s {DEVICE_BUDGET_S} --trials 1'
 # (threshold_single, threshold_acc) of the threshold phase; 1 / 1 is SGLang's default.
 THRESHOLDS = ((0.5, 0.3), (0.3, 1.0), (1.0, 0.5), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0))
-PHASES = ("kernel_load", "kernel_thresholds", "kernel", "candidate_head", "verify_round")
+PHASES = ("kernel_load", "kernel_thresholds", "kernel", "kernel_past_2_32", "candidate_head", "verify_round")
+# kernel_past_2_32: (batch, budget, vocab, offset limit) on a GPU (the kernel's own uint32
+# wrap: 440 x 65 x 151,936 = 4.35e9 > 2^32) and with --cpu-twin (the transcribed kernel
+# wrapping at a lowered limit: rows 3.. of 6 reach it).
+WIDE_GPU = (440, 64, 151936, 2**32)
+WIDE_CPU = (6, 16, 1001, 3 * 17 * 1001 + 500)
 
 
 def device_call() -> dict[str, Any]:
@@ -366,14 +381,17 @@ def _kernel_call(fn, torch):
 
 def transcribed_kernel(*, predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
                        retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-                       draft_probs, threshold_single=1.0, threshold_acc=1.0, deterministic=True) -> None:
+                       draft_probs, threshold_single=1.0, threshold_acc=1.0, deterministic=True,
+                       offset_modulus: int = 2**32) -> None:
     """SGLang 0.5.23's ``TreeSpeculativeSamplingTargetOnly`` (the wheel's
     ``kernels/jit/include/sgl_kernel/speculative/sampling.cuh``) transcribed line for line,
     one request (CUDA block) at a time, in float32 -- the CPU stand-in for the kernel that
     ``run --cpu-twin`` checks the twin against. The thresholds are cast as the launcher
     (``kernels/jit/csrc/speculative/sampling.cuh``) casts them. The bonus draw scans the
     CDF sequentially where the kernel scans it by blocks, so a coin within float32 rounding
-    of a CDF boundary may pick a neighbour (the harness counts that apart)."""
+    of a CDF boundary may pick a neighbour (the harness counts that apart). The probability
+    offset is the kernel's ``uint32``: it wraps at ``offset_modulus`` (2^32; lowered, the
+    ``kernel_past_2_32`` phase's CPU stand-in for a batch past it)."""
     import numpy as np
 
     del deterministic
@@ -389,7 +407,7 @@ def transcribed_kernel(*, predicts, accept_index, accept_token_num, candidates, 
     pred, acc, num = predicts.numpy(), accept_index.view(-1).numpy(), accept_token_num.numpy()
     for bx in range(bs):
         prob_acc = f32(0.0)
-        off = bx * n * d
+        off = (bx * n * d) % offset_modulus  # uint32 cur_prob_offset
         coin = us[bx * n]
         last = int(ri[bx * n])
         acc[bx * steps] = last
@@ -404,7 +422,7 @@ def transcribed_kernel(*, predicts, accept_index, accept_token_num, candidates, 
                 prob_acc = f32(prob_acc + q)
                 if q > f32(0) and (coin < prob_acc / t_acc or q >= t_single):
                     prob_acc = f32(0.0)
-                    off = (bx * n + cur) * d
+                    off = ((bx * n + cur) * d) % offset_modulus
                     coin = us[bx * n + cur]
                     pred[last] = tok
                     m += 1
@@ -562,6 +580,92 @@ def check_kernel(du, ref, torch, kernel, *, quick: bool, trials: int, device: st
             "ok": totals["mismatches"] == 0 and totals["requests"] > 0, "examples": examples}
 
 
+# ----------------------------------------------------------------------------- kernel_past_2_32
+
+
+def wide_batch_bytes(case: tuple[int, int, int, int]) -> int:
+    """Device memory of the phase's two fp32 [bs, N, V] tensors (target and draft probs)."""
+    bs, budget, vocab, _ = case
+    return 2 * 4 * bs * (budget + 1) * vocab
+
+
+def check_past_2_32(du, ref, torch, kernel, *, device: str, case: tuple[int, int, int, int]) -> dict:
+    """One batch past the kernel's offset limit: the kernel on the bundle's row chunks against
+    the twin (must agree), and on the whole batch (must disagree, only where offsets pass the
+    limit). Target laws are sparse (each node's mass on its children's candidates and a few
+    random tokens), row-specific, so a row that reads another's probabilities shows."""
+    bs, budget, vocab, limit = case
+    n, depth, k = budget + 1, min(15, budget), 4
+    g = torch.Generator(device=device).manual_seed(232)
+    ids = torch.randint(0, vocab, (bs, depth, k), generator=g, device=device)
+    lps = torch.log_softmax(torch.randn((bs, depth, k), generator=g, device=device) * 2, dim=-1)
+    lps = lps.sort(dim=-1, descending=True).values
+    trees = du.build_tree_batch(ids, lps, budget, torch.randint(0, vocab, (bs,), generator=g, device=device))
+    favoured = torch.gather(ids, 1, trees.depths.clamp(max=depth - 1).unsqueeze(-1).expand(bs, n, k))
+    support = torch.cat([favoured, torch.randint(0, vocab, (bs, n, 4), generator=g, device=device)], dim=-1)
+    weights = torch.rand((bs, n, k + 4), generator=g, device=device)
+    weights[..., :k] *= 4.0
+    probs = torch.zeros((bs, n, vocab), dtype=torch.float32, device=device)
+    probs.scatter_add_(2, support, weights / weights.sum(dim=-1, keepdim=True))
+    draft = torch.zeros_like(probs)
+    retrieve = du.tree_retrieve_batch(trees)
+    coins = torch.rand((bs, n), generator=g, device=device)
+    final = torch.rand((bs,), generator=g, device=device)
+    steps = trees.max_depth + 1
+
+    def call(fn, chunk_limit: int | None) -> tuple[dict, int]:
+        draft.zero_()
+        out = {"predicts": torch.zeros((bs * n,), dtype=torch.int32, device=device),
+               "accept_index": torch.full((bs, steps), -1, dtype=torch.int32, device=device),
+               "accept_token_num": torch.zeros((bs,), dtype=torch.int32, device=device)}
+        args = dict(**out, candidates=trees.tokens.contiguous(), retrive_index=retrieve[0].contiguous(),
+                    retrive_next_token=retrieve[1].contiguous(), retrive_next_sibling=retrieve[2].contiguous(),
+                    uniform_samples=coins, uniform_samples_for_final_sampling=final, target_probs=probs,
+                    draft_probs=draft, threshold_single=1.0, threshold_acc=1.0, deterministic=True)
+        calls = 1
+        if chunk_limit is None:
+            fn(**args)
+        else:
+            calls = du.sample_tree_in_row_chunks(fn, **args, limit=chunk_limit)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        paths = [None] * bs
+        num, acc, pred = (out[x].cpu() for x in ("accept_token_num", "accept_index", "predicts"))
+        for b in range(bs):
+            m = int(num[b])
+            flats = acc[b, : m + 1].tolist()
+            paths[b] = (m, flats, [int(pred[f]) for f in flats])
+        return {"paths": paths, "last_row": [b * n + p[1][-1] % n for b, p in enumerate(paths)]}, calls
+
+    want, _ = call(ref.reference_tree_speculative_sampling, None)
+    chunked, chunk_calls = call(kernel, limit)
+    chunked_draft_rows = {b: draft.view(-1, vocab)[chunked["last_row"][b]].cpu() for b in range(bs)}
+    whole, _ = call(kernel, None)
+    # Rows whose offsets (row start .. last node's row) reach the limit.
+    reaching = [b for b in range(bs) if (b + 1) * n * vocab > limit]
+    mismatches, boundary, examples = 0, 0, []
+    for b in range(bs):
+        got, exp = chunked["paths"][b], want["paths"][b]
+        if got == exp:
+            continue
+        row = chunked["last_row"][b]
+        if got[:2] == exp[:2] and got[2][:-1] == exp[2][:-1] and _bonus_on_boundary(
+                torch, probs.view(-1, vocab)[row:row + 1].cpu(), chunked_draft_rows[b].view(1, vocab), 0,
+                final[b].cpu(), exp[2][-1]):
+            boundary += 1
+            continue
+        mismatches += 1
+        if len(examples) < 3:
+            examples.append({"request": b, "chunked": got, "twin": exp})
+    whole_differs = [b for b in range(bs) if whole["paths"][b] != want["paths"][b]]
+    return {"ok": mismatches == 0 and bool(whole_differs) and set(whole_differs) <= set(reaching),
+            "batch": bs, "width": n, "vocab": vocab, "limit": limit, "elements": bs * n * vocab,
+            "requests": bs, "chunk_calls": chunk_calls, "chunked_mismatches": mismatches,
+            "chunked_bonus_boundary_only": boundary, "rows_reaching_limit": len(reaching),
+            "unchunked_differs_in": whole_differs[:20], "unchunked_differs_count": len(whole_differs),
+            "examples": examples, "complete": True}
+
+
 # ------------------------------------------------------------------- candidate_head, verify_round
 
 
@@ -613,6 +717,9 @@ def estimate(phase: str, *, quick: bool, trials: int, device: str, carried: bool
     if phase in ("kernel", "kernel_thresholds"):
         grid = _cases(quick) if phase == "kernel" else _threshold_cases(quick)
         return sum(trials * _trial_cost(c, device) for c in grid)
+    if phase == "kernel_past_2_32":
+        # Twin + three kernel calls + two 17 GB memsets on a GPU; the CPU case is tiny.
+        return 2.0 if device == "cpu" else 45.0
     return {"candidate_head": 30.0, "verify_round": 90.0}[phase]
 
 
@@ -649,7 +756,7 @@ def run(args: argparse.Namespace) -> int:
     device = "cpu" if args.cpu_twin else "cuda"
     if args.cpu_twin:
         report["device"] = "cpu (twin vs the transcribed kernel)"
-        phases = ["kernel_load", "kernel_thresholds", "kernel"]
+        phases = ["kernel_load", "kernel_thresholds", "kernel", "kernel_past_2_32"]
     elif not torch.cuda.is_available():
         report.update(ok=False, status="failed", error="no CUDA device (use --cpu-twin without one)")
         results.write({"phase": "start", **report})
@@ -674,8 +781,13 @@ def run(args: argparse.Namespace) -> int:
         left = None if deadline is None else deadline - time.monotonic()
         record: dict[str, Any] = {"phase": phase, "estimate_s": plan[phase]}
         started = time.monotonic()
-        if phase in ("kernel", "kernel_thresholds") and kernel is None:
+        wide = WIDE_CPU if args.cpu_twin else WIDE_GPU
+        free = torch.cuda.mem_get_info()[0] if phase == "kernel_past_2_32" and not args.cpu_twin else None
+        if phase in ("kernel", "kernel_thresholds", "kernel_past_2_32") and kernel is None:
             record.update(status="skipped", reason=skip_kernel or "kernel_load did not run (--only)")
+        elif free is not None and free < wide_batch_bytes(wide) + 2**32:
+            record.update(status="skipped", reason=f"needs {wide_batch_bytes(wide) / 1e9:.1f} GB of device memory "
+                                                   f"and 4 GB spare, {free / 1e9:.1f} GB free")
         elif left is not None and plan[phase] > left:
             record.update(status="skipped", reason=f"estimated {plan[phase]:.0f} s, {max(0.0, left):.0f} s left "
                                                    f"of --budget-s {args.budget_s:g}")
@@ -695,6 +807,9 @@ def run(args: argparse.Namespace) -> int:
                     result = check_kernel(du, ref, torch, kernel, quick=args.quick, trials=args.trials,
                                           device=device, deadline=deadline,
                                           cases=_cases if phase == "kernel" else _threshold_cases)
+                elif phase == "kernel_past_2_32":
+                    fn = functools.partial(transcribed_kernel, offset_modulus=wide[3]) if args.cpu_twin else kernel
+                    result = check_past_2_32(du, ref, torch, fn, device=device, case=wide)
                 elif phase == "candidate_head":
                     result = check_candidate_head(torch)
                 else:

@@ -190,9 +190,15 @@ def runtime_capture_failures(info: Mapping[str, Any]) -> list[tuple[int, str]]:
     return out
 
 
-# The bundle's refusal after a runtime state's capture poisoned the CUDA context
-# (ddtree_runtime.capture_outcome): "Capture cuda graph failed: DDTREE budget 16: ...".
-_RUNTIME_BUDGET = re.compile(r"\bDDTREE budget (\d+):")
+# The bundle names a runtime state's budget in its refusal after that state's capture
+# failed (ddtree_runtime.capture_outcome: "Capture cuda graph failed: DDTREE budget 16: ...",
+# a poisoned context, or under TP a failure on any rank) and in its capture lines ("Capture
+# DDTREE budget 16 target verify CUDA graph begin."), which a death during it is blamed on.
+_RUNTIME_BUDGET = re.compile(r"\bDDTREE budget (\d+)\b")
+#: The bundle's switch that serves eager, for one launch, every runtime budget at or above
+#: it (``ddtree_runtime.EAGER_FROM_ENV``): the relaunch after a runtime state's capture
+#: failed keeps the other states' graphs, whoever wrote the launch's state file.
+EAGER_FROM_ENV = "SGLANG_DDTREE_EAGER_FROM_BUDGET"
 
 
 def failed_capture_budget(reason: str) -> int | None:
@@ -202,13 +208,18 @@ def failed_capture_budget(reason: str) -> int | None:
 
 
 def capture_failure(tracker: PhaseTracker, *, alive: bool) -> str | None:
-    """Why this launch counts as a CUDA-graph capture failure, or None."""
+    """Why this launch counts as a CUDA-graph capture failure, or None. A death while
+    capturing names the graph its last "Capture ... CUDA graph begin." line named."""
     line = tracker.first_line(LogEvent.CAPTURE_FAILED)
     if line is not None:
         return "CUDA-graph capture failed: " + _message(line)
     if not alive and tracker.phase is Phase.CAPTURING:
-        return "server died during CUDA-graph capture"
+        found = _CAPTURING.search(tracker.phase_line)
+        return "server died during CUDA-graph capture" + (f" of {found.group(1)}" if found else "")
     return None
+
+
+_CAPTURING = re.compile(r"Capture (.{1,80}?) CUDA graph begin\.")
 
 
 def _message(line: str) -> str:

@@ -197,6 +197,109 @@ def ddtree_flags(budget: int, topk: int) -> list[str]:
     return ["--speculative-num-draft-tokens", str(budget + 1), "--speculative-eagle-topk", str(topk)]
 
 
+#: The attention backends the DDTree bundle verifies a tree with (its
+#: ``TREE_VERIFY_BACKENDS``); it refuses every other one at start-up.
+DDTREE_VERIFY_BACKENDS: tuple[str, ...] = ("fa3", "flashinfer", "triton")
+#: Compute-capability majors FA3's kernels are built for (sgl_kernel's ``is_fa3_supported``).
+FA3_ARCH_MAJORS: tuple[int, ...] = (8, 9)
+# Flags whose mere presence the bundle refuses (ddtree_registration.resolve_ddtree_server_args),
+# and what it says about them.
+_DDTREE_REFUSED_SWITCHES: Mapping[str, str] = MappingProxyType({
+    "--enable-dp-attention": "dp attention",
+    "--speculative-use-rejection-sampling": "--speculative-use-rejection-sampling (it verifies by tree rejection "
+                                            "sampling)",
+    "--enable-watermark": "--enable-watermark (the watermark ignores a tree node's ancestors)",
+})
+
+
+def _flag_values(args: tuple[str, ...] | list[str]) -> dict[str, str | None]:
+    """argv flags -> their last value (argparse: the last one wins); ``--x=v`` and
+    ``--x v`` alike; a flag followed by another flag (a switch) maps to None."""
+    out: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        if eq:
+            out[name] = value
+        else:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[name] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def _arch_major(gpu_arch: str | None) -> int | None:
+    """``sm_103`` -> 10, ``sm_90`` -> 9, ``sm_120`` -> 12 (the minor is the last digit)."""
+    match = re.fullmatch(r"sm_(\d+)(\d)", gpu_arch or "")
+    return int(match.group(1)) if match else None
+
+
+def ddtree_launch_refusal(
+    server_args: tuple[str, ...] | list[str], *, gpu_arch: str | None = None, topk_max: int | None = None
+) -> str | None:
+    """Why the DDTree bundle would refuse this launch at start-up, as far as the argv and
+    the host's GPU architecture tell (None: nothing known against it). Checked before a
+    restart stops anything, so that such a launch is one line here, never a failed start.
+
+    What it knows is what ``tests/sglang_real/test_launch_matrix.py`` checks against SGLang
+    0.5.23's own argument resolution with the bundle, per GPU: the verify backend (only
+    fa3, flashinfer, triton read the tree mask; fa3 only on sm_8x/sm_9x, and not at launch
+    top-k 1 with runtime states of a larger top-k, ``topk_max``), ``--page-size`` 1, and
+    the flags the bundle refuses outright. A launch that names no backend gets one the
+    bundle verifies with on every GPU (its default-backend hook). A non-CUDA ``--device``
+    is the bundle's own check (a CPU test server serves with test-only stand-ins)."""
+    flags = _flag_values(server_args)
+    if (flags.get("--speculative-algorithm") or "").upper() != "DDTREE":
+        return None
+    device = flags.get("--device")
+    if device is not None and not device.startswith("cuda"):
+        return None
+    base = flags.get("--attention-backend")
+    phase = "--decode-attention-backend" if flags.get("--speculative-attention-mode") == "decode" \
+        else "--prefill-attention-backend"
+    verify = flags.get(phase) or base
+    flag = phase if flags.get(phase) else "--attention-backend"
+    if verify is not None and verify not in DDTREE_VERIFY_BACKENDS:
+        return (f"DDTREE cannot verify a tree with {flag} {printable(verify)}: the DDTree bundle verifies with "
+                f"{', '.join(DDTREE_VERIFY_BACKENDS)} only (drop the flag: it picks one for this GPU)")
+    if verify == "fa3":
+        major = _arch_major(gpu_arch)
+        if major is not None and major not in FA3_ARCH_MAJORS:
+            return (f"{flag} fa3 cannot run on this GPU ({gpu_arch}): FA3's kernels run on sm_80/sm_90 only "
+                    f"(drop the flag: the DDTree bundle picks flashinfer here)")
+        if flags.get("--speculative-eagle-topk") == "1" and topk_max is not None and topk_max > 1:
+            return (f"{flag} fa3 builds DDTREE's verify path from the launch top-k (1), and the runtime states "
+                    f"serve top-k up to {topk_max}: launch at a top-k > 1, or drop the flag")
+    # SGLang's own page-size rules for a backend named in any phase (arg_groups/overrides.py
+    # _mla_backend_page_constraints, _fa4_page_constraint), which DDTREE's --page-size 1 refuses.
+    phases = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
+    for name in (*phases, "--speculative-draft-attention-backend"):
+        if flags.get(name) in ("trtllm_mha", "hpc_ops"):
+            return (f"{name} {flags[name]} makes SGLang set --page-size 64, and DDTREE needs --page-size 1 "
+                    f"(accepted tree nodes are compacted token by token)")
+    topk = flags.get("--speculative-eagle-topk")
+    if (any(flags.get(name) == "fa4" for name in phases) and _arch_major(gpu_arch) == 10
+            and (topk is None or topk in ("0", "1"))):
+        return ("fa4 at top-k 1 on this GPU makes SGLang set --page-size 128, and DDTREE needs --page-size 1 "
+                "(accepted tree nodes are compacted token by token)")
+    page = flags.get("--page-size")
+    if page is not None and page != "1":
+        return f"DDTREE needs --page-size 1 (accepted tree nodes are compacted token by token), not {printable(page)}"
+    for name, what in _DDTREE_REFUSED_SWITCHES.items():
+        if name in flags:
+            return f"DDTREE does not support {what}"
+    for name, ok in (("--pp-size", "1"), ("--speculative-num-steps", "1")):
+        value = flags.get(name)
+        if value is not None and value != ok:
+            return f"DDTREE needs {name} {ok}, not {printable(value)}"
+    if flags.get("--speculative-draft-window-size") is not None:
+        return "DDTREE does not support --speculative-draft-window-size (tree nodes are no contiguous window)"
+    mode = flags.get("--disaggregation-mode")
+    if mode is not None and mode != "null":
+        return f"DDTREE does not support --disaggregation-mode {printable(mode)}"
+    return None
+
+
 def launcher_argv(host: Host) -> tuple[str, ...]:
     """``server.command`` with ``{python}`` filled in, split like a shell would split it.
 
@@ -227,8 +330,14 @@ def build_launch_spec(
     sglang_version: str | None,
     *,
     cuda_graph: bool,
+    gpu_arch: str | None = None,
+    topk_max: int | None = None,
 ) -> LaunchSpec:
-    """Resolve the argv for ``host``. ``cuda_graph=False`` adds this version's eager flags."""
+    """Resolve the argv for ``host``. ``cuda_graph=False`` adds this version's eager flags.
+
+    A DDTREE launch the bundle would refuse (:func:`ddtree_launch_refusal`, with the
+    probed ``gpu_arch`` and the runtime states' ``topk_max`` where known) is a ConfigError
+    here, before anything on the host changes."""
     server = host.ddtree.server
     if not server.model_path:
         raise ConfigError("ddtree.server.model_path is not set in the inventory", host=host.name)
@@ -243,6 +352,9 @@ def build_launch_spec(
         args += eager_flags(sglang_version)
     args += server.extra_args
     args += run.extra_args
+    refusal = ddtree_launch_refusal(args, gpu_arch=gpu_arch, topk_max=topk_max)
+    if refusal is not None:
+        raise ConfigError(refusal, host=host.name)
     env = MappingProxyType(dict(server.env))
     return LaunchSpec(
         host=host.name,

@@ -43,6 +43,7 @@ from ddtree_ops.errors import (
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.service import manager
 from ddtree_ops.service.fallback import (
+    EAGER_FROM_ENV,
     RuntimeBudgets,
     capture_failure,
     failed_capture_budget,
@@ -552,8 +553,10 @@ def restart(
     else:
         window = request.policy.window(host.ddtree.server.expected_load_s, learned)
     deadline_s, deadline_source = window.deadline_s, window.source
-    # Build the first spec before touching the host: bad config fails with nothing stopped.
-    spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph)
+    # Build the first spec before touching the host: bad config fails with nothing stopped
+    # (a DDTREE launch the bundle would refuse on this GPU included: launch.ddtree_launch_refusal).
+    checks = _launch_checks(request)
+    spec = build_launch_spec(host, run, version, cuda_graph=cuda_graph, **checks)
     svc.preflight()  # a unit that cannot be driven: refused with nothing stopped
 
     # Long enough for the worst case of this restart. A killed client's lock is taken over
@@ -579,9 +582,20 @@ def restart(
         def relaunch_eager(reason: str, elapsed_s: float) -> LaunchSpec:
             """Say why, wait for the failed server's port, and give the eager spec."""
             emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, elapsed_s, attempt=attempt_no, note=reason))
-            eager = build_launch_spec(host, run, version, cuda_graph=False)
+            eager = build_launch_spec(host, run, version, cuda_graph=False, **checks)
             _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
             return eager
+
+        def relaunch_states_eager(budget: int, reason: str, elapsed_s: float) -> LaunchSpec:
+            """The same launch with CUDA graphs, its runtime budgets from ``budget`` up served
+            eager (the bundle's EAGER_FROM_ENV, whoever wrote the state file): the failure
+            named that budget, and capture failures grow with the verify width."""
+            emit(PhaseEvent(host.name, Phase.FALLBACK_EAGER, elapsed_s, attempt=attempt_no, note=reason))
+            graphs = build_launch_spec(host, run, version, cuda_graph=True, **checks)
+            _wait_port_free(transport, host, port_wait_s=port_wait_s, cancel=cancel, emit=emit)
+            return replace(graphs, env=MappingProxyType({**graphs.env, EAGER_FROM_ENV: str(budget)}))
+
+        eager_from: int | None = None  # runtime budgets from here up relaunched eager
 
         while True:
             attempt_no += 1
@@ -679,10 +693,20 @@ def restart(
                 svc.stop(grace_s=stop_grace_s)
             if outcome.reason is WaitReason.CAPTURE_FAILED and may_fall_back():
                 # Keyed on the budget that failed: a runtime state's capture that left the
-                # CUDA context unusable ends the whole start, but names its own budget.
+                # CUDA context unusable (or, under TP, failed on any rank) ends the whole
+                # start, but names its own budget, as does a death while capturing it.
                 failed = failed_capture_budget(ended.capture_failure) if run.adaptive_config is not None else None
                 state.record_fallback(key if failed is None else replace(key, budget=failed), ended.capture_failure)
                 fallback_reason = ended.capture_failure
+                if failed is not None and failed != run.budget and (eager_from is None or failed < eager_from):
+                    # Only that state and the wider ones eager; the others keep their graphs.
+                    # (A failure at or above a budget already relaunched eager means the switch
+                    # was not honoured: the whole server goes eager below.)
+                    eager_from = failed
+                    fallback_reason = (f"runtime budgets >= {failed} served eager (the other budgets keep their "
+                                       f"CUDA graphs): {ended.capture_failure}")
+                    spec = relaunch_states_eager(failed, fallback_reason, outcome.elapsed_s)
+                    continue
                 spec = relaunch_eager(fallback_reason, outcome.elapsed_s)
                 continue
             raise failure.error(ended)
@@ -695,7 +719,14 @@ def first_launch(request: RestartRequest, state: StateStore | None = None) -> La
     run, version = request.run, request.facts.sglang_version
     key = fallback_key(request.host, run, arch=request.facts.gpu_arch, sglang_version=version)
     cuda_graph, _ = initial_cuda_graph(run, state, key, retry_cuda_graph=request.retry_cuda_graph)
-    return build_launch_spec(request.host, run, version, cuda_graph=cuda_graph)
+    return build_launch_spec(request.host, run, version, cuda_graph=cuda_graph, **_launch_checks(request))
+
+
+def _launch_checks(request: RestartRequest) -> dict[str, Any]:
+    """What :func:`build_launch_spec` checks a DDTREE launch against: the probed GPU
+    architecture and, for a tuned policy, the largest top-k its states serve."""
+    policy = request.tree_policy
+    return {"gpu_arch": request.facts.gpu_arch, "topk_max": policy.topk_max if policy is not None else None}
 
 
 @dataclass(frozen=True)

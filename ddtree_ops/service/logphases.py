@@ -5,8 +5,9 @@ begin./end.", ``kv_cache_configurator.py`` "Memory pool end.", ``cuda_graph_setu
 "Capture <name> CUDA graph begin./end.", ``decode_cuda_graph_runner.py`` "Capture cuda
 graph failed:", ``scheduler.py`` "Scheduler hit an exception:", ``engine.py`` "Received
 sigquit from a child process.", ``http_server.py`` "The server is fired up and ready to
-roll!"). Matching is by substring so that the ``[time TP0]`` prefixes SGLang adds per
-rank do not matter.
+roll!"; the DDTree bundle logs its runtime states' captures in SGLang's words, "Capture
+DDTREE budget 16 target verify CUDA graph begin./end."). Matching is by substring so
+that the ``[time TP0]`` prefixes SGLang adds per rank do not matter.
 
 Phases are "where the server is now"; a phase may recur (target then draft weights)
 and its durations add up. :class:`Phase` also names the restart's own steps, so that
@@ -143,6 +144,10 @@ class PhaseTracker:
     durations: dict[Phase, float] = field(default_factory=dict)
     events: list[tuple[LogEvent, str]] = field(default_factory=list)
     ready_line_ts: float | None = None
+    # The line that entered the current phase: for CAPTURING, which graph was being captured
+    # (SGLang's "Capture <name> CUDA graph begin.", the DDTree bundle's "Capture DDTREE budget
+    # 16 target verify CUDA graph begin."), so a death there is blamed on it.
+    phase_line: str = ""
 
     def feed(self, lines: Iterable[str], elapsed_s: float) -> list[PhaseEvent]:
         """Advance over ``lines`` (all observed at ``elapsed_s``); return phase changes."""
@@ -156,6 +161,7 @@ class PhaseTracker:
                 self._close(elapsed_s)
                 self.phase = phase
                 self.entered_at = elapsed_s
+                self.phase_line = line
                 if phase is Phase.READY:
                     self.ready_line_ts = line_timestamp(line)
                 changes.append(PhaseEvent(self.host, phase, elapsed_s, line, self.attempt))

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import time
@@ -790,6 +791,9 @@ async def _capture_runtime_states(args: ServerArgs, settings: SimSettings, avail
             graph = StateGraph(budget, "disabled")
         elif budget in config.eager_budgets:
             graph = StateGraph(budget, "eager", "listed in ddtree.eager_budgets")
+        elif budget != tree.budget and budget >= int(os.environ.get("SGLANG_DDTREE_EAGER_FROM_BUDGET") or 1 << 30):
+            # The bundle's switch for a supervisor's relaunch (ddtree_runtime.EAGER_FROM_ENV).
+            graph = StateGraph(budget, "eager", "listed in ddtree.eager_budgets by SGLANG_DDTREE_EAGER_FROM_BUDGET")
         else:
             capture_s = await _capture(args, settings, "target verify", budget + 1, avail)
             if _capture_fails(args, settings, budget):

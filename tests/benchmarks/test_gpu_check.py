@@ -5,6 +5,7 @@ what would not fit, and ``prepare`` builds a carry set under the device's 64 MiB
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -52,8 +53,11 @@ def test_the_harness_agrees_with_the_transcribed_kernel(gpu_check: ModuleType, t
     pairs = {(c["threshold_single"], c["threshold_acc"]) for c in gpu_check._threshold_cases(True)}
     assert pairs >= {(0.5, 0.3), (1.0, 1.0)}
     lines = _lines(tmp_path)
-    assert [x["phase"] for x in lines] == ["start", "kernel_load", "kernel_thresholds", "kernel", "end"]
+    assert [x["phase"] for x in lines] == ["start", "kernel_load", "kernel_thresholds", "kernel", "kernel_past_2_32",
+                                           "end"]
     assert json.loads((tmp_path / "gpu_check.json").read_text())["status"] == "passed"
+    wide = report["kernel_past_2_32"]
+    assert wide["chunk_calls"] == 2 and wide["chunked_mismatches"] == 0, wide
 
 
 def test_thresholds_below_one_are_exercised(gpu_check: ModuleType) -> None:
@@ -90,6 +94,38 @@ def test_a_kernel_that_draws_another_bonus_is_caught(gpu_check: ModuleType) -> N
     assert not got["ok"] and got["mismatches"] > 0 and got["examples"], got
 
 
+def test_a_batch_past_the_kernels_offset_limit_is_verified_in_row_chunks(gpu_check: ModuleType) -> None:
+    """N1 (issue 55): the kernel's probability offset is uint32. The transcribed kernel wraps
+    it at a lowered limit (as the CUDA kernel does at 2^32): called once on the whole batch it
+    disagrees with the twin, and only in the requests whose offsets reach the limit; called
+    on the bundle's row chunks it agrees request for request. A chunker that forgets to
+    shift the retrieve indices into its chunk is caught."""
+    du, ref = load_ddtree_utils(), load_ddtree_reference()
+    wrapping = functools.partial(gpu_check.transcribed_kernel, offset_modulus=gpu_check.WIDE_CPU[3])
+    got = gpu_check.check_past_2_32(du, ref, torch, wrapping, device="cpu", case=gpu_check.WIDE_CPU)
+    assert got["ok"] and got["chunk_calls"] == 2 and got["chunked_mismatches"] == 0, got
+    assert got["unchunked_differs_count"] > 0 and set(got["unchunked_differs_in"]) <= {3, 4, 5}, got
+    # The device case is past 2^32 and what the phase asks of the device's memory.
+    bs, budget, vocab, limit = gpu_check.WIDE_GPU
+    assert bs * (budget + 1) * vocab > limit == 2**32 > (bs - 6) * (budget + 1) * vocab
+    assert 34e9 < gpu_check.wide_batch_bytes(gpu_check.WIDE_GPU) < 36e9
+
+    def forgets_the_shift_back(kernel, **kw):
+        # The chunks' accept positions left chunk-local (the shift back undone).
+        calls = du.sample_tree_in_row_chunks(kernel, **kw)
+        acc, width = kw["accept_index"], kw["candidates"].shape[1]
+        rows = (kw["limit"] - 1) // (width * kw["target_probs"].shape[-1])
+        for start in range(rows, acc.shape[0], rows):
+            chunk = acc[start:start + rows]
+            chunk.sub_((chunk >= 0).to(chunk.dtype) * start * width)
+        return calls
+
+    broken = SimpleNamespace(build_tree_batch=du.build_tree_batch, tree_retrieve_batch=du.tree_retrieve_batch,
+                             sample_tree_in_row_chunks=forgets_the_shift_back)
+    wrong = gpu_check.check_past_2_32(broken, ref, torch, wrapping, device="cpu", case=gpu_check.WIDE_CPU)
+    assert not wrong["ok"] and wrong["chunked_mismatches"] > 0, wrong
+
+
 def test_finished_phases_survive_a_run_killed_mid_way(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "run", "--cpu-twin", "--quick", "--out", str(tmp_path),
                              "--only", "kernel_load,kernel", "--stall-before", "kernel"],
@@ -123,11 +159,12 @@ def test_budget_skips_the_phases_that_would_not_fit(tmp_path: Path) -> None:
     report = json.loads(proc.stdout)
     assert report["status"] == "incomplete" and report["ok"]
     assert report["kernel_load"]["status"] == "passed"
-    for phase in ("kernel_thresholds", "kernel"):
+    for phase in ("kernel_thresholds", "kernel", "kernel_past_2_32"):
         assert report[phase]["status"] == "skipped", report[phase]
         assert "s left of --budget-s 2" in report[phase]["reason"]
-    assert set(report["skipped"]) == {"kernel_thresholds", "kernel"}
-    assert [x["phase"] for x in _lines(tmp_path)] == ["start", "kernel_load", "kernel_thresholds", "kernel", "end"]
+    assert set(report["skipped"]) == {"kernel_thresholds", "kernel", "kernel_past_2_32"}
+    assert [x["phase"] for x in _lines(tmp_path)] == ["start", "kernel_load", "kernel_thresholds", "kernel",
+                                                      "kernel_past_2_32", "end"]
 
 
 def test_a_kernel_phase_stops_when_its_pace_passes_the_deadline(gpu_check: ModuleType) -> None:

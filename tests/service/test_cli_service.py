@@ -229,13 +229,13 @@ def test_restart_summary_is_one_table_naming_its_times(monkeypatch: pytest.Monke
     service._render_restart(main.AppContext(), results)
     text = out.export_text()
     header = next(line for line in text.splitlines() if "host" in line)
-    for name in ("pid", "run", "graphs", "load", "capture", "smoke", "total", "deadline"):
+    for name in ("pid", "run", "mode", "load", "capture", "smoke", "total", "deadline"):
         assert name in header, header
     assert "elapsed" not in header and "ready after" not in header
     rows = [line for line in text.splitlines() if line.startswith("│")]
     (a,) = [line for line in rows if "gpu-a" in line]
     assert [cell.strip() for cell in a.split("│")[1:-1]] == [
-        "gpu-a", "ok", "4242", "DDTREE b=16 k=4", "on", "12.6s", "3.1s", "2.3s", "15.1s", "720s (learned)"]
+        "gpu-a", "ok", "4242", "DDTREE b=16 k=4", "graphs", "12.6s", "3.1s", "2.3s", "15.1s", "720s (learned)"]
     (b,) = [line for line in rows if "gpu-b" in line]
     assert "15.1s (2 launches)" in b and "—" in b  # eager: no capture
     assert "gpu-c" in text and "not ready after 720s" in text

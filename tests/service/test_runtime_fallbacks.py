@@ -156,8 +156,9 @@ def test_a_runtime_state_that_failed_capture_is_recorded_at_its_own_budget(
     """B300, budgets [8, 16] launched at 8: 16's verify capture crashes. Served eager by the
     bundle (the restart reads it from /server_info), or, when the crash is sticky (a real
     illegal memory access poisons the CUDA context), the bundle refuses the whole start
-    naming budget 16 and the restart relaunches eager. Either way the record is at 16, not
-    at the launch's 8, and the next launch with 16 listed eager keeps 8's graph."""
+    naming budget 16 and the restart relaunches with budgets from 16 up eager, keeping 8's
+    graph (issue 55; before, the whole server went eager). Either way the record is at 16,
+    not at the launch's 8, and the next launch with 16 listed eager keeps 8's graph."""
     host = make_sim_host(gpu="b300", name="b300", extra_env={"SIM_CAPTURE_STICKY": "1" if sticky else "0"})
     config = tmp_path / "states.json"
     config.write_text(json.dumps({"ddtree": {"budgets": [8, 16], "topk_max": 4, "on_capture_failure": "eager"}}))
@@ -171,11 +172,13 @@ def test_a_runtime_state_that_failed_capture_is_recorded_at_its_own_budget(
     with LocalTransport(host.name) as t:
         try:
             result = restart(run)
-            assert (result.cuda_graph, result.attempts) == ((False, 2) if sticky else (True, 1))
+            assert (result.cuda_graph, result.attempts) == ((True, 2) if sticky else (True, 1))
             (record,) = state.fallbacks()
             assert (record.key.budget, record.key.topk) == (16, 4)  # not the launch budget 8
             if sticky:
                 assert result.fallback_reason is not None and "DDTREE budget 16" in result.fallback_reason
+                assert result.fallback_reason.startswith("runtime budgets >= 16 served eager")
+                assert result.spec.env["SGLANG_DDTREE_EAGER_FROM_BUDGET"] == "16"
             else:
                 assert record.reason.startswith("runtime state budget 16: verify graph did not capture")
             planned = plan_runtime_budgets(state, replace(record.key, budget=8), [8, 16])

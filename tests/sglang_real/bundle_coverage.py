@@ -15,8 +15,8 @@ combines the data and compares it with the README section between the
 table of every line not executed, each range with the reason. ``--check`` fails (exit 1)
 when a line not executed is not listed, when a listed line was executed (a stale entry),
 or when a reason is missing; ``--write`` rewrites the section from the data, keeping the
-reason of every listed range that still holds lines not executed (new ones get
-``TODO``, which ``--check`` refuses).
+reason an entry gave for the same code -- a function by its name, a range by the text of
+its first line -- (new ones get ``TODO``, which ``--check`` refuses).
 
 Environment: ``DDTREE_COVERAGE_DIR`` (the data files) and ``DDTREE_BUNDLE_FILES`` (the
 bundle's ``files/`` directory), as the lane sets them.
@@ -235,9 +235,21 @@ def render(got: dict[str, FileCoverage], old: list[Entry]) -> str:
             first = src[group[0] - 1].strip().replace("|", "\\|")[:60]
             rows.append((group[0], _fmt_lines(group), f"`{first}`", group))
         for _, where, first, group in sorted(rows):
-            why = next((e.why for e in old if e.file == name and set(e.lines) & set(group) and e.why), TODO)
-            lines.append(f"| `{name}` | {where} | {first} | {why} |")
+            lines.append(f"| `{name}` | {where} | {first} | {_reason(name, where, first, group, old)} |")
     return "\n".join(lines) + "\n"
+
+
+def _reason(name: str, where: str, first: str, group: tuple[int, ...], old: list[Entry]) -> str:
+    """The reason an old entry gave for the same code: a function by its name, a range by
+    the text of its first line (of several, the nearest in line numbers). Never by line
+    numbers alone: an edit above a range moves it, and a reason kept by number then
+    describes whatever line moved there (issue 55 found two such rows)."""
+    where, first = where.strip("`"), first.strip("`")
+    key = where if where.endswith("()") else first
+    found = [e for e in old if e.file == name and e.first == key and e.why]
+    if not found:
+        return TODO
+    return min(found, key=lambda e: abs((e.lines[0] if e.lines else 0) - group[0])).why
 
 
 def check(got: dict[str, FileCoverage], entries: list[Entry]) -> list[str]:

@@ -83,7 +83,8 @@ LANE_UNITS = (
     ("trace", ("test_ddtree_trace",)),
     ("selftest-e2e", ("test_selftest_e2e",)),
     ("triton", ("test_ddtree_triton",)),
-    ("inprocess", ("test_ddtree_inprocess",)),
+    # The launch matrix (~880 resolutions, ~40 s) shares the in-process checks' prefix.
+    ("inprocess", ("test_ddtree_inprocess", "test_launch_matrix")),
     ("kernels", ("test_standin_kernels",)),
 )
 _UNIT_OF = {module: name for name, modules in LANE_UNITS for module in modules}

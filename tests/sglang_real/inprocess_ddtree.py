@@ -155,6 +155,68 @@ def tree_builder() -> dict:
     return {"trees": trees, "mismatches": mismatches}
 
 
+def kernel_row_chunks() -> dict:
+    """The worker's call of ``tree_speculative_sampling_target_only``
+    (``ddtree_utils.sample_tree_in_row_chunks``) with the kernel's offset limit lowered, so
+    that a small batch is split: through the test-only stand-in bound where
+    ``verify_sampling.py`` binds the op on CUDA (its entry checks: shapes bound across the
+    chunk's tensors, contiguity, one device), against one unchunked call on identical
+    coins -- every request's accepted path, count and emitted tokens equal."""
+    import torch
+    from sglang.kernels.ops.speculative import verify_sampling
+    from sglang.srt.speculative import ddtree_reference, ddtree_utils
+    from sglang_cpu_standins.sampling import provide_tree_sampling_kernel
+
+    provide_tree_sampling_kernel()
+    kernel = verify_sampling.tree_speculative_sampling_target_only
+    calls = []
+
+    def counted(**kw):
+        calls.append(int(kw["candidates"].shape[0]))
+        kernel(**kw)
+
+    gen = torch.Generator().manual_seed(55)
+    bs, budget, k, vocab = 7, 16, 4, 257
+    n = budget + 1
+    base = torch.randn(bs, 16, vocab, generator=gen) * 3
+    top = torch.log_softmax(base[:, :15] + torch.randn(bs, 15, vocab, generator=gen) * 0.5, dim=-1).topk(k, dim=-1)
+    roots = torch.randint(0, vocab, (bs,), generator=gen)
+    trees = ddtree_utils.build_tree_batch(top.indices, top.values, budget, roots)
+    logits = torch.gather(base, 1, trees.depths.clamp(max=15).unsqueeze(2).expand(bs, n, vocab))
+    probs = ddtree_reference.target_probs_from_logits(logits.reshape(bs * n, vocab), 0.8, 50, 0.95, 0.0)
+    probs = probs.view(bs, n, vocab).contiguous()
+    retrieve = ddtree_utils.tree_retrieve_batch(trees)
+    coins, final = torch.rand((bs, n), generator=gen), torch.rand((bs,), generator=gen)
+
+    def run(limit: int) -> dict:
+        out = {
+            "predicts": torch.zeros((bs * n,), dtype=torch.int32),
+            "accept_index": torch.full((bs, trees.max_depth + 1), -1, dtype=torch.int32),
+            "accept_token_num": torch.zeros((bs,), dtype=torch.int32),
+        }
+        calls.clear()
+        ddtree_utils.sample_tree_in_row_chunks(
+            counted, **out, candidates=trees.tokens, retrive_index=retrieve[0], retrive_next_token=retrieve[1],
+            retrive_next_sibling=retrieve[2], uniform_samples=coins, uniform_samples_for_final_sampling=final,
+            target_probs=probs, draft_probs=torch.zeros_like(probs), threshold_single=1.0, threshold_acc=1.0,
+            deterministic=True, limit=limit)
+        paths = ddtree_utils.accepted_paths_from_kernel(out["accept_index"], out["accept_token_num"],
+                                                        out["predicts"], n)
+        return {"calls": list(calls), "accept_index": out["accept_index"].tolist(),
+                "accept_token_num": out["accept_token_num"].tolist(),
+                "tokens": [paths.tokens[b, : int(paths.commit_lens[b])].tolist() for b in range(bs)]}
+
+    whole = run(ddtree_utils.KERNEL_PROB_OFFSET_LIMIT)
+    # 3 rows per call (3 * 17 * 257 < limit <= 4 * 17 * 257): chunks of 3, 3, 1.
+    chunked = run(3 * n * vocab + 1)
+    try:
+        run(n * vocab)  # not even one row fits
+        too_wide = None
+    except ValueError as exc:
+        too_wide = str(exc)
+    return {"whole": whole, "chunked": chunked, "too_wide": too_wide}
+
+
 def broken_hook() -> dict:
     """A hook that HookRegistry fails to apply (it logs the exception and carries on,
     srt/plugins/hook_registry.py ``apply_hooks``): the worker's start-up check refuses."""
@@ -187,6 +249,7 @@ CHECKS = {
     "per_node_refusals": per_node_refusals,
     "tree_builder": tree_builder,
     "broken_hook": broken_hook,
+    "kernel_row_chunks": kernel_row_chunks,
 }
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from .serverenv import coverage_env, server_env
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_real, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).with_name("inprocess_ddtree.py")
-CHECKS = ("target_laws", "context_end", "per_node_refusals", "tree_builder", "broken_hook")
+CHECKS = ("target_laws", "context_end", "per_node_refusals", "tree_builder", "kernel_row_chunks", "broken_hook")
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,18 @@ def test_a_hook_that_failed_to_apply_is_found(checks):
     got = checks["broken_hook"]
     assert got["refused"] and got["type"] == "DDTreeError", got
     assert "DecodeCudaGraphRunner.get_spec_info" in got["message"] and "\n" not in got["message"], got
+
+
+def test_the_kernel_runs_on_row_chunks_and_gives_the_unchunked_tokens(checks):
+    """N1 (issue 55): the CUDA op's probability offset is uint32, so a batch with
+    batch x width x vocab >= 2**32 is verified in row chunks. With the limit lowered to
+    3 rows, the 7-request batch takes three calls of the op's stand-in (entry checks
+    included) and every request gets the unchunked call's path, count and tokens."""
+    got = checks["kernel_row_chunks"]
+    whole, chunked = got["whole"], got["chunked"]
+    assert whole["calls"] == [7] and chunked["calls"] == [3, 3, 1], got
+    assert chunked["tokens"] == whole["tokens"], got
+    assert chunked["accept_index"] == whole["accept_index"], got
+    assert chunked["accept_token_num"] == whole["accept_token_num"], got
+    assert sum(whole["accept_token_num"]) > 3  # paths go past the root: the shifted indices are read
+    assert got["too_wide"] is not None and got["too_wide"].startswith("DDTREE: ") and "\n" not in got["too_wide"]

@@ -188,7 +188,8 @@ def test_server_info_reports_how_the_tree_is_verified(oracle_server):
     # site's wrapper chain, the capture hook's input, and (no graphs on CPU) no captures.
     checks = tree["tree_mask"]
     assert checks["hooks_in_place"] == [
-        "DecodeCudaGraphRunner.get_spec_info", "spec_info.create_dummy_verify_input",
+        "overrides.get_default_attn_backend", "DecodeCudaGraphRunner.get_spec_info",
+        "spec_info.create_dummy_verify_input",
         "dflash_utils.validate_dflash_request", "spec_sampling_mask.validate_spec_sampling_mask_request",
         "spec_utils.spec_need_hidden_states", "Scheduler.get_init_info",
         "SchedulerInternalStateController.set_internal_state", "SchedulerInternalStateController.get_internal_state",

@@ -191,7 +191,7 @@ def test_deploy_restart_bench_report_on_real_sglang(
     tree = info["ddtree"]
     assert (tree["budget"], tree["topk"], tree["draft_block_size"]) == (BUDGET, TOPK, 8), tree
     assert tree["tree_mask"]["capture_input"] == "DDTreeVerifyInput with the runner's mask buffer", tree
-    assert len(tree["tree_mask"]["hooks_in_place"]) == 11 and tree["sampler"] == "reference", tree
+    assert len(tree["tree_mask"]["hooks_in_place"]) == 12 and tree["sampler"] == "reference", tree
     # Launched without the eager flags, but SGLang has no CUDA graphs on CPU: restart
     # reports the mode the server resolved, not the one it asked for.
     assert "disabled" not in result["argv"], result["argv"]

@@ -17,6 +17,9 @@ makes by algorithm family; as a pull request each one becomes an
 * ``validate_spec_sampling_mask_request``: the DDTREE worker does not capture
   sampling masks.
 * ``spec_need_hidden_states``: like DFLASH, no hidden states ride the FutureMap.
+* ``get_default_attn_backend`` (as ``arg_groups/overrides.py`` calls it): a DDTREE
+  launch that names no attention backend gets one that verifies a tree on its GPU
+  (0.5.23's default at top-k 1 on B200/B300 is trtllm_mha, which has no custom mask).
 * ``Scheduler.get_init_info``: ``/server_info`` gains a ``ddtree`` entry with the
   resolved tree size, draft block, verify backend, decode graph mode and sampler.
 * ``SchedulerInternalStateController.set_internal_state`` /
@@ -267,6 +270,19 @@ def need_hidden_states(original):
     return original()
 
 
+def default_attention_backend(original, server_args, use_mla_backend, model_config):
+    """SGLang's default attention backend, or for a DDTREE launch where DDTREE cannot
+    verify with it (trtllm_mha at top-k 1 on B200/B300; fa3 at launch top-k 1 with
+    runtime states of a larger top-k) the one SGLang picks for a tree there
+    (``ddtree_registration.default_attention_backend``)."""
+    from sglang.srt.speculative.ddtree_registration import (
+        default_attention_backend as ddtree_default,
+    )
+
+    chosen = original(server_args, use_mla_backend, model_config)
+    return ddtree_default(server_args, chosen, model_config)
+
+
 def add_server_info(result: Dict[str, Any], scheduler) -> Dict[str, Any]:
     worker = getattr(scheduler, "draft_worker", None)
     describe = getattr(worker, "describe_ddtree", None)
@@ -474,6 +490,13 @@ def _count_spec_decode_metrics() -> None:
 
 
 HOOKS = (
+    (
+        # The name ``_attention_backend_default`` calls (overrides.py imports it from
+        # model_override_base.py): resolution asks it only when no backend was named.
+        "sglang.srt.arg_groups.overrides.get_default_attn_backend",
+        default_attention_backend,
+        HookType.AROUND,
+    ),
     (
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner."
         "DecodeCudaGraphRunner.get_spec_info",

@@ -29,6 +29,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from sglang.srt.speculative.ddtree_runtime import (
+    EAGER_FROM_ENV,
     RuntimeConfig,
     RuntimeConfigError,
     TreeShape,
@@ -73,6 +74,12 @@ REFUSED_VERIFY_BACKENDS: Dict[str, str] = {
     "torch_native": "it has no TARGET_VERIFY path and no custom mask",
     "flex_attention": "it has no custom mask for TARGET_VERIFY",
 }
+
+# FA3's kernels (sgl_kernel's flash_attn) are built for these compute-capability
+# majors only (``sgl_kernel/flash_attn.py`` ``is_fa3_supported``: sm80/86/89/90a);
+# SGLang's argument resolution does not check it, so fa3 on a Blackwell GPU would
+# resolve and fail at its first kernel.
+FA3_CAPABILITY_MAJORS = (8, 9)
 
 REFERENCE_SAMPLER_ENV = "SGLANG_DDTREE_REFERENCE_SAMPLER"
 
@@ -197,7 +204,12 @@ def runtime_config_of(cfg: Any) -> Optional[RuntimeConfig]:
         topk=DEFAULT_DDTREE_TOPK if topk is None else int(topk),
     )
     try:
-        return load_runtime_config(path, launch=launch, max_budget=MAX_DDTREE_BUDGET)
+        return load_runtime_config(
+            path,
+            launch=launch,
+            max_budget=MAX_DDTREE_BUDGET,
+            eager_from=os.environ.get(EAGER_FROM_ENV),
+        )
     except RuntimeConfigError as e:
         raise DDTreeError(f"DDTREE: {e}") from e
 
@@ -267,6 +279,41 @@ def check_ddtree_device(cfg: Any) -> None:
         )
 
 
+def _device_capability() -> Optional[tuple]:
+    """(major, minor) of the CUDA device SGLang resolves for, or None off CUDA."""
+    from sglang.srt.runtime_context import get_platform
+
+    if not get_platform().is_cuda:
+        return None
+    major, minor = get_platform().device_capability
+    return None if major is None else (int(major), int(minor or 0))
+
+
+def backend_problem(
+    backend: str, *, topk: int, topk_max: int, capability: Optional[tuple]
+) -> Optional[str]:
+    """Why DDTREE cannot verify with ``backend`` here (None: it can). ``topk`` is
+    the launch top-k, ``topk_max`` the largest a runtime state serves, ``capability``
+    the CUDA device's (None off CUDA)."""
+    if backend not in TREE_VERIFY_BACKENDS:
+        return REFUSED_VERIFY_BACKENDS.get(
+            backend, "its TARGET_VERIFY path has not been checked with a tree mask"
+        )
+    if backend == "fa3":
+        if capability is not None and capability[0] not in FA3_CAPABILITY_MAJORS:
+            return (
+                f"its kernels run on sm_80/sm_90 only and this GPU is "
+                f"sm_{capability[0]}{capability[1]}"
+            )
+        if topk == 1 < topk_max:
+            # FA3 picks its tree path (the one that reads the mask) from the launch top-k.
+            return (
+                "it builds its verify path from the launch top-k (1), and a runtime "
+                f"state serves top-k up to {topk_max}"
+            )
+    return None
+
+
 def check_verify_backend(backend: str, decode_graph: str, device: str) -> str:
     """How the tree mask reaches attention for this setup; raises if it does not.
 
@@ -285,6 +332,50 @@ def check_verify_backend(backend: str, decode_graph: str, device: str) -> str:
         f"(decode graphs: {decode_graph}): {reason}; use one of "
         f"{', '.join(sorted(TREE_VERIFY_BACKENDS))}."
     )
+
+
+def default_attention_backend(cfg: Any, chosen: str, model_config: Any) -> str:
+    """SGLang's default attention backend (``chosen``, from
+    ``get_default_attn_backend``) for a launch that names none, unless DDTREE cannot
+    verify with it there; then the one SGLang picks for a tree on the same GPU.
+
+    Why: on sm_100/sm_103 (B200/B300) 0.5.23 defaults an MHA target at
+    ``--speculative-eagle-topk 1`` to ``trtllm_mha`` (``model_override_base.py``,
+    ``get_default_attn_backend`` 1.2), which never reads a custom mask, and on
+    sm_90 to ``fa3``, whose tree path follows the launch top-k: a top-k 1 launch
+    there would be refused (or, with runtime states up to a larger top-k, refused
+    on H100 too). With top-k >= 2 SGLang picks FlashInfer on all of these GPUs
+    (Triton without FlashInfer or with attention sinks, its own fallback), so a
+    whole budget x top-k grid verifies on one backend. A backend the user names is
+    never changed: it is checked, and refused with the flag to change."""
+    if str(getattr(cfg, "speculative_algorithm", None) or "").upper() != DDTREE_NAME:
+        return chosen
+    topk = cfg.speculative_eagle_topk
+    topk = DEFAULT_DDTREE_TOPK if topk is None else int(topk)
+    try:
+        runtime = runtime_config_of(cfg)
+    except DDTreeError:
+        runtime = None  # refused with its own line in resolve_ddtree_server_args
+    topk_max = topk if runtime is None else max(topk, runtime.topk_max)
+    why = backend_problem(
+        chosen, topk=topk, topk_max=topk_max, capability=_device_capability()
+    )
+    if why is None:
+        return chosen
+    from sglang.srt.runtime_context import get_platform
+
+    sinks = bool(getattr(model_config, "has_attention_sinks", False))
+    replacement = (
+        "flashinfer" if get_platform().has_flashinfer and not sinks else "triton"
+    )
+    logger.info(
+        "DDTREE: SGLang's default attention backend here, %s, cannot verify a tree "
+        "(%s); using %s (pass --attention-backend to choose).",
+        chosen,
+        why,
+        replacement,
+    )
+    return replacement
 
 
 def resolve_ddtree_server_args(server_args: Any) -> None:
@@ -320,6 +411,23 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
             "--speculative-num-draft-tokens is the DDTREE verify window (root + "
             f"budget nodes) and must be in 2..{MAX_DDTREE_BUDGET + 1}, got "
             f"{num_draft_tokens}."
+        )
+    # The verify backend first: a backend DDTREE refuses may have made SGLang change
+    # other flags for it (trtllm_mha and fa4 force --page-size 64 / 128), and the
+    # line must name the flag to change, not the one SGLang changed.
+    backend = _verify_backend(cfg)
+    graph = _decode_graph_mode(cfg)
+    how = check_verify_backend(backend, graph, str(cfg.device))
+    capability = _device_capability()
+    if (
+        backend == "fa3"
+        and capability is not None
+        and capability[0] not in FA3_CAPABILITY_MAJORS
+    ):
+        raise DDTreeError(
+            f"DDTREE cannot verify with --attention-backend fa3 on this GPU "
+            f"(sm_{capability[0]}{capability[1]}): FA3's kernels run on sm_80/sm_90 "
+            "only; use flashinfer or triton."
         )
     if cfg.speculative_num_steps not in (None, 1):
         raise DDTreeError(
@@ -363,10 +471,6 @@ def resolve_ddtree_server_args(server_args: Any) -> None:
                 f"--speculative-{flag.replace('_', '-')} must be in (0, 1], "
                 f"got {value}."
             )
-
-    backend = _verify_backend(cfg)
-    graph = _decode_graph_mode(cfg)
-    how = check_verify_backend(backend, graph, str(cfg.device))
 
     # The launch tree is resolved; the runtime set, if any, must hold it. Checked here,
     # in the launcher, so that a bad file refuses the launch before weights load.

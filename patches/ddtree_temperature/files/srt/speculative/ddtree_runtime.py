@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 CONFIG_KEY = "ddtree"
 CAPTURE_FAILURE_CHOICES = ("eager", "drop")
@@ -49,6 +50,12 @@ DEFAULT_STATE_MEMORY_FRACTION = 0.5
 # What SGLang 0.5.23 raises when a decode graph fails to capture
 # (``DecodeCudaGraphRunner.__init__``); the toolkit's log reader knows it.
 CAPTURE_FAILED_MARKER = "Capture cuda graph failed:"
+# A supervisor's way to serve eager, for this launch, every runtime budget at or above N
+# (the toolkit's relaunch after a state's capture failed there: the failures grow with
+# the verify width, and the file it launched with may not be its to rewrite). Merged
+# into ddtree.eager_budgets; the launch budget, which SGLang captured, is never affected.
+EAGER_FROM_ENV = "SGLANG_DDTREE_EAGER_FROM_BUDGET"
+LISTED_EAGER = "listed in ddtree.eager_budgets"
 
 
 class RuntimeConfigError(ValueError):
@@ -62,6 +69,12 @@ class TreeSwitchRefused(ValueError):
 class CaptureContextPoisoned(RuntimeError):
     """A budget's capture failed and left the CUDA context unusable (an illegal
     memory access is sticky): the server must not start, whatever the budget."""
+
+
+class CaptureDisagreement(RuntimeError):
+    """Under TP > 1, a budget's verify graph failed to capture on some rank: every rank
+    refuses to start (graph mode on one rank and eager on another would have custom
+    all-reduce read a peer's graph buffer, not its eager staging buffer)."""
 
 
 class StateMemoryExceeded(RuntimeError):
@@ -90,10 +103,23 @@ class RuntimeConfig:
     on_capture_failure: str = "eager"
     eager_budgets: Tuple[int, ...] = ()
     state_memory_fraction: float = DEFAULT_STATE_MEMORY_FRACTION
+    # EAGER_FROM_ENV: every budget at or above it is served eager (None: unset)
+    eager_from: Optional[int] = None
 
     @property
     def max_budget(self) -> int:
         return max(self.budgets)
+
+    def listed_eager(self, budget: int) -> Optional[str]:
+        """Why ``budget`` is served eager without a capture attempt, or None."""
+        if budget in self.eager_budgets:
+            return LISTED_EAGER
+        if self.eager_from is not None and budget >= self.eager_from:
+            return (
+                f"{LISTED_EAGER} by {EAGER_FROM_ENV}={self.eager_from} (a capture at "
+                "that budget failed on this machine)"
+            )
+        return None
 
     def route(self, batch_size: int) -> TreeShape:
         """The policy's shape for a round of ``batch_size`` requests: the entry of the
@@ -119,7 +145,12 @@ def _int(value: Any, where: str, low: int, high: Optional[int] = None) -> int:
 
 
 def parse_runtime_config(
-    data: Any, *, source: str, launch: TreeShape, max_budget: int
+    data: Any,
+    *,
+    source: str,
+    launch: TreeShape,
+    max_budget: int,
+    eager_from: Optional[str] = None,
 ) -> Optional[RuntimeConfig]:
     """The ``ddtree`` section of an adaptive config, checked against the launch tree;
     None when the file has no such section (it may hold EAGLE's keys only)."""
@@ -210,6 +241,14 @@ def parse_runtime_config(
             f"{CONFIG_KEY}.state_memory_fraction must be a number in (0, 1], "
             f"got {fraction!r}"
         )
+    from_budget = None
+    if eager_from not in (None, ""):
+        text = str(eager_from).strip()
+        if not text.isdigit() or int(text) < 1:
+            raise RuntimeConfigError(
+                f"{EAGER_FROM_ENV} must be a budget (an integer >= 1), got {text!r}"
+            )
+        from_budget = int(text)
     return RuntimeConfig(
         source=source,
         budgets=tuple(budgets),
@@ -218,11 +257,16 @@ def parse_runtime_config(
         on_capture_failure=on_failure,
         eager_budgets=tuple(eager),
         state_memory_fraction=float(fraction),
+        eager_from=from_budget,
     )
 
 
 def load_runtime_config(
-    path: Optional[str], *, launch: TreeShape, max_budget: int
+    path: Optional[str],
+    *,
+    launch: TreeShape,
+    max_budget: int,
+    eager_from: Optional[str] = None,
 ) -> Optional[RuntimeConfig]:
     """Read ``--speculative-adaptive-config``; errors name the file and the key."""
     if not path:
@@ -240,7 +284,11 @@ def load_runtime_config(
         ) from e
     try:
         return parse_runtime_config(
-            data, source=path, launch=launch, max_budget=max_budget
+            data,
+            source=path,
+            launch=launch,
+            max_budget=max_budget,
+            eager_from=eager_from,
         )
     except RuntimeConfigError as e:
         raise RuntimeConfigError(f"--speculative-adaptive-config {path}: {e}") from e
@@ -303,6 +351,27 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     return " ".join(f"{type(error).__name__}: {text}".split())[:limit]
 
 
+def tp_capture_agreement(group: Any, world_size: int) -> Callable[[int], List[int]]:
+    """Every TP rank's capture status (0 captured, 1 failed with a usable context, 2 the
+    context poisoned), gathered over ``group``: SGLang's TP CPU group (gloo), which still
+    works on a rank whose CUDA context a capture poisoned."""
+
+    def agree(status: int) -> List[int]:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([int(status)], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(int(world_size))]
+        dist.all_gather(every, mine, group=group)
+        return [int(t.item()) for t in every]
+
+    return agree
+
+
+def _ranks(statuses: Sequence[int], wanted: Sequence[int]) -> str:
+    return ", ".join(str(r) for r, s in enumerate(statuses) if s in wanted)
+
+
 def capture_outcome(
     budget: int,
     capture: Callable[[int], Any],
@@ -310,32 +379,78 @@ def capture_outcome(
     graphs_enabled: bool,
     config: RuntimeConfig,
     probe: Callable[[], None] = cuda_context_probe,
+    agree: Optional[Callable[[int], List[int]]] = None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> Tuple[Any, StateOutcome]:
     """Capture one budget's verify graph (``capture(budget)`` returns the runner) and
-    say how it went: a failing capture serves that budget eager, or drops it, and
-    never takes the other budgets' graphs with it -- unless it left the CUDA context
-    unusable (``probe()`` raises after the failure): then no budget can run, and
-    :class:`CaptureContextPoisoned` refuses the start with one line carrying SGLang's
-    capture-failure marker, so a supervisor relaunches the server eager."""
+    say how it went.
+
+    Every capture, returned or raised, is followed by ``probe()``: a sticky CUDA error
+    (an illegal memory access in the last warm-up) can surface only at the next CUDA
+    call, and a capture that "returned" on a poisoned context must not be served. A
+    failing capture with a usable context serves that budget eager (or drops it) and
+    never takes the other budgets' graphs with it; a poisoned context refuses the start
+    (:class:`CaptureContextPoisoned`) with one line carrying SGLang's capture-failure
+    marker and the budget, so a supervisor relaunches with that budget eager.
+
+    Under TP > 1 (``agree``: every rank's status, :func:`tp_capture_agreement`) the
+    ranks must decide alike: any failure on any rank refuses the start on every rank
+    (:class:`CaptureDisagreement`, the same marker and budget), never graph mode on
+    one rank and eager on another.
+
+    ``log`` gets SGLang's own wording around the capture ("Capture ... CUDA graph
+    begin." / "... end."), which log readers take as the capture phase."""
     if not graphs_enabled:
         return None, StateOutcome(budget, "disabled")
-    if budget in config.eager_budgets:
-        return None, StateOutcome(budget, "eager", "listed in ddtree.eager_budgets")
+    listed = config.listed_eager(budget)
+    if listed is not None:
+        return None, StateOutcome(budget, "eager", listed)
+    say = log or (lambda _line: None)
+    name = f"DDTREE budget {budget} target verify"
+    say(f"Capture {name} CUDA graph begin. verify_width={budget + 1}")
+    started = time.perf_counter()
+    graph, error, poisoned = None, None, None
     try:
-        return capture(budget), StateOutcome(budget, "captured")
+        graph = capture(budget)
     except Exception as e:  # a capture failure of one budget, whatever raised it
-        reason = one_line(e)
-        try:
-            probe()
-        except Exception as poisoned:
-            raise CaptureContextPoisoned(
-                f"{CAPTURE_FAILED_MARKER} DDTREE budget {budget}: {reason} -- the "
-                f"CUDA context is unusable after it ({one_line(poisoned, 120)}); "
-                "refusing to start (relaunch with decode CUDA graphs disabled, or "
-                f"with {budget} in {CONFIG_KEY}.eager_budgets)"
-            ) from e
-        kind = "dropped" if config.on_capture_failure == "drop" else "eager"
-        return None, StateOutcome(budget, kind, reason)
+        error = e
+    try:
+        probe()
+    except Exception as e:
+        poisoned = e
+    reason = None if error is None else one_line(error)
+    status = 2 if poisoned is not None else (1 if error is not None else 0)
+    statuses = [status] if agree is None else agree(status)
+    relaunch = (
+        "refusing to start (relaunch with decode CUDA graphs disabled, or "
+        f"with {budget} in {CONFIG_KEY}.eager_budgets)"
+    )
+    if poisoned is not None:
+        what = reason if reason is not None else "the capture returned"
+        raise CaptureContextPoisoned(
+            f"{CAPTURE_FAILED_MARKER} DDTREE budget {budget}: {what} -- the "
+            f"CUDA context is unusable after it ({one_line(poisoned, 120)}); {relaunch}"
+        ) from (error or poisoned)
+    if agree is not None and any(statuses):
+        # A rank failed (this one's context is usable): every rank refuses alike.
+        failed = _ranks(statuses, (1, 2))
+        worst = "its CUDA context is unusable" if 2 in statuses else "not captured"
+        mine = f"; here: {reason}" if reason is not None else ""
+        raise CaptureDisagreement(
+            f"{CAPTURE_FAILED_MARKER} DDTREE budget {budget}: the verify graph failed "
+            f"on TP rank(s) {failed} of {len(statuses)} ({worst}){mine}; the ranks "
+            f"must all serve it with a graph or all eager; {relaunch}"
+        ) from error
+    elapsed = time.perf_counter() - started
+    if error is None:
+        say(f"Capture {name} CUDA graph end. elapsed={elapsed:.2f} s, captured.")
+        return graph, StateOutcome(budget, "captured")
+    kind = "dropped" if config.on_capture_failure == "drop" else "eager"
+    say(
+        f"Capture {name} CUDA graph end. elapsed={elapsed:.2f} s, not captured "
+        f"({reason}): {'dropped' if kind == 'dropped' else 'served eager'}."
+    )
+    return None, StateOutcome(budget, kind, reason)
 
 
 @dataclass
@@ -351,6 +466,8 @@ class StateMemory:
     free_at_start_mb: float = field(init=False)
     cap_mb: float = field(init=False)
     used_mb: float = 0.0
+    # the extra budgets charged so far, all under the cap
+    fitted: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.free_at_start_mb = float(self.free_mb())
@@ -358,7 +475,8 @@ class StateMemory:
 
     def charge(self, budget: int, free_before_mb: float, *, kept: bool) -> float:
         """The MB a state took since ``free_before_mb``; raises
-        :class:`StateMemoryExceeded` when the kept states pass the cap."""
+        :class:`StateMemoryExceeded` when the kept states pass the cap, naming the
+        budgets built before it (the largest set of these states that fits)."""
         took = max(0.0, float(free_before_mb) - float(self.free_mb()))
         if not kept:
             return took
@@ -369,9 +487,12 @@ class StateMemory:
                 f"{took:.0f} MB, past the cap of {self.cap_mb:.0f} MB for all runtime "
                 f"states ({CONFIG_KEY}.state_memory_fraction {self.fraction:g} of "
                 f"{self.free_at_start_mb:.0f} MB free after the KV pool; the states "
-                f"built so far took {self.used_mb:.0f} MB); drop budgets from "
-                f"{CONFIG_KEY}.budgets or raise {CONFIG_KEY}.state_memory_fraction"
+                f"built so far took {self.used_mb:.0f} MB); the extra states that fit: "
+                f"{sorted(self.fitted)}; drop budgets from {CONFIG_KEY}.budgets "
+                f"(launch those in another server) or raise "
+                f"{CONFIG_KEY}.state_memory_fraction"
             )
+        self.fitted.append(int(budget))
         return took
 
     def as_dict(self) -> Dict[str, Any]:
@@ -392,6 +513,8 @@ def build_state(
     config: RuntimeConfig,
     memory: StateMemory,
     probe: Callable[[], None] = cuda_context_probe,
+    agree: Optional[Callable[[int], List[int]]] = None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> Tuple[Any, Any, StateOutcome]:
     """One extra budget's state, measured: ``make_backend(budget)`` (its target
     attention backend and workspace), then ``capture(backend, budget)`` (its verify
@@ -406,6 +529,8 @@ def build_state(
         graphs_enabled=graphs_enabled,
         config=config,
         probe=probe,
+        agree=agree,
+        log=log,
     )
     outcome.memory_mb = memory.charge(
         budget, before, kept=outcome.cuda_graph != "dropped"

@@ -35,6 +35,7 @@ __all__ = [
     "tree_batch_from_trees",
     "follow_verified_tree_batch",
     "accepted_paths_from_kernel",
+    "sample_tree_in_row_chunks",
     "TreeMaskBuffer",
     "verify_mask_cells",
 ]
@@ -485,6 +486,96 @@ def accepted_paths_from_kernel(
         tokens=predicts.to(torch.int64)[flat],
         commit_lens=lens,
     )
+
+
+# ``tree_speculative_sampling_target_only`` computes each request's probability offset in
+# uint32 (0.5.23's ``kernels/jit/include/sgl_kernel/speculative/sampling.cuh``:
+# ``cur_prob_offset = bx * num_draft_tokens * d`` and ``(bx * num_draft_tokens +
+# cur_index) * d``): from ``bs * N * V >= 2**32`` on, a row reads another request's
+# probabilities, silently (vocab 151,936: width 65 from batch 435, width 17 from 1,663).
+KERNEL_PROB_OFFSET_LIMIT = 2**32
+
+
+def sample_tree_in_row_chunks(
+    kernel: Any,
+    *,
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    threshold_single: float,
+    threshold_acc: float,
+    deterministic: bool = True,
+    limit: int = KERNEL_PROB_OFFSET_LIMIT,
+) -> int:
+    """Call the tree sampling kernel (its exact arguments) on row chunks small enough that
+    ``rows * N * V < limit``; returns the number of calls. Rows are independent requests:
+    a chunk's tensors are row slices (contiguous views: no copy of the probabilities), its
+    ``retrive_index`` (flat positions ``b * N + i`` into ``predicts``) shifted to the
+    chunk's slice of ``predicts``, and the flat positions it writes into ``accept_index``
+    shifted back. One call, unchanged, where the batch fits."""
+    bs, width = candidates.shape
+    per_row = width * int(target_probs.shape[-1])
+    rows = (int(limit) - 1) // per_row
+    if rows < 1:
+        raise ValueError(
+            f"DDTREE: one request's verify probabilities ({width} x "
+            f"{target_probs.shape[-1]}) exceed the sampling kernel's {limit}-element "
+            "offset range."
+        )
+    args = {
+        "threshold_single": threshold_single,
+        "threshold_acc": threshold_acc,
+        "deterministic": deterministic,
+    }
+    if bs <= rows:
+        kernel(
+            predicts=predicts,
+            accept_index=accept_index,
+            accept_token_num=accept_token_num,
+            candidates=candidates,
+            retrive_index=retrive_index,
+            retrive_next_token=retrive_next_token,
+            retrive_next_sibling=retrive_next_sibling,
+            uniform_samples=uniform_samples,
+            uniform_samples_for_final_sampling=uniform_samples_for_final_sampling,
+            target_probs=target_probs,
+            draft_probs=draft_probs,
+            **args,
+        )
+        return 1
+    calls = 0
+    for start in range(0, bs, rows):
+        end = min(bs, start + rows)
+        shift = start * width
+        chunk_accept = accept_index[start:end]
+        kernel(
+            predicts=predicts[shift : end * width],
+            accept_index=chunk_accept,
+            accept_token_num=accept_token_num[start:end],
+            candidates=candidates[start:end],
+            retrive_index=retrive_index[start:end] - shift,
+            retrive_next_token=retrive_next_token[start:end],
+            retrive_next_sibling=retrive_next_sibling[start:end],
+            uniform_samples=uniform_samples[start:end],
+            uniform_samples_for_final_sampling=uniform_samples_for_final_sampling[
+                start:end
+            ],
+            target_probs=target_probs[start:end],
+            draft_probs=draft_probs[start:end],
+            **args,
+        )
+        # Written positions are chunk-local flat positions; -1 (never written) stays.
+        chunk_accept.add_((chunk_accept >= 0).to(chunk_accept.dtype) * shift)
+        calls += 1
+    return calls
 
 
 class TreeMaskBuffer:

@@ -69,6 +69,7 @@ from sglang.srt.speculative.ddtree_registration import (
 )
 from sglang.srt.speculative.ddtree_runtime import (
     CaptureContextPoisoned,
+    CaptureDisagreement,
     StateMemory,
     StateMemoryExceeded,
     StateOutcome,
@@ -358,6 +359,7 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         ]
         config = runtime.config
         rank0 = get_parallel().tp_rank == 0
+        agree = self._tp_capture_agreement() if graphs else None
         memory = None
         if config is not None and len(config.budgets) > 1:
             memory = StateMemory(self._free_memory_mb, config.state_memory_fraction)
@@ -376,8 +378,14 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                         config=config,
                         memory=memory,
                         probe=ddtree_runtime.cuda_context_probe,
+                        agree=agree,
+                        log=logger.info,
                     )
-                except (CaptureContextPoisoned, StateMemoryExceeded) as e:
+                except (
+                    CaptureContextPoisoned,
+                    CaptureDisagreement,
+                    StateMemoryExceeded,
+                ) as e:
                     # one line before the scheduler's traceback: what the toolkit's
                     # log reader reports (and, for a poisoned context, relaunches
                     # eager on: the line carries "Capture cuda graph failed:")
@@ -414,6 +422,17 @@ class DDTreeWorkerV2(DFlashWorkerV2):
                 runtime.topk_max,
                 runtime.mode,
             )
+
+    @staticmethod
+    def _tp_capture_agreement():
+        """Under TP > 1, every rank's capture status gathered over the TP CPU group
+        (``ddtree_runtime.tp_capture_agreement``); None with one rank."""
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size <= 1:
+            return None
+        return ddtree_runtime.tp_capture_agreement(group.cpu_group, group.world_size)
 
     def _free_memory_mb(self) -> float:
         """Free device memory in MB, read as SGLang reads it around every capture
@@ -592,13 +611,25 @@ class DDTreeWorkerV2(DFlashWorkerV2):
 
     def prewarm_sampling(self):
         # DFlash rehearses its sampling verify with block_size-wide rows; DDTREE's
-        # sampled verify has verify_width rows per request, the same tensors.
+        # sampled verify has verify_width rows per request, the same [rows, V] fp32
+        # tensors. Every runtime state verifies at its own width: rehearse the widest
+        # (with _prewarm_batch_size's batch), not the launch width, so the KV sizing
+        # leaves the widest state's peak free.
         block_size = self.block_size
-        self.block_size = self.verify_width
+        self.block_size = max(self.ddtree_runtime.budgets) + 1
         try:
             return super().prewarm_sampling()
         finally:
             self.block_size = block_size
+
+    def _prewarm_batch_size(self, block_size: int) -> int:
+        # Any state, captured or eager, runs a batch above its graph ceiling eagerly
+        # (can_run_graph), up to max_running_requests: that round's rows are the peak,
+        # not the graph's (DFlash's bound, max_decode_logits_rows // width).
+        running = self.model_runner.max_running_requests
+        if running is None:
+            return super()._prewarm_batch_size(block_size)
+        return max(1, int(running))
 
     def _validate_phase1_sampling_support(self, batch: ScheduleBatch) -> None:
         # Requests DDTREE cannot serve exactly are aborted at admission
@@ -1150,7 +1181,10 @@ class DDTreeWorkerV2(DFlashWorkerV2):
         else:
             verify = ddtree_reference.reference_tree_speculative_sampling
         target_probs = self._target_probs(logits, sampling_info, draft_input, bs, width)
-        verify(
+        # Row chunks under the kernel's uint32 probability offset (one call where the
+        # batch fits, which is every batch below bs * width * vocab = 2**32).
+        ddtree_utils.sample_tree_in_row_chunks(
+            verify,
             predicts=predicts,
             accept_index=accept_index,
             accept_token_num=accept_num,
