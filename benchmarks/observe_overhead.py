@@ -131,8 +131,9 @@ def main() -> None:
                          "per_host_s_median": statistics.median(v) / args.hosts} for name, v in measured.items()},
         "target": "the observation adds at most 0.5 s per host to a command on 8 hosts",
     }
-    # In parallel, what a command waits for is the fan-out: every host observed within 0.5 s.
-    doc["meets_target"] = doc["parts"]["observation (gather + status + smoke)"]["wall_s_median"] <= 0.5
+    # What a command on N hosts waits for is the fan-out's wall time; the target allows 0.5 s
+    # of it per host (so 4 s on 8 hosts), and the per-host figure is that time divided by N.
+    doc["meets_target"] = doc["parts"]["observation (gather + status + smoke)"]["per_host_s_median"] <= 0.5
     if args.json:
         print(json.dumps(doc, indent=2))
         return

@@ -9,8 +9,10 @@ selects hosts, renders, and picks the exit code.
 from __future__ import annotations
 
 import difflib
+import posixpath
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import replace as replace_dc
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from ddtree_ops.cli.common import (
     error_text,
     failure_row,
     fitted_table,
+    graph_mode,
     load_hosts,
     print_table,
     raise_if_failed,
@@ -113,7 +116,9 @@ def _render_outcomes(
     failed, succeeded = results.failed, results.succeeded
     outcomes = {n: v.outcome if isinstance(v, (RolledBack, Deployed)) else v for n, v in succeeded.items()}
     observed = rollout.observed if rollout is not None else {}
-    rolling = rollout is not None and rollout.plan.rolling
+    # A rollout, or a change refused before any host changed: each host's batch, and a row
+    # for every host not reached.
+    rolling = rollout is not None and (rollout.plan.rolling or bool(rollout.not_reached))
     if obj.json:
         rows_json: list[dict[str, Any]] = []
         for n in results:
@@ -184,22 +189,47 @@ def _rollout_row(rollout: RolloutResult[Any], host: str) -> dict[str, Any]:
 def _diffs(obj: AppContext, host: Host, rs: RemoteState, bundle: Bundle, plan: HostPlan) -> list[str]:
     """Unified diffs of each file the plan changes: a replaced file against the remote
     original (one read per file), an added one against nothing (``/dev/null``, as git
-    shows a new file), so that a bundle of new files does not show an empty diff."""
+    shows a new file), so that a bundle of new files does not show an empty diff.
+
+    A patch ``patch -p1 -d SITE_PACKAGES`` (or ``git apply``) applies: each path is relative
+    to the host's site-packages (``sglang/...``, the plugin's dist-info beside it), under
+    ``HOST/`` on the old side and ``bundle/`` on the new, and a last line without its
+    newline is marked as diff marks it (difflib does not: the next header would run on)."""
     out: list[str] = []
     if rs.package_dir is None:
         return out
     contents = {f.path: f.content for f in bundle.files}
+    package = posixpath.basename(rs.package_dir.rstrip("/"))
     with transport_for(obj, host) as t:
         for a in plan.actions:
             if a.path not in contents or a.kind == "patched":
                 continue
+            rel = posixpath.normpath(posixpath.join(package, a.path))
             new = contents[a.path].decode("utf-8", "replace").splitlines(keepends=True)
             if a.current_sha256 is None:
-                out.append("".join(difflib.unified_diff([], new, "/dev/null", f"bundle:{a.path}")))
+                out.append(_unified(difflib.unified_diff([], new, "/dev/null", f"bundle/{rel}")))
                 continue
             old = t.read_bytes(f"{rs.package_dir}/{a.path}").decode("utf-8", "replace").splitlines(keepends=True)
-            out.append("".join(difflib.unified_diff(old, new, f"{host.name}:{a.path}", f"bundle:{a.path}")))
+            out.append(_unified(difflib.unified_diff(old, new, f"{host.name}/{rel}", f"bundle/{rel}")))
     return out
+
+
+def _unified(lines: Iterable[str]) -> str:
+    """difflib's lines as a patch: a line without its newline (a file's last) ends with one
+    and ``\\ No newline at end of file``, as diff(1) writes it."""
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+def _print_diff(obj: AppContext, text: str) -> None:
+    """A diff as it is: piped or redirected, byte for byte (a patch that applies: rich would
+    wrap its long lines at 80 columns, each continuation without its ``+``); on a terminal,
+    unwrapped too (the terminal folds a long line; its control characters shown escaped)."""
+    file = obj.console.file
+    if obj.console.is_terminal or getattr(file, "isatty", lambda: False)():
+        obj.console.print(text, markup=False, highlight=False, end="", no_wrap=True, overflow="ignore", crop=False)
+    else:
+        obj.console.file.write(text)
+        obj.console.file.flush()
 
 
 @app.command("deploy")
@@ -303,7 +333,7 @@ def deploy_cmd(
     if diff and not obj.json:
         for texts in diffs.values():
             for text in texts:
-                obj.console.print(text, markup=False, highlight=False, end="")
+                _print_diff(obj, text)
     if rollout is not None and not opts.dry_run:
         render_rollout(obj, rollout)
     # A dry run exits as the run would: a plan the run refuses fails that host (exit 4).
@@ -395,6 +425,13 @@ def _service_json(svc: Any) -> dict[str, Any]:
     }
 
 
+def _places_text(host: str, places: dict[str, Any]) -> str:
+    """The server column: the host's server, or each GPU slot's named (``sim-ct200/0: ...``)."""
+    if list(places) == [host]:
+        return _service_text(places[host])
+    return "; ".join(f"{escape(place)}: {_service_text(svc)}" for place, svc in places.items())
+
+
 def _service_text(svc: Any) -> str:
     """One cell: is the server we launched running, ready, on CUDA graphs?"""
     if isinstance(svc, BaseException):
@@ -402,8 +439,7 @@ def _service_text(svc: Any) -> str:
     if not svc.running:
         return "stopped" + (" (port held by another process)" if svc.port_open else "")
     ready = "ready" if svc.health == 200 and svc.serving_ours else f"not ready (health {svc.health})"
-    graphs = {True: "cuda graphs", False: "eager", None: "graph mode unknown"}[svc.cuda_graph]
-    return f"pid {svc.pid}, {ready}, {graphs}"
+    return f"pid {svc.pid}, {ready}, {graph_mode(svc.cuda_graph)}"
 
 
 @app.command("status")
@@ -431,12 +467,15 @@ def status_cmd(
         with transport_for(obj, h) as t:
             patch = host_status(t, h, bundle=bundle)
             # The service section must never hide the patch section: its failure is shown
-            # in its own column.
-            try:
-                service: Any = service_status(t, h, log_lines=0)
-            except DdtreeOpsError as exc:
-                service = exc
-            return patch, service
+            # in its own column. One per server place: a host with GPU slots runs a server on
+            # each slot's port, and its own port is slot 0's ("held by another process").
+            places: dict[str, Any] = {}
+            for place in h.slot_hosts():
+                try:
+                    places[place.name] = service_status(t, place, log_lines=0)
+                except DdtreeOpsError as exc:
+                    places[place.name] = exc
+            return patch, places
 
     both = run_on_hosts(hosts, one, max_parallel=_parallel(obj, max_parallel))
     results = both.map(lambda r: r[0])
@@ -448,7 +487,10 @@ def status_cmd(
             [
                 failure_row(n, failed[n])
                 if n in failed
-                else {"ok": True, **succeeded[n].to_json(), "service": _service_json(services[n])}
+                else {"ok": True, **succeeded[n].to_json(),
+                      # The first place's, as before slots; "servers": every place's.
+                      "service": _service_json(next(iter(services[n].values()))),
+                      "servers": [{"place": place, **_service_json(svc)} for place, svc in services[n].items()]}
                 for n in results
             ],
         )
@@ -493,7 +535,7 @@ def status_cmd(
             version = escape(r.package_version) if r.package_version else "[red]not installed[/]"
             rows.append([n, Text.from_markup(version), Text.from_markup(bundle_txt), Text.from_markup(applied),
                          Text.from_markup(files_txt), "; ".join(left) or "-",
-                         Text.from_markup(_service_text(services[n]))])
+                         Text.from_markup(_places_text(n, services[n]))])
         print_table(obj.console, fitted_table(columns, rows, width=obj.console.width, wide=wide,
                                               title="patch and service status"))
         # The reason of a failed host, whatever columns the terminal dropped.
