@@ -21,8 +21,15 @@ DEMO_HOSTS := sim-ct200 sim-b300
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_INDEX_REACHABLE := import sys, urllib.request; urllib.request.urlopen("$(TORCH_CPU_INDEX)/torch/", timeout=5)
 
+# pip is quiet (-q) and takes 1-2 minutes on a fresh clone: the line before it says what it
+# does. setuptools prints a boxed BuildBackendWarning ("Editable installation ... folders
+# named like the package may take precedence during imports": here that folder IS the
+# package) on every editable install; PYTHONWARNINGS quiets that one warning, in that step.
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV): pip, $(TORCH_PIN) and ddtree-ops with its test extra; 1-2 min the first time, quiet while pip works"
 	$(PY) -m pip install -q --upgrade pip
 	@if $(PY) -c '$(TORCH_INDEX_REACHABLE)' 2>/dev/null; then \
 	  echo "torch: the CPU build from $(TORCH_CPU_INDEX)"; \
@@ -31,7 +38,7 @@ $(STAMP): pyproject.toml
 	  echo "torch: $(TORCH_CPU_INDEX) is not reachable; $(TORCH_PIN) from pip's configured indexes (the CPU build only where they offer one, e.g. a local wheel folder; from PyPI on Linux x86-64 it is the CUDA build, several GB)"; \
 	  $(PY) -m pip install -q $(TORCH_PIN); \
 	fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(EDITABLE_QUIET) $(PY) -m pip install -q -e '.[test]'
 	mkdir -p $(WHEELS)
 	ls $(WHEELS)/sglang-0.5.23-*.whl >/dev/null 2>&1 || $(PY) -m pip download -q --no-deps sglang==0.5.23 -d $(WHEELS)
 	touch $(STAMP)
@@ -52,8 +59,10 @@ lint: $(STAMP)
 # either alone is CPU-bound (measured: the rest of the suite 551 s with two workers, 576 s
 # with four; the lane 881 s with two, ~20 min with one), and running them side by side
 # was slower than one after the other (both starve: ~28 min against ~25). How the lane
-# splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS.
-MAIN_XDIST ?= -n 2
+# splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS. The main
+# lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped host on one
+# worker and starts the slow modules first, so that no worker ends the lane alone.
+MAIN_XDIST ?= -n 2 --dist loadgroup
 REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 # A narrowed run builds the real-SGLang environment (~7 GB) only when it names that lane.
 test: $(STAMP) $(if $(findstring sglang_real,$(PYTEST_ARGS)),sglang-cpu)

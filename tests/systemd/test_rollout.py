@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,9 @@ def trio(systemd_trio: SystemdFleet, sd_env: Path, cli: Callable[..., Any]) -> I
     """Every host as its operator left it: the unit on its own ExecStart (AR), no patch."""
     done = cli("-i", str(systemd_trio.inventory), "rollback", "all")
     assert done.exit_code == 0, done.stdout + done.stderr
-    for host in systemd_trio.hosts:
-        reset(host)
+    # The three at once: each waits for its own unit's load, not for the others'.
+    with ThreadPoolExecutor(max_workers=len(systemd_trio.hosts)) as pool:
+        list(pool.map(reset, systemd_trio.hosts))
     yield systemd_trio
 
 
@@ -180,8 +182,10 @@ def _state(cli: Callable[..., Any], inventory: Path, host: SystemdHost) -> tuple
     return pid, cmdline(host, pid), status["bundle"], host.run("test", "-e", DROPIN, check=False).returncode == 0
 
 
+# Two of the simulator's faults, a wrong token and a crash, as the rollout meets them on a
+# unit; accept_collapse is judged by the same gate on a process host
+# (tests/patching/test_tune_canary.py), and every fault's verdict by benchmarks/gate_faults.py.
 @pytest.mark.parametrize(("fault", "reason"), [
-    ("accept_collapse", "at T=0 is below the floor 1.30 (default)"),
     ("wrong_greedy", "greedy agreement 0.0"),
     ("crash_sampled", "request(s) failed"),
 ])
