@@ -229,6 +229,13 @@ def test_a_sweep_over_a_replay_crash_host_writes_only_successful_rows(tmp_path: 
             "port": free_port(), "expected_load_s": 2,
             "env": {"SIM_GPU": "h200", "SIM_LOAD_S": "0.5", "SIM_TIME_SCALE": "0.2", **REPLAY_CRASH}}}}}}}))
     restart = ("-i", str(inv), "--json", "restart", "sim-x", "--algorithm", "DDTREE", "--budget", "16", "--topk", "4")
+    try:
+        _restart_then_sweep(inv, restart, tmp_path)
+    finally:  # the sweep puts the server back (issue 53): it must not outlive the test
+        _cli("-i", str(inv), "stop", "sim-x", cwd=tmp_path)
+
+
+def _restart_then_sweep(inv: Path, restart: tuple[str, ...], tmp_path: Path) -> None:
     first = _cli(*restart, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     [row] = json_data(first.stdout)["hosts"]
