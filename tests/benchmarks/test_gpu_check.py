@@ -62,7 +62,10 @@ def test_the_harness_agrees_with_the_transcribed_kernel(gpu_check: ModuleType, t
 
 def test_thresholds_below_one_are_exercised(gpu_check: ModuleType) -> None:
     """A kernel that ignored --speculative-accept-threshold-single/-acc (always 1 / 1) is caught
-    at every pair below 1, and not at 1 / 1; the twin agrees with the transcribed kernel at each."""
+    at every pair below 1, and not at 1 / 1. (That the twin agrees with the transcribed kernel
+    at each pair is the harness run's kernel_thresholds phase, over the same quick cases:
+    test_the_harness_agrees_with_the_transcribed_kernel; the pure-Python kernel is this
+    file's slowest step, so it is run once.)"""
     du, ref = load_ddtree_utils(), load_ddtree_reference()
 
     def ignores_thresholds(**kw):
@@ -74,10 +77,7 @@ def test_thresholds_below_one_are_exercised(gpu_check: ModuleType) -> None:
 
         wrong = gpu_check.check_kernel(du, ref, torch, ignores_thresholds, quick=True, trials=1, device="cpu",
                                        cases=cases)
-        right = gpu_check.check_kernel(du, ref, torch, gpu_check.transcribed_kernel, quick=True, trials=1,
-                                       device="cpu", cases=cases)
-        assert right["ok"] and right["mismatches"] == 0, (pair, right)
-        assert (wrong["mismatches"] > 0) == (pair != (1.0, 1.0)), (pair, wrong)
+        assert wrong["requests"] > 0 and (wrong["mismatches"] > 0) == (pair != (1.0, 1.0)), (pair, wrong)
     assert any(s < 1 for s, _ in gpu_check.THRESHOLDS) and any(a < 1 for _, a in gpu_check.THRESHOLDS)
 
 
