@@ -28,7 +28,6 @@ Needs root (network namespaces), sshd and ansible-core (the test extra).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -63,31 +62,6 @@ PLAYBOOK = """
 """
 
 
-class AddressProxy(DelayProxy):
-    """DelayProxy towards another address than loopback (a namespace host's sshd)."""
-
-    def add_to(self, address: str, port: int) -> int:
-        async def start() -> int:
-            async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-                await self._forward(r, w, address, port)
-
-            server = await asyncio.start_server(handle, "127.0.0.1", 0)
-            self.servers.append(server)
-            return int(server.sockets[0].getsockname()[1])
-
-        return asyncio.run_coroutine_threadsafe(start(), self.loop).result()
-
-    async def _forward(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter, address: str, port: int) -> None:
-        try:
-            ur, uw = await asyncio.open_connection(address, port)
-        except OSError:
-            cw.close()
-            return
-        self.writers.update((cw, uw))
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
-        self.writers.difference_update((cw, uw))
-
-
 def run(argv: list[str], env: dict[str, str], *,
         timeout: float = 1800) -> tuple[float, subprocess.CompletedProcess[str]]:
     started = time.perf_counter()
@@ -117,7 +91,7 @@ def main() -> None:
     expose_toolkit(template)
     netnsfleet.cached_prefix_template = lambda _wheel: template  # small prefixes: 32 hosts fit in memory
     fleet = netnsfleet.build_netns_fleet(root / "fleet", [None] * max(args.hosts))  # type: ignore[list-item]
-    proxy = AddressProxy(args.rtt_ms / 2000.0)
+    proxy = DelayProxy(args.rtt_ms / 2000.0)
     home = root / "ansible"
     home.mkdir()
     (home / "ansible.cfg").touch()

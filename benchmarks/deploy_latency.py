@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import posixpath
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,41 +50,59 @@ from ddtree_ops.transport.base import RoundTripCounter  # noqa: E402
 
 
 class DelayProxy:
-    """Loopback TCP proxies that add a fixed one-way delay per direction, in one event-loop thread."""
+    """Loopback TCP proxies that add a fixed one-way delay per direction.
+
+    They run in a process of their own: the delay stands for the network, and in the
+    controller's interpreter its event loop would wait for the GIL behind the controller's
+    SSH threads, so that the more hosts the controller drives at once, the longer each
+    packet's "link" would take (measured: a fresh deploy to 8 hosts at +50 ms RTT 1.74x
+    one host's time with the proxy in the benchmark's process).
+    """
 
     def __init__(self, one_way_s: float) -> None:
-        self.delay = one_way_s
-        self.loop = asyncio.new_event_loop()
-        self.servers: list[asyncio.base_events.Server] = []
-        self.writers: set[asyncio.StreamWriter] = set()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        # A plain interpreter, not multiprocessing's spawn (which would run the calling
+        # script's module again): requests and answers are lines on its stdin and stdout.
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from deploy_latency import proxy_process; "
+                "proxy_process(float(sys.argv[2]))")
+        self._proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), repr(one_way_s)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def add(self, target_port: int) -> int:
-        async def start() -> int:
-            server = await asyncio.start_server(lambda r, w: self._handle(r, w, target_port), "127.0.0.1", 0)
-            self.servers.append(server)
-            return int(server.sockets[0].getsockname()[1])
+        """A proxy towards ``127.0.0.1:target_port``; its own loopback port."""
+        return self.add_to("127.0.0.1", target_port)
 
-        return asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+    def add_to(self, address: str, port: int) -> int:
+        """A proxy towards ``address:port`` (a namespace host's sshd); its loopback port."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"{address} {port}\n")
+        self._proc.stdin.flush()
+        got = self._proc.stdout.readline().strip()
+        if not got.isdigit():
+            raise OSError(f"delay proxy towards {address}:{port}: {got or 'the proxy process ended'}")
+        return int(got)
 
-    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter, port: int) -> None:
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()  # end of requests: the process closes its servers and exits
         try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            cw.close()
-            return
-        self.writers.update((cw, uw))
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
-        self.writers.difference_update((cw, uw))
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+
+def proxy_process(one_way_s: float) -> None:
+    """The proxies' process: one event loop; a request per stdin line (``address port``),
+    answered with the new proxy's loopback port on stdout; ends at the end of stdin."""
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
         q: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
         async def sender() -> None:
             while True:
                 due, data = await q.get()
-                wait = due - self.loop.time()
+                wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 if not data:
@@ -96,31 +115,73 @@ class DelayProxy:
         try:
             while True:
                 data = await r.read(1 << 16)
-                q.put_nowait((self.loop.time() + self.delay, data))
+                q.put_nowait((loop.time() + one_way_s, data))
                 if not data:
                     break
         finally:
             q.put_nowait((0.0, b""))  # a reset connection ends the sender too
             await asyncio.gather(task, return_exceptions=True)
 
-    def close(self) -> None:
-        async def shutdown() -> None:
-            for server in self.servers:
-                server.close()
-            for w in list(self.writers):
-                w.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            await asyncio.wait(tasks, timeout=5) if tasks else None
+    async def forward(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, address: str, port: int) -> None:
+        try:
+            ur, uw = await asyncio.open_connection(address, port)
+        except OSError:
+            cw.close()
+            return
+        await asyncio.gather(pipe(cr, uw), pipe(ur, cw), return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        # Connections still open at the end are cut: nothing to report about them.
+        loop.set_exception_handler(lambda _loop, _context: None)
+        servers = []
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            address, port = line.split()
+            try:
+                server = await asyncio.start_server(
+                    lambda r, w, a=address, p=int(port): forward(r, w, a, p), "127.0.0.1", 0)
+            except OSError as e:
+                print(f"cannot listen: {e}", flush=True)
+                continue
+            servers.append(server)
+            print(server.sockets[0].getsockname()[1], flush=True)
+        for server in servers:
+            server.close()
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+
+    asyncio.run(serve())
 
 
 def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _busy_s() -> float:
+    """CPU seconds this machine has spent busy (every process: /proc/stat, less idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class Timed:
+    """One timed run: its wall time, the machine's busy CPU time and the controller's own."""
+
+    wall_s: float
+    machine_cpu_s: float
+    controller_cpu_s: float
+
+
+def timed_cpu(fn: Callable[[], Any]) -> Timed:
+    """``fn`` timed, with the CPU it cost: here the test hosts' sshd and host programs run on
+    the controller's CPUs, so an N-host run needs at least machine_cpu_s / CPUs of wall time,
+    however well the controller fans out."""
+    r0, b0, t0 = resource.getrusage(resource.RUSAGE_SELF), _busy_s(), time.perf_counter()
+    fn()
+    wall, r1, b1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF), _busy_s()
+    return Timed(wall, b1 - b0, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
 
 
 def naive_deploy(fleet: Fleet, fh_index: int, port: int, bundle: Bundle) -> int:
@@ -218,10 +279,14 @@ def main() -> None:
         undo(hosts[:1])
 
         one_host, n_hosts, naive = [], [], []
+        one_cpu: list[Timed] = []
+        n_cpu: list[Timed] = []
         for _ in range(args.repeat):
-            one_host.append(timed(lambda: fresh(hosts[:1])))
+            one_cpu.append(timed_cpu(lambda: fresh(hosts[:1])))
+            one_host.append(one_cpu[-1].wall_s)
             undo(hosts[:1])
-            n_hosts.append(timed(lambda: fresh(hosts)))
+            n_cpu.append(timed_cpu(lambda: fresh(hosts)))
+            n_hosts.append(n_cpu[-1].wall_s)
             undo(hosts)
             fh0 = fleet.hosts[0]
             new_folders = [d for d in {(fh0.sglang_dir / f.path).parent.resolve() for f in bundle.files}
@@ -241,6 +306,13 @@ def main() -> None:
               f"  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
         print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s"
               f"  ratio {med(n_hosts) / med(one_host):.2f}x  (all: {', '.join(f'{x:.2f}' for x in n_hosts)})")
+        cpus = os.cpu_count() or 1
+        for label, runs in (("1 host", one_cpu), (f"{args.hosts} hosts", n_cpu)):
+            busy = med([r.machine_cpu_s for r in runs])
+            print(f"CPU of a fresh deploy, {label}: {busy:.2f} s on this machine ({cpus} CPUs: at least "
+                  f"{busy / cpus:.2f} s of wall time), the controller's own "
+                  f"{med([r.controller_cpu_s for r in runs]):.2f} s"
+                  "; the rest is the test hosts' sshd and host programs")
         print(f"naive scp+ssh per file, 1 host:  {med(naive):6.2f} s  ({connections} connections; "
               f"{med(naive) / med(one_host):.1f}x slower, and no lock/backup/verify/atomicity)")
     finally:
