@@ -375,3 +375,20 @@ def test_a_missing_inventory_from_the_environment_names_the_variable(
                                   f"exist (set it to inventory files or directories, :-separated, or pass -i)")
     # A command that reads no inventory is not held to it.
     assert "DDTREE_OPS_INVENTORY" not in cli("report", str(tmp_path / "none.jsonl")).stderr
+
+
+@pytest.mark.parametrize("path, why", [
+    ("/tmp/" + "a" * 300, "a name in the path is 300 bytes long"),
+    ("/" + "d/" * 2100 + "x.yaml", "the path is 4,207 bytes long"),
+])
+def test_an_overlong_inventory_path_from_the_environment_is_one_line_naming_the_variable(
+    cli, monkeypatch: pytest.MonkeyPatch, path: str, why: str
+) -> None:
+    """exists() raises ENAMETOOLONG on such a path: it is refused before, as -i's parser refuses it."""
+    monkeypatch.setenv("DDTREE_OPS_INVENTORY", path)
+    res = cli("hosts")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"error: $DDTREE_OPS_INVENTORY: {why}") and res.stderr.count("\n") == 1, res.stderr
+    assert path not in res.stderr
+    envelope = json.loads(cli("--json", "hosts").stdout)
+    assert envelope["exit_code"] == 2 and envelope["errors"][0]["code"] == "inventory"

@@ -87,6 +87,14 @@ def load_inventory_for(ctx_obj: Any) -> Inventory:
     nobody typed it on this command line."""
     paths = list(ctx_obj.inventory)
     if getattr(ctx_obj, "inventory_from_env", False):
+        from ddtree_ops.cli.pathargs import path_problem
+
+        # -i is checked by its parser (cli/pathargs.py); the variable's paths here, where an
+        # overlong one would make exists() raise.
+        for p in paths:
+            if why := path_problem(str(p)):
+                raise InventoryError(f"$DDTREE_OPS_INVENTORY: {why} (set it to inventory files or directories, "
+                                     f"{os.pathsep}-separated, or pass -i)")
         missing = [p for p in paths if not Path(p).exists()]
         if missing:
             raise InventoryError(f"$DDTREE_OPS_INVENTORY names {missing[0]}, which does not exist (set it to "
