@@ -392,3 +392,15 @@ def test_an_overlong_inventory_path_from_the_environment_is_one_line_naming_the_
     assert path not in res.stderr
     envelope = json.loads(cli("--json", "hosts").stdout)
     assert envelope["exit_code"] == 2 and envelope["errors"][0]["code"] == "inventory"
+
+
+@pytest.mark.parametrize("args", [["--json", "--bogus", "hosts"], ["--bogus", "--json", "hosts"], ["--json", "-i"]])
+def test_a_usage_error_in_the_global_options_is_the_json_envelope_under_json(cli, args: list[str]) -> None:
+    """The global callback never ran (its own options are what failed to parse): --json is
+    still read from the command line, as for an interruption before the parse."""
+    res = cli(*args)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and doc["command"] is None
+    assert doc["errors"][0]["code"] == "config" and doc["errors"][0]["message"], doc
+    assert cli(*[a for a in args if a != "--json"]).stdout == ""  # plain text on stderr without it

@@ -321,6 +321,8 @@ def _run() -> None:
         # typer >= 0.20 vendors click: its usage errors derive from typer.TyperException.
         if isinstance(exc, (click.exceptions.ClickException, typer.TyperException)) and hasattr(exc, "show"):
             exc.show()
+            if obj.command is None:  # a global option's error: the global callback never ran
+                obj.json = interrupts.json_wanted(sys.argv[1:])
             # Bad command-line input (a usage error, exit 2) is a ConfigError's case.
             message = exc.format_message()
             _json_envelope(
