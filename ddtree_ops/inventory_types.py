@@ -55,7 +55,9 @@ class ServerSettings:
     port: int = 30000
     bind_host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=_frozen_env)
+    # The server's environment: tokens (HF_TOKEN) for all we know. Listings and --json name
+    # the variables, never their values (cli/common.py to_jsonable, cli/hosts.py).
+    env: Mapping[str, str] = field(default_factory=_frozen_env, metadata={"secret": True})
     expected_load_s: float = 600.0
     command: str = DEFAULT_SERVER_COMMAND
     # Who runs the server: "process" (ddtree-ops, in a session of its own) or "systemd"

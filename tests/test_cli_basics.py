@@ -404,3 +404,17 @@ def test_a_usage_error_in_the_global_options_is_the_json_envelope_under_json(cli
     assert doc["ok"] is False and doc["exit_code"] == 2 and doc["command"] is None
     assert doc["errors"][0]["code"] == "config" and doc["errors"][0]["message"], doc
     assert cli(*[a for a in args if a != "--json"]).stdout == ""  # plain text on stderr without it
+
+
+def test_the_servers_env_is_listed_by_name_never_by_value(cli, tmp_path: Path) -> None:
+    """An inventory's server env holds tokens for all we know: `hosts -v` and `hosts --json`
+    name each variable, and no value reaches the terminal."""
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("all:\n  hosts:\n    h1:\n      ansible_host: 10.0.0.1\n      ddtree:\n        server:\n"
+                   "          env: {HF_TOKEN: hf_secret_value_123, SIM_SEED: '7'}\n")
+    listed = cli("-i", str(inv), "-v", "hosts")
+    assert listed.exit_code == 0 and "HF_TOKEN" in listed.stdout and "SIM_SEED" in listed.stdout
+    doc = json.loads(cli("-i", str(inv), "--json", "hosts").stdout)
+    assert doc["data"][0]["ddtree"]["server"]["env"] == {"HF_TOKEN": "<not shown>", "SIM_SEED": "<not shown>"}
+    for out in (listed.stdout + listed.stderr, json.dumps(doc)):
+        assert "hf_secret_value_123" not in out and "'7'" not in out

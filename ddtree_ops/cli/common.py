@@ -139,8 +139,10 @@ def to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # A field marked ``metadata={"json": False}`` never leaves the process (a launch
         # spec's env holds the inventory's tokens).
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if f.metadata.get("json", True)}
+        # One marked ``metadata={"secret": True}`` (a mapping) shows its keys, never its values.
+        return {f.name: (secret_mapping(getattr(value, f.name)) if f.metadata.get("secret")
+                         else to_jsonable(getattr(value, f.name)))
+                for f in dataclasses.fields(value) if f.metadata.get("json", True)}
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -152,6 +154,16 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+# What a secret mapping's values are shown as (`hosts -v`, `hosts --json`).
+NOT_SHOWN = "<not shown>"
+
+
+def secret_mapping(values: Mapping[str, Any]) -> dict[str, str]:
+    """A mapping of secrets as listings show it: every key, no value (one read by an
+    inventory's lookup('env') by where it came from, as everywhere)."""
+    return {str(k): repr(v) if isinstance(v, FromEnv) else NOT_SHOWN for k, v in values.items()}
 
 
 def emit_json(data: Any) -> None:

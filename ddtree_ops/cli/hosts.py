@@ -6,7 +6,15 @@ import typer
 from rich.markup import escape
 from rich.text import Text
 
-from ddtree_ops.cli.common import WIDE_HELP, TableColumn, fitted_table, load_inventory_for, print_table, set_json_data
+from ddtree_ops.cli.common import (
+    WIDE_HELP,
+    TableColumn,
+    fitted_table,
+    load_inventory_for,
+    print_table,
+    secret_mapping,
+    set_json_data,
+)
 from ddtree_ops.cli.main import AppContext, app
 from ddtree_ops.inventory.values import shown
 from ddtree_ops.inventory_types import Host
@@ -64,7 +72,7 @@ def hosts_cmd(
                 + escape(
                     f"({h.source}): python={h.python!r} run_dir={h.ddtree.run_dir!r} "
                     f"command={s.command!r} draft={s.draft_model_path!r} "
-                    f"extra_args={list(s.extra_args)} env={dict(s.env)} expected_load_s={s.expected_load_s:g}"
+                    f"extra_args={list(s.extra_args)} env={secret_mapping(s.env)} expected_load_s={s.expected_load_s:g}"
                 ),
                 highlight=False,
             )
