@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from fleetlib import SGLANG_VERSION, find_wheel
+from fleetlib import SGLANG_VERSION, TOOLKIT_PTH, find_wheel
 
 from ddtree_ops.inventory_types import DdtreeSettings, Host
 
@@ -59,8 +59,7 @@ def make_prefix(root: Path, version: str = "0.5.23") -> Path:
 def expose_toolkit(prefix: Path) -> None:
     """The prefix's interpreter finds this project's venv (ddtree_ops, torch), as the demo
     hosts' do: a host's ``python -m ddtree_ops.sim`` must import there."""
-    line = f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n"
-    (purelib(prefix) / "ddtree_ops_dev.pth").write_text(line)
+    (purelib(prefix) / "ddtree_ops_dev.pth").write_text(TOOLKIT_PTH)
 
 
 def deploy_bundle(prefix: Path, name: str = "deployed") -> None:
