@@ -278,15 +278,13 @@ def main() -> None:
             noop_s = timed(lambda: deploy(t, hosts[0], bundle))
         undo(hosts[:1])
 
-        one_host, n_hosts, naive = [], [], []
+        naive: list[float] = []
         one_cpu: list[Timed] = []
         n_cpu: list[Timed] = []
         for _ in range(args.repeat):
             one_cpu.append(timed_cpu(lambda: fresh(hosts[:1])))
-            one_host.append(one_cpu[-1].wall_s)
             undo(hosts[:1])
             n_cpu.append(timed_cpu(lambda: fresh(hosts)))
-            n_hosts.append(n_cpu[-1].wall_s)
             undo(hosts)
             fh0 = fleet.hosts[0]
             new_folders = [d for d in {(fh0.sglang_dir / f.path).parent.resolve() for f in bundle.files}
@@ -302,6 +300,7 @@ def main() -> None:
         print(f"link: +{args.rtt_ms:g} ms RTT via user-space proxy; {args.repeat} repeats, medians")
         print(f"round trips per host: fresh deploy {c_fresh.commands} commands + {c_fresh.file_ops} file ops; "
               f"no-op re-deploy {c_noop.commands} + {c_noop.file_ops} ({noop_s:.2f} s)")
+        one_host, n_hosts = [r.wall_s for r in one_cpu], [r.wall_s for r in n_cpu]
         print(f"fresh deploy, 1 host:            {med(one_host):6.2f} s"
               f"  (all: {', '.join(f'{x:.2f}' for x in one_host)})")
         print(f"fresh deploy, {args.hosts} hosts parallel:   {med(n_hosts):6.2f} s"
