@@ -63,19 +63,25 @@ lint: $(STAMP)
 # lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped host on one
 # worker and starts the slow modules first, so that no worker ends the lane alone.
 MAIN_XDIST ?= -n 2 --dist loadgroup
+# One OpenMP thread per process in the main lane: its two workers and what they start
+# already fill both cores, and torch's OpenMP threads spin-waiting for a core the other
+# worker holds stretch CPU-bound tests many times over (measured: tests/benchmarks on two
+# workers 134.7 s -> 121.8 s, its gpu_check harness test 66.7 s -> 13.5 s). The simulator
+# and the real-server lane's servers set one thread themselves.
+MAIN_ENV := OMP_NUM_THREADS=1
 REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 # A narrowed run builds the real-SGLang environment (~7 GB) only when it names that lane.
 test: $(STAMP) $(if $(findstring sglang_real,$(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p .cache; \
 	nice -n 19 $(PYTHON) tests/sglang_real/setup_env.py > .cache/sglang-cpu-setup.log 2>&1 & setup=$$!; \
-	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(MAIN_XDIST) --ignore=tests/sglang_real; rc=$$?; \
+	$(MAIN_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(MAIN_XDIST) --ignore=tests/sglang_real; rc=$$?; \
 	if ! wait $$setup; then cat .cache/sglang-cpu-setup.log; exit 1; fi; \
 	tail -n 1 .cache/sglang-cpu-setup.log; \
 	$(MAKE) --no-print-directory real-server-lane || rc=1; \
 	exit $$rc
 else
-	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAIN_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
 endif
 
 # The real SGLang 0.5.23 server on CPU (a separate venv under .cache/sglang-cpu, ~7 GB,
