@@ -203,11 +203,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the working folder (ledgers, traces)")
     ap.add_argument("--quick", action="store_true",
-                    help="budgets 6/12 x top-k 1/3 at concurrency 2, 4 prompts x 48 tokens, 2 repeats, a tenth of "
-                         "real time: every step, its figures meaningless")
+                    help="budgets 6/12 x top-k 1/3 at concurrency 2, 4 prompts x 48 tokens, one repeat of the "
+                         "full grid, a tenth of real time: every step, its figures meaningless")
     args = ap.parse_args()
     if args.quick:
-        args.time_scale, args.repeats = 0.1, 2
+        args.time_scale, args.repeats = 0.1, 1
     tmp = Path(tempfile.mkdtemp(prefix="predict-plan-"))
     os.environ[STATE_ENV] = str(tmp / "state.json")
     hosts = write_inventory(tmp, args.time_scale)
