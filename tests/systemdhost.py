@@ -281,6 +281,8 @@ class SystemdHost:
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     cgroups: list[Path] = field(default_factory=list)
     boots: int = 0
+    # The operator's server as :func:`reset` last started it: (argv, environment).
+    operator_run: tuple[tuple[str, ...], frozenset[str]] | None = field(default=None, repr=False)
 
     @property
     def upper(self) -> Path:
@@ -596,14 +598,46 @@ def wait_serving(host: SystemdHost, timeout_s: float = 60.0) -> None:
                        f"{host.systemctl_show(UNIT, 'ActiveState', 'SubState', 'Result')}")
 
 
+# What a test may leave on a host that is not the operator's (reset removes all of it).
+_NOT_THE_OPERATORS = ("/etc/systemd/system/*.d/50-ddtree-ops.conf /etc/ddtree-ops /var/lib/ddtree-ops "
+                      "/etc/systemd/system/masked-sglang.service /etc/systemd/user/*.service "
+                      "/etc/systemd/system/other.service")
+# Set by systemd anew at every start of a unit, whatever the unit says.
+_PER_START_ENV = ("INVOCATION_ID", "JOURNAL_STREAM", "SYSTEMD_EXEC_PID", "MEMORY_PRESSURE_WATCH",
+                  "MEMORY_PRESSURE_WRITE")
+
+
+def _observed_run(host: SystemdHost) -> tuple[tuple[str, ...], frozenset[str]] | None:
+    """The unit's running server as (argv, environment), None where the unit is not running."""
+    show = host.systemctl_show(UNIT, "ActiveState", "SubState", "MainPID")
+    if (show.get("ActiveState"), show.get("SubState")) != ("active", "running") or show.get("MainPID") in ("", "0"):
+        return None
+    raw = host.run("sh", "-c", f"cat /proc/{show['MainPID']}/cmdline && echo && cat /proc/{show['MainPID']}/environ",
+                   check=False)
+    argv, _, environ = raw.stdout.partition("\n")
+    if raw.returncode != 0 or not argv:
+        return None
+    env = frozenset(v for v in environ.split("\0") if v and v.split("=", 1)[0] not in _PER_START_ENV)
+    return tuple(a for a in argv.split("\0") if a), env
+
+
 def reset(host: SystemdHost) -> None:
     """Back to the operator's state: no drop-in or env file of ours, no launch record, the
-    unit restarted on its own ExecStart and serving. (The patch is the CLI's to roll back.)"""
-    host.run("sh", "-c", "rm -rf /etc/systemd/system/*.d/50-ddtree-ops.conf /etc/ddtree-ops /var/lib/ddtree-ops "
-                         "/etc/systemd/system/masked-sglang.service /etc/systemd/user/*.service "
-                         "/etc/systemd/system/other.service && systemctl daemon-reload && "
-                         f"systemctl reset-failed && systemctl restart {UNIT}")
+    unit on its own ExecStart and serving. (The patch is the CLI's to roll back.)
+
+    The unit is restarted unless it is observed to run the operator's server already: no
+    drop-in of ours, and the very command line and environment it ran after the last
+    restart here (a test that only read, or that put the operator's server back itself).
+    A restart would start that same launch again, and a simulator start is seconds of CPU
+    (mostly torch's import) in a lane that is CPU-bound."""
+    dropin = host.run("sh", "-c", "ls /etc/systemd/system/*.d/50-ddtree-ops.conf", check=False).returncode == 0
+    running = _observed_run(host)
+    host.run("sh", "-c", f"rm -rf {_NOT_THE_OPERATORS} && systemctl daemon-reload && systemctl reset-failed")
+    if not dropin and host.operator_run is not None and running == host.operator_run and serving(host):
+        return
+    host.run("systemctl", "restart", UNIT)
     wait_serving(host)
+    host.operator_run = _observed_run(host)
 
 
 def main_pid(host: SystemdHost, unit: str = UNIT) -> int:
