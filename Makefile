@@ -63,25 +63,26 @@ lint: $(STAMP)
 # lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped host on one
 # worker and starts the slow modules first, so that no worker ends the lane alone.
 MAIN_XDIST ?= -n 2 --dist loadgroup
-# One OpenMP thread per process in the main lane: its two workers and what they start
+# One OpenMP thread per process in both lanes: their two workers and what they start
 # already fill both cores, and torch's OpenMP threads spin-waiting for a core the other
 # worker holds stretch CPU-bound tests many times over (measured: tests/benchmarks on two
-# workers 134.7 s -> 121.8 s, its gpu_check harness test 66.7 s -> 13.5 s). The simulator
-# and the real-server lane's servers set one thread themselves.
-MAIN_ENV := OMP_NUM_THREADS=1
+# workers 134.7 s -> 121.8 s, its gpu_check harness test 66.7 s -> 13.5 s; with two busy
+# loops beside it, tests/sglang_real/test_ddtree_inprocess.py 24.8 s -> 20.2 s). The
+# simulator and the real-server lane's servers set one thread themselves.
+TEST_ENV := OMP_NUM_THREADS=1
 REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
 # A narrowed run builds the real-SGLang environment (~7 GB) only when it names that lane.
 test: $(STAMP) $(if $(findstring sglang_real,$(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p .cache; \
 	nice -n 19 $(PYTHON) tests/sglang_real/setup_env.py > .cache/sglang-cpu-setup.log 2>&1 & setup=$$!; \
-	$(MAIN_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(MAIN_XDIST) --ignore=tests/sglang_real; rc=$$?; \
+	$(TEST_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(MAIN_XDIST) --ignore=tests/sglang_real; rc=$$?; \
 	if ! wait $$setup; then cat .cache/sglang-cpu-setup.log; exit 1; fi; \
 	tail -n 1 .cache/sglang-cpu-setup.log; \
 	$(MAKE) --no-print-directory real-server-lane || rc=1; \
 	exit $$rc
 else
-	$(MAIN_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(TEST_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q $(PYTEST_ARGS)
 endif
 
 # The real SGLang 0.5.23 server on CPU (a separate venv under .cache/sglang-cpu, ~7 GB,
@@ -102,7 +103,7 @@ BUNDLE_README := patches/ddtree_temperature/README.md
 
 real-server-lane:
 	@rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR); \
-	$(COVERAGE_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q --durations=25 $(REAL_XDIST) tests/sglang_real; rc=$$?; \
+	$(TEST_ENV) $(COVERAGE_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q --durations=25 $(REAL_XDIST) tests/sglang_real; rc=$$?; \
 	$(COVERAGE_ENV) $(SGLANG_PY) tests/sglang_real/bundle_coverage.py --check $(BUNDLE_README) || rc=1; \
 	exit $$rc
 
@@ -110,7 +111,7 @@ test-sglang: $(STAMP) sglang-cpu
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@$(MAKE) --no-print-directory real-server-lane
 else
-	DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q \
+	$(TEST_ENV) DDTREE_OPS_WHEELS=$(abspath $(WHEELS)) $(PY) -m pytest -q \
 	  $(or $(filter tests/%,$(PYTEST_ARGS)),tests/sglang_real) $(filter-out tests/%,$(PYTEST_ARGS))
 endif
 
