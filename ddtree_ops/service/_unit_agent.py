@@ -490,6 +490,14 @@ def action_unit_poll(p):
     alive = str(pid) == props.get("MainPID") and _alive(pid, pstart)
     out = {"now": time.time(), "alive": alive}
     lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None)
+    if not alive and not lines and not p.get("offset"):
+        # A server that exits at once (a flag SGLang refuses) can be gone before journald
+        # has read its last lines from the stream: the error would say "log empty" where
+        # the journal is about to hold the reason. Give the journal a second to catch up.
+        deadline = time.time() + 1.0
+        while not lines and time.time() < deadline:
+            time.sleep(0.1)
+            lines, cursor = _journal(p.get("invocation") or "", after=None)
     out["log"] = "".join(line + "\n" for line in lines)
     out["offset"] = cursor or p.get("offset") or ""
     out["unit"] = {k: props.get(k) for k in ("ActiveState", "SubState", "Result", "MainPID", "NRestarts",
