@@ -401,6 +401,36 @@ def _wait_main_pid(unit, timeout_s=30.0):
     return props
 
 
+def _pre_exec(pid):
+    """Whether pid is still systemd's child between its fork and the exec of the unit's
+    command: MainPID is set at the fork, and until the exec the process runs systemd's
+    binary (``systemd``; ``systemd-executor`` from systemd 255) named ``(<command>)``,
+    its cmdline that name and NULs. Raises OSError once pid is gone."""
+    with open("/proc/%d/comm" % pid) as fh:
+        comm = fh.read().strip()
+    try:
+        exe = os.path.basename(os.readlink("/proc/%d/exe" % pid))
+    except PermissionError:  # another user's process: its name alone tells
+        exe = ""
+    return (comm.startswith("(") and comm.endswith(")")) or exe in ("systemd", "systemd-executor")
+
+
+def _exec_argv(pid, timeout_s=10.0):
+    """The argv pid runs once it has exec'd its command ([] if it died first, or had not
+    exec'd within timeout_s): read at once, it can be the forked manager's, which no server
+    would ever report as its launch_command."""
+    deadline = time.time() + timeout_s
+    try:
+        while _pre_exec(pid):
+            if time.time() >= deadline:
+                return []
+            time.sleep(0.02)
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
 def _launched_record(p, props, started_at, operator):
     pid = int(props.get("MainPID") or 0)
     record = {
@@ -417,11 +447,7 @@ def _launched_record(p, props, started_at, operator):
     }
     if operator:
         # What the unit's own ExecStart launched, read back from the process itself.
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as fh:
-                record["argv"] = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
-        except OSError:
-            record["argv"] = []
+        record["argv"] = _exec_argv(pid)
         record["launch_command"] = None
         record["cuda_graph"] = None
         record["run"] = None
