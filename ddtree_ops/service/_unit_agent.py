@@ -389,6 +389,20 @@ def _journal(invocation, after=None, limit=None):
     return lines, cursor
 
 
+def _journal_of_the_dead(invocation, limit=None, settle_s=1.0):
+    """``_journal`` of an invocation whose process has already exited: one that exits at
+    once (a flag SGLang refuses, an ExecStart systemd cannot run) can be gone before
+    journald has read its last lines from the stream, and an error would say "log empty"
+    where the journal is about to hold the reason. An empty answer is read again for up
+    to ``settle_s``."""
+    lines, cursor = _journal(invocation, limit=limit)
+    deadline = time.time() + settle_s
+    while not lines and invocation and time.time() < deadline:
+        time.sleep(0.1)
+        lines, cursor = _journal(invocation, limit=limit)
+    return lines, cursor
+
+
 def _wait_main_pid(unit, timeout_s=30.0):
     """The unit's properties once it has a main process, or has failed to get one."""
     deadline = time.time() + timeout_s
@@ -468,7 +482,7 @@ def _start_unit(p, operator):
         return {"error": "exec", "detail": "systemctl start %s: %s" % (unit, (err or out).strip()[-300:])}
     props = _wait_main_pid(unit)
     if props.get("MainPID", "0") in ("", "0"):
-        lines, _ = _journal(props.get("InvocationID") or "", limit=8)
+        lines, _ = _journal_of_the_dead(props.get("InvocationID") or "", limit=8)
         return {"error": "exec", "detail": "%s did not start (ActiveState=%s, Result=%s)%s" % (
             unit, props.get("ActiveState"), props.get("Result"),
             ("; journal: " + " | ".join(lines)) if lines else "")}
@@ -515,15 +529,10 @@ def action_unit_poll(p):
     props = _show(p["unit"])
     alive = str(pid) == props.get("MainPID") and _alive(pid, pstart)
     out = {"now": time.time(), "alive": alive}
-    lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None)
-    if not alive and not lines and not p.get("offset"):
-        # A server that exits at once (a flag SGLang refuses) can be gone before journald
-        # has read its last lines from the stream: the error would say "log empty" where
-        # the journal is about to hold the reason. Give the journal a second to catch up.
-        deadline = time.time() + 1.0
-        while not lines and time.time() < deadline:
-            time.sleep(0.1)
-            lines, cursor = _journal(p.get("invocation") or "", after=None)
+    if alive or p.get("offset"):
+        lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None)
+    else:
+        lines, cursor = _journal_of_the_dead(p.get("invocation") or "")
     out["log"] = "".join(line + "\n" for line in lines)
     out["offset"] = cursor or p.get("offset") or ""
     out["unit"] = {k: props.get(k) for k in ("ActiveState", "SubState", "Result", "MainPID", "NRestarts",
