@@ -38,6 +38,7 @@ from typing import Any
 from ddtree_ops.errors import ConfigError
 from ddtree_ops.fsutil import NOT_REGULAR, read_regular_text, write_atomic_local
 from ddtree_ops.limits import (
+    MAX_CONCURRENCY,
     MAX_DDTREE_TOPK,
     MAX_DFLASH_DRAFT_TOKENS,
     MAX_LOAD_S,
@@ -134,13 +135,22 @@ class StepRecord:
     :data:`STEP_WINDOW` rows. What the dry run charges per run, like ``restart_s`` per
     launch, instead of a guess (speculation emits several tokens per step). A predicted
     sweep's trace runs are kept apart (``trace``: the key's ``|trace`` suffix): a traced
-    request runs one round per token, over the grid's union, several times a run's step."""
+    request runs one round per token, over the grid's union, several times a run's step.
+    Each row is also folded into its concurrency's record (``concurrency``; the key's
+    ``|c<N>`` suffix) and its server configuration's there (``server``, ``ServerConfig.key``;
+    ``|c<N>|<server>``): a step of a wider batch takes longer (a simulated B300: 16 ms at
+    concurrency 2, 61 ms at 16), and so does a bigger tree's (3.5x from budget 6 to 96 at
+    16), so one mean over the last rows charged every row of a grid the step of whichever
+    rows ran last (a dry run 2.7x the measured grid; after a predicted run, which measures
+    the fastest trees, half of it)."""
 
     host: str
     model: str
     s_per_step: float
     rows: int
     recorded_at: float
+    concurrency: int | None = None
+    server: str | None = None
 
 
 # Rows a learned step time averages over (a running mean that forgets older sweeps).
@@ -252,27 +262,51 @@ class StateStore:
         value = entry.get("restart_s") if isinstance(entry, dict) else None
         return float(value) if is_seconds(value) else None
 
-    def learned_step_s(self, host: str, model: str, *, trace: bool = False) -> float | None:
+    def learned_step_s(self, host: str, model: str, *, trace: bool = False,
+                       concurrency: int | None = None, server: str | None = None) -> float | None:
         """Seconds per decode step of a sweep row on ``host`` (:class:`StepRecord`; ``trace``:
-        of a predicted sweep's trace run), or None."""
-        entry = self._load()["step_times"].get(_step_key(host, model, trace))
+        of a predicted sweep's trace run; ``concurrency``: of the rows at that concurrency
+        alone, and ``server``: of that server configuration's there), or None."""
+        entry = self._load()["step_times"].get(_step_key(host, model, trace, concurrency, server))
         value = entry.get("s_per_step") if isinstance(entry, dict) else None
         return float(value) if is_seconds(value) else None
 
-    def record_step_time(self, host: str, model: str, s_per_step: float, *, trace: bool = False) -> None:
-        """Fold one measured row (``trace``: one trace run) into the host's running mean (a
-        time outside (0, a day] is not remembered, as for load times)."""
+    def learned_steps(self, host: str, model: str) -> dict[tuple[int, str | None], float]:
+        """Every step time learned on ``host`` per concurrency, and per (concurrency, server
+        configuration): ``{(concurrency, None or ServerConfig.key): seconds}``."""
+        prefix = _step_key(host, model, False) + "|c"
+        out: dict[tuple[int, str | None], float] = {}
+        for key, entry in self._load()["step_times"].items():
+            if not (key.startswith(prefix) and _own_fields(entry, StepRecord)):
+                continue
+            c, server, value = entry["concurrency"], entry.get("server"), entry["s_per_step"]
+            if isinstance(c, int) and is_seconds(value) and key == _step_key(host, model, False, c, server):
+                out[(c, server)] = float(value)
+        return out
+
+    def record_step_time(self, host: str, model: str, s_per_step: float, *, trace: bool = False,
+                         concurrency: int | None = None, server: str | None = None) -> None:
+        """Fold one measured row (``trace``: one trace run) into the host's running mean, into
+        its ``concurrency``'s where given, and into its ``server`` configuration's at that
+        concurrency where both are (a time outside (0, a day] is not remembered, as for
+        load times)."""
         if not is_seconds(s_per_step):
             return
+        keys: list[tuple[int | None, str | None]] = [(None, None)]
+        if concurrency is not None:
+            keys.append((concurrency, None))
+            if server is not None:
+                keys.append((concurrency, server))
 
         def fold(data: dict[str, Any]) -> None:
-            key = _step_key(host, model, trace)
-            old = data["step_times"].get(key)
-            mean, rows = float(s_per_step), 1
-            if isinstance(old, dict) and is_seconds(old.get("s_per_step")) and isinstance(old.get("rows"), int):
-                rows = min(old["rows"] + 1, STEP_WINDOW)
-                mean = old["s_per_step"] + (s_per_step - old["s_per_step"]) / rows
-            data["step_times"][key] = asdict(StepRecord(host, model, mean, rows, time.time()))
+            for c, srv in keys:
+                key = _step_key(host, model, trace, c, srv)
+                old = data["step_times"].get(key)
+                mean, rows = float(s_per_step), 1
+                if isinstance(old, dict) and is_seconds(old.get("s_per_step")) and isinstance(old.get("rows"), int):
+                    rows = min(old["rows"] + 1, STEP_WINDOW)
+                    mean = old["s_per_step"] + (s_per_step - old["s_per_step"]) / rows
+                data["step_times"][key] = asdict(StepRecord(host, model, mean, rows, time.time(), c, srv))
 
         self._update(fold)
 
@@ -413,6 +447,10 @@ def _text(value: Any) -> str | None:
     return None if isinstance(value, str) else f"{value!r} is not text"
 
 
+def _opt_text(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
 def _time(value: Any) -> str | None:
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
     return None if ok else f"{value!r} is not a time (seconds since the epoch)"
@@ -455,6 +493,7 @@ _LOAD_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
 }
 _STEP_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
     "host": _text, "model": _text, "s_per_step": _seconds, "rows": _opt_int(1, STEP_WINDOW), "recorded_at": _time,
+    "concurrency": _opt_int(1, MAX_CONCURRENCY), "server": _opt_text,
 }
 _KEY_CHECKS: Mapping[str, Callable[[Any], str | None]] = {
     "host": _text, "gpu_arch": _text, "sglang_version": _text, "algorithm": _text,
@@ -505,5 +544,8 @@ def _load_key(host: str, model: str) -> str:
     return f"{host}|{model}"
 
 
-def _step_key(host: str, model: str, trace: bool) -> str:
-    return _load_key(host, model) + ("|trace" if trace else "")
+def _step_key(host: str, model: str, trace: bool, concurrency: int | None = None, server: str | None = None) -> str:
+    key = _load_key(host, model) + ("|trace" if trace else "")
+    if concurrency:
+        key += f"|c{concurrency}" + (f"|{server}" if server else "")
+    return key

@@ -37,10 +37,12 @@ SWITCH_S = 0.5
 # What one decode step of a run is charged where no sweep measured the host before (the
 # state file's learned step time replaces it: ``StateStore.learned_step_s``).
 STEP_S = 0.02
-# A predicted sweep's trace run per step, over a run's, where no trace run was timed on the
-# host before (``StateStore.learned_step_s(trace=True)`` replaces it): a traced request
-# commits one token a round where a DDTree run commits its acceptance (2-4), and verifies
-# the grid's union. The simulator's trace runs took 2.6-2.8x (benchmarks/sweep_slots.py).
+# A predicted sweep's trace run per step, over a run's at the trace concurrency, where no
+# trace run was timed on the host before (``StateStore.learned_step_s(trace=True)`` replaces
+# it): a traced request commits one token a round where a DDTree run commits its acceptance
+# (2-4), and verifies the grid's union. A guess: the simulator's trace runs took 2.6-2.8x
+# (benchmarks/sweep_slots.py, a union of budgets up to 32) to 8.4-8.7x (benchmarks/
+# predict_plan.py, a union of 207 nodes, compute-bound at concurrency 16).
 TRACE_STEP_FACTOR = 3.0
 
 
@@ -351,16 +353,57 @@ def cell_steps(cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int
     return waves * max_new_tokens
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds per decode step (:func:`cell_steps`' unit) of a run on a host: ``default``
+    (the host's rows of every kind together, else the guess :data:`STEP_S`), and where
+    learned, per concurrency (``by_concurrency``: (concurrency, seconds)) and per server
+    configuration at a concurrency (``by_server``: (``ServerConfig.key``, concurrency,
+    seconds)). A step of a wider batch takes longer (a simulated B300: 16 ms at concurrency
+    2, 61 ms at 16), and so does a bigger tree's (3.5x from budget 6 to 96 at 16), so each
+    run is charged its own configuration's step at its concurrency (:meth:`at`)."""
+
+    default: float = STEP_S
+    by_concurrency: tuple[tuple[int, float], ...] = ()
+    by_server: tuple[tuple[str, int, float], ...] = ()
+
+    def at(self, concurrency: int, server: str | None = None) -> float:
+        """The step of ``server`` (a ``ServerConfig.key``) at ``concurrency``: from that
+        configuration's learned steps where it has any, else from every configuration's at
+        each concurrency; learned at that concurrency, else interpolated in log(concurrency)
+        between the learned ones around it, else the nearest learned one's; ``default``
+        where nothing is learned."""
+        mine = tuple((c, v) for k, c, v in self.by_server if k == server) if server is not None else ()
+        known = sorted(mine or self.by_concurrency)
+        if not known:
+            return self.default
+        below = [cv for cv in known if cv[0] <= concurrency]
+        above = [cv for cv in known if cv[0] >= concurrency]
+        if not below or not above:
+            return (above or below)[0 if above else -1][1]
+        (c0, s0), (c1, s1) = below[-1], above[0]
+        if c0 == c1:
+            return s0
+        return s0 + (s1 - s0) * math.log(concurrency / c0) / math.log(c1 / c0)
+
+
+def step_at(s_per_step: float | StepTimes, concurrency: int, server: str | None = None) -> float:
+    """One figure a step of ``server`` at ``concurrency``: a bare float is every one's."""
+    return s_per_step.at(concurrency, server) if isinstance(s_per_step, StepTimes) else s_per_step
+
+
 def cell_seconds(
-    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = STEP_S
+    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float | StepTimes = STEP_S
 ) -> float:
-    """Rough measuring time of one run of ``cell``: :func:`cell_steps` x ``s_per_step`` (the
-    host's learned step time where a sweep measured there before, else a guess)."""
-    return cell_steps(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=warmup) * s_per_step
+    """Rough measuring time of one run of ``cell``: :func:`cell_steps` x the step of its
+    server configuration at its concurrency (:class:`StepTimes`: the host's learned step
+    time where a sweep measured there before, else a guess)."""
+    steps = cell_steps(cell, num_prompts=num_prompts, max_new_tokens=max_new_tokens, warmup=warmup)
+    return steps * step_at(s_per_step, cell.concurrency, cell.server.key)
 
 
 def run_seconds(
-    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float = STEP_S
+    cell: Cell, *, num_prompts: int, max_new_tokens: int, warmup: int, s_per_step: float | StepTimes = STEP_S
 ) -> float:
     """Rough time of one run of ``cell`` on a server that serves its launch: its
     :func:`cell_seconds`, and the live switch before it where its tree is switched."""
@@ -375,7 +418,7 @@ def estimate_seconds(
     load_s: float,
     num_prompts: int,
     max_new_tokens: int,
-    s_per_step: float = STEP_S,
+    s_per_step: float | StepTimes = STEP_S,
     switch_s: float = SWITCH_S,
 ) -> float:
     """Rough wall time for one host with one server: every restart costs ``load_s``

@@ -37,9 +37,11 @@ from ddtree_ops.bench.plan import (
     LaunchConfig,
     Sampling,
     ServerConfig,
+    StepTimes,
     SweepPlan,
     cell_seconds,
     run_seconds,
+    step_at,
 )
 from ddtree_ops.bench.schedule import Slot, make_jobs, schedule
 from ddtree_ops.bench.sweep import PredictSpec, SweepSpec
@@ -205,17 +207,20 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
 
 
 def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_new_tokens: int,
-                 s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
+                 s_per_step: float | StepTimes = STEP_S, trace_s_per_step: float | None = None) -> float:
     """Expected seconds of one work item: a probe is a switch and its waves
     (:meth:`PredictPlan.probe_waves`) of :attr:`PredictPlan.probe_tokens` steps; a trace
     run is its prompts (the workload's, or its part's) once at the trace concurrency,
     charged ``trace_s_per_step`` a step (a traced request runs one round per token; None:
-    ``s_per_step`` x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
+    the run step at the trace concurrency x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
     on and off."""
     if isinstance(item, ProbeRun):
-        return SWITCH_S + pplan.probe_waves(item.concurrency) * pplan.probe_tokens * s_per_step
+        # A probe's rounds are its budget's tree at the launch's largest top-k.
+        step = step_at(s_per_step, item.concurrency, ServerConfig("ddtree", item.budget, pplan.probe_topk).key)
+        return SWITCH_S + pplan.probe_waves(item.concurrency) * pplan.probe_tokens * step
     trace_cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
-    per_step = s_per_step * TRACE_STEP_FACTOR if trace_s_per_step is None else trace_s_per_step
+    per_step = (step_at(s_per_step, pplan.trace_concurrency) * TRACE_STEP_FACTOR if trace_s_per_step is None
+                else trace_s_per_step)
     return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=len(item.prompts(num_prompts)),
                                        max_new_tokens=max_new_tokens, warmup=0, s_per_step=per_step)
 
@@ -232,7 +237,8 @@ def sharded_work(pplan: PredictPlan, shards: int) -> tuple[WorkItem, ...]:
 
 
 def split_work(pplan: PredictPlan, slots: int, *, num_prompts: int, max_new_tokens: int,
-               s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> tuple[tuple[WorkItem, ...], ...]:
+               s_per_step: float | StepTimes = STEP_S,
+               trace_s_per_step: float | None = None) -> tuple[tuple[WorkItem, ...], ...]:
     """:attr:`PredictPlan.work` over ``slots`` GPU slots: one share per slot, in slot order,
     each item (longest expected first) to the share that is shortest so far, a share's
     items in the plan's order (probes, then trace runs); empty shares last. Where slots
@@ -273,7 +279,7 @@ def _longest_first(items: Sequence[WorkItem], seconds: Callable[[WorkItem], floa
 
 
 def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float], num_prompts: int,
-                           max_new_tokens: int, s_per_step: float = STEP_S,
+                           max_new_tokens: int, s_per_step: float | StepTimes = STEP_S,
                            trace_s_per_step: float | None = None) -> float:
     """Rough wall time of the predict phase on one host. ``load_s``: what a launch costs on
     each of its server places (its GPU slots; a bare figure: one server). Every place
@@ -291,7 +297,8 @@ def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float
 
 
 def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Sequence[float], num_prompts: int,
-                     max_new_tokens: int, s_per_step: float = STEP_S, trace_s_per_step: float | None = None) -> float:
+                     max_new_tokens: int, s_per_step: float | StepTimes = STEP_S,
+                     trace_s_per_step: float | None = None) -> float:
     """Rough wall time of the predicted plan on one host (``load_s`` as for
     :func:`predict_phase_estimate`): the predict phase, then the measuring, scheduled as
     the full grid's is with slots (:func:`~.schedule.schedule`, so the two figures

@@ -545,7 +545,8 @@ class PredictPhase:
         wl, spec = self.prepared.spec.workload, self.prepared.spec
         steps = cell_steps(cell, num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens, warmup=spec.warmup)
         if steps:
-            StateStore().record_step_time(place.name, place.ddtree.server.model_path or "", seconds / steps)
+            StateStore().record_step_time(place.name, place.ddtree.server.model_path or "", seconds / steps,
+                                          concurrency=cell.concurrency, server=cell.server.key)
 
     def _row(self, hp: HostPlan, place: _Place, cell: Cell, live: LiveTree | None,
              **fields: object) -> ledger.LedgerRow:

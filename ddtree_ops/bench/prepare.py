@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from ddtree_ops.bench.onhost import ClientMode, client_mode
 from ddtree_ops.bench.plan import (
     STEP_S,
-    TRACE_STEP_FACTOR,
     Cell,
     LaunchConfig,
+    StepTimes,
     SweepPlan,
     estimate_seconds,
     plan_sweep,
@@ -39,25 +39,41 @@ def expected_launch_s(host: Host) -> float:
     inventory's ``expected_load_s``."""
     from ddtree_ops.state import StateStore
 
-    state, model = StateStore(), host.ddtree.server.model_path or ""
+    state, model = StateStore(), _model(host)
     for learned in (state.learned_restart_s(host.name, model), state.learned_load_s(host.name, model)):
         if learned is not None:
             return learned
     return host.ddtree.server.expected_load_s
 
 
-def expected_step_s(hosts: Sequence[Host]) -> float:
+def expected_step_s(hosts: Sequence[Host]) -> StepTimes:
     """Seconds per decode step of a run (``plan.cell_steps``) on these server places: the
-    mean of what their last sweeps measured (the state file), else the plan's guess."""
-    learned = _learned_step_s(hosts, trace=False)
-    return STEP_S if learned is None else learned
+    mean over the places of what their last sweeps measured (the state file), in all, per
+    concurrency and per (server configuration, concurrency) where learned; else the plan's
+    guess."""
+    from ddtree_ops.state import StateStore
+
+    state = StateStore()
+    learned: dict[tuple[int, str | None], list[float]] = {}
+    for h in hosts:
+        for key, value in state.learned_steps(h.name, _model(h)).items():
+            learned.setdefault(key, []).append(value)
+    mean = {key: sum(v) / len(v) for key, v in sorted(learned.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))}
+    default = _learned_step_s(hosts, trace=False)
+    return StepTimes(STEP_S if default is None else default,
+                     tuple((c, v) for (c, server), v in mean.items() if server is None),
+                     tuple((server, c, v) for (c, server), v in mean.items() if server is not None))
 
 
-def expected_trace_step_s(hosts: Sequence[Host], step_s: float) -> float:
+def expected_trace_step_s(hosts: Sequence[Host]) -> float | None:
     """Seconds per step (the same unit) of a predicted sweep's trace run on these places:
-    what their last trace runs took, else ``step_s`` x :data:`~.plan.TRACE_STEP_FACTOR`."""
-    learned = _learned_step_s(hosts, trace=True)
-    return step_s * TRACE_STEP_FACTOR if learned is None else learned
+    what their last trace runs took, else None (``predictplan.work_seconds`` charges the
+    run step at the trace concurrency x :data:`~.plan.TRACE_STEP_FACTOR`)."""
+    return _learned_step_s(hosts, trace=True)
+
+
+def _model(host: Host) -> str:
+    return host.ddtree.server.model_path or ""
 
 
 def _learned_step_s(hosts: Sequence[Host], *, trace: bool) -> float | None:
@@ -65,8 +81,7 @@ def _learned_step_s(hosts: Sequence[Host], *, trace: bool) -> float | None:
     from ddtree_ops.state import StateStore
 
     state = StateStore()
-    learned = [v for h in hosts
-               if (v := state.learned_step_s(h.name, h.ddtree.server.model_path or "", trace=trace)) is not None]
+    learned = [v for h in hosts if (v := state.learned_step_s(h.name, _model(h), trace=trace)) is not None]
     return sum(learned) / len(learned) if learned else None
 
 
@@ -86,9 +101,10 @@ class HostPlan:
     # them): what live switching saves here.
     estimate_by_mode: Mapping[str, float] | None = None
     # Seconds per decode step of a run there (:func:`expected_step_s`).
-    step_s: float = STEP_S
-    # ... of a predicted sweep's trace run there (:func:`expected_trace_step_s`).
-    trace_step_s: float = STEP_S * TRACE_STEP_FACTOR
+    step_s: StepTimes = StepTimes()
+    # ... of a predicted sweep's trace run there (:func:`expected_trace_step_s`; None: none
+    # timed there yet).
+    trace_step_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,7 @@ class PreparedSweep:
     # The plan of every ``relaunch`` mode (``plan`` is the sweep's own): --dry-run shows both.
     plans: Mapping[str, SweepPlan] | None = None
 
-    def cell_s(self, cell: Cell, step_s: float = STEP_S) -> float:
+    def cell_s(self, cell: Cell, step_s: StepTimes | float = STEP_S) -> float:
         workload = self.spec.workload
         return run_seconds(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
                            warmup=self.plan.warmup, s_per_step=step_s)
@@ -138,7 +154,7 @@ def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
                              load_s=min(launch_s), slots=len(places))
             sched = schedule(jobs, list(loads), load_s=loads)
         planned.append(HostPlan(host, client_mode(host, spec.client), launch_s, estimate, sched, by_mode, step_s,
-                                expected_trace_step_s(places, step_s)))
+                                expected_trace_step_s(places)))
     return PreparedSweep(spec, plan, tuple(planned), plans)
 
 

@@ -648,7 +648,8 @@ class SweepRunner:
         steps = cell_steps(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
                            warmup=self.spec.warmup)
         if steps:
-            StateStore().record_step_time(sr.host.name, sr.host.ddtree.server.model_path or "", seconds / steps)
+            StateStore().record_step_time(sr.host.name, sr.host.ddtree.server.model_path or "", seconds / steps,
+                                          concurrency=cell.concurrency, server=cell.server.key)
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
              started_at: str, *, error: str | None, metrics: CellMetrics | None = None,

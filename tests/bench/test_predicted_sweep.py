@@ -100,8 +100,14 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     # Budget 16 at top-k 2 and 4 unite to 32 nodes, more than the grid's largest state: the
     # predict launch adds one of 32, and the whole grid is one trace run per temperature.
     assert pplan is not None and pplan.launch.budgets == (4, 8, 16, 32) and len(pplan.trace_groups) == 1
-    # No trace run timed here yet: the dry run charges a run's step x the factor.
-    assert prepared.hosts[0].trace_step_s == pytest.approx(prepared.hosts[0].step_s * TRACE_STEP_FACTOR)
+    # No trace run timed here yet: the dry run charges a run's step at the trace
+    # concurrency x the factor.
+    [hp0] = prepared.hosts
+    assert hp0.trace_step_s is None
+    [trace_run] = [item for item in pplan.work if isinstance(item, TraceRun)][:1]
+    assert work_seconds(pplan, trace_run, num_prompts=4, max_new_tokens=24, s_per_step=hp0.step_s) == pytest.approx(
+        2 * SWITCH_S + math.ceil(4 / pplan.trace_concurrency) * 24 * hp0.step_s.at(pplan.trace_concurrency)
+        * TRACE_STEP_FACTOR)
     out = tmp_path / "ledger.jsonl"
     _one, _runner, outcome = predict_then_measure(prepared, out)
     assert not outcome.failed
@@ -149,7 +155,12 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
         best = max(same, key=lambda p: p["output_tok_s"])
         assert (best["budget"], best["topk"]) == (r["budget"], r["topk"])
     assert [r["algorithm"] for r in measured if r["algorithm"] != "DDTREE"] == ["AR", "AR"]
-    assert {k: v["rows"] for k, v in records.items()} == {f"sim-h|{model}|trace": 2, f"sim-h|{model}": len(measured)}
+    # ... and each measured row into its concurrency's record too (every row here at 2),
+    # and its server configuration's there.
+    by_server = Counter(f"sim-h|{model}|c2|{r['algorithm'].lower() if r['algorithm'] != 'AR' else 'autoregressive'}"
+                        + (f"-b{r['budget']}-topk{r['topk']}" if r["algorithm"] == "DDTREE" else "") for r in measured)
+    assert {k: v["rows"] for k, v in records.items()} == {f"sim-h|{model}|trace": 2, f"sim-h|{model}": len(measured),
+                                                         f"sim-h|{model}|c2": len(measured), **by_server}
     # ... on the predict phase's server (its probes' launch id: the same process), whose
     # runtime states (with the union's 32) the measured rows' argv names.
     (launch_id,) = {r["launch_id"] for r in probes + preds + ddtree}

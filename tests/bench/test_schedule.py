@@ -208,7 +208,9 @@ def test_the_dry_run_estimate_charges_each_slot_one_launch_and_its_share_of_lear
                        tmp_path / "s.yaml")
     prepared = prepare_sweep(spec, [host])
     [hp] = prepared.hosts
-    assert hp.step_s == pytest.approx(0.03)  # the slots' learned step times, averaged
+    # The slots' learned step times, averaged; none learned per concurrency (rows recorded
+    # without one): every run is charged that mean.
+    assert hp.step_s.default == pytest.approx(0.03) and hp.step_s.at(2) == pytest.approx(0.03)
     assert hp.launch_s == (20.0, 21.0, 22.0, 23.0)
     run_s = 4 * 100 * 0.03 + SWITCH_S  # 4 waves of 100 steps, and the live switch before it
     # One server: one launch, then all 8 trees.
@@ -221,6 +223,58 @@ def test_the_dry_run_estimate_charges_each_slot_one_launch_and_its_share_of_lear
     assert hp.schedule.wall_s == pytest.approx(23.0 + 2 * run_s)
     # The runner queues the same parts.
     assert {j.runs for j in prepared.jobs(hp, plan_runs(prepared.plan))} == {p.job.runs for p in placements}
+
+
+def test_each_run_is_charged_the_learned_step_of_its_own_tree_and_concurrency(tmp_path: Path) -> None:
+    # A wider batch's step takes longer, and so does a bigger tree's: one mean over the
+    # last rows charged every row the step of whichever rows ran last (a dry run 2.7x the
+    # measured grid's wall time, benchmarks/predict_plan.py; after a predicted run, which
+    # measures the fastest trees, half of it). Each row is learned under its concurrency,
+    # and its tree's there, too.
+    from ddtree_ops.bench.plan import SWITCH_S, StepTimes
+    from ddtree_ops.bench.prepare import prepare_sweep
+    from ddtree_ops.bench.sweep import parse_sweep
+    from ddtree_ops.inventory import load_inventory
+    from ddtree_ops.state import StateStore
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"h": {"ansible_connection": "local", "ddtree": {
+        "run_dir": str(tmp_path / "run"), "server": {"model_path": "m", "expected_load_s": 10, "port": 31000}}}}}}))
+    host = load_inventory([inv]).hosts["h"]
+    state = StateStore()
+    small, big = "ddtree-b4-topk2", "ddtree-b32-topk2"
+    for _ in range(3):  # the c=16 rows last, as a repeat-major grid ends
+        state.record_step_time("h", "m", 0.01, concurrency=2, server=small)
+    state.record_step_time("h", "m", 0.03, concurrency=2, server=big)
+    state.record_step_time("h", "m", 0.06, concurrency=16, server=small)
+    assert state.learned_step_s("h", "m", concurrency=2, server=small) == pytest.approx(0.01)
+    assert state.learned_step_s("h", "m", concurrency=2) == pytest.approx(0.015)  # both trees' rows there
+    assert state.learned_step_s("h", "m", concurrency=16) == pytest.approx(0.06)
+    assert state.learned_step_s("h", "m") == pytest.approx(0.024)  # every row, as before
+    assert state.learned_steps("h", "m") == pytest.approx(
+        {(2, None): 0.015, (2, small): 0.01, (2, big): 0.03, (16, None): 0.06, (16, small): 0.06})
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    spec = parse_sweep({"name": "t", "targets": ["h"], "repeats": 1, "warmup": 0,
+                        "grid": {"budget": [4, 32], "topk": [2], "temperature": [0.0], "concurrency": [2, 8, 16]},
+                        "workload": {"prompt_files": ["p.jsonl"], "num_prompts": 16, "max_new_tokens": 100}},
+                       tmp_path / "s.yaml")
+    prepared = prepare_sweep(spec, [host])
+    [hp] = prepared.hosts
+    steps = hp.step_s
+    assert steps.at(2, small) == pytest.approx(0.01) and steps.at(16, small) == pytest.approx(0.06)
+    # Concurrency 8 was never run here: between 2 and 16 in log(concurrency), 2/3 of the way.
+    assert steps.at(8, small) == pytest.approx(0.01 + 0.05 * 2 / 3)
+    # The big tree was run at 2 only: its own step at every concurrency.
+    assert steps.at(16, big) == pytest.approx(0.03)
+    # A tree never run here: every tree's steps at each concurrency.
+    assert steps.at(2, "ddtree-b8-topk2") == pytest.approx(0.015)
+    waves = {2: 8, 8: 2, 16: 1}
+    runs = sum(waves[c] * 100 * steps.at(c, tree) for c in waves for tree in (small, big))
+    assert hp.estimate_s == pytest.approx(10 + prepared.plan.switches * SWITCH_S + runs)
+    # Outside the learned ones: the nearest; none learned: the default for every one.
+    assert StepTimes(0.5, ((2, 0.01), (16, 0.06))).at(1) == 0.01
+    assert StepTimes(0.5, ((2, 0.01), (16, 0.06))).at(64) == 0.06
+    assert StepTimes(0.5).at(8, small) == 0.5
 
 
 def test_a_launch_every_slot_serves_already_splits_for_free_and_is_measured_first() -> None:
