@@ -18,7 +18,7 @@ and at most its cap (``ddtree_ops.predict.decide``).
 
 Before the predicted plan the dry run's figures are taken (``prepare_sweep`` after the full
 grid taught the state file each place's load and step times; the trace runs' step is
-learned only by a predicted run, so a first one charges 3x a run's step), and printed
+learned only by a predicted run, so a first one charges 3x the slowest tree's step), and printed
 beside what was measured. Printed per host: the full grid's wall time, the predicted
 plan's (its predict phase and its measuring apart), their ratio and the dry run's, and per
 (temperature, concurrency) group the chosen tree against the full grid's best (median over
@@ -227,7 +227,7 @@ def main() -> int:
         finally:
             stop(hosts)
         # What the dry run says once the predicted run taught the hosts their trace runs' step
-        # (a first predicted run charges a guess: the run step at the trace concurrency x 3).
+        # (a first predicted run charges a guess: 3x the slowest tree's step at the trace concurrency).
         learned = dry_run(prepare_sweep(spec, hosts))
         full_rows = ledger.read_ledger(tmp / "full.jsonl").rows
         best = medians(full_rows)

@@ -37,12 +37,12 @@ SWITCH_S = 0.5
 # What one decode step of a run is charged where no sweep measured the host before (the
 # state file's learned step time replaces it: ``StateStore.learned_step_s``).
 STEP_S = 0.02
-# A predicted sweep's trace run per step, over a run's at the trace concurrency, where no
-# trace run was timed on the host before (``StateStore.learned_step_s(trace=True)`` replaces
-# it): a traced request commits one token a round where a DDTree run commits its acceptance
-# (2-4), and verifies the grid's union. A guess: the simulator's trace runs took 2.6-2.8x
-# (benchmarks/sweep_slots.py, a union of budgets up to 32) to 8.4-8.7x (benchmarks/
-# predict_plan.py, a union of 207 nodes, compute-bound at concurrency 16).
+# A predicted sweep's trace run per step, over the step of the grid's slowest tree at the
+# trace concurrency, where no trace run was timed on the host before
+# (``StateStore.learned_step_s(trace=True)`` replaces it): a traced request commits one token
+# a round where a DDTree run commits its acceptance (1.6 for a budget-96 chain), and verifies
+# the grid's union (wider than its biggest tree). A guess: 3.2x on both simulated hosts of
+# benchmarks/predict_plan.py (a union of 207 nodes at concurrency 16).
 TRACE_STEP_FACTOR = 3.0
 
 

@@ -212,15 +212,20 @@ def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_ne
     (:meth:`PredictPlan.probe_waves`) of :attr:`PredictPlan.probe_tokens` steps; a trace
     run is its prompts (the workload's, or its part's) once at the trace concurrency,
     charged ``trace_s_per_step`` a step (a traced request runs one round per token; None:
-    the run step at the trace concurrency x :data:`~.plan.TRACE_STEP_FACTOR`), with the switches turning the trace
+    :data:`~.plan.TRACE_STEP_FACTOR` x the step of the grid's slowest tree at the trace
+    concurrency), with the switches turning the trace
     on and off."""
     if isinstance(item, ProbeRun):
         # A probe's rounds are its budget's tree at the launch's largest top-k.
         step = step_at(s_per_step, item.concurrency, ServerConfig("ddtree", item.budget, pplan.probe_topk).key)
         return SWITCH_S + pplan.probe_waves(item.concurrency) * pplan.probe_tokens * step
     trace_cell = Cell(ServerConfig("ddtree"), Sampling(), pplan.trace_concurrency)
-    per_step = (step_at(s_per_step, pplan.trace_concurrency) * TRACE_STEP_FACTOR if trace_s_per_step is None
-                else trace_s_per_step)
+    per_step = trace_s_per_step
+    if per_step is None:
+        # A traced round verifies the union, at least the grid's biggest tree, and commits one
+        # token: charged against the slowest of the grid's trees there.
+        per_step = TRACE_STEP_FACTOR * max(step_at(s_per_step, pplan.trace_concurrency,
+                                                   ServerConfig("ddtree", b, k).key) for b, k in pplan.trees)
     return 2 * SWITCH_S + cell_seconds(trace_cell, num_prompts=len(item.prompts(num_prompts)),
                                        max_new_tokens=max_new_tokens, warmup=0, s_per_step=per_step)
 

@@ -68,7 +68,7 @@ def expected_step_s(hosts: Sequence[Host]) -> StepTimes:
 def expected_trace_step_s(hosts: Sequence[Host]) -> float | None:
     """Seconds per step (the same unit) of a predicted sweep's trace run on these places:
     what their last trace runs took, else None (``predictplan.work_seconds`` charges the
-    run step at the trace concurrency x :data:`~.plan.TRACE_STEP_FACTOR`)."""
+    slowest tree's run step at the trace concurrency x :data:`~.plan.TRACE_STEP_FACTOR`)."""
     return _learned_step_s(hosts, trace=True)
 
 

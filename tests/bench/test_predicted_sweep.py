@@ -19,7 +19,7 @@ from cli_json import json_data
 
 from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
-from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR, Sampling
+from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR, Sampling, StepTimes
 from ddtree_ops.bench.predictplan import (
     ProbeRun,
     TraceRun,
@@ -100,8 +100,8 @@ def test_a_predicted_sweep_writes_predicted_and_measured_rows_kept_apart(tmp_pat
     # Budget 16 at top-k 2 and 4 unite to 32 nodes, more than the grid's largest state: the
     # predict launch adds one of 32, and the whole grid is one trace run per temperature.
     assert pplan is not None and pplan.launch.budgets == (4, 8, 16, 32) and len(pplan.trace_groups) == 1
-    # No trace run timed here yet: the dry run charges a run's step at the trace
-    # concurrency x the factor.
+    # No trace run timed here yet: the dry run charges the step of the grid's slowest tree
+    # at the trace concurrency x the factor (none learned here: every tree's is the default).
     [hp0] = prepared.hosts
     assert hp0.trace_step_s is None
     [trace_run] = [item for item in pplan.work if isinstance(item, TraceRun)][:1]
@@ -357,9 +357,17 @@ def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest
         return predict_estimate(pplan, plan, load_s=load_s, num_prompts=4, max_new_tokens=24, s_per_step=step,
                                 trace_s_per_step=trace_step)
 
-    # No trace run timed on the host yet: a run's step x TRACE_STEP_FACTOR.
+    # No trace run timed on the host yet: a run's step x TRACE_STEP_FACTOR; where the host
+    # learned its trees' steps, the slowest tree's at the trace concurrency (2 here), and a
+    # probe its own budget's tree at the launch's largest top-k (4).
     assert work_seconds(pplan, traces[0], num_prompts=4, max_new_tokens=24, s_per_step=step) == pytest.approx(
         2 * SWITCH_S + 2 * 24 * step * TRACE_STEP_FACTOR)
+    learned = StepTimes(step, ((2, step),), (("ddtree-b16-topk2", 2, 0.05), ("ddtree-b8-topk4", 2, 0.03),
+                                             ("ddtree-b16-topk2", 8, 0.5)))
+    assert work_seconds(pplan, traces[0], num_prompts=4, max_new_tokens=24, s_per_step=learned) == pytest.approx(
+        2 * SWITCH_S + 2 * 24 * 0.05 * TRACE_STEP_FACTOR)
+    assert work_seconds(pplan, probes[1], num_prompts=4, max_new_tokens=24, s_per_step=learned) == pytest.approx(
+        SWITCH_S + 2 * 8 * 0.03)
 
     # One slot: everything in the plan's order. Two: longest first, each to the least loaded
     # share (ties to the first), a share in the plan's order.
