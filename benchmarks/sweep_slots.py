@@ -55,7 +55,7 @@ import yaml
 from ddtree_ops.bench.predictplan import plan_predict, predict_estimate, predict_phase_estimate
 from ddtree_ops.bench.predictrun import PredictPhase, chosen_cells, kept_servers
 from ddtree_ops.bench.prepare import prepare_sweep
-from ddtree_ops.bench.runner import SweepRunner
+from ddtree_ops.bench.runner import Progress, SweepRunner
 from ddtree_ops.bench.sweep import parse_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.state import STATE_ENV, StateStore
@@ -140,9 +140,17 @@ def run_predicted(tmp: Path, doc: dict[str, object], slots: int, load_s: float,
                                              trace_s_per_step=hp.trace_step_s)
     out = tmp / f"ledger-predicted-{slots}.jsonl"
     started = time.monotonic()
+    predicted_at: list[float] = []
+
+    def on_progress(p: Progress) -> None:
+        # The phase's probes and trace runs end with its predictions; its measured phase
+        # (the chosen trees, until each group is decided) follows inside PredictPhase.run.
+        if "cells predicted" in p.message:
+            predicted_at.append(time.monotonic())
+
     runner = SweepRunner(prepared, workload, ledger_path=out)
-    predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id).run()
-    phase = time.monotonic() - started
+    predicted = PredictPhase(prepared, workload, ledger_path=out, run_id=runner.run_id, on_progress=on_progress).run()
+    phase = (predicted_at[0] if predicted_at else time.monotonic()) - started
     runner.only, runner.kept = chosen_cells(predicted), kept_servers(predicted)
     outcome = runner.run()
     wall = time.monotonic() - started
