@@ -57,7 +57,7 @@ from ddtree_ops.bench.predictplan import (
     split_work,
     trace_groups,
 )
-from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
+from ddtree_ops.bench.prepare import HostPlan, PreparedSweep, learn_step
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.runner import Progress
@@ -535,18 +535,8 @@ class PredictPhase:
                              metrics=metrics, live=live, groups=group_metrics(load.results, [p.group for p in sent]),
                              outputs=[r.output_hash for r in load.results])
         if error is None:
-            self._learn_step(place.host, cell, time.monotonic() - began)
+            learn_step(place.host, cell, time.monotonic() - began, self.prepared.spec)
         return made
-
-    def _learn_step(self, place: Host, cell: Cell, seconds: float) -> None:
-        """What a step of this run took on ``place``, for the next dry run (as the runner learns)."""
-        from ddtree_ops.state import StateStore
-
-        wl, spec = self.prepared.spec.workload, self.prepared.spec
-        steps = cell_steps(cell, num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens, warmup=spec.warmup)
-        if steps:
-            StateStore().record_step_time(place.name, place.ddtree.server.model_path or "", seconds / steps,
-                                          concurrency=cell.concurrency, server=cell.server.key)
 
     def _row(self, hp: HostPlan, place: _Place, cell: Cell, live: LiveTree | None,
              **fields: object) -> ledger.LedgerRow:

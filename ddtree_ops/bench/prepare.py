@@ -24,6 +24,7 @@ from ddtree_ops.bench.plan import (
     LaunchConfig,
     StepTimes,
     SweepPlan,
+    cell_steps,
     estimate_seconds,
     plan_sweep,
     run_seconds,
@@ -63,6 +64,19 @@ def expected_step_s(hosts: Sequence[Host]) -> StepTimes:
     return StepTimes(STEP_S if default is None else default,
                      tuple((c, v) for (c, server), v in mean.items() if server is None),
                      tuple((server, c, v) for (c, server), v in mean.items() if server is not None))
+
+
+def learn_step(place: Host, cell: Cell, seconds: float, spec: SweepSpec) -> None:
+    """Remember what a step of one measured run of ``cell`` took on ``place`` (all, at its
+    concurrency, and its configuration's there), for the next dry run's
+    :func:`expected_step_s`, as a restart remembers its load time."""
+    from ddtree_ops.state import StateStore
+
+    wl = spec.workload
+    steps = cell_steps(cell, num_prompts=wl.num_prompts, max_new_tokens=wl.max_new_tokens, warmup=spec.warmup)
+    if steps:
+        StateStore().record_step_time(place.name, _model(place), seconds / steps, concurrency=cell.concurrency,
+                                      server=cell.server.key)
 
 
 def expected_trace_step_s(hosts: Sequence[Host]) -> float | None:
@@ -158,5 +172,5 @@ def prepare_sweep(spec: SweepSpec, hosts: Sequence[Host]) -> PreparedSweep:
     return PreparedSweep(spec, plan, tuple(planned), plans)
 
 
-__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "expected_step_s", "expected_trace_step_s",
+__all__ = ["HostPlan", "PreparedSweep", "expected_launch_s", "expected_step_s", "expected_trace_step_s", "learn_step",
            "prepare_sweep"]

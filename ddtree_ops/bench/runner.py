@@ -71,8 +71,8 @@ from ddtree_ops.bench.lifetime import Borrowed, KeptServer, Leases, PutBack, Swe
 from ddtree_ops.bench.livetree import LiveTree, judge_switch
 from ddtree_ops.bench.metrics import CellMetrics, GroupMetrics, RequestResult, calculate_metrics, group_metrics
 from ddtree_ops.bench.onhost import LoadClient, make_client
-from ddtree_ops.bench.plan import Cell, LaunchConfig, cell_steps
-from ddtree_ops.bench.prepare import HostPlan, PreparedSweep
+from ddtree_ops.bench.plan import Cell, LaunchConfig
+from ddtree_ops.bench.prepare import HostPlan, PreparedSweep, learn_step
 from ddtree_ops.bench.provenance import Provenance, for_slot, probe_provenance, with_server_info
 from ddtree_ops.bench.rows import RowMaker, now_iso
 from ddtree_ops.bench.schedule import Job, plan_runs
@@ -636,20 +636,8 @@ class SweepRunner:
                         groups=groups, outputs=[r.output_hash for r in load.results])
         self._append(sr, row, cell)
         if error is None:
-            self._learn_step(sr, cell, time.monotonic() - began)
+            learn_step(sr.host, cell, time.monotonic() - began, self.spec)
         return row
-
-    def _learn_step(self, sr: _SlotRun, cell: Cell, seconds: float) -> None:
-        """Remember what a step of this run took here, for the next dry run's estimate
-        (``prepare.expected_step_s``), as a restart remembers its load time."""
-        from ddtree_ops.state import StateStore
-
-        workload = self.spec.workload
-        steps = cell_steps(cell, num_prompts=workload.num_prompts, max_new_tokens=workload.max_new_tokens,
-                           warmup=self.spec.warmup)
-        if steps:
-            StateStore().record_step_time(sr.host.name, sr.host.ddtree.server.model_path or "", seconds / steps,
-                                          concurrency=cell.concurrency, server=cell.server.key)
 
     def _row(self, sr: _SlotRun, prov: Provenance, restart: RestartResult | None, cell: Cell, rep: int,
              started_at: str, *, error: str | None, metrics: CellMetrics | None = None,
