@@ -67,22 +67,25 @@ lint: $(STAMP)
 # priority, so that it takes from the suite only what the suite leaves idle (measured on
 # fresh clones: the suite 726 s beside it at nice 19, the environment 586 s and done
 # first; at normal priority, 8 tests fewer, 689 s and 389 s). The real-server lane runs
-# last. Both run on two pytest-xdist workers: on CI's two cores
-# either alone is CPU-bound (measured: the rest of the suite 551 s with two workers, 576 s
-# with four; the lane 881 s with two, ~20 min with one), and running them side by side
-# was slower than one after the other (both starve: ~28 min against ~25). How the lane
-# splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS. The main
+# last. Both run on three pytest-xdist workers on CI's two cores: with two, a fifth of the
+# CPU went idle while tests waited on what they had started (a server's load, a unit's
+# restart, SSH round trips; vmstat over a whole main lane: 21 % idle), and with three it
+# stays busy (measured at fd54920, `make test` beside the environment's build: main lane
+# 990 s with three against 1142-1211 s with two alone, 3-6 % idle; the real-server lane
+# 316 s with three against 353 s with two). Running the lanes side by side was slower than
+# one after the other (both starve: ~28 min against ~25). How the lane splits its work
+# between the workers: tests/sglang_real/conftest.py LANE_UNITS. The main
 # lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped host on one
 # worker and starts the slow modules first, so that no worker ends the lane alone.
-MAIN_XDIST ?= -n 2 --dist loadgroup
-# One OpenMP thread per process in both lanes: their two workers and what they start
+MAIN_XDIST ?= -n 3 --dist loadgroup
+# One OpenMP thread per process in both lanes: their workers and what they start
 # already fill both cores, and torch's OpenMP threads spin-waiting for a core the other
 # worker holds stretch CPU-bound tests many times over (measured: tests/benchmarks on two
 # workers 134.7 s -> 121.8 s, its gpu_check harness test 66.7 s -> 13.5 s; with two busy
 # loops beside it, tests/sglang_real/test_ddtree_inprocess.py 24.8 s -> 20.2 s). The
 # simulator and the real-server lane's servers set one thread themselves.
 TEST_ENV := OMP_NUM_THREADS=1
-REAL_XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
+REAL_XDIST ?= -n 3 --dist loadscope --no-loadscope-reorder
 # A narrowed run builds the real-SGLang environment (~7 GB) only when it names that lane.
 test: $(STAMP) $(if $(findstring sglang_real,$(PYTEST_ARGS)),sglang-cpu)
 ifeq ($(strip $(PYTEST_ARGS)),)

@@ -64,10 +64,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 
-# How the lane shares two workers (`make real-server-lane`: two xdist workers,
-# ``--no-loadscope-reorder``). A worker is its own session with its own ServerPool, so each
-# module is one unit (its module-scoped servers start once), and the two modules that
-# share the target alone run as one unit, the smoke first while that server is up. The
+# How the lane shares its workers (`make real-server-lane`: three xdist workers on two
+# cores, ``--no-loadscope-reorder``; the figures below were measured with two). A worker
+# is its own session with its own ServerPool, so each module is one unit (its
+# module-scoped servers start once), and the two modules that share the target alone run
+# as one unit, the smoke first while that server is up. The
 # units go out longest first, the free worker taking the next; measured per unit with two
 # workers busy (server starts included): the tree unit 728 s, pipeline 249 s, sampling
 # 200 s, selftest --e2e 200 s, triton 161 s (it started the target alone again, for
