@@ -249,6 +249,7 @@ def test_rollback_on_failure_puts_a_host_back_and_the_rollout_goes_on_within_max
     error = next(e for e in env["errors"] if e["host"] == "sd-1")
     assert error["code"] == "server_crashed" and "--no-such-flag" in error["message"]
     assert "rolled back: sd-1 relaunched the previous server" in error["message"]
+    assert env["data"]["rollout"]["batches"] == [["sd-0"], ["sd-1"], ["sd-2"]]
     assert env["data"]["rollout"]["rolled_back"] == ["sd-1"] and env["data"]["rollout"]["not_reached"] == []
     assert _state(cli, inv, trio["sd-1"])[1:] == before["sd-1"][1:]
     assert all("DDTREE" in cmdline(h, main_pid(h)) for h in (trio["sd-0"], trio["sd-2"]))
