@@ -86,7 +86,13 @@ class LoadClient(Protocol):
         """Token ids of each conversation through the served model's chat template."""
         ...
 
-    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult: ...
+    def run_load(self, spec: LoadSpec, *, flush: bool = False,
+                 on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+        """``spec``'s load; with ``flush``, ``POST /flush_cache`` first, so that one cell's
+        prefix cache does not speed up the next: on the host, in the same program run (one
+        round trip a measured cell, not two). As :meth:`flush_cache` alone, its outcome is
+        not judged: SGLang refuses it only while requests are in flight, and none are here."""
+        ...
 
 
 def server_url(host: Host) -> str:
@@ -120,7 +126,10 @@ class LocalClient:
         ids, why = local_client.render_chat(self.url, conversations)
         return Rendered(error=why) if ids is None else Rendered(tuple(map(tuple, ids)))
 
-    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+    def run_load(self, spec: LoadSpec, *, flush: bool = False,
+                 on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+        if flush:
+            local_client.flush_cache(self.url)
         return local_client.run_load(self.url, spec, on_done=on_done)
 
 
@@ -192,9 +201,13 @@ class HostClient:
             return Rendered(error=str(answer.get("error") or "the host client's answer holds no ids"))
         return Rendered(tuple(tuple(int(t) for t in one) for one in ids))
 
-    def run_load(self, spec: LoadSpec, *, on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
+    def run_load(self, spec: LoadSpec, *, flush: bool = False,
+                 on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         stream = LoadReport(on_done=on_done)
-        problem = self._run({"load": load_payload(spec)}, stream, timeout=_load_timeout(spec, spec.warmup))
+        # The host client flushes before it loads (_hostclient.main keeps that order).
+        payload = {"flush": True, "load": load_payload(spec)} if flush else {"load": load_payload(spec)}
+        timeout = _load_timeout(spec, spec.warmup) + (30.0 if flush else 0.0)
+        problem = self._run(payload, stream, timeout=timeout)
         return stream.result(spec, problem or "host client ended without reporting this request")
 
 

@@ -519,13 +519,12 @@ class PredictPhase:
     def _measure(self, hp: HostPlan, place: _Place, cell: Cell, rep: int, prompts: Sequence[Prompt],
                  live: LiveTree) -> ledger.LedgerRow:
         spec, started_at, began = self.prepared.spec, now_iso(), time.monotonic()
-        place.client.flush_cache()
         sent = sent_prompts(tuple(prompts))
         load = place.client.run_load(LoadSpec(
             prompts=tuple(prompts), max_new_tokens=self.workload.max_new_tokens, sampling=cell.sampling.as_params(),
             ignore_eos=self.workload.ignore_eos, concurrency=cell.concurrency, request_rate=spec.request_rate,
             warmup=spec.warmup, seed=spec.workload.seed + rep, api=spec.api,  # type: ignore[arg-type]
-            timeout_s=spec.request_timeout_s))
+            timeout_s=spec.request_timeout_s), flush=True)
         metrics = calculate_metrics(load.results, duration_s=load.duration_s)
         error = None
         if metrics.failed:
@@ -575,9 +574,8 @@ class PredictPhase:
         c, b = probe.concurrency, probe.budget
         n = probe_requests(c, pplan.probe_waves(c))
         sent = (tuple(prompts) * math.ceil(n / len(prompts)))[:n]
-        client.flush_cache()
         load = client.run_load(self._load(sent, tokens=pplan.probe_tokens, sampling=probe.sampling,
-                                          concurrency=c))
+                                          concurrency=c), flush=True)
         reqs = [ProbeRequest(r.e2e, r.ttft or 0.0, r.spec_verify_ct or 0) for r in load.results if r.ok]
         rt = measure_round_time(reqs, concurrency=c, budget=b, duration_s=load.duration_s, cuda_graph=live.graph,
                                 verify_path=probe.sampling.verify_path)
@@ -596,9 +594,8 @@ class PredictPhase:
         if answer.status != 200:
             raise BenchError(f"trace switch refused (HTTP {answer.status}): {answer.detail}")
         try:
-            client.flush_cache()
             load = client.run_load(self._load(prompts, tokens=tokens, sampling=sampling,
-                                              concurrency=pplan.trace_concurrency))
+                                              concurrency=pplan.trace_concurrency), flush=True)
         finally:
             client.set_state(TRACE_OFF)
         if load.results and all(r.ok for r in load.results):

@@ -602,7 +602,6 @@ class SweepRunner:
         self._emit(sr.hr, "running", slot=sr.label, cell=cell.key, repeat=rep)
         started_at = now_iso()
         began = time.monotonic()
-        client.flush_cache()
         finished = [0]
         sent = sent_prompts(prompts)  # a multi-turn question is one request per turn
 
@@ -625,6 +624,7 @@ class SweepRunner:
                 api=self.spec.api,  # type: ignore[arg-type]
                 timeout_s=self.spec.request_timeout_s,
             ),
+            flush=True,
             on_done=on_done,
         )
         metrics = calculate_metrics(load.results, duration_s=load.duration_s)

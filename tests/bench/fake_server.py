@@ -32,6 +32,8 @@ class FakeState:
     max_in_flight: int = 0
     requests: int = 0
     flushes: int = 0
+    # How many requests had arrived at each flush: a flush meant for a load comes before it.
+    requests_at_flush: list[int] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
     chat_template: bool = True
 
@@ -107,6 +109,7 @@ def make_app(state: FakeState) -> Starlette:
 
     async def flush(request: Request) -> Response:
         state.flushes += 1
+        state.requests_at_flush.append(state.requests)
         return Response("ok")
 
     async def tokenize(request: Request) -> Response:

@@ -20,6 +20,7 @@ from ddtree_ops.bench.client import LoadResult, LoadSpec, UnrenderedChat, reques
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
 from ddtree_ops.inventory_types import DdtreeSettings, Host, ServerSettings
+from ddtree_ops.transport.base import RoundTripCounter
 from ddtree_ops.transport.local import LocalTransport
 from ddtree_ops.workload.prompt import Prompt
 
@@ -232,6 +233,24 @@ def test_poisson_rate_and_flush(server) -> None:
     assert starts[-1] - starts[0] >= 0.206 - 0.05
     assert all(b > a - 0.03 for a, b in zip(starts, starts[1:], strict=False))
     assert url.flush_cache() == (True, "HTTP 200") and state.flushes == 1
+
+
+def test_a_flushed_load_flushes_first_and_on_the_host_in_the_same_run(mode: str) -> None:
+    """``run_load(..., flush=True)``: the prefix cache flushed before the load's first
+    request, in either mode; on the host in the same program run as the load (one round
+    trip a measured cell, where a flush and a load were two)."""
+    state = FakeState()
+    with serve(state) as url:
+        client = client_at(mode, url)
+        counter = RoundTripCounter()
+        if isinstance(client, HostClient):
+            client = HostClient(LocalTransport("fake", counter=counter), client.host)
+        load = client.run_load(LoadSpec(prompts=prompts(3), max_new_tokens=4, concurrency=2, warmup=1), flush=True)
+        assert all(r.ok for r in load.results), load.results
+        assert state.requests_at_flush == [0] and state.requests == 4  # the warmup's request, then three
+        assert counter.commands == (1 if mode == "host" else 0), counter.log
+        client.run_load(LoadSpec(prompts=prompts(1), max_new_tokens=4))
+        assert state.flushes == 1 and state.requests == 5
 
 
 def _python38() -> str | None:
