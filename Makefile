@@ -72,12 +72,17 @@ lint: $(STAMP)
 # restart, SSH round trips; vmstat over a whole main lane: 21 % idle), and with three it
 # stays busy (measured at fd54920, `make test` beside the environment's build: main lane
 # 990 s with three against 1142-1211 s with two alone, 3-6 % idle; the real-server lane
-# 316 s with three against 353 s with two). Running the lanes side by side was slower than
-# one after the other (both starve: ~28 min against ~25). How the lane splits its work
-# between the workers: tests/sglang_real/conftest.py LANE_UNITS. The main
-# lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped host on one
-# worker and starts the slow modules first, so that no worker ends the lane alone.
-MAIN_XDIST ?= -n 3 --dist loadgroup
+# 316 s with three against 353 s with two). The main lane now runs four: measured alone at
+# ef02248 (a cgroup's CPU over the lane), 950 s and 1809 s of CPU with four against 998 s
+# and 1804 s with three (a tenth of the CPU idle with three, 3 % with four); the
+# real-server lane took 345 s with four, no better than with three. What four leave idle
+# is too little for the real-SGLang environment's build beside them (~100 s of CPU), so
+# .ci/run starts that build first, beside .venv's setup and the linters. Running the lanes
+# side by side was slower than one after the other (both starve: ~28 min against ~25). How
+# the lane splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS.
+# The main lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped
+# host on one worker and starts the slow modules first, so that no worker ends the lane alone.
+MAIN_XDIST ?= -n 4 --dist loadgroup
 # One OpenMP thread per process in both lanes: their workers and what they start
 # already fill both cores, and torch's OpenMP threads spin-waiting for a core the other
 # worker holds stretch CPU-bound tests many times over (measured: tests/benchmarks on two
@@ -101,8 +106,9 @@ else
 endif
 
 # The real SGLang 0.5.23 server on CPU (a separate venv under .cache/sglang-cpu, ~7 GB,
-# a few minutes once, then instant): what the DDTree bundle is tested inside.
-sglang-cpu: $(STAMP)
+# a few minutes once, then instant): what the DDTree bundle is tested inside. Its build
+# is stdlib Python and needs nothing of .venv (.ci/run starts it before .venv exists).
+sglang-cpu:
 	$(PYTHON) tests/sglang_real/setup_env.py
 
 # The tests against the real SGLang server (DDTree on real SGLang, the deploy -> restart ->
