@@ -67,21 +67,22 @@ lint: $(STAMP)
 # priority, so that it takes from the suite only what the suite leaves idle (measured on
 # fresh clones: the suite 726 s beside it at nice 19, the environment 586 s and done
 # first; at normal priority, 8 tests fewer, 689 s and 389 s). The real-server lane runs
-# last. Both run on three pytest-xdist workers on CI's two cores: with two, a fifth of the
-# CPU went idle while tests waited on what they had started (a server's load, a unit's
-# restart, SSH round trips; vmstat over a whole main lane: 21 % idle), and with three it
-# stays busy (measured at fd54920, `make test` beside the environment's build: main lane
-# 990 s with three against 1142-1211 s with two alone, 3-6 % idle; the real-server lane
-# 316 s with three against 353 s with two). The main lane now runs four: measured alone at
-# ef02248 (a cgroup's CPU over the lane), 950 s and 1809 s of CPU with four against 998 s
-# and 1804 s with three (a tenth of the CPU idle with three, 3 % with four); the
-# real-server lane took 345 s with four, no better than with three. What four leave idle
-# is too little for the real-SGLang environment's build beside them (~100 s of CPU), so
-# .ci/run starts that build first, beside .venv's setup and the linters. Running the lanes
-# side by side was slower than one after the other (both starve: ~28 min against ~25). How
-# the lane splits its work between the workers: tests/sglang_real/conftest.py LANE_UNITS.
-# The main lane is --dist loadgroup: tests/conftest.py keeps a module with a module-scoped
-# host on one worker and starts the slow modules first, so that no worker ends the lane alone.
+# last. The main lane runs on four pytest-xdist workers and the real-server lane on three,
+# on CI's two cores: with two, a fifth of the CPU went idle while tests waited on what they
+# had started (a server's load, a unit's restart, SSH round trips; vmstat over a whole main
+# lane: 21 % idle), and with three it stayed busy (measured at fd54920, `make test` beside
+# the environment's build: main lane 990 s with three against 1142-1211 s with two alone,
+# 3-6 % idle; the real-server lane 316 s with three against 353 s with two). Four in the
+# main lane, measured alone (its workers' CPU in a cgroup): 950 s and 1809 s of CPU at
+# ef02248, against 998 s and 1804 s with three at b9cc12f (a tenth of the CPU idle with
+# three, 3 % with four); the real-server lane took 345 s with four, no better than with
+# three. What four leave idle is too little for the real-SGLang environment's build beside
+# them (~100 s of CPU), so .ci/run starts that build first, beside .venv's setup and the
+# linters. Running the lanes side by side was slower than one after the other (both
+# starve: ~28 min against ~25). How the real-server lane splits its work between the
+# workers: tests/sglang_real/conftest.py LANE_UNITS. The main lane is --dist loadgroup:
+# tests/conftest.py keeps a module with a module-scoped host on one worker and starts the
+# slow modules first, so that no worker ends the lane alone.
 MAIN_XDIST ?= -n 4 --dist loadgroup
 # One OpenMP thread per process in both lanes: their workers and what they start
 # already fill both cores, and torch's OpenMP threads spin-waiting for a core the other
