@@ -99,22 +99,27 @@ def run_on_hosts(
     if not hosts:
         return FleetResult()
     results: dict[str, T | BaseException] = {}
-    with ThreadPoolExecutor(max_workers=min(max_parallel, len(hosts)), thread_name_prefix="host") as pool:
-        futures: list[tuple[str, Future[T]]] = [(h.name, pool.submit(fn, h)) for h in hosts]
-        try:
-            for name, future in futures:
-                try:
-                    results[name] = future.result()
-                except Exception as exc:  # noqa: BLE001 - a host's failure is data here
-                    results[name] = exc
-        except BaseException:
-            for _, future in futures:
-                future.cancel()
-            # The running workers wait on commands the Ctrl-C never reached: end them
-            # rather than wait for each to finish by itself.
-            with interrupting():
-                pool.shutdown(wait=True)
-            raise
+    pool = ThreadPoolExecutor(max_workers=min(max_parallel, len(hosts)), thread_name_prefix="host")
+    # The submissions are inside the try: a worker starts its host's command as soon as it
+    # is submitted, and a Ctrl-C that lands before the last submission (on a loaded
+    # machine, after every host's program has started) must end those commands too. Left
+    # to the pool's own exit, it waited for each to finish by itself.
+    futures: list[tuple[str, Future[T]]] = []
+    try:
+        for h in hosts:
+            futures.append((h.name, pool.submit(fn, h)))
+        for name, future in futures:
+            try:
+                results[name] = future.result()
+            except Exception as exc:  # noqa: BLE001 - a host's failure is data here
+                results[name] = exc
+    except BaseException:
+        # The running workers wait on commands the Ctrl-C never reached: end them rather
+        # than wait for each to finish by itself; the queued ones never start.
+        with interrupting():
+            pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return FleetResult(results)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Sequence
 
 import pytest
 
-from ddtree_ops.errors import ConnectError, DdtreeOpsError
+from ddtree_ops.errors import ConnectError, DdtreeOpsError, Interrupted
 from ddtree_ops.fleet import FleetResult, failed_hosts, run_on_hosts
 from ddtree_ops.inventory_types import Host
+from ddtree_ops.transport.local import LocalTransport
 
 HOSTS = [Host(f"h{i}", address=f"10.0.0.{i}") for i in range(7)]
 
@@ -57,6 +59,48 @@ def test_never_more_than_max_parallel_at_once(limit: int) -> None:
     run_on_hosts(HOSTS, fn, max_parallel=limit)
     assert peak <= limit
     assert peak == min(limit, len(HOSTS)) or limit == 1
+
+
+class _CtrlCWhileSubmitting(Sequence[Host]):
+    """Hosts whose walk for the submissions raises KeyboardInterrupt right after the first
+    host, once that host's command runs: a Ctrl-C that lands while the fan-out is still
+    submitting (on a loaded machine, after every host's program had started: CI hung there
+    for the command's whole length). run_on_hosts walks the hosts once for their names,
+    then once to submit them."""
+
+    def __init__(self, hosts: list[Host], running: threading.Event) -> None:
+        self._hosts, self._running, self._walks = hosts, running, 0
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def __getitem__(self, i: int) -> Host:  # type: ignore[override]
+        return self._hosts[i]
+
+    def __iter__(self) -> Iterator[Host]:
+        self._walks += 1
+        yield self._hosts[0]
+        if self._walks > 1 and self._running.wait(timeout=60):
+            raise KeyboardInterrupt
+        yield from self._hosts[1:]
+
+
+def test_ctrl_c_before_the_last_submission_ends_the_commands_already_running() -> None:
+    running = threading.Event()
+    outcomes: dict[str, str] = {}
+
+    def fn(h: Host) -> None:
+        try:
+            LocalTransport(h.name).run(["sh", "-c", "echo started; exec sleep 60"], on_line=lambda _: running.set())
+            outcomes[h.name] = "ran to its end"
+        except Interrupted:
+            outcomes[h.name] = "ended"
+
+    with pytest.raises(KeyboardInterrupt):
+        run_on_hosts(_CtrlCWhileSubmitting(HOSTS[:3], running), fn, max_parallel=3)
+    assert running.is_set()
+    # The first host's command was ended, not waited for; the others were never submitted.
+    assert outcomes == {"h0": "ended"}
 
 
 def test_empty_and_invalid() -> None:
