@@ -389,12 +389,15 @@ def _journal(invocation, after=None, limit=None):
     return lines, cursor
 
 
-def _journal_of_the_dead(invocation, limit=None, settle_s=1.0):
+def _journal_of_the_dead(invocation, limit=None, settle_s=5.0):
     """``_journal`` of an invocation whose process has already exited: one that exits at
     once (a flag SGLang refuses, an ExecStart systemd cannot run) can be gone before
     journald has read its last lines from the stream, and an error would say "log empty"
     where the journal is about to hold the reason. An empty answer is read again for up
-    to ``settle_s``."""
+    to ``settle_s``: on a loaded machine journald took longer than a second (CI, two cores
+    at a load average near 5: SGLang's argparse error missing after 1 s of reads), and
+    the wait is paid only where the answer stays empty. systemd 252 has no way to ask
+    journald to drain a stream first (``journalctl --sync`` only writes what it has read)."""
     lines, cursor = _journal(invocation, limit=limit)
     deadline = time.time() + settle_s
     while not lines and invocation and time.time() < deadline:
