@@ -36,6 +36,9 @@ ClientMode = Literal["local", "host"]
 HOSTCLIENT_SOURCE = Path(__file__).with_name("_hostclient.py").read_text()
 # Startup of the host's Python and the SSH round trip, on top of the requests' own time.
 _COMMAND_SLACK_S = 60.0
+# The host program's bound on one /flush_cache (sent as its flush_timeout_s): what a
+# command that flushes adds to its own timeout.
+_FLUSH_S = 30.0
 
 
 def is_loopback(bind_host: str) -> bool:
@@ -159,7 +162,7 @@ class HostClient:
 
     def flush_cache(self) -> tuple[bool, str]:
         stream = LoadReport()
-        problem = self._run({"flush": True}, stream, timeout=30.0 + _COMMAND_SLACK_S)
+        problem = self._run({"flush": True, "flush_timeout_s": _FLUSH_S}, stream, timeout=_FLUSH_S + _COMMAND_SLACK_S)
         answer = stream.answers.get("flush")
         if answer is None:
             return False, problem or "host client gave no answer"
@@ -205,8 +208,10 @@ class HostClient:
                  on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         stream = LoadReport(on_done=on_done)
         # The host client flushes before it loads (_hostclient.main keeps that order).
-        payload = {"flush": True, "load": load_payload(spec)} if flush else {"load": load_payload(spec)}
-        timeout = _load_timeout(spec, spec.warmup) + (30.0 if flush else 0.0)
+        payload: dict[str, object] = {"load": load_payload(spec)}
+        if flush:
+            payload.update(flush=True, flush_timeout_s=_FLUSH_S)
+        timeout = _load_timeout(spec, spec.warmup) + (_FLUSH_S if flush else 0.0)
         problem = self._run(payload, stream, timeout=timeout)
         return stream.result(spec, problem or "host client ended without reporting this request")
 
