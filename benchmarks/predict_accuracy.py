@@ -14,7 +14,10 @@ acceptance error (relative, the ledger row's; beside it each estimator's, recomp
 plan's trace files: the walk counting path products -- the rows' --, the walk's realised
 counts, and the naive mean over traced positions), how far the predicted plan's chosen tree
 per (temperature, concurrency) falls below the full grid's best measured tok/s (the chosen
-tree's tok/s as the full grid measured it, worst case), and the predicted plan's wall time
+tree's tok/s as the full grid measured it, worst case; beside it the measured phase's own
+verdict on the group: decided or not, after how many interleaved repeats, the winner's lead
+against the two candidates' noise, and which candidates it measured), and the predicted
+plan's wall time
 over the full grid's. No baselines (they cost the same in both plans). Targets (issue 43):
 median <= 3 %, max <= 8 % on real_cpu; chosen within 2 %; wall <= 0.2x.
 
@@ -57,7 +60,7 @@ from ddtree_ops.bench.runner import SweepRunner
 from ddtree_ops.bench.sweep import SweepSpec, parse_sweep
 from ddtree_ops.inventory import load_inventory
 from ddtree_ops.inventory_types import DdtreeSettings, Host
-from ddtree_ops.predict.decide import Candidate, judge
+from ddtree_ops.predict.decide import Candidate, Verdict, judge
 from ddtree_ops.predict.estimate import predict_acceptance, rounds_per_request
 from ddtree_ops.predict.trace import load_trace_file
 from ddtree_ops.service import lifecycle
@@ -166,7 +169,8 @@ def run_part(name: str, host: Host, spec: SweepSpec, tmp: Path, say: Any) -> dic
         _stop(host)
     pred_wall = time.monotonic() - t0
     say(f"[{name}] predicted plan: {pred_wall:.0f} s")
-    return score(full_path, pred_path, spec.workload.max_new_tokens, full_wall, pred_wall)
+    verdicts = {(d.temperature, d.concurrency): d.verdict for p in predicted.values() for d in p.decisions}
+    return score(full_path, pred_path, spec.workload.max_new_tokens, full_wall, pred_wall, verdicts)
 
 
 def _verdict(rows: list[dict[str, Any]], temperature: float, concurrency: int, cells: list[Cell]) -> Cell:
@@ -184,8 +188,11 @@ def _verdict(rows: list[dict[str, Any]], temperature: float, concurrency: int, c
     return (temperature, concurrency, *verdict.winner)
 
 
-def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_wall: float) -> dict[str, Any]:
-    """A part's figures from its two ledgers and the predicted plan's trace files."""
+def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_wall: float,
+          verdicts: Mapping[tuple[float, int], Verdict] | None = None) -> dict[str, Any]:
+    """A part's figures from its two ledgers and the predicted plan's trace files; with
+    ``verdicts`` (the measured phase's own, per (temperature, concurrency)) each choice also
+    says whether its group was decided, after how many repeats, and why."""
     full = _ok(ledger.read_ledger(full_path).rows, "measured")
     pred_rows = ledger.read_ledger(pred_path).rows
     preds, measured_pred = _ok(pred_rows, "predicted"), _ok(pred_rows, "measured")
@@ -221,6 +228,10 @@ def score(full_path: Path, pred_path: Path, tokens: int, full_wall: float, pred_
         below.append({"temperature": t, "concurrency": conc, "chosen": list(pick[2:]),
                       "best": [max(group, key=lambda c: c["measured_tok_s"])[k] for k in ("budget", "topk")],
                       "below": (best - full[pick]["output_tok_s"]) / best})
+        verdict = (verdicts or {}).get((t, conc))
+        if verdict is not None:
+            below[-1].update(decided=verdict.decided, repeats=verdict.repeats, why=verdict.why,
+                             gap=verdict.gap, noise=verdict.noise, candidates=sorted([list(k[2:]) for k in mine]))
     errs = [abs(c["accept_error"]) for c in cells]
     naive = [abs(c["accept_error_naive"]) for c in cells]
     tok = [abs(c["tok_s_error"]) for c in cells]
@@ -327,8 +338,13 @@ def _print(name: str, part: Mapping[str, Any]) -> None:
               f"({c['accept_error']:+.1%}, naive {c['accept_error_naive']:+.1%}); tok/s {c['predicted_tok_s']:.1f} / "
               f"{c['measured_tok_s']:.1f} ({c['tok_s_error']:+.1%}){mark}")
     for ch in part["choices"]:
+        gap = (f", lead {ch['gap']:.1%} against noise {ch['noise']:.1%}"
+               if ch.get("gap") is not None and ch.get("noise") is not None else "")
+        state = f"decided ({ch['why']})" if ch.get("decided") else "undecided"
+        phase = (f" (measured phase: {state} after {ch['repeats']} repeats{gap}; candidates "
+                 + ", ".join(f"b{b} k{k}" for b, k in ch["candidates"]) + ")" if "decided" in ch else "")
         print(f"T={ch['temperature']:g} c={ch['concurrency']}: chosen b{ch['chosen'][0]} k{ch['chosen'][1]}, "
-              f"best measured b{ch['best'][0]} k{ch['best'][1]}: {ch['below']:.1%} below the best")
+              f"best measured b{ch['best'][0]} k{ch['best'][1]}: {ch['below']:.1%} below the best{phase}")
     print(f"{name}: accept error median {part['median_abs_accept_error']:.2%} max {part['max_abs_accept_error']:.2%} "
           f"(naive: median {part['median_abs_accept_error_naive']:.2%} max {part['max_abs_accept_error_naive']:.2%}); "
           f"tok/s error median {part['median_abs_tok_s_error']:.2%} max {part['max_abs_tok_s_error']:.2%}; "
