@@ -11,6 +11,7 @@ caller's job — the CLI renders a per-host summary and raises
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
@@ -141,13 +142,36 @@ def run_interruptible(
 
     # An Event rather than Thread.join: a join interrupted by Ctrl-C can leave the thread
     # looking finished while it still runs (CPython issue 90882).
-    threading.Thread(target=work, daemon=True).start()
+    if start_watched(threading.Thread(target=work, daemon=True)):
+        cancel.set()
     while not done.is_set():
         try:
             done.wait(0.2)
         except KeyboardInterrupt:
             cancel.set()
     return box["r"]
+
+
+def start_watched(thread: threading.Thread, *, up_s: float = 10.0) -> bool:
+    """``thread.start()`` for a thread the main thread then watches for Ctrl-C: True when a
+    Ctrl-C landed during the start and the thread runs all the same (the caller handles it
+    as one that lands in its watch loop: the thread stops between its steps).
+
+    start() waits for the new thread to come up, and on a loaded machine that wait is most
+    of it: a KeyboardInterrupt raised there left the caller before its watch loop, while the
+    thread went on to change every host. One that lands before the thread is made (a few
+    bytecodes) leaves nothing running: it is raised, once the thread has not come up within
+    ``up_s``."""
+    try:
+        thread.start()
+    except KeyboardInterrupt:
+        deadline = time.monotonic() + up_s
+        while thread.ident is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if thread.ident is None:
+            raise
+        return True
+    return False
 
 
 def failed_hosts(results: Mapping[str, object]) -> list[str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from ddtree_ops.errors import ConnectError, DdtreeOpsError, Interrupted
-from ddtree_ops.fleet import FleetResult, failed_hosts, run_on_hosts
+from ddtree_ops.fleet import FleetResult, failed_hosts, run_interruptible, run_on_hosts, start_watched
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.transport.local import LocalTransport
 
@@ -101,6 +101,48 @@ def test_ctrl_c_before_the_last_submission_ends_the_commands_already_running() -
     assert running.is_set()
     # The first host's command was ended, not waited for; the others were never submitted.
     assert outcomes == {"h0": "ended"}
+
+
+def _ctrl_c_in_start(monkeypatch: pytest.MonkeyPatch, *, comes_up: bool) -> None:
+    """The main thread's next Thread.start() raises KeyboardInterrupt as a Ctrl-C does that
+    lands in start()'s wait for the new thread (``comes_up``: after the thread is made), or
+    before it is made (not ``comes_up``). A signal cannot be aimed at that wait from a test;
+    the exception start() would raise there can."""
+    real_start = threading.Thread.start
+    main, fired = threading.current_thread(), []
+
+    def start(self: threading.Thread) -> None:
+        if threading.current_thread() is main and not fired:
+            fired.append(self)
+            if comes_up:
+                real_start(self)
+            raise KeyboardInterrupt
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_ctrl_c_while_the_fan_out_thread_starts_stops_every_host_between_its_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run_interruptible: the Ctrl-C is taken as one in its watch loop (cancel set, every
+    host reports how it was left), not raised past it while its thread changes every host."""
+    cancel = threading.Event()
+    _ctrl_c_in_start(monkeypatch, comes_up=True)
+    results = run_interruptible(HOSTS[:3], lambda h: "stopped" if cancel.wait(60) else "ran on", max_parallel=3,
+                                cancel=cancel)
+    assert cancel.is_set() and dict(results) == {"h0": "stopped", "h1": "stopped", "h2": "stopped"}
+
+
+def test_a_ctrl_c_before_the_thread_is_made_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = threading.Event()
+    _ctrl_c_in_start(monkeypatch, comes_up=False)
+    with pytest.raises(KeyboardInterrupt):
+        start_watched(threading.Thread(target=ran.set), up_s=0.2)
+    assert not ran.is_set()
+    assert start_watched(thread := threading.Thread(target=ran.set)) is False  # no Ctrl-C: False
+    thread.join()
+    assert ran.is_set()
 
 
 def test_empty_and_invalid() -> None:
