@@ -40,6 +40,7 @@ from ddtree_ops.cli.common import (
 )
 from ddtree_ops.cli.main import AppContext, app, err_console
 from ddtree_ops.errors import BenchError, ConfigError, DdtreeOpsError, FleetError, Interrupted, recorded_error
+from ddtree_ops.fleet import start_watched
 from ddtree_ops.inventory_types import Host
 from ddtree_ops.workload.draw import WorkloadPrompts, build_workload
 from ddtree_ops.workload.prompt import chat_messages
@@ -688,10 +689,13 @@ def bench(
         # The sweep runs in a worker thread so that Ctrl-C reaches this loop, which asks the
         # runner to wind down. An Event, not Thread.join: a join interrupted by
         # KeyboardInterrupt can report the thread finished while it still runs.
-        threading.Thread(target=work, name="bench-runner", daemon=True).start()
         interrupts = 0
+        landed = start_watched(threading.Thread(target=work, name="bench-runner", daemon=True))
         while not finished.is_set():
             try:
+                if landed:  # the Ctrl-C came while the thread started: handled as one here
+                    landed = False
+                    raise KeyboardInterrupt
                 finished.wait(0.2)
             except KeyboardInterrupt:
                 interrupts += 1

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -180,6 +181,31 @@ def _ctrl_c_puts_back(tmp_path: Path) -> None:
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) == 0
     assert not (tmp_path / "run" / "sweep.lease").exists()  # the host is given back
+
+
+def test_a_ctrl_c_while_the_sweeps_thread_starts_winds_the_sweep_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """A Ctrl-C that lands while bench's runner thread starts (start() waits for it to come
+    up; on a loaded machine that wait is long enough to be hit) is taken as one in bench's
+    watch loop: the sweep winds down, exit 130, no server of the sweep left running, instead
+    of the interruption leaving bench while its thread goes on sweeping."""
+    port = free_port()
+    inv, sweep = write_inventory(tmp_path, port), write_sweep(tmp_path)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name == "bench-runner":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    done = request.getfixturevalue("cli")("-i", str(inv), "bench", "--sweep", str(sweep), "--out",
+                                          str(tmp_path / "l.jsonl"))
+    assert done.exit_code == 130, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Ctrl-C again to abort" in done.stdout + done.stderr and "Traceback" not in done.stderr
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing serves: no sweep server left behind
 
 
 def test_resume_onto_another_sweeps_ledger_is_refused_before_launch(tmp_path: Path) -> None:
