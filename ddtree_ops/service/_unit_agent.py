@@ -372,11 +372,21 @@ def _end_sweep_launch(p):
         pass
 
 
-def _journal(invocation, after=None, limit=None):
-    """(lines, cursor) of the unit's output in one invocation, after ``after`` (a cursor)."""
+def _journal(invocation, after=None, limit=None, unit=None, pid=None):
+    """(lines, cursor) of the unit's output in one invocation, after ``after`` (a cursor).
+
+    With ``unit`` and ``pid`` (the invocation's main process) also the lines of that
+    process under the unit, whatever invocation they carry: journald tags a stream's line
+    with the invocation it reads from /run/systemd/units/invocation:UNIT when it processes
+    the line (systemd 252, journald-context.c, once the process is gone and its cgroup
+    cannot be read), and on a loaded machine it processed a process's last lines after the
+    unit had stopped (no invocation at all) or restarted (the next one's): the reason a
+    server exited was missing from our error however long we waited."""
     if not invocation:
         return [], after
     argv = ["journalctl", "--no-pager", "-q", "-o", "cat", "--show-cursor", "_SYSTEMD_INVOCATION_ID=" + invocation]
+    if unit and pid:
+        argv += ["+", "_SYSTEMD_UNIT=" + unit, "_PID=%d" % int(pid)]
     if after:
         argv.append("--after-cursor=" + after)
     if limit is not None:
@@ -389,7 +399,7 @@ def _journal(invocation, after=None, limit=None):
     return lines, cursor
 
 
-def _journal_of_the_dead(invocation, limit=None, settle_s=5.0):
+def _journal_of_the_dead(invocation, limit=None, settle_s=5.0, unit=None, pid=None):
     """``_journal`` of an invocation whose process has already exited: one that exits at
     once (a flag SGLang refuses, an ExecStart systemd cannot run) can be gone before
     journald has read its last lines from the stream, and an error would say "log empty"
@@ -398,11 +408,11 @@ def _journal_of_the_dead(invocation, limit=None, settle_s=5.0):
     at a load average near 5: SGLang's argparse error missing after 1 s of reads), and
     the wait is paid only where the answer stays empty. systemd 252 has no way to ask
     journald to drain a stream first (``journalctl --sync`` only writes what it has read)."""
-    lines, cursor = _journal(invocation, limit=limit)
+    lines, cursor = _journal(invocation, limit=limit, unit=unit, pid=pid)
     deadline = time.time() + settle_s
     while not lines and invocation and time.time() < deadline:
         time.sleep(0.1)
-        lines, cursor = _journal(invocation, limit=limit)
+        lines, cursor = _journal(invocation, limit=limit, unit=unit, pid=pid)
     return lines, cursor
 
 
@@ -533,9 +543,9 @@ def action_unit_poll(p):
     alive = str(pid) == props.get("MainPID") and _alive(pid, pstart)
     out = {"now": time.time(), "alive": alive}
     if alive or p.get("offset"):
-        lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None)
+        lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None, unit=p["unit"], pid=pid)
     else:
-        lines, cursor = _journal_of_the_dead(p.get("invocation") or "")
+        lines, cursor = _journal_of_the_dead(p.get("invocation") or "", unit=p["unit"], pid=pid)
     out["log"] = "".join(line + "\n" for line in lines)
     out["offset"] = cursor or p.get("offset") or ""
     out["unit"] = {k: props.get(k) for k in ("ActiveState", "SubState", "Result", "MainPID", "NRestarts",
