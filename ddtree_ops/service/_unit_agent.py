@@ -543,7 +543,9 @@ def action_unit_poll(p):
     alive = str(pid) == props.get("MainPID") and _alive(pid, pstart)
     out = {"now": time.time(), "alive": alive}
     if alive or p.get("offset"):
-        lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None, unit=p["unit"], pid=pid)
+        # Alive, journald can read the process's cgroup: its lines carry their invocation.
+        lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None,
+                                 **({} if alive else {"unit": p["unit"], "pid": pid}))
     else:
         lines, cursor = _journal_of_the_dead(p.get("invocation") or "", unit=p["unit"], pid=pid)
     out["log"] = "".join(line + "\n" for line in lines)
