@@ -33,6 +33,7 @@ prefix ``/opt/sglang/venv``, a copy of the fleet's prefix template with the real
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import shlex
 import shutil
@@ -457,6 +458,25 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
+_SHELL_RC_FILES = (".bashrc", ".profile", ".bash_profile", ".bash_login")
+
+
+def _own_shell_rc_files(up: Path) -> None:
+    """The host's root gets shell rc files of its own, empty, over whatever this machine's
+    root has: sshd runs every command through root's bash, which reads ~/.bashrc when run by
+    sshd. A machine's rc file is not the test host's (a `pyenv init` there forked ~40
+    processes, ~0.1 s of CPU, for every command of every test on a systemd host, and put
+    its shims first on the host's PATH)."""
+    home = Path(pwd.getpwuid(0).pw_dir)
+    mine = up / home.relative_to("/")
+    for name in _SHELL_RC_FILES:
+        if (home / name).exists():
+            if not mine.exists():
+                mine.mkdir(parents=True)
+                mine.chmod(home.stat().st_mode & 0o7777)
+            _write(mine / name, "# the test host's own (empty): not this machine's\n")
+
+
 def _prepare_disk(host: SystemdHost, template: Path, authorized: Path, sim_env: Mapping[str, str]) -> None:
     """What the host's disk holds before its first boot: its identity, the masks, our
     sshd as an enabled unit, the Python prefix with SGLang, an nvidia-smi stand-in and
@@ -469,6 +489,7 @@ def _prepare_disk(host: SystemdHost, template: Path, authorized: Path, sim_env: 
         (up / inside.lstrip("/")).mkdir(parents=True, exist_ok=True)
         (up / inside.lstrip("/")).chmod(0o755 if os.stat(inside).st_mode & 0o005 else 0o711)
     _write(up / "etc/machine-id", secrets.token_hex(16) + "\n", 0o444)
+    _own_shell_rc_files(up)
     system = up / "etc/systemd/system"
     system.mkdir(parents=True, exist_ok=True)
     for unit in MASKED_UNITS:
