@@ -14,7 +14,7 @@ prompt, :mod:`ddtree_ops.bench.client`), so the request payloads have one source
 is one message per object (``reply``: a marked line), flushed as soon as it exists, so the
 controller can write progress while the load runs::
 
-    {"kind": "flush", "ok": true, "detail": "HTTP 200"}
+    {"kind": "flush", "ok": true, "detail": "HTTP 200"}   (not ok: nothing after it runs)
     {"kind": "set_state", "status": 200 | 400 | null, "body": "<the answer's body, text>"}
     {"kind": "server_info", "info": {...} | null}
     {"kind": "rendered", "ids": [[int, ...], ...]} | {"kind": "rendered", "error": "..."}
@@ -38,6 +38,8 @@ import threading
 import time
 
 SUMMARY = "summary"
+# Of a flush's timeout, what is left for the server's answer after its own wait for idle.
+FLUSH_ANSWER_S = 5.0
 # A result's answer text, kept in the engine for a multi-turn question's next turn and
 # taken out before the result is reported (nobody else needs it).
 ANSWER = "_answer"
@@ -684,11 +686,19 @@ def _simple(address, port, method, path, timeout, body=None, tls=None):
 
 
 def flush_cache(address, port, timeout):
+    """``POST /flush_cache?timeout=S``: SGLang 0.5.23 flushes at once when idle, else waits up
+    to S seconds for its running and waiting requests to end (``SchedulerFlushWrapper``)
+    and answers 400 if they do not. The answer's first line says which refusal it was."""
+    wait = max(0.0, timeout - FLUSH_ANSWER_S)
     try:
-        status, _ = _simple(address, port, "POST", "/flush_cache", timeout)
+        status, body = _simple(address, port, "POST", f"/flush_cache?timeout={wait:g}", timeout)
     except (OSError, ValueError) as exc:
         return {"kind": "flush", "ok": False, "detail": _error_text(exc, "connect")}
-    return {"kind": "flush", "ok": status == 200, "detail": f"HTTP {status}"}
+    detail = f"HTTP {status}"
+    said = body.decode("utf-8", "replace").strip().splitlines()
+    if status != 200 and said:
+        detail += ": " + said[0][:200]
+    return {"kind": "flush", "ok": status == 200, "detail": detail}
 
 
 def set_state(address, port, body, timeout):
@@ -751,7 +761,12 @@ def main(p, send):
     writer = _Writer(send)
     address, port = p["address"], int(p["port"])
     if p.get("flush"):
-        writer.emit(flush_cache(address, port, float(p.get("flush_timeout_s", 30.0))))
+        flushed = flush_cache(address, port, float(p.get("flush_timeout_s", 30.0)))
+        writer.emit(flushed)
+        if not flushed["ok"]:
+            # A load after a refused flush would measure a warm cache, or beside requests
+            # that are not its own: none is sent (the controller says why).
+            return
     # Before server_info, so that one run switches the tree and reads back whether it took.
     if p.get("set_state"):
         writer.emit(set_state(address, port, p["set_state"], float(p.get("set_state_timeout_s", 30.0))))

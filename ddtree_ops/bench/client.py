@@ -243,16 +243,21 @@ def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult]
 
 
 def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
-    """``POST /flush_cache`` so one cell's prefix cache does not speed up the next.
-    Returns (ok, detail) and never raises: a failed flush is worth a note, not a crash."""
+    """``POST /flush_cache?timeout=S`` so one cell's prefix cache does not speed up the next:
+    the server waits up to S seconds for requests still running to end, as the host client
+    asks it (:func:`._hostclient.flush_cache`). Returns (ok, detail) and never raises: a
+    refused flush is for the caller to judge."""
     import httpx
 
+    wait = max(0.0, timeout_s - hc.FLUSH_ANSWER_S)
     try:
         with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
-            r = c.post("/flush_cache")
-        return (r.status_code == 200, f"HTTP {r.status_code}")
+            r = c.post("/flush_cache", params={"timeout": f"{wait:g}"})
     except httpx.HTTPError as exc:
         return (False, _error_text(exc))
+    said = r.text.strip().splitlines()
+    return (r.status_code == 200,
+            f"HTTP {r.status_code}" + (f": {said[0][:200]}" if r.status_code != 200 and said else ""))
 
 
 def set_internal_state(base_url: str, body: Mapping[str, Any], *, timeout_s: float = 30.0) -> tuple[int | None, str]:

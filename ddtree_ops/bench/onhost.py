@@ -93,8 +93,11 @@ class LoadClient(Protocol):
                  on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         """``spec``'s load; with ``flush``, ``POST /flush_cache`` first, so that one cell's
         prefix cache does not speed up the next: on the host, in the same program run (one
-        round trip a measured cell, not two). As :meth:`flush_cache` alone, its outcome is
-        not judged: SGLang refuses it only while requests are in flight, and none are here."""
+        round trip a measured cell, not two). SGLang refuses a flush while requests run (a
+        request of the last cell the client gave up on, or someone else's) and is asked to
+        wait up to :data:`_FLUSH_S` for them; a flush still refused sends no request, and
+        every request of the result fails saying why (a warm cache, or a load beside
+        requests not its own, is not a measurement)."""
         ...
 
 
@@ -113,7 +116,7 @@ class LocalClient:
     mode: ClientMode = "local"
 
     def flush_cache(self) -> tuple[bool, str]:
-        return local_client.flush_cache(self.url)
+        return local_client.flush_cache(self.url, timeout_s=_FLUSH_S)
 
     def server_info(self) -> dict[str, Any] | None:
         return local_client.server_info(self.url)
@@ -132,7 +135,9 @@ class LocalClient:
     def run_load(self, spec: LoadSpec, *, flush: bool = False,
                  on_done: Callable[[RequestResult], None] | None = None) -> LoadResult:
         if flush:
-            local_client.flush_cache(self.url)
+            ok, detail = local_client.flush_cache(self.url, timeout_s=_FLUSH_S)
+            if not ok:
+                return LoadReport(on_done=on_done).result(spec, _not_flushed(detail))
         return local_client.run_load(self.url, spec, on_done=on_done)
 
 
@@ -213,7 +218,14 @@ class HostClient:
             payload.update(flush=True, flush_timeout_s=_FLUSH_S)
         timeout = _load_timeout(spec, spec.warmup) + (_FLUSH_S if flush else 0.0)
         problem = self._run(payload, stream, timeout=timeout)
+        flushed = stream.answers.get("flush")
+        if flush and flushed is not None and not flushed.get("ok"):
+            problem = _not_flushed(str(flushed.get("detail", "")))
         return stream.result(spec, problem or "host client ended without reporting this request")
+
+
+def _not_flushed(detail: str) -> str:
+    return f"not measured: the prefix cache was not flushed before the load ({detail})"
 
 
 def _load_timeout(spec: LoadSpec, warmup: int) -> float:

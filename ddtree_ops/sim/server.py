@@ -411,8 +411,36 @@ async def request_times(request: Request) -> Response:
     return _json({"clock": "monotonic", "now": time.monotonic(), "requests": out})
 
 
+_FLUSH_POLL_S = 0.02
+
+
 async def flush_cache(request: Request) -> Response:
-    if _engine(request).flush_cache():
+    """SGLang 0.5.23's ``/flush_cache?timeout=S`` (``http_server.flush_cache`` and the
+    scheduler's ``SchedulerFlushWrapper``): flushed at once when idle; with S > 0 the
+    flush waits up to S seconds of real time for the running and waiting requests to end;
+    one flush waits at a time."""
+    engine = _engine(request)
+    try:
+        timeout = float(request.query_params.get("timeout", "0"))
+    except ValueError:
+        timeout = -1.0
+    if not timeout >= 0:  # FastAPI's answer to a query parameter outside ``ge=0.0`` (NaN too)
+        return _json({"detail": [{"type": "greater_than_equal", "loc": ["query", "timeout"]}]}, 422)
+    if getattr(request.app.state, "flush_pending", False):
+        return Response(content="Another flush_cache is already in progress.", status_code=400)
+    flushed = engine.flush_cache()
+    if not flushed and timeout > 0:
+        request.app.state.flush_pending = True
+        try:
+            deadline = time.monotonic() + timeout
+            while not flushed and time.monotonic() < deadline:
+                await asyncio.sleep(_FLUSH_POLL_S)
+                flushed = engine.flush_cache()
+        finally:
+            request.app.state.flush_pending = False
+        if not flushed:
+            return Response(content="Timed out waiting for idle state.", status_code=400)
+    if flushed:
         return Response(
             content="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n",

@@ -36,6 +36,11 @@ class FakeState:
     requests_at_flush: list[int] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
     chat_template: bool = True
+    # The ``timeout`` query parameter of each flush (SGLang's wait for idle, in seconds).
+    flush_timeouts: list[str | None] = field(default_factory=list)
+    # Set: every flush is refused with this answer (HTTP 400), as SGLang refuses one while
+    # requests it could not wait out are running.
+    flush_refusal: str | None = None
 
 
 def make_app(state: FakeState) -> Starlette:
@@ -108,6 +113,9 @@ def make_app(state: FakeState) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def flush(request: Request) -> Response:
+        state.flush_timeouts.append(request.query_params.get("timeout"))
+        if state.flush_refusal is not None:
+            return Response(state.flush_refusal, status_code=400)
         state.flushes += 1
         state.requests_at_flush.append(state.requests)
         return Response("ok")

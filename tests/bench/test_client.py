@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ddtree_ops.bench import onhost
+from ddtree_ops.bench._hostclient import FLUSH_ANSWER_S
 from ddtree_ops.bench.client import LoadResult, LoadSpec, UnrenderedChat, request_for
 from ddtree_ops.bench.metrics import calculate_metrics
 from ddtree_ops.bench.onhost import HostClient, LoadClient, LocalClient
@@ -251,6 +253,30 @@ def test_a_flushed_load_flushes_first_and_on_the_host_in_the_same_run(mode: str)
         assert counter.commands == (1 if mode == "host" else 0), counter.log
         client.run_load(LoadSpec(prompts=prompts(1), max_new_tokens=4))
         assert state.flushes == 1 and state.requests == 5
+
+
+def test_a_refused_flush_sends_no_request_and_fails_every_one_saying_why(mode: str) -> None:
+    """The flush asks the server to wait for requests still running (SGLang's
+    ``/flush_cache?timeout=``: _FLUSH_S less the answer's slack); a flush refused all the
+    same (requests it could not wait out) is no measurement: the load is not sent, and
+    every request of the result fails naming the refusal, in either mode."""
+    state = FakeState(flush_refusal="Timed out waiting for idle state.")
+    with serve(state) as url:
+        client = client_at(mode, url)
+        seen: list[bool] = []
+        load = client.run_load(LoadSpec(prompts=prompts(3), max_new_tokens=4, warmup=1), flush=True,
+                               on_done=lambda r: seen.append(r.ok))
+        assert state.requests == 0 and seen == [False] * 3, state.requests
+        assert [r.ok for r in load.results] == [False] * 3
+        assert {r.error for r in load.results} == {
+            "not measured: the prefix cache was not flushed before the load "
+            "(HTTP 400: Timed out waiting for idle state.)"}
+        assert client.flush_cache() == (False, "HTTP 400: Timed out waiting for idle state.")
+        waits = {float(t) for t in state.flush_timeouts if t is not None}
+        assert len(state.flush_timeouts) == 2 and waits == {onhost._FLUSH_S - FLUSH_ANSWER_S}, state.flush_timeouts
+        state.flush_refusal = None
+        again = client.run_load(LoadSpec(prompts=prompts(3), max_new_tokens=4), flush=True)
+        assert all(r.ok for r in again.results) and state.requests == 3
 
 
 def _python38() -> str | None:

@@ -63,3 +63,35 @@ def test_server_info_says_dflash_on_cpu(dflash_server):
     assert info["device"] == "cpu"
     assert info["speculative_num_draft_tokens"] == 8  # the draft's block_size
     assert info["speculative_draft_attention_backend"] == "torch_native"
+
+
+def test_the_flush_bench_sends_waits_for_a_running_request_on_the_real_server(baseline_server):
+    """bench flushes the prefix cache before every measured load with ``/flush_cache?timeout=S``
+    (``ddtree_ops.bench.client.flush_cache``; the host client sends the same): the real
+    0.5.23 server refuses it once S runs out while a request runs, with the answer the
+    simulator mimics, and flushes as soon as the request has ended when S is long enough."""
+    import threading
+    import time
+
+    from ddtree_ops.bench._hostclient import FLUSH_ANSWER_S
+    from ddtree_ops.bench.client import flush_cache
+
+    done: list[float] = []
+
+    def long_request() -> None:
+        baseline_server.generate([PROMPTS[0]], max_new_tokens=1500)
+        done.append(time.monotonic())
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+        refused = None
+        while refused is None and not done:  # until the server has the request (a flush of nothing is harmless)
+            ok, detail = flush_cache(baseline_server.url, timeout_s=FLUSH_ANSWER_S + 0.2)
+            refused = None if ok else detail
+        assert refused == "HTTP 400: Timed out waiting for idle state.", (refused, done)
+        assert flush_cache(baseline_server.url, timeout_s=300.0) == (True, "HTTP 200")
+        answered = time.monotonic()
+    finally:
+        worker.join(300)
+    assert done and done[0] - answered < 1.0  # the flush was answered when the request ended, not before it

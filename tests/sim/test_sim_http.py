@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -199,6 +201,50 @@ def test_flush_cache_when_idle(ddtree_server) -> None:
     r = httpx.post(ddtree_server.url + "/flush_cache", timeout=10)
     assert r.status_code == 200
     assert r.text.startswith("Cache flushed.")
+
+
+def _running(url: str) -> int:
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    return sum(int(s["num_running_reqs"]) + int(s["num_waiting_reqs"]) for s in info["internal_states"])
+
+
+def test_flush_cache_waits_for_running_requests_up_to_its_timeout_as_sglang_does(sim_factory) -> None:
+    """SGLang 0.5.23's ``/flush_cache?timeout=S`` (``SchedulerFlushWrapper``): refused at
+    once while a request runs (no timeout), refused after S seconds if it still runs, and
+    done as soon as it has ended when S is long enough: the answer comes after the request's."""
+    sim = sim_factory(env={"SIM_TIME_SCALE": "0.1"})  # a 2000-token request: seconds
+    sim.wait_ready()
+    ended: list[float] = []
+
+    def long_request() -> None:
+        body = {"text": "a long one", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        httpx.post(sim.url + "/generate", json=body, timeout=120).raise_for_status()
+        ended.append(time.monotonic())
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while _running(sim.url) == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+        now = httpx.post(sim.url + "/flush_cache", timeout=10)
+        assert (now.status_code, now.text) == (400, "Flush cache failed.\n")
+        late = httpx.post(sim.url + "/flush_cache", params={"timeout": "0.2"}, timeout=10)
+        assert (late.status_code, late.text) == (400, "Timed out waiting for idle state.")
+        assert not ended, "the request ended before the flushes it was to refuse: make it longer"
+        waited = httpx.post(sim.url + "/flush_cache", params={"timeout": "60"}, timeout=70)
+        answered = time.monotonic()
+    finally:
+        worker.join(120)
+    assert waited.status_code == 200 and waited.text.startswith("Cache flushed."), waited.text
+    # The request's last step, on the server's clock (CLOCK_MONOTONIC, this machine's):
+    # before the flush's answer. (Its client may read its last bytes just after.)
+    done = max(httpx.get(sim.url + "/sim/request_times", timeout=10).json()["requests"],
+               key=lambda r: len(r["emits"]))  # not the server's own warmup request
+    assert ended and done["emits"][-1][0] <= answered, (done["emits"][-1], answered)
+    bad = httpx.post(sim.url + "/flush_cache", params={"timeout": "-1"}, timeout=10)
+    assert bad.status_code == 422
 
 
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}])
