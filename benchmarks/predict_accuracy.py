@@ -272,7 +272,8 @@ def sim_part(tmp: Path, say: Any, *, quick: bool = False) -> dict[str, Any]:
         grid = {"algorithm": ["ddtree"], "budget": [2, 4, 8], "topk": [1, 2], "temperature": [0.0, 1.0],
                 "concurrency": [2]}
         spec = _spec(tmp, grid, num_prompts=4, tokens=48, target="sim",
-                     predict={"top": 2, "probe_tokens": 16, "probe_waves": 2, "trace_concurrency": 4})
+                     predict={"top": 2, "probe_tokens": 16, "probe_waves": 2, "trace_concurrency": 4,
+                              "max_repeats": 2})
         return run_part("sim", host, spec, tmp, say)
     grid = {"algorithm": ["ddtree"], "budget": [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], "topk": [1, 2, 4, 8],
             "temperature": [0.0, 1.0], "concurrency": [1, 4]}

@@ -112,9 +112,9 @@ def make_spec(tmp: Path, *, quick: bool, repeats: int) -> SweepSpec:
            "workload": {"prompt_files": [str(write_prompts(tmp / "prompts.jsonl", num_prompts))],
                         "num_prompts": num_prompts, "max_new_tokens": tokens, "ignore_eos": True, "seed": 0},
            "repeats": repeats, "warmup": 0, "request_timeout_s": 900,
-           # Quick: two candidates a group still run the measured phase's interleaved repeats
-           # and its verdict, a third of its measurements fewer (its figures mean nothing there).
-           "predict": {"top": 2 if quick else 3}}
+           # Quick: two candidates a group, at most two passes, still run the measured phase's
+           # interleaved repeats and its verdict (its figures mean nothing there).
+           "predict": {"top": 2, "max_repeats": 2} if quick else {"top": 3}}
     (tmp / "sweep.yaml").write_text(yaml.safe_dump(doc))
     return parse_sweep(doc, tmp / "sweep.yaml")
 

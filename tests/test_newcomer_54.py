@@ -420,6 +420,7 @@ def test_every_table_keeps_its_words_whole_at_80_columns(
     (None, ("--predict-top", "5"), 5),  # N alone implies --predict
     ({"top": 2}, ("--predict",), 2),  # the sweep's N stays
     ({"top": 2, "probe_waves": 16}, ("--predict", "--predict-top", "7"), 7),  # the flag's wins
+    ({"top": 2, "max_repeats": 3}, ("--predict",), 2),  # the measured phase's cap of passes
     ({"top": 2}, (), 2),
     (None, (), None),  # no prediction
 ])
@@ -438,6 +439,8 @@ def test_predict_top_sets_how_many_predicted_cells_are_measured(
     assert (predict and predict["top"]) == top
     if top is not None:  # six trees per (temperature, concurrency), four such groups
         assert predict["measured_ddtree_cells_per_host"] == min(top, 6) * 4
+        # Measured until decided: at least the sweep's repeats (2 at least), at most the cap.
+        assert predict["measured_repeats"] == [2, (sweep_predict or {}).get("max_repeats", 6)]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "three", "٣", "1.5", "100001"])

@@ -443,7 +443,7 @@ class PredictPhase:
         always measured first). Never raises for a measurement: a failure ends the passes and
         :attr:`_Decided.error` says why (the groups are judged on what was measured)."""
         sweep_repeats = self.prepared.plan.repeats
-        floor, cap = repeats_floor(sweep_repeats), repeats_cap(sweep_repeats)
+        floor, cap = repeats_floor(sweep_repeats), repeats_cap(sweep_repeats, pplan.spec.max_repeats)
         groups: dict[tuple[float, float, int, int], list[Cell]] = {}
         for cell in chosen:
             s = cell.sampling

@@ -44,6 +44,8 @@ import yaml
 from ddtree_ops.errors import ConfigError, DdtreeOpsError, SweepError
 from ddtree_ops.fsutil import read_named_text
 from ddtree_ops.limits import MAX_CONCURRENCY, MAX_DDTREE_BUDGET, MAX_DDTREE_TOPK
+from ddtree_ops.predict.decide import MAX_REPEATS as MAX_DECIDE_REPEATS
+from ddtree_ops.predict.decide import MIN_REPEATS as MIN_DECIDE_REPEATS
 from ddtree_ops.service.launch import parse_algorithm
 from ddtree_ops.workload.datasets import DATASETS
 from ddtree_ops.workload.draw import DatasetRef, Workload, build_workload
@@ -79,7 +81,7 @@ RELAUNCH_MODES = ("never", "always")
 _TOP_KEYS = {"name", "description", "targets", "baselines", "grid", "exclude", "include",
              "workload", "repeats", "warmup", "request_rate", "api", "request_timeout_s", "client",
              "relaunch", "dflash_block", "predict"}
-_PREDICT_KEYS = ("top", "probe_tokens", "probe_waves", "trace_concurrency")
+_PREDICT_KEYS = ("top", "probe_tokens", "probe_waves", "trace_concurrency", "max_repeats")
 _WORKLOAD_KEYS = {"prompt_files", "prompt_set", "dataset", "path", "datasets", "num_prompts", "max_new_tokens",
                   "ignore_eos", "seed"}
 _DATASET_KEYS = ("name", "path")  # of one entry of workload.datasets
@@ -113,12 +115,15 @@ class PredictSpec:
     requests and how many waves of ``concurrency`` requests it sends. ``trace_concurrency``:
     the requests a trace run keeps in flight (None: the grid's largest concurrency); what a
     tree accepts does not depend on it, and a traced request runs one round per token, so a
-    larger batch makes the trace runs cheaper where the union's verify fits it."""
+    larger batch makes the trace runs cheaper where the union's verify fits it.
+    ``max_repeats``: the passes over a group's candidates after which a group not yet decided
+    stays undecided (:mod:`ddtree_ops.predict.decide`; never fewer than the sweep's repeats)."""
 
     top: int = 3
     probe_tokens: int = 32
     probe_waves: int = 4
     trace_concurrency: int | None = None
+    max_repeats: int = MAX_DECIDE_REPEATS
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ def _parse_predict(path: Path, raw: Any) -> PredictSpec | None:
         probe_waves=_int(path, "predict.probe_waves", raw.get("probe_waves", 4), minimum=1, maximum=MAX_REPEATS),
         trace_concurrency=None if raw.get("trace_concurrency") is None else _int(
             path, "predict.trace_concurrency", raw["trace_concurrency"], minimum=1, maximum=MAX_CONCURRENCY),
+        max_repeats=_int(path, "predict.max_repeats", raw.get("max_repeats", MAX_DECIDE_REPEATS),
+                         minimum=MIN_DECIDE_REPEATS, maximum=MAX_REPEATS),
     )
 
 

@@ -254,7 +254,8 @@ def _predict_json(prepared: PreparedSweep) -> dict[str, Any] | None:
         "predicted_cells_per_host": len(pplan.trees) * len(pplan.samplings) * len(pplan.concurrencies),
         "measured_ddtree_cells_per_host": pplan.measured_cells,
         # Each measured in interleaved repeats until its group is decided: at least, at most.
-        "measured_repeats": [repeats_floor(prepared.plan.repeats), repeats_cap(prepared.plan.repeats)],
+        "measured_repeats": [repeats_floor(prepared.plan.repeats),
+                             repeats_cap(prepared.plan.repeats, pplan.spec.max_repeats)],
         # The probes and trace runs alone (split over a host's GPU slots), per host.
         "predict_phase_estimated_s": {
             hp.host.name: predict_phase_estimate(pplan, load_s=hp.launch_s, num_prompts=wl.num_prompts,

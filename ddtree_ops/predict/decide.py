@@ -49,9 +49,10 @@ def repeats_floor(sweep_repeats: int) -> int:
     return max(MIN_REPEATS, sweep_repeats)
 
 
-def repeats_cap(sweep_repeats: int) -> int:
-    """Most passes over a group: :data:`MAX_REPEATS`, at least the floor."""
-    return max(MAX_REPEATS, repeats_floor(sweep_repeats))
+def repeats_cap(sweep_repeats: int, most: int = MAX_REPEATS) -> int:
+    """Most passes over a group: ``most`` (the sweep's ``predict.max_repeats``,
+    :data:`MAX_REPEATS` by default), at least the floor."""
+    return max(most, repeats_floor(sweep_repeats))
 
 
 @dataclass(frozen=True)

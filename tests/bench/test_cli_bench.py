@@ -91,6 +91,7 @@ def test_dry_run_plan_as_json(tmp_path: Path) -> None:
         ({"colour": "blue"}, "colour: unknown key"),
         ({"client": "laptop"}, "client: must be one of local, host, got 'laptop'"),
         ({"relaunch": "sometimes"}, "s.yaml: relaunch: must be one of never, always"),
+        ({"predict": {"max_repeats": 1}}, "s.yaml: predict.max_repeats: must be an integer from 2 to 1000"),
     ],
 )
 def test_bad_sweep_is_one_line_exit_2(tmp_path: Path, extra: dict, needle: str) -> None:

@@ -18,6 +18,7 @@ def test_one_measurement_each_is_never_a_decision() -> None:
     v = judge([c((16, 4), 100.0), c((8, 4), 80.0)], floor=2, cap=6)
     assert not v.decided and v.more and v.contenders == ((16, 4), (8, 4))
     assert repeats_floor(1) == 2 and repeats_floor(3) == 3 and repeats_cap(1) == 6 and repeats_cap(8) == 8
+    assert repeats_cap(1, 3) == 3 and repeats_cap(4, 3) == 4  # a sweep's max_repeats, never below its repeats
 
 
 def test_the_best_ahead_by_more_than_the_noise_is_decided_and_the_others_are_out() -> None:
