@@ -691,7 +691,7 @@ def flush_cache(address, port, timeout):
     and answers 400 if they do not. The answer's first line says which refusal it was."""
     wait = max(0.0, timeout - FLUSH_ANSWER_S)
     try:
-        status, body = _simple(address, port, "POST", f"/flush_cache?timeout={wait:g}", timeout)
+        status, body = _simple(address, port, "POST", f"/flush_cache?timeout={wait:.3f}", timeout)
     except (OSError, ValueError) as exc:
         return {"kind": "flush", "ok": False, "detail": _error_text(exc, "connect")}
     detail = f"HTTP {status}"

@@ -252,7 +252,7 @@ def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
     wait = max(0.0, timeout_s - hc.FLUSH_ANSWER_S)
     try:
         with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
-            r = c.post("/flush_cache", params={"timeout": f"{wait:g}"})
+            r = c.post("/flush_cache", params={"timeout": f"{wait:.3f}"})
     except httpx.HTTPError as exc:
         return (False, _error_text(exc))
     said = r.text.strip().splitlines()
