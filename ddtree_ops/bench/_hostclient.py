@@ -685,14 +685,14 @@ def _simple(address, port, method, path, timeout, body=None, tls=None):
         conn.close()
 
 
-def flush_cache(address, port, timeout):
+def flush_cache(address, port, timeout, tls=None):
     """``POST /flush_cache?timeout=S``: SGLang 0.5.23 flushes at once when idle, else waits up
     to S seconds for its running and waiting requests to end (``SchedulerFlushWrapper``)
     and answers 400 if they do not. The answer's first line says which refusal it was."""
     wait = max(0.0, timeout - FLUSH_ANSWER_S)
     try:
-        status, body = _simple(address, port, "POST", f"/flush_cache?timeout={wait:.3f}", timeout)
-    except (OSError, ValueError) as exc:
+        status, body = _simple(address, port, "POST", f"/flush_cache?timeout={wait:.3f}", timeout, tls=tls)
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # an answer, never a crash
         return {"kind": "flush", "ok": False, "detail": _error_text(exc, "connect")}
     detail = f"HTTP {status}"
     said = body.decode("utf-8", "replace").strip().splitlines()

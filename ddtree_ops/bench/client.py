@@ -228,15 +228,11 @@ def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult]
     event loop, raw HTTP/1.1 on asyncio streams), so both modes measure alike and cost
     alike. Streamed through httpx, this mode cost 1.7-4.5x SGLang's bench_serving in CPU per
     output token; on this engine it costs less (benchmarks/client_accuracy.py)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(base_url)
-    tls = _tls_context() if parts.scheme == "https" else None
-    port = parts.port or (443 if tls is not None else 80)
+    address, port, tls = _endpoint(base_url)
     report = LoadReport(on_done=on_done)
     problem = None
     try:
-        hc.run_load(load_payload(spec), parts.hostname or "127.0.0.1", port, hc._Writer(report.message), tls=tls)
+        hc.run_load(load_payload(spec), address, port, hc._Writer(report.message), tls=tls)
     except Exception as exc:  # noqa: BLE001 - a crashed client is a failed cell, never a crashed sweep
         problem = f"load client failed: {type(exc).__name__}: {exc}"
     return report.result(spec, problem)
@@ -244,20 +240,21 @@ def run_load(base_url: str, spec: LoadSpec, *, on_done: Callable[[RequestResult]
 
 def flush_cache(base_url: str, *, timeout_s: float = 30.0) -> tuple[bool, str]:
     """``POST /flush_cache?timeout=S`` so one cell's prefix cache does not speed up the next:
-    the server waits up to S seconds for requests still running to end, as the host client
-    asks it (:func:`._hostclient.flush_cache`). Returns (ok, detail) and never raises: a
-    refused flush is for the caller to judge."""
-    import httpx
+    the host client's request and reading of the answer (:func:`._hostclient.flush_cache`),
+    sent from this process. Returns (ok, detail) and never raises: a refused flush is for
+    the caller to judge."""
+    address, port, tls = _endpoint(base_url)
+    answer = hc.flush_cache(address, port, timeout_s, tls=tls)
+    return bool(answer["ok"]), str(answer["detail"])
 
-    wait = max(0.0, timeout_s - hc.FLUSH_ANSWER_S)
-    try:
-        with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False, verify=_tls_context()) as c:
-            r = c.post("/flush_cache", params={"timeout": f"{wait:.3f}"})
-    except httpx.HTTPError as exc:
-        return (False, _error_text(exc))
-    said = r.text.strip().splitlines()
-    return (r.status_code == 200,
-            f"HTTP {r.status_code}" + (f": {said[0][:200]}" if r.status_code != 200 and said else ""))
+
+def _endpoint(base_url: str) -> tuple[str, int, ssl.SSLContext | None]:
+    """(address, port, TLS context or None) of a server URL, for the host client's engine."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    tls = _tls_context() if parts.scheme == "https" else None
+    return parts.hostname or "127.0.0.1", parts.port or (443 if tls is not None else 80), tls
 
 
 def set_internal_state(base_url: str, body: Mapping[str, Any], *, timeout_s: float = 30.0) -> tuple[int | None, str]:

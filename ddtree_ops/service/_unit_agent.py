@@ -545,7 +545,7 @@ def action_unit_poll(p):
     if alive or p.get("offset"):
         # Alive, journald can read the process's cgroup: its lines carry their invocation.
         lines, cursor = _journal(p.get("invocation") or "", after=p.get("offset") or None,
-                                 **({} if alive else {"unit": p["unit"], "pid": pid}))
+                                 unit=None if alive else p["unit"], pid=None if alive else pid)
     else:
         lines, cursor = _journal_of_the_dead(p.get("invocation") or "", unit=p["unit"], pid=pid)
     out["log"] = "".join(line + "\n" for line in lines)
