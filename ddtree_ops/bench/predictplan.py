@@ -103,6 +103,12 @@ class PredictPlan:
     # The workload's prompts and tokens a request (0: not known, nothing capped by them).
     num_prompts: int = 0
     max_new_tokens: int = 0
+    # The sweep's warmup requests, sent on each place's server before its first probe, as
+    # before a cell: without them that probe, the first load on a freshly launched server,
+    # measured its rounds 8-16 % slower than the next budget's (the real CPU server, two
+    # runs), which made the smallest tree look as slow as the largest. Once a launch: the
+    # later probes, on the same warm server, showed no such step.
+    warmup: int = 0
 
     def probe_waves(self, concurrency: int) -> int:
         """Waves of a probe at ``concurrency``: ``probe_waves``, but never more requests than
@@ -203,7 +209,8 @@ def plan_predict(spec: SweepSpec, plan: SweepPlan, *, block: int | None = None) 
         launch = dataclasses.replace(launch, budgets=tuple(sorted({*launch.budgets, state})))
     groups = trace_groups(trees, block, max(launch.budgets))
     return PredictPlan(spec.predict or PredictSpec(), launch, trees, samplings, concurrencies, groups, block,
-                       num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens)
+                       num_prompts=spec.workload.num_prompts, max_new_tokens=spec.workload.max_new_tokens,
+                       warmup=spec.warmup)
 
 
 def work_seconds(pplan: PredictPlan, item: WorkItem, *, num_prompts: int, max_new_tokens: int,
@@ -295,10 +302,26 @@ def predict_phase_estimate(pplan: PredictPlan, *, load_s: float | Sequence[float
     shares = split_work(pplan, len(loads), num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                         s_per_step=s_per_step, trace_s_per_step=trace_s_per_step)
     return max(
-        load + sum(work_seconds(pplan, item, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                                s_per_step=s_per_step, trace_s_per_step=trace_s_per_step) for item in share)
+        load + warmup_seconds(pplan, share, s_per_step=s_per_step)
+        + sum(work_seconds(pplan, item, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                           s_per_step=s_per_step, trace_s_per_step=trace_s_per_step) for item in share)
         for load, share in zip(loads, shares, strict=True)
     )
+
+
+def first_probe(share: Sequence[WorkItem]) -> ProbeRun | None:
+    """The probe of a place's share that its warmup goes before (:attr:`PredictPlan.warmup`)."""
+    return next((item for item in share if isinstance(item, ProbeRun)), None)
+
+
+def warmup_seconds(pplan: PredictPlan, share: Sequence[WorkItem], *, s_per_step: float | StepTimes = STEP_S) -> float:
+    """The warmup before a share's first probe: one more wave of its tokens, as a cell's
+    warmup is charged (:func:`~.plan.cell_steps`); none without a probe or a warmup."""
+    probe = first_probe(share)
+    if probe is None or not pplan.warmup:
+        return 0.0
+    return pplan.probe_tokens * step_at(s_per_step, probe.concurrency,
+                                        ServerConfig("ddtree", probe.budget, pplan.probe_topk).key)
 
 
 def predict_estimate(pplan: PredictPlan, plan: SweepPlan, *, load_s: float | Sequence[float], num_prompts: int,
@@ -341,6 +364,7 @@ def probe_requests(concurrency: int, waves: int) -> int:
 
 
 __all__ = [
-    "PredictPlan", "ProbeRun", "TraceRun", "WorkItem", "plan_predict", "predict_estimate", "predict_phase_estimate",
-    "probe_requests", "sharded_work", "split_work", "trace_groups", "work_seconds",
+    "PredictPlan", "ProbeRun", "TraceRun", "WorkItem", "first_probe", "plan_predict", "predict_estimate",
+    "predict_phase_estimate", "probe_requests", "sharded_work", "split_work", "trace_groups", "warmup_seconds",
+    "work_seconds",
 ]

@@ -52,6 +52,7 @@ from ddtree_ops.bench.predictplan import (
     ProbeRun,
     TraceRun,
     WorkItem,
+    first_probe,
     plan_predict,
     probe_requests,
     split_work,
@@ -419,7 +420,8 @@ class PredictPhase:
                 live = judge_switch(place.client.switch_tree(b, pplan.probe_topk), b, pplan.probe_topk)
                 if isinstance(live, str):
                     raise BenchError(live)
-                rt, metrics = self._probe(place.client, place.prompts, pplan, item, live)
+                rt, metrics = self._probe(place.client, place.prompts, pplan, item, live,
+                                          warmup=self.probe_warmup(pplan, share, item))
                 times.append(rt)
                 lives[b] = live
                 cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), item.sampling, c, via=pplan.launch)
@@ -563,19 +565,31 @@ class PredictPhase:
         ids = dict(zip(conversations, rendered.ids, strict=True))
         return tuple(dataclasses.replace(p, input_ids=ids[p.messages]) if p.chat else p for p in prompts)
 
-    def _load(self, prompts: Sequence[Prompt], *, tokens: int, sampling: Sampling, concurrency: int) -> LoadSpec:
+    def _load(self, prompts: Sequence[Prompt], *, tokens: int, sampling: Sampling, concurrency: int,
+              warmup: int = 0) -> LoadSpec:
         return LoadSpec(prompts=tuple(prompts), max_new_tokens=tokens, sampling=sampling.as_params(),
                         ignore_eos=self.workload.ignore_eos if tokens == self.workload.max_new_tokens else True,
-                        concurrency=concurrency, warmup=0, seed=self.prepared.spec.workload.seed, api="generate",
+                        concurrency=concurrency, warmup=warmup, seed=self.prepared.spec.workload.seed, api="generate",
                         timeout_s=self.prepared.spec.request_timeout_s)
 
-    def _probe(self, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun,
-               live: LiveTree) -> tuple[RoundTime, object]:
-        c, b = probe.concurrency, probe.budget
-        n = probe_requests(c, pplan.probe_waves(c))
+    @staticmethod
+    def probe_warmup(pplan: PredictPlan, share: Sequence[WorkItem], probe: ProbeRun) -> int:
+        """Warmup requests before ``probe``: the sweep's before the share's first probe (the
+        first load on the place's fresh server), none before the others."""
+        return pplan.warmup if probe == first_probe(share) else 0
+
+    def probe_load(self, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun, *, warmup: int) -> LoadSpec:
+        """What a probe sends: ``warmup`` requests, then its waves of the place's prompts
+        (cycled) at the probe's concurrency, sampling and tokens."""
+        n = probe_requests(probe.concurrency, pplan.probe_waves(probe.concurrency))
         sent = (tuple(prompts) * math.ceil(n / len(prompts)))[:n]
-        load = client.run_load(self._load(sent, tokens=pplan.probe_tokens, sampling=probe.sampling,
-                                          concurrency=c), flush=True)
+        return self._load(sent, tokens=pplan.probe_tokens, sampling=probe.sampling, concurrency=probe.concurrency,
+                          warmup=warmup)
+
+    def _probe(self, client: LoadClient, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun,
+               live: LiveTree, *, warmup: int) -> tuple[RoundTime, object]:
+        c, b = probe.concurrency, probe.budget
+        load = client.run_load(self.probe_load(prompts, pplan, probe, warmup=warmup), flush=True)
         reqs = [ProbeRequest(r.e2e, r.ttft or 0.0, r.spec_verify_ct or 0) for r in load.results if r.ok]
         rt = measure_round_time(reqs, concurrency=c, budget=b, duration_s=load.duration_s, cuda_graph=live.graph,
                                 verify_path=probe.sampling.verify_path)

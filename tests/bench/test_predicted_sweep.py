@@ -21,12 +21,16 @@ from ddtree_ops.bench import ledger
 from ddtree_ops.bench.lifetime import SweepOptions
 from ddtree_ops.bench.plan import SWITCH_S, TRACE_STEP_FACTOR, Sampling, StepTimes
 from ddtree_ops.bench.predictplan import (
+    PredictPlan,
     ProbeRun,
     TraceRun,
+    first_probe,
     plan_predict,
     predict_estimate,
+    predict_phase_estimate,
     split_work,
     trace_groups,
+    warmup_seconds,
     work_seconds,
 )
 from ddtree_ops.bench.predictrun import HostPrediction, PredictPhase, chosen_cells, kept_servers, traces_dir
@@ -398,6 +402,47 @@ def test_the_predict_phase_splits_over_the_slots_and_its_estimate_is_the_longest
     # probe beside three of them, against 4.84 s a whole run.
     long = split_work(pplan, 4, num_prompts=16, max_new_tokens=24, s_per_step=step, trace_s_per_step=trace_step)
     assert long == ((probes[0], parts[0]), (probes[1], parts[1]), (probes[2], parts[2]), (parts[3],))
+
+
+def test_each_places_first_probe_sends_the_sweeps_warmup_first_and_the_dry_run_charges_it(tmp_path: Path) -> None:
+    """Without a warmup the first probe, the first load on a freshly launched server,
+    measured its rounds 8-16 % slower than the next budget's on the real CPU server."""
+    def plan_of(warmup: int) -> tuple[PredictPhase, PredictPlan]:
+        spec = sweep(tmp_path, grid={**GRID, "temperature": [0.6]}, baselines=[], warmup=warmup,
+                     predict={"top": 1, "probe_tokens": 8},
+                     workload={"prompt_files": ["p.jsonl"], "num_prompts": 4, "max_new_tokens": 24})
+        prepared = prepare_sweep(spec, [])
+        pplan = plan_predict(spec, prepared.plan)
+        assert pplan is not None
+        return PredictPhase(prepared, build_workload(spec.workload), ledger_path=tmp_path / "l.jsonl",
+                            run_id="t"), pplan
+
+    step = 0.01
+    probes = [ProbeRun(2, b, Sampling(0.6)) for b in (4, 8, 16)]
+    traces = [TraceRun(Sampling(0.6), 0)]
+    for warmup in (0, 2):
+        phase, pplan = plan_of(warmup)
+        # Two slots: the trace run on one, the three probes on the other, whose first probe
+        # alone is warmed; a share without a probe warms nothing.
+        shares = split_work(pplan, 2, num_prompts=4, max_new_tokens=24, s_per_step=step)
+        assert shares == ((*traces,), (*probes,))
+        assert [first_probe(share) for share in shares] == [None, probes[0]]
+        assert [phase.probe_warmup(pplan, shares[1], p) for p in probes] == [warmup, 0, 0]
+        load = phase.probe_load(phase.workload.prompts, pplan, probes[1], warmup=warmup)
+        # Two waves at concurrency 2 (no more requests than the workload's 4), the probe's
+        # tokens and sampling, the warmup requests before them (the client sends them first
+        # and reports only the rest: tests/bench/test_client.py).
+        assert (load.warmup, len(load.prompts), load.concurrency, load.max_new_tokens) == (warmup, 4, 2, 8)
+        assert load.sampling == Sampling(0.6).as_params()
+        # The dry run charges the warmup as one more wave of the probe's tokens, as a cell's.
+        assert warmup_seconds(pplan, shares[1], s_per_step=step) == pytest.approx(8 * step if warmup else 0.0)
+        assert warmup_seconds(pplan, shares[0], s_per_step=step) == 0.0
+        items = sum(work_seconds(pplan, i, num_prompts=4, max_new_tokens=24, s_per_step=step) for i in shares[0])
+        items1 = sum(work_seconds(pplan, i, num_prompts=4, max_new_tokens=24, s_per_step=step) for i in shares[1])
+        assert predict_phase_estimate(pplan, load_s=[1.0, 1.0], num_prompts=4, max_new_tokens=24,
+                                      s_per_step=step) == pytest.approx(
+            1.0 + max(items + warmup_seconds(pplan, shares[0], s_per_step=step),
+                      items1 + warmup_seconds(pplan, shares[1], s_per_step=step)))
 
 
 def test_dry_run_with_gpu_slots_compares_the_predicted_plans_wall_time_with_the_slot_schedule(tmp_path: Path) -> None:
