@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -249,8 +250,6 @@ def test_forced_rollback_over_an_edit_keeps_the_edited_copy(mini: MiniHost, plug
 
 
 def _metadata_version_on_host(python: str) -> str | None:
-    import subprocess
-
     got = subprocess.run([python, "-c", "import importlib.metadata as m\ntry: print(m.version('sglang'))\n"
                           "except m.PackageNotFoundError: print('')"], capture_output=True, text=True, check=True)
     return got.stdout.strip() or None
