@@ -22,6 +22,7 @@ Every step answers one message (``reply``, transport/hostprogram.py), so that no
 site-customize prints on stdout cannot be mistaken for the answer.
 """
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -115,8 +116,6 @@ class Package(object):
         self.dir = None
         self.locations = []
         self._site = None
-        self._version = None
-        self._version_read = False
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
@@ -126,13 +125,12 @@ class Package(object):
         self.locations = list(spec.submodule_search_locations)
         self.dir = os.path.realpath(self.locations[0])
 
-    @property
+    @functools.cached_property
     def version(self):
         """The installed distribution's version, read once, where a step needs it."""
-        if not self._version_read and self.dir is not None:
-            self._version = self._beside_version(self.dir) or self._metadata_version()
-        self._version_read = True
-        return self._version
+        if self.dir is None:
+            return None
+        return self._beside_version(self.dir) or self._metadata_version()
 
     def _beside_version(self, pkg_dir):
         """``Version:`` of the one ``<name>-*.dist-info`` in the directory holding the package
