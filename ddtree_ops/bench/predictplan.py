@@ -314,11 +314,17 @@ def first_probe(share: Sequence[WorkItem]) -> ProbeRun | None:
     return next((item for item in share if isinstance(item, ProbeRun)), None)
 
 
+def probe_warmup(pplan: PredictPlan, share: Sequence[WorkItem], probe: ProbeRun) -> int:
+    """Warmup requests before ``probe``: the sweep's before the share's first probe (the
+    first load on the place's fresh server), none before the others."""
+    return pplan.warmup if probe == first_probe(share) else 0
+
+
 def warmup_seconds(pplan: PredictPlan, share: Sequence[WorkItem], *, s_per_step: float | StepTimes = STEP_S) -> float:
     """The warmup before a share's first probe: one more wave of its tokens, as a cell's
     warmup is charged (:func:`~.plan.cell_steps`); none without a probe or a warmup."""
     probe = first_probe(share)
-    if probe is None or not pplan.warmup:
+    if probe is None or not probe_warmup(pplan, share, probe):
         return 0.0
     return pplan.probe_tokens * step_at(s_per_step, probe.concurrency,
                                         ServerConfig("ddtree", probe.budget, pplan.probe_topk).key)
@@ -365,6 +371,6 @@ def probe_requests(concurrency: int, waves: int) -> int:
 
 __all__ = [
     "PredictPlan", "ProbeRun", "TraceRun", "WorkItem", "first_probe", "plan_predict", "predict_estimate",
-    "predict_phase_estimate", "probe_requests", "sharded_work", "split_work", "trace_groups", "warmup_seconds",
-    "work_seconds",
+    "predict_phase_estimate", "probe_requests", "probe_warmup", "sharded_work", "split_work", "trace_groups",
+    "warmup_seconds", "work_seconds",
 ]

@@ -52,9 +52,9 @@ from ddtree_ops.bench.predictplan import (
     ProbeRun,
     TraceRun,
     WorkItem,
-    first_probe,
     plan_predict,
     probe_requests,
+    probe_warmup,
     split_work,
     trace_groups,
 )
@@ -421,7 +421,7 @@ class PredictPhase:
                 if isinstance(live, str):
                     raise BenchError(live)
                 rt, metrics = self._probe(place.client, place.prompts, pplan, item, live,
-                                          warmup=self.probe_warmup(pplan, share, item))
+                                          warmup=probe_warmup(pplan, share, item))
                 times.append(rt)
                 lives[b] = live
                 cell = Cell(ServerConfig("ddtree", b, pplan.probe_topk), item.sampling, c, via=pplan.launch)
@@ -571,12 +571,6 @@ class PredictPhase:
                         ignore_eos=self.workload.ignore_eos if tokens == self.workload.max_new_tokens else True,
                         concurrency=concurrency, warmup=warmup, seed=self.prepared.spec.workload.seed, api="generate",
                         timeout_s=self.prepared.spec.request_timeout_s)
-
-    @staticmethod
-    def probe_warmup(pplan: PredictPlan, share: Sequence[WorkItem], probe: ProbeRun) -> int:
-        """Warmup requests before ``probe``: the sweep's before the share's first probe (the
-        first load on the place's fresh server), none before the others."""
-        return pplan.warmup if probe == first_probe(share) else 0
 
     def probe_load(self, prompts: Sequence[Prompt], pplan: PredictPlan, probe: ProbeRun, *, warmup: int) -> LoadSpec:
         """What a probe sends: ``warmup`` requests, then its waves of the place's prompts

@@ -28,6 +28,7 @@ from ddtree_ops.bench.predictplan import (
     plan_predict,
     predict_estimate,
     predict_phase_estimate,
+    probe_warmup,
     split_work,
     trace_groups,
     warmup_seconds,
@@ -427,7 +428,7 @@ def test_each_places_first_probe_sends_the_sweeps_warmup_first_and_the_dry_run_c
         shares = split_work(pplan, 2, num_prompts=4, max_new_tokens=24, s_per_step=step)
         assert shares == ((*traces,), (*probes,))
         assert [first_probe(share) for share in shares] == [None, probes[0]]
-        assert [phase.probe_warmup(pplan, shares[1], p) for p in probes] == [warmup, 0, 0]
+        assert [probe_warmup(pplan, shares[1], p) for p in probes] == [warmup, 0, 0]
         load = phase.probe_load(phase.workload.prompts, pplan, probes[1], warmup=warmup)
         # Two waves at concurrency 2 (no more requests than the workload's 4), the probe's
         # tokens and sampling, the warmup requests before them (the client sends them first
